@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# tx_jax's one entry point. Sets up .venv on first use (and again when setup.cfg changes).
+#
+#   ./launch.sh train [WORKDIR] [--config.key=value ...]   default experiment (CPU, offline)
+#   ./launch.sh test [pytest args]                         ruff (lint + format) then pytest
+#
+# Environment: PYTHON (interpreter for the venv, >= 3.11), TX_JAX_TEST_WORKERS (pytest-xdist).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+
+VENV=.venv
+
+ensure_venv() {
+  local py="${PYTHON:-python3}"
+  if [ ! -x "$VENV/bin/python" ]; then
+    "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
+      echo "launch.sh: $py is older than Python 3.11; set PYTHON=python3.11 (or newer)" >&2
+      exit 2
+    }
+    "$py" -m venv "$VENV"
+  fi
+  local want have
+  want=$(cat setup.cfg pyproject.toml | sha256sum | cut -d' ' -f1)
+  have=$(cat "$VENV/.tx_jax-installed" 2>/dev/null || true)
+  if [ "$want" != "$have" ]; then
+    echo "launch.sh: installing tx_jax and its dependencies into $VENV ..." >&2
+    "$VENV/bin/python" -m pip install -q --upgrade pip
+    "$VENV/bin/python" -m pip install -q -e ".[test]"
+    echo "$want" > "$VENV/.tx_jax-installed"
+  fi
+}
+
+cmd="${1:-help}"
+[ $# -gt 0 ] && shift
+case "$cmd" in
+  test)
+    ensure_venv
+    "$VENV/bin/ruff" check .
+    "$VENV/bin/ruff" format --check .
+    "$VENV/bin/python" -m pytest -n "${TX_JAX_TEST_WORKERS:-2}" "$@"
+    ;;
+  train)
+    ensure_venv
+    workdir="runs/default"
+    if [ $# -gt 0 ] && [[ "$1" != --* ]]; then workdir="$1"; shift; fi
+    exec "$VENV/bin/python" -m tx_jax.main --config=configs/default.py --workdir="$workdir" "$@"
+    ;;
+  help|-h|--help)
+    sed -n '2,8p' "$0"
+    ;;
+  *)
+    echo "launch.sh: unknown command '$cmd' (expected train or test)" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,329 @@
+"""dot_product_attention, the mask helpers, and MultiHeadAttention."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import reference_attention
+
+from tx_jax import attention as A
+
+IMPLS = ["xla", "chunked"]
+
+
+def _one_query_attention(q, k, v):
+    """Attention of one query over a few keys: [D], [S, D], [S, Dv] -> weights, output."""
+    out, w = A.dot_product_attention(
+        jnp.asarray(q, jnp.float32)[None, None, None],
+        jnp.asarray(k, jnp.float32)[None, :, None],
+        jnp.asarray(v, jnp.float32)[None, :, None],
+        implementation="xla",
+        return_weights=True,
+    )
+    return np.asarray(w[0, 0, 0], np.float64), np.asarray(out[0, 0, 0], np.float64)
+
+
+def _exact_softmax(scores):
+    e = np.exp(np.asarray(scores, np.float64) - np.max(scores))
+    return e / e.sum()
+
+
+def test_worked_example_of_source_document_000():
+    """Section 4.1-4.2: q=[.1,.2,.3], k1=[.4,.5,.6], k2=[.7,.8,.9], d_k=3.
+
+    The article prints raw scores 0.38 and 0.65, but its own products give
+    0.1*0.4 + 0.2*0.5 + 0.3*0.6 = 0.32 and 0.1*0.7 + 0.2*0.8 + 0.3*0.9 = 0.50: an arithmetic
+    slip. We assert the exact values of the vectors, and separately the article's chain
+    from its stated scores (0.38, 0.65 -> ~0.22, ~0.38 -> softmax), both computed exactly.
+    """
+    q = np.array([0.1, 0.2, 0.3])
+    k = np.array([[0.4, 0.5, 0.6], [0.7, 0.8, 0.9]])
+    v = np.array([[1.0, 0.0, 2.0], [0.0, 3.0, -1.0]])
+    np.testing.assert_allclose(k @ q, [0.32, 0.50], rtol=1e-12)
+    w, out = _one_query_attention(q, k, v)
+    exact = _exact_softmax(np.array([0.32, 0.50]) / np.sqrt(3.0))
+    np.testing.assert_allclose(exact, [0.4740426, 0.5259574], atol=1e-7)
+    np.testing.assert_allclose(w, exact, rtol=1e-6)
+    # log(w2 / w1) recovers the scaled score difference (0.50 - 0.32) / sqrt(3)
+    np.testing.assert_allclose(np.log(w[1] / w[0]), 0.18 / np.sqrt(3.0), rtol=1e-5)
+    np.testing.assert_allclose(out, exact @ v, rtol=1e-6)
+
+    # The article's figures: keys along q's direction with raw scores exactly 0.38 and 0.65.
+    q_a = np.array([1.0, 0.0, 0.0])
+    k_a = np.array([[0.38, 0.0, 0.0], [0.65, 0.0, 0.0]])
+    scaled = np.array([0.38, 0.65]) / np.sqrt(3.0)
+    np.testing.assert_allclose(scaled, [0.22, 0.38], atol=6e-3)  # the article's rounding
+    np.testing.assert_allclose(np.exp(scaled), [1.25, 1.46], atol=6e-3)  # its exp() figures
+    w_a, out_a = _one_query_attention(q_a, k_a, v)
+    exact_a = _exact_softmax(scaled)
+    np.testing.assert_allclose(exact_a, [0.4611076, 0.5388924], atol=1e-7)
+    np.testing.assert_allclose(w_a, exact_a, rtol=1e-6)
+    np.testing.assert_allclose(out_a, exact_a @ v, rtol=1e-6)
+
+
+def test_mask_helpers_values():
+    np.testing.assert_array_equal(A.causal_mask(3)[0, 0], [[1, 0, 0], [1, 1, 0], [1, 1, 1]])
+    np.testing.assert_array_equal(A.causal_mask(1, 4, offset=2)[0, 0], [[1, 1, 1, 0]])
+    pm = A.padding_mask(jnp.array([[True, False]]), jnp.array([[True, True, False]]))
+    np.testing.assert_array_equal(pm[0, 0], [[1, 1, 0], [0, 0, 0]])
+    sm = A.segment_mask(jnp.array([[1, 1, 2, 0]]), jnp.array([[1, 2, 2, 0]]))
+    np.testing.assert_array_equal(
+        sm[0, 0], [[1, 0, 0, 0], [1, 0, 0, 0], [0, 1, 1, 0], [0, 0, 0, 0]]
+    )
+    both = A.combine_masks(None, sm, A.causal_mask(4))
+    np.testing.assert_array_equal(
+        both[0, 0], [[1, 0, 0, 0], [1, 0, 0, 0], [0, 1, 1, 0], [0, 0, 0, 0]]
+    )
+    assert A.combine_masks(None, None) is None
+
+
+def _random_problem(rng, B=2, L=13, S=37, H=4, K=2, D=8):
+    q = rng.normal(size=(B, L, H, D)).astype(np.float32)
+    k = rng.normal(size=(B, S, K, D)).astype(np.float32)
+    v = rng.normal(size=(B, S, K, D)).astype(np.float32)
+    kv_len = rng.integers(1, S + 1, size=B)
+    q_len = rng.integers(1, L + 1, size=B)
+    kv_seg = (np.arange(S)[None] < kv_len[:, None]).astype(np.int32)
+    q_seg = (np.arange(L)[None] < q_len[:, None]).astype(np.int32)
+    return q, k, v, q_seg, kv_seg
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_matches_float64_reference(rng, impl, causal):
+    q, k, v, q_seg, kv_seg = _random_problem(rng, L=37 if causal else 13)
+    L, S = q.shape[1], k.shape[1]
+    bias = rng.normal(size=(1, q.shape[2], L, S)).astype(np.float32)
+    out = A.dot_product_attention(
+        q, k, v, bias=bias, is_causal=causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+        implementation=impl, chunk_size=8,
+    )  # fmt: skip
+    mask = A.dense_mask(L, S, is_causal=causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+    ref, _ = reference_attention(q, k, v, np.asarray(mask), bias)
+    err = np.abs(np.asarray(out, np.float64) - ref).max() / np.abs(ref).max()
+    assert err < 1e-5, err
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_dense_mask_argument_matches_reference(rng, impl):
+    q, k, v, _, _ = _random_problem(rng)
+    mask = rng.random((2, 4, 13, 37)) > 0.3
+    out = A.dot_product_attention(q, k, v, mask=mask, implementation=impl, chunk_size=16)
+    ref, _ = reference_attention(q, k, v, mask)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_gradients_equal_xla(rng):
+    q, k, v, q_seg, kv_seg = _random_problem(rng, L=20, S=20)
+    cot = rng.normal(size=q.shape).astype(np.float32)
+
+    def loss(impl, q, k, v):
+        out = A.dot_product_attention(
+            q, k, v, is_causal=True, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+            implementation=impl, chunk_size=6,
+        )  # fmt: skip
+        return jnp.sum(out * cot)
+
+    g_xla = jax.grad(lambda *a: loss("xla", *a), argnums=(0, 1, 2))(q, k, v)
+    g_chk = jax.grad(lambda *a: loss("chunked", *a), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(g_xla, g_chk):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fully_masked_row_gives_zeros_not_nan(rng, impl):
+    q, k, v, _, _ = _random_problem(rng, B=1)
+    mask = np.ones((1, 1, 13, 37), bool)
+    mask[..., 3, :] = False  # query 3 may attend to nothing
+    out = A.dot_product_attention(q, k, v, mask=mask, implementation=impl, chunk_size=8)
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_array_equal(out[0, 3], 0.0)
+    grad = jax.grad(
+        lambda q: A.dot_product_attention(q, k, v, mask=mask, implementation=impl).sum()
+    )(q)
+    assert np.isfinite(np.asarray(grad)).all()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_packed_segments_equal_separate_sequences(rng, impl):
+    """Two sequences packed in one row attend exactly as they would alone."""
+    D, H = 8, 2
+    x = rng.normal(size=(1, 9, H, D)).astype(np.float32)
+    seg = np.array([[1, 1, 1, 1, 2, 2, 2, 0, 0]], np.int32)
+    packed = A.dot_product_attention(
+        x, x, x, is_causal=True, q_segment_ids=seg, kv_segment_ids=seg, implementation=impl,
+        chunk_size=4,
+    )  # fmt: skip
+    first = A.dot_product_attention(x[:, :4], x[:, :4], x[:, :4], is_causal=True)
+    second = A.dot_product_attention(x[:, 4:7], x[:, 4:7], x[:, 4:7], is_causal=True)
+    np.testing.assert_allclose(packed[:, :4], first, rtol=1e-5, atol=1e-6)
+    # causal positions inside segment 2 are global (4..6), which only shifts the diagonal
+    # equally for queries and keys, so the result equals the separate computation.
+    np.testing.assert_allclose(packed[:, 4:7], second, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(packed[:, 7:], 0.0)
+
+
+def test_attention_dropout(rng):
+    q, k, v, _, _ = _random_problem(rng)
+    kw = dict(dropout_rate=0.5, dropout_rng=jax.random.key(0), implementation="xla")
+    same = A.dot_product_attention(q, k, v, deterministic=True, **kw)
+    np.testing.assert_allclose(same, A.dot_product_attention(q, k, v), rtol=1e-6)
+    _, w = A.dot_product_attention(q, k, v, deterministic=False, return_weights=True, **kw)
+    dropped = A.dot_product_attention(q, k, v, deterministic=False, **kw)
+    assert not np.allclose(dropped, same)
+    for impl in IMPLS:  # inverted dropout keeps the expectation: average over many keys
+        outs = [
+            A.dot_product_attention(
+                q,
+                k,
+                v,
+                deterministic=False,
+                dropout_rate=0.3,
+                dropout_rng=jax.random.key(i),
+                implementation=impl,
+                chunk_size=8,
+            )  # fmt: skip
+            for i in range(64)
+        ]
+        mean = np.mean(outs, axis=0)
+        assert np.abs(mean - same).mean() < 0.1 * np.abs(same).mean() + 0.02
+    with pytest.raises(ValueError, match="dropout_rng"):
+        A.dot_product_attention(q, k, v, dropout_rate=0.1, deterministic=False)
+
+
+def test_bad_arguments_are_named(rng):
+    q, k, v, _, _ = _random_problem(rng)
+    with pytest.raises(ValueError, match="implementation"):
+        A.dot_product_attention(q, k, v, implementation="flash")
+    with pytest.raises(ValueError, match="head_dim"):
+        A.dot_product_attention(q, k[..., :4], v[..., :4])
+    with pytest.raises(ValueError, match="divisible"):
+        A.dot_product_attention(q[:, :, :3], k, v)
+    with pytest.raises(ValueError, match="return_weights"):
+        A.dot_product_attention(q, k, v, implementation="chunked", return_weights=True)
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ValueError, match="GPU"):
+            A.dot_product_attention(q, k, v, implementation="cudnn")
+
+
+def _mha_params(module, x, kv=None):
+    return module.init(jax.random.key(0), x, kv)["params"]
+
+
+def test_multihead_equals_concat_of_heads_times_wo(rng):
+    """MultiHead(Q,K,V) = Concat(head_1..head_h) W^O, each head from its own W_i^Q/K/V."""
+    B, L, S, M, H = 2, 5, 7, 16, 4
+    D = M // H
+    x = jnp.asarray(rng.normal(size=(B, L, M)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(B, S, M)), jnp.float32)
+    mha = A.MultiHeadAttention(num_heads=H, use_bias=True, implementation="xla")
+    params = nn.meta.unbox(_mha_params(mha, x, y))
+    # give the biases non-zero values so that they are checked too
+    params = jax.tree_util.tree_map(lambda p: p + 0.1 * jnp.ones_like(p), params)
+    out = mha.apply({"params": params}, x, y)
+    p = jax.tree_util.tree_map(np.asarray, params)
+    heads = []
+    for h in range(H):
+        qh = x @ p["query_kernel"][:, h] + p["query_bias"][h]  # [B, L, D]
+        kh = y @ p["key_kernel"][:, h] + p["key_bias"][h]
+        vh = y @ p["value_kernel"][:, h] + p["value_bias"][h]
+        w = jax.nn.softmax(qh @ np.swapaxes(kh, 1, 2) / np.sqrt(D), axis=-1)
+        heads.append(w @ vh)
+    concat = np.concatenate(heads, axis=-1)  # [B, L, H*D]
+    wo = p["out_kernel"].reshape(H * D, M)
+    np.testing.assert_allclose(out, concat @ wo + p["out_bias"], rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_query_attention():
+    rng = np.random.default_rng(1)
+    B, L, M, H = 2, 6, 16, 4
+    x = jnp.asarray(rng.normal(size=(B, L, M)), jnp.float32)
+    mha = A.MultiHeadAttention(num_heads=H)
+    params = _mha_params(mha, x)
+    gqa_full = A.MultiHeadAttention(num_heads=H, num_kv_heads=H)
+    np.testing.assert_array_equal(
+        mha.apply({"params": params}, x), gqa_full.apply({"params": params}, x)
+    )
+    # K=2 < H=4: equals standard MHA whose K/V weights repeat each kv head for its group.
+    gqa = A.MultiHeadAttention(num_heads=H, num_kv_heads=2)
+    gp = nn.meta.unbox(_mha_params(gqa, x))
+    assert gp["key_kernel"].shape == (M, 2, M // H)
+    expanded = dict(gp)
+    for name in ("key_kernel", "value_kernel"):
+        expanded[name] = jnp.repeat(gp[name], 2, axis=1)
+    np.testing.assert_allclose(
+        gqa.apply({"params": gp}, x, is_causal=True),
+        mha.apply({"params": expanded}, x, is_causal=True),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
+@pytest.mark.parametrize("rope", [None, 10_000.0])
+def test_kv_cache_equals_full_causal_attention(rope):
+    rng = np.random.default_rng(2)
+    B, L, M = 2, 7, 16
+    x = jnp.asarray(rng.normal(size=(B, L, M)), jnp.float32)
+    full = A.MultiHeadAttention(num_heads=4, num_kv_heads=2, rope_base=rope)
+    params = full.init(jax.random.key(0), x)["params"]
+    want = full.apply({"params": params}, x, is_causal=True)
+    step = A.MultiHeadAttention(num_heads=4, num_kv_heads=2, rope_base=rope, decode=True)
+    cache = step.init(jax.random.key(0), x)["cache"]
+    assert cache["cached_key"].shape == (B, L, 2, 4)
+    outs = []
+    for t in [0, 1, 2]:  # one token at a time ...
+        o, upd = step.apply({"params": params, "cache": cache}, x[:, t : t + 1], mutable="cache")
+        cache = upd["cache"]
+        outs.append(o)
+    o, upd = step.apply({"params": params, "cache": cache}, x[:, 3:], mutable="cache")
+    outs.append(o)  # ... then a chunk of four (prefill-style)
+    assert int(upd["cache"]["cache_index"]) == L
+    np.testing.assert_allclose(jnp.concatenate(outs, 1), want, rtol=1e-5, atol=1e-5)
+
+
+def test_cross_attention_cache_projects_once():
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(2, 3, 16)), jnp.float32)
+    enc = jnp.asarray(rng.normal(size=(2, 5, 16)), jnp.float32)
+    full = A.MultiHeadAttention(num_heads=4)
+    params = full.init(jax.random.key(0), x, enc)["params"]
+    want = full.apply({"params": params}, x, enc)
+    step = A.MultiHeadAttention(num_heads=4, decode=True)
+    cache = step.init(jax.random.key(0), x[:, :1], enc)["cache"]
+    assert not bool(cache["cross_filled"])
+    outs = []
+    for t in range(3):
+        # after the first step the encoder output is no longer read: zeros give the same result
+        src = enc if t == 0 else jnp.zeros_like(enc)
+        o, upd = step.apply(
+            {"params": params, "cache": cache}, x[:, t : t + 1], src, mutable="cache"
+        )
+        cache = upd["cache"]
+        outs.append(o)
+    assert bool(cache["cross_filled"])
+    np.testing.assert_allclose(jnp.concatenate(outs, 1), want, rtol=1e-5, atol=1e-5)
+
+
+def test_params_carry_logical_axis_names():
+    x = jnp.ones((1, 3, 16))
+    params = A.MultiHeadAttention(num_heads=4, num_kv_heads=2, use_bias=True).init(
+        jax.random.key(0), x
+    )["params"]
+    names = {k: v.names for k, v in params.items()}
+    assert names["query_kernel"] == ("embed", "heads", "kv")
+    assert names["key_kernel"] == ("embed", "kv_heads", "kv")
+    assert names["out_kernel"] == ("heads", "kv", "embed")
+    for k, v in params.items():
+        assert len(v.names) == v.value.ndim, k
+
+
+def test_sow_weights_rows_sum_to_one():
+    x = jnp.asarray(np.random.default_rng(4).normal(size=(1, 4, 8)), jnp.float32)
+    mha = A.MultiHeadAttention(num_heads=2, sow_weights=True)
+    v = mha.init(jax.random.key(0), x)
+    _, inter = mha.apply(v, x, is_causal=True, mutable="intermediates")
+    (w,) = inter["intermediates"]["attention_weights"]
+    assert w.shape == (1, 2, 4, 4)
+    np.testing.assert_allclose(w.sum(-1), 1.0, rtol=1e-6)
+    np.testing.assert_array_equal(np.triu(np.asarray(w[0, 0]), 1), 0.0)

@@ -1,0 +1,189 @@
+"""The three model families: invariances, counts, configs, dtypes."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tx_jax import models
+
+V = 23
+
+
+def _cfg(**kw):
+    return models.variant("tiny", vocab_size=V, **kw)
+
+
+def _tokens(shape, seed=0, low=4):
+    return jnp.asarray(np.random.default_rng(seed).integers(low, V, size=shape), jnp.int32)
+
+
+def _init(model, *args):
+    return model.init(jax.random.key(0), *args)
+
+
+@pytest.mark.parametrize(
+    "name,paper",
+    [("base", 65e6), ("big", 213e6)],
+)
+def test_parameter_counts_match_the_paper(name, paper):
+    cfg = models.variant(name, vocab_size=37_000)
+    model = models.EncoderDecoder(cfg)
+    shapes = jax.eval_shape(
+        model.init, jax.random.key(0), jnp.ones((1, 8), jnp.int32), jnp.ones((1, 8), jnp.int32)
+    )
+    n = models.count_params(shapes["params"])
+    print(f"{name}: {n:,} parameters (paper: {paper / 1e6:.0f}M)")
+    assert abs(n - paper) / paper < 0.04, n
+
+
+@pytest.mark.parametrize("positional", ["sinusoidal", "rope", "learned"])
+def test_decoder_is_causal(positional):
+    cfg = _cfg(positional=positional)
+    src, tgt = _tokens((2, 6)), _tokens((2, 7), seed=1)
+    model = models.EncoderDecoder(cfg)
+    v = _init(model, src, tgt)
+    base = model.apply(v, src, tgt)
+    t = 3
+    changed = tgt.at[:, t].set((tgt[:, t] + 1 - 4) % (V - 4) + 4)
+    out = model.apply(v, src, changed)
+    # logits[j] predicts target j from targets < j: positions <= t must not move.
+    np.testing.assert_allclose(out[:, : t + 1], base[:, : t + 1], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(out[:, t + 1 :], base[:, t + 1 :], atol=1e-4)
+
+
+def test_language_model_is_causal():
+    model = models.DecoderOnly(_cfg(positional="rope"))
+    tgt = _tokens((2, 8))
+    v = _init(model, tgt)
+    base = model.apply(v, tgt)
+    changed = tgt.at[:, 4].set(5 if int(tgt[0, 4]) != 5 else 6)
+    out = model.apply(v, changed)
+    np.testing.assert_allclose(out[:, :5], base[:, :5], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(out[:, 5:], base[:, 5:], atol=1e-4)
+
+
+@pytest.mark.parametrize("norm_position", ["post", "pre"])
+def test_padding_invariance(norm_position):
+    """Appending padding changes no output at real positions (encoder, cross-attn, logits)."""
+    cfg = _cfg(norm_position=norm_position)
+    model = models.EncoderDecoder(cfg)
+    src, tgt = _tokens((2, 5)), _tokens((2, 4), seed=1)
+    v = _init(model, src, tgt)
+    src_pad = jnp.pad(src, ((0, 0), (0, 6)))
+    tgt_pad = jnp.pad(tgt, ((0, 0), (0, 3)))
+    enc = model.apply(v, src, method=model.encode)
+    enc_pad = model.apply(v, src_pad, method=model.encode)
+    np.testing.assert_allclose(enc_pad[:, :5], enc, rtol=1e-5, atol=1e-5)
+    logits = model.apply(v, src, tgt)
+    np.testing.assert_allclose(model.apply(v, src_pad, tgt)[:, :4], logits, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        model.apply(v, src_pad, tgt_pad)[:, :4], logits, rtol=1e-5, atol=1e-5
+    )
+    pooled_model = models.EncoderOnly(cfg)
+    pv = _init(pooled_model, src)
+    np.testing.assert_allclose(
+        pooled_model.apply(pv, src_pad), pooled_model.apply(pv, src), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_packed_examples_equal_separate_examples():
+    """Two examples packed into one row (segment ids, restarting positions) give the logits
+    each gives alone: masks, shift_right and positions all respect the packing."""
+    model = models.EncoderDecoder(_cfg())
+    s1, s2 = _tokens((1, 4), 1), _tokens((1, 3), 2)
+    t1, t2 = _tokens((1, 3), 3), _tokens((1, 5), 4)
+    v = _init(model, s1, t1)
+    inputs = jnp.concatenate([s1, s2, jnp.zeros((1, 2), jnp.int32)], 1)
+    targets = jnp.concatenate([t1, t2, jnp.zeros((1, 1), jnp.int32)], 1)
+    seg = lambda a, b, pad: jnp.array([[1] * a + [2] * b + [0] * pad], jnp.int32)
+    pos = lambda a, b, pad: jnp.array([list(range(a)) + list(range(b)) + [0] * pad], jnp.int32)
+    packed = model.apply(
+        v, inputs, targets,
+        inputs_segmentation=seg(4, 3, 2), targets_segmentation=seg(3, 5, 1),
+        inputs_positions=pos(4, 3, 2), targets_positions=pos(3, 5, 1),
+    )  # fmt: skip
+    np.testing.assert_allclose(packed[:, :3], model.apply(v, s1, t1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(packed[:, 3:8], model.apply(v, s2, t2), rtol=1e-5, atol=1e-5)
+
+
+def test_shift_right():
+    t = jnp.array([[5, 6, 7, 8, 9, 0]])
+    np.testing.assert_array_equal(models.shift_right(t, 2), [[2, 5, 6, 7, 8, 9]])
+    seg = jnp.array([[1, 1, 2, 2, 2, 0]])
+    np.testing.assert_array_equal(models.shift_right(t, 2, seg), [[2, 5, 2, 7, 8, 0]])
+
+
+def test_jit_and_bf16_agrees_with_fp32():
+    src, tgt = _tokens((2, 6)), _tokens((2, 5), seed=1)
+    m32 = models.EncoderDecoder(_cfg())
+    v = _init(m32, src, tgt)
+    m16 = models.EncoderDecoder(_cfg(dtype="bfloat16"))
+    f32 = jax.jit(m32.apply)(v, src, tgt)
+    f16 = jax.jit(m16.apply)(v, src, tgt)
+    assert f16.dtype == jnp.float32  # logits are returned in float32 for the loss
+    leaves = jax.tree_util.tree_leaves(nn.meta.unbox(v["params"]))
+    assert all(p.dtype == jnp.float32 for p in leaves)  # parameters stay float32
+    rel = np.abs(np.asarray(f16) - np.asarray(f32)).max() / np.abs(np.asarray(f32)).max()
+    assert 0 < rel < 3e-2, rel  # bf16 has an 8-bit mantissa: ~1e-2 relative
+
+
+def test_embedding_sharing_and_tying():
+    src, tgt = _tokens((1, 4)), _tokens((1, 4))
+    shared = _init(models.EncoderDecoder(_cfg()), src, tgt)["params"]
+    assert "source_embed" in shared and "target_embed" not in shared
+    assert "logits_kernel" not in shared["decoder"]
+    untied = _init(
+        models.EncoderDecoder(
+            _cfg(share_embeddings=False, tie_output=False, target_vocab_size=V + 7)
+        ),
+        src, tgt,
+    )["params"]  # fmt: skip
+    assert untied["target_embed"]["embedding"].value.shape == (V + 7, 64)
+    assert untied["decoder"]["logits_kernel"].value.shape == (64, V + 7)
+    # tied logits are x E^T: E's scale enters both the input and the output
+    m = models.EncoderDecoder(_cfg())
+    v = _init(m, src, tgt)
+    doubled = jax.tree_util.tree_map(lambda x: x, nn.meta.unbox(v["params"]))
+    doubled["source_embed"]["embedding"] = 2 * doubled["source_embed"]["embedding"]
+    assert not np.allclose(m.apply({"params": doubled}, src, tgt), m.apply(v, src, tgt))
+
+
+def test_every_parameter_has_logical_axis_names():
+    for model, args in [
+        (models.EncoderDecoder(_cfg(attention_bias=True)), (_tokens((1, 3)), _tokens((1, 3)))),
+        (models.DecoderOnly(_cfg(positional="learned")), (_tokens((1, 3)),)),
+        (models.EncoderOnly(_cfg(num_classes=3, norm="rmsnorm")), (_tokens((1, 3)),)),
+    ]:
+        params = jax.eval_shape(model.init, jax.random.key(0), *args)["params"]
+        for path, leaf in jax.tree_util.tree_leaves_with_path(
+            params, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)
+        ):
+            assert isinstance(leaf, nn.LogicallyPartitioned), path
+            assert len(leaf.names) == leaf.value.ndim, path
+
+
+def test_model_config_validation_names_the_key():
+    with pytest.raises(ValueError, match="unknown model config key.*'d_modle'"):
+        models.ModelConfig.from_config({"d_modle": 512})
+    with pytest.raises(ValueError, match="d_model=100 is not divisible by model.num_heads=8"):
+        models.ModelConfig(d_model=100)
+    with pytest.raises(ValueError, match="norm_position='middle'"):
+        models.ModelConfig(norm_position="middle")
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        models.ModelConfig(num_kv_heads=3)
+    with pytest.raises(ValueError, match="bos_id=0"):
+        models.ModelConfig(bos_id=0)
+    with pytest.raises(ValueError, match="variant"):
+        models.variant("huge")
+    cfg = models.ModelConfig.from_config({"d_model": 128, "num_heads": 4}, dropout_rate=0.0)
+    assert (cfg.d_model, cfg.dropout_rate, cfg.replace(decode=True).decode) == (128, 0.0, True)
+
+
+def test_encoder_only_classifier_shapes():
+    model = models.EncoderOnly(_cfg(num_classes=5, pooling="first"))
+    tokens = _tokens((3, 6))
+    v = _init(model, tokens)
+    assert model.apply(v, tokens).shape == (3, 5)
+    assert model.apply(v, tokens, method=model.encode).shape == (3, 6, 64)

@@ -1,0 +1,59 @@
+"""Config plumbing shared by configs/*.py: the `get_config(arg)` argument and overrides.
+
+`--config=configs/multi30k.py:pair=en-fr,variant=small` hands "pair=en-fr,variant=small" to
+`get_config`; `parse_arg` turns it into typed values, naming any unknown key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import ml_collections
+
+
+def _convert(key: str, text: str, default: Any) -> Any:
+    if isinstance(default, bool):
+        if text.lower() in ("1", "true", "yes"):
+            return True
+        if text.lower() in ("0", "false", "no"):
+            return False
+        raise ValueError(f"config argument {key}={text!r}: expected true or false")
+    if isinstance(default, int):
+        return int(text)
+    if isinstance(default, float):
+        return float(text)
+    return text
+
+
+def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
+    """'a=1,b=x' -> ConfigDict(a=1, b='x'), typed like `defaults`; a bare word `w` sets
+    `variant=w` when `variant` is a default (so `:debug` works as `:variant=debug`)."""
+    values = dict(defaults)
+    for item in filter(None, (arg or "").split(",")):
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep:
+            if "variant" not in defaults:
+                raise ValueError(f"config argument {item!r} is not key=value")
+            key, text = "variant", item
+        if key not in defaults:
+            raise ValueError(
+                f"unknown config argument {key!r}; valid arguments: {sorted(defaults)}"
+            )
+        values[key] = _convert(key, text.strip(), defaults[key])
+    return ml_collections.ConfigDict(values)
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides: Mapping[str, Any]) -> None:
+    """Set dotted keys ('model.d_model': 256) in place; an unknown key is an error naming it."""
+    for dotted, value in overrides.items():
+        node = config
+        *parents, leaf = dotted.split(".")
+        for i, part in enumerate(parents):
+            if part not in node:
+                raise KeyError(f"config override {dotted!r}: no key {'.'.join(parents[: i + 1])!r}")
+            node = node[part]
+        if leaf not in node:
+            raise KeyError(f"config override {dotted!r}: no key {dotted!r}")
+        node[leaf] = value

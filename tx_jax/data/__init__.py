@@ -1,0 +1,1 @@
+"""Data: TFDS builders, tokenizer and the grain input pipeline."""

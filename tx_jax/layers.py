@@ -1,0 +1,226 @@
+"""Feed-forward, normalisation, and the encoder and decoder layers (paper section 3.1-3.3).
+
+Shape letters: B batch, L target length, S source length, M model dim, F d_ff.
+
+Each sub-layer is wrapped in a residual connection with dropout (section 5.4), in one of
+two orders (`ModelConfig.norm_position`):
+    'post' (the paper):  x = Norm(x + Dropout(Sublayer(x)))
+    'pre' (Xiong et al. 2020, most descendants):  x = x + Dropout(Sublayer(Norm(x)))
+Pre-LN stacks end with one more Norm (Encoder/Decoder in models.py add it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from tx_jax.attention import MultiHeadAttention
+
+if TYPE_CHECKING:
+    from tx_jax.models import ModelConfig
+
+Array = jax.Array
+ACTIVATIONS = ("relu", "gelu", "swiglu")
+NORMS = ("layernorm", "rmsnorm")
+
+
+def _dense_init() -> Callable:
+    return nn.initializers.xavier_uniform()
+
+
+class FeedForward(nn.Module):
+    """FFN(x) = max(0, x W1 + b1) W2 + b2 (eq. 2); 'gelu', or 'swiglu' (Shazeer 2020):
+    (silu(x W1) * x W3) W2. [B, L, M] -> [B, L, M]; dropout on the hidden activations."""
+
+    d_ff: int
+    activation: str = "relu"
+    dropout_rate: float = 0.0
+    use_bias: bool = True
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+
+    def _dense(self, x: Array, features: int, axes: tuple[str, str], name: str) -> Array:
+        kernel = self.param(
+            f"{name}_kernel",
+            nn.with_logical_partitioning(_dense_init(), axes),
+            (x.shape[-1], features),
+            self.param_dtype,
+        )
+        dtype = self.dtype or x.dtype
+        y = jnp.einsum("blm,mf->blf", x.astype(dtype), kernel.astype(dtype))
+        if self.use_bias:
+            b = self.param(
+                f"{name}_bias",
+                nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[1:]),
+                (features,),
+                self.param_dtype,
+            )
+            y = y + b.astype(dtype)
+        return y
+
+    @nn.compact
+    def __call__(self, x: Array, deterministic: bool = True) -> Array:
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation={self.activation!r}; expected one of {ACTIVATIONS}")
+        M = x.shape[-1]
+        h = self._dense(x, self.d_ff, ("embed", "mlp"), "wi")  # [B, L, F]
+        if self.activation == "relu":
+            h = nn.relu(h)
+        elif self.activation == "gelu":
+            h = nn.gelu(h)
+        else:
+            h = nn.silu(h) * self._dense(x, self.d_ff, ("embed", "mlp"), "wi_gate")
+        h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))
+        h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
+        return self._dense(h, M, ("mlp", "embed"), "wo")
+
+
+def make_norm(kind: str, epsilon: float, dtype: Any, param_dtype: Any, name: str) -> nn.Module:
+    """LayerNorm (Ba et al. 2016, the paper's choice) or RMSNorm (Zhang & Sennrich 2019)."""
+    scale_init = nn.with_logical_partitioning(nn.initializers.ones_init(), ("embed",))
+    if kind == "layernorm":
+        bias_init = nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",))
+        return nn.LayerNorm(
+            epsilon=epsilon, dtype=dtype, param_dtype=param_dtype,
+            scale_init=scale_init, bias_init=bias_init, name=name,
+        )  # fmt: skip
+    if kind == "rmsnorm":
+        return nn.RMSNorm(
+            epsilon=epsilon, dtype=dtype, param_dtype=param_dtype, scale_init=scale_init, name=name
+        )
+    raise ValueError(f"norm={kind!r}; expected one of {NORMS}")
+
+
+class _ResidualLayer(nn.Module):
+    """Shared plumbing: one residual sub-layer in the configured LN order."""
+
+    config: ModelConfig
+
+    def residual(self, x: Array, fn: Callable[[Array], Array], name: str, det: bool) -> Array:
+        cfg = self.config
+        norm = make_norm(
+            cfg.norm, cfg.norm_epsilon, cfg.compute_dtype, cfg.parameter_dtype, f"{name}_norm"
+        )
+        drop = nn.Dropout(cfg.dropout_rate, name=f"{name}_dropout")
+        if cfg.norm_position == "pre":
+            x = x + drop(fn(norm(x)), deterministic=det)
+        else:
+            x = norm(x + drop(fn(x), deterministic=det))
+        return nn.with_logical_constraint(x, ("batch", "length", "embed"))
+
+    def attention(self, name: str, *, cross: bool) -> MultiHeadAttention:
+        cfg = self.config
+        return MultiHeadAttention(
+            num_heads=cfg.num_heads,
+            head_dim=cfg.head_dim,
+            num_kv_heads=cfg.num_kv_heads,
+            use_bias=cfg.attention_bias,
+            dropout_rate=cfg.attention_dropout_rate,
+            implementation=cfg.attention_impl,
+            rope_base=cfg.rope_base if (cfg.positional == "rope" and not cross) else None,
+            decode=cfg.decode,
+            sow_weights=cfg.sow_attention_weights,
+            dtype=cfg.compute_dtype,
+            param_dtype=cfg.parameter_dtype,
+            name=name,
+        )
+
+    def feed_forward(self) -> FeedForward:
+        cfg = self.config
+        return FeedForward(
+            d_ff=cfg.d_ff,
+            activation=cfg.activation,
+            dropout_rate=cfg.ffn_dropout_rate,
+            use_bias=cfg.ffn_bias,
+            dtype=cfg.compute_dtype,
+            param_dtype=cfg.parameter_dtype,
+            name="ffn",
+        )
+
+
+class EncoderLayer(_ResidualLayer):
+    """Self-attention then FFN, each in a residual sub-layer. x [B, S, M] -> [B, S, M].
+
+    segment_ids [B, S] (0 = padding) mask padding and packed neighbours; positions [B, S]
+    feed RoPE when it is on.
+    """
+
+    @nn.compact
+    def __call__(
+        self, x: Array, segment_ids: Array, positions: Array, deterministic: bool = True
+    ) -> Array:
+        attn = self.attention("self_attention", cross=False)
+        x = self.residual(
+            x,
+            lambda y: attn(
+                y,
+                q_segment_ids=segment_ids,
+                kv_segment_ids=segment_ids,
+                q_positions=positions,
+                kv_positions=positions,
+                deterministic=deterministic,
+            ),  # fmt: skip
+            "self_attention",
+            deterministic,
+        )
+        ffn = self.feed_forward()
+        return self.residual(x, lambda y: ffn(y, deterministic), "ffn", deterministic)
+
+
+class DecoderLayer(_ResidualLayer):
+    """Masked self-attention, cross-attention over the encoder output (skipped when
+    `cross_attention` is False: the decoder-only LM), then FFN.
+
+    x [B, L, M], encoded [B, S, M] or None; segment ids 0 = padding.
+    """
+
+    cross_attention: bool = True
+
+    @nn.compact
+    def __call__(
+        self,
+        x: Array,
+        encoded: Array | None,
+        segment_ids: Array | None,
+        src_segment_ids: Array | None,
+        positions: Array | None,
+        deterministic: bool = True,
+    ) -> Array:
+        self_attn = self.attention("self_attention", cross=False)
+        x = self.residual(
+            x,
+            lambda y: self_attn(
+                y,
+                is_causal=True,
+                q_segment_ids=segment_ids,
+                kv_segment_ids=segment_ids,
+                q_positions=positions,
+                kv_positions=positions,
+                deterministic=deterministic,
+            ),  # fmt: skip
+            "self_attention",
+            deterministic,
+        )
+        if self.cross_attention:
+            cross = self.attention("cross_attention", cross=True)
+            q_seg = segment_ids
+            if q_seg is None:  # decoding: the query positions are real tokens
+                q_seg = jnp.ones(x.shape[:2], jnp.int32)
+            x = self.residual(
+                x,
+                lambda y: cross(
+                    y,
+                    encoded,
+                    q_segment_ids=q_seg,
+                    kv_segment_ids=src_segment_ids,
+                    deterministic=deterministic,
+                ),  # fmt: skip
+                "cross_attention",
+                deterministic,
+            )
+        ffn = self.feed_forward()
+        return self.residual(x, lambda y: ffn(y, deterministic), "ffn", deterministic)
