@@ -1,0 +1,238 @@
+"""Tests for tx_jax.data.datasets: TranslationSource and load_translation_split.
+
+The WMT catalog path runs without network or TensorFlow in two ways:
+* `tfds.testing.mock_data(policy=USE_FILES, data_dir=...)` over the real WMT builder's
+  metadata (features + split sizes) written into tmp_path, so split and language checks see
+  real values while records are TFDS's random fake strings;
+* the real WMT builder prepared as ArrayRecord from fixture sentences (its
+  `_split_generators` patched), read back through the real ArrayRecord data source.
+"""
+
+from __future__ import annotations
+
+import gzip
+import pathlib
+from unittest import mock
+
+import pytest
+import tensorflow_datasets as tfds
+from tensorflow_datasets.core import naming
+from tensorflow_datasets.core import splits as splits_lib
+
+from tx_jax.data import datasets
+
+WMT = "wmt14_translate/de-en"
+
+
+def write_lines(path: pathlib.Path, lines: list[str]) -> None:
+    """Writes lines as a gzip UTF-8 file, each ending in a newline."""
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        f.writelines(line + "\n" for line in lines)
+
+
+@pytest.fixture(scope="module")
+def multi30k_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """Returns (raw_dir, data_dir): an en/de/fr fixture corpus and an empty TFDS data_dir."""
+    raw = tmp_path_factory.mktemp("raw")
+    for prefix, n in (("train", 6), ("val", 2), ("test_2016_flickr", 2)):
+        for lang in ("en", "de", "fr"):
+            write_lines(raw / f"{prefix}.{lang}.gz", [f"{lang}-{prefix}-{i}" for i in range(n)])
+    return str(raw), str(tmp_path_factory.mktemp("data"))
+
+
+# TranslationSource
+
+
+def test_translation_source_decodes_and_orders_pairs():
+    records = [{"en": b"a \xc3\xbc", "de": "b"}, {"en": b"c", "de": b"d"}]
+    source = datasets.TranslationSource(records, source_lang="de", target_lang="en")
+    assert len(source) == 2
+    assert source[0] == ("b", "a ü")
+    assert source[-1] == ("d", "c")
+    assert list(source) == [("b", "a ü"), ("d", "c")]
+    assert source.__getitems__([1, 0]) == [("d", "c"), ("b", "a ü")]
+    assert ("d", "c") in source
+    with pytest.raises(IndexError, match="index 2 out of range"):
+        source[2]
+    with pytest.raises(TypeError, match="not slices"):
+        source[0:1]
+
+
+# Multi30k
+
+
+def test_multi30k_both_directions_share_one_prepared_pair(multi30k_dirs):
+    raw, data_dir = multi30k_dirs
+    fr_en = datasets.load_translation_split(
+        "multi30k", "train", source_lang="fr", target_lang="en", data_dir=data_dir, manual_dir=raw
+    )
+    assert len(fr_en) == 6
+    assert fr_en[3] == ("fr-train-3", "en-train-3")
+    # Prepared once; the other direction reads it without manual_dir.
+    en_fr = datasets.load_translation_split(
+        "multi30k", "validation", source_lang="en", target_lang="fr", data_dir=data_dir
+    )
+    assert list(en_fr) == [("en-val-0", "fr-val-0"), ("en-val-1", "fr-val-1")]
+    assert (pathlib.Path(data_dir) / "multi30k" / "en-fr" / "1.0.0").is_dir()
+
+
+def test_multi30k_not_prepared_without_manual_dir_raises(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"not prepared in .*manual_dir=.*download=True"):
+        datasets.load_translation_split(
+            "multi30k", "train", source_lang="en", target_lang="de", data_dir=str(tmp_path)
+        )
+
+
+def test_multi30k_wrong_manual_dir_fails_offline(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"lacks train\.en\.gz, train\.de\.gz"):
+        datasets.load_translation_split(
+            "multi30k",
+            "train",
+            source_lang="de",
+            target_lang="en",
+            data_dir=str(tmp_path / "data"),
+            manual_dir=str(tmp_path),
+        )
+
+
+def test_multi30k_bad_language_and_split(multi30k_dirs):
+    raw, data_dir = multi30k_dirs
+    with pytest.raises(ValueError, match=r"'xx'.*valid languages: en, de, fr, cs"):
+        datasets.load_translation_split(
+            "multi30k", "train", source_lang="xx", target_lang="en", data_dir=data_dir
+        )
+    with pytest.raises(ValueError, match=r"Split 'test_2017_flickr'.*train, validation"):
+        datasets.load_translation_split(
+            "multi30k",
+            "test_2017_flickr",
+            source_lang="de",
+            target_lang="en",
+            data_dir=data_dir,
+            manual_dir=raw,
+        )
+    with pytest.raises(ValueError, match=r"config 'en-fr' does not match"):
+        datasets.load_translation_split(
+            "multi30k/en-fr", "train", source_lang="en", target_lang="de", data_dir=data_dir
+        )
+
+
+def test_unknown_dataset_name_suggests_close_names():
+    with pytest.raises(
+        ValueError, match=r"Unknown dataset 'wmt14_translat/de-en'.*wmt14_translate"
+    ):
+        datasets.load_translation_split(
+            "wmt14_translat/de-en", "train", source_lang="en", target_lang="de"
+        )
+
+
+# WMT from the TFDS catalog
+
+
+@pytest.fixture
+def wmt_metadata(tmp_path: pathlib.Path) -> str:
+    """Returns a data_dir holding only the real WMT14 de-en builder's metadata files."""
+    builder = tfds.builder(WMT, data_dir=str(tmp_path))
+    builder.info.set_file_format("array_record", override=True)
+    builder.info.set_splits(
+        splits_lib.SplitDict(
+            [
+                splits_lib.SplitInfo(
+                    name=split,
+                    shard_lengths=[n],
+                    num_bytes=0,
+                    filename_template=naming.ShardedFileTemplate(
+                        data_dir=builder.data_path,
+                        dataset_name=builder.name,
+                        split=split,
+                        filetype_suffix="array_record",
+                    ),
+                )
+                for split, n in (("train", 4), ("validation", 4), ("test", 4))
+            ]
+        )
+    )
+    builder.data_path.mkdir(parents=True)
+    builder.info.write_to_directory(builder.data_path)
+    return str(tmp_path)
+
+
+def test_wmt_mock_data_direction_and_errors(wmt_metadata):
+    policy = tfds.testing.MockPolicy.USE_FILES
+    with tfds.testing.mock_data(num_examples=4, policy=policy, data_dir=wmt_metadata):
+        en_de = datasets.load_translation_split(
+            "wmt14_translate/de-en", "validation", source_lang="en", target_lang="de"
+        )
+        records = tfds.builder(WMT).as_data_source("validation")
+        assert len(en_de) == 4
+        for i in range(4):
+            assert en_de[i] == (records[i]["en"], records[i]["de"])
+            assert en_de[i][0] != en_de[i][1]
+        de_en = datasets.load_translation_split(WMT, "test", source_lang="de", target_lang="en")
+        assert de_en[0] == (records[0]["de"], records[0]["en"])
+        with pytest.raises(ValueError, match=r"target_lang='fr' is not a feature .*de, en"):
+            datasets.load_translation_split(WMT, "train", source_lang="en", target_lang="fr")
+        with pytest.raises(ValueError, match=r"Split 'dev'.*train, validation, test"):
+            datasets.load_translation_split(WMT, "dev", source_lang="en", target_lang="de")
+
+
+def test_wmt_not_prepared_raises_without_network(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"wmt14_translate.*not prepared.*download=True"):
+        datasets.load_translation_split(
+            WMT, "train", source_lang="en", target_lang="de", data_dir=str(tmp_path)
+        )
+    assert not (tmp_path / "downloads").exists()
+
+
+def test_wmt_real_builder_prepared_from_fixtures(tmp_path):
+    """download=True prepares the real WMT builder as ArrayRecord (its sources patched)."""
+    pairs = {"train": [(f"Haus {i}", f"house {i}") for i in range(5)], "test": [("Ja", "Yes")]}
+
+    def split_generators(self, dl_manager):
+        del dl_manager
+        return {split: self._fixture_examples(rows) for split, rows in pairs.items()}
+
+    def fixture_examples(self, rows):
+        del self
+        for i, (de, en) in enumerate(rows):
+            yield i, {"de": de, "en": en}
+
+    builder_cls = type(tfds.builder(WMT, data_dir=str(tmp_path)))
+    with (
+        mock.patch.object(builder_cls, "_split_generators", split_generators),
+        mock.patch.object(builder_cls, "_fixture_examples", fixture_examples, create=True),
+    ):
+        train = datasets.load_translation_split(
+            WMT, "train", source_lang="en", target_lang="de", data_dir=str(tmp_path), download=True
+        )
+    assert sorted(train) == [(f"house {i}", f"Haus {i}") for i in range(5)]  # TFDS shuffles.
+    test = datasets.load_translation_split(
+        WMT, "test", source_lang="de", target_lang="en", data_dir=str(tmp_path)
+    )
+    assert list(test) == [("Ja", "Yes")]
+
+
+# Synthetic (tx_jax/data/synthetic.py, written separately)
+
+
+def test_synthetic_is_prepared_on_first_use_in_both_directions(tmp_path):
+    synthetic = pytest.importorskip("tx_jax.data.synthetic", reason="not written yet")
+    kwargs = {"config": synthetic.make_config(num_train=8, num_validation=4, num_test=4)}
+
+    def load(split: str, source_lang: str, target_lang: str) -> datasets.TranslationSource:
+        return datasets.load_translation_split(
+            "synthetic",
+            split,
+            source_lang=source_lang,
+            target_lang=target_lang,
+            data_dir=str(tmp_path),
+            builder_kwargs=kwargs,
+        )
+
+    forward, backward = load("validation", "src", "tgt"), load("validation", "tgt", "src")
+    assert len(forward) == len(backward) == 4
+    src, tgt = forward[0]
+    assert isinstance(src, str) and isinstance(tgt, str) and src != tgt
+    assert backward[0] == (tgt, src)
+    assert len(load("train", "src", "tgt")) == 8
+    with pytest.raises(ValueError, match=r"source_lang='en' is not a feature .*src, tgt"):
+        load("train", "en", "tgt")

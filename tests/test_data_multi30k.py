@@ -1,0 +1,254 @@
+"""Tests for tx_jax.data.multi30k: the Multi30k TFDS builder on small gzip fixtures.
+
+Every fixture is written into tmp_path by the test; the real corpus is read only by the smoke
+test at the end, and only where /work/shared/data/multi30k exists.
+"""
+
+from __future__ import annotations
+
+import gzip
+import pathlib
+import pickle
+import time
+from unittest import mock
+
+import pytest
+import tensorflow_datasets as tfds
+
+from tx_jax.data import datasets, multi30k
+
+REAL_CORPUS = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k"
+
+# Fixture corpus: file prefix -> (number of lines, languages that have the file).
+FIXTURE = {
+    "train": (12, ("en", "de", "fr")),
+    "val": (3, ("en", "de", "fr")),
+    "test_2016_flickr": (3, ("en", "de", "fr")),
+    "test_2017_flickr": (2, ("en", "de")),  # No fr: the split exists for en-de only.
+}
+
+
+def sentence(prefix: str, lang: str, i: int) -> str:
+    """Returns fixture line i of {prefix}.{lang}.gz; non-ASCII, and de keeps a trailing space."""
+    text = f"{lang} {prefix} {i} ü “q”"
+    return text + " " if lang == "de" else text
+
+
+def write_lines(path: pathlib.Path, lines: list[str]) -> None:
+    """Writes lines as a gzip UTF-8 file, each ending in a newline."""
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        f.writelines(line + "\n" for line in lines)
+
+
+def write_corpus(directory: pathlib.Path, fixture: dict = FIXTURE) -> pathlib.Path:
+    """Writes the fixture corpus into `directory` and returns it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for prefix, (n, langs) in fixture.items():
+        for lang in langs:
+            write_lines(
+                directory / f"{prefix}.{lang}.gz", [sentence(prefix, lang, i) for i in range(n)]
+            )
+    return directory
+
+
+def prepare(config: str, data_dir: pathlib.Path, manual_dir: pathlib.Path) -> multi30k.Multi30k:
+    """Returns a Multi30k builder prepared as ArrayRecord from manual_dir."""
+    builder = multi30k.Multi30k(config=config, data_dir=str(data_dir))
+    builder.download_and_prepare(
+        file_format="array_record",
+        download_config=tfds.download.DownloadConfig(manual_dir=str(manual_dir)),
+    )
+    return builder
+
+
+@pytest.fixture(scope="module")
+def raw_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """Returns a directory holding the fixture corpus."""
+    return write_corpus(tmp_path_factory.mktemp("raw"))
+
+
+@pytest.fixture(scope="module")
+def en_de(tmp_path_factory: pytest.TempPathFactory, raw_dir: pathlib.Path) -> multi30k.Multi30k:
+    """Returns the en-de builder prepared from the fixture corpus."""
+    return prepare("en-de", tmp_path_factory.mktemp("data"), raw_dir)
+
+
+def test_config_names_are_canonical_and_unordered():
+    assert multi30k.config_name("de", "en") == "en-de"
+    assert multi30k.config_name("en", "de") == "en-de"
+    assert multi30k.config_name("fr", "cs") == "cs-fr"
+    assert multi30k.config_name("cs", "en") == "en-cs"
+    names = [c.name for c in multi30k.Multi30k.BUILDER_CONFIGS]
+    assert sorted(names) == ["cs-de", "cs-fr", "de-fr", "en-cs", "en-de", "en-fr"]
+    assert names[0] == "en-de"  # The default config.
+    assert multi30k.Multi30k.BUILDER_CONFIGS[0].languages == ("en", "de")
+    with pytest.raises(ValueError, match=r"'xx'.*en, de, fr, cs"):
+        multi30k.config_name("en", "xx")
+    with pytest.raises(ValueError, match="'de' twice"):
+        multi30k.config_name("de", "de")
+
+
+def test_download_urls_follow_split_availability():
+    urls = multi30k.download_urls("en", "cs")
+    assert list(urls) == ["train", "validation", "test_2016_flickr", "test_2018_flickr"]
+    assert urls["validation"]["cs"] == (
+        "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/val.cs.gz"
+    )
+    assert len(multi30k.download_urls("de", "fr")) == 6
+
+
+def test_prepared_splits_and_features(en_de: multi30k.Multi30k):
+    splits = {name: info.num_examples for name, info in en_de.info.splits.items()}
+    assert splits == {"train": 12, "validation": 3, "test_2016_flickr": 3, "test_2017_flickr": 2}
+    assert sorted(en_de.info.features.keys()) == ["de", "en"]
+    assert str(en_de.version) == "1.0.0"
+
+
+@pytest.mark.parametrize(
+    ("split", "prefix"),
+    [("train", "train"), ("validation", "val"), ("test_2017_flickr", "test_2017_flickr")],
+)
+def test_records_are_the_fixture_lines_in_order(en_de: multi30k.Multi30k, split, prefix):
+    source = en_de.as_data_source(split)
+    records = [source[i] for i in range(len(source))]
+    n = FIXTURE[prefix][0]
+    assert records == [
+        {"en": sentence(prefix, "en", i).encode(), "de": sentence(prefix, "de", i).encode()}
+        for i in range(n)
+    ]
+    assert records[0]["de"].endswith(b" ")  # Only the newline is stripped.
+
+
+def test_tfds_data_source_reads_prepared_data(en_de: multi30k.Multi30k):
+    source = tfds.data_source(
+        "multi30k/en-de", split="test_2016_flickr", data_dir=en_de.data_dir_root, download=False
+    )
+    assert len(source) == 3
+    assert source[2]["en"].decode() == sentence("test_2016_flickr", "en", 2)
+
+
+def test_optional_split_only_when_both_files_exist(tmp_path, raw_dir):
+    builder = prepare("en-fr", tmp_path, raw_dir)
+    assert sorted(builder.info.splits.keys()) == ["test_2016_flickr", "train", "validation"]
+    assert list(builder.info.features.keys()) == ["en", "fr"]
+
+
+def test_both_directions_via_load_translation_split(en_de, raw_dir):
+    data_dir = str(en_de.data_dir_root)
+    en_to_de = datasets.load_translation_split(
+        "multi30k", "train", source_lang="en", target_lang="de", data_dir=data_dir
+    )
+    de_to_en = datasets.load_translation_split(
+        "multi30k", "train", source_lang="de", target_lang="en", data_dir=data_dir
+    )
+    assert len(en_to_de) == len(de_to_en) == 12
+    assert en_to_de[5] == (sentence("train", "en", 5), sentence("train", "de", 5))
+    assert de_to_en[5] == (sentence("train", "de", 5), sentence("train", "en", 5))
+    assert [tuple(reversed(p)) for p in de_to_en] == list(en_to_de)
+    # grain's worker processes pickle the source.
+    assert pickle.loads(pickle.dumps(de_to_en))[11] == de_to_en[11]
+
+
+def test_mismatched_line_counts_name_both_files(tmp_path):
+    raw = write_corpus(tmp_path / "raw")
+    write_lines(raw / "val.de.gz", ["only", "two"])
+    builder = multi30k.Multi30k(config="en-de", data_dir=str(tmp_path / "data"))
+    with pytest.raises(ValueError, match=r"val\.en\.gz has 3 lines but .*val\.de\.gz has 2"):
+        builder.download_and_prepare(
+            file_format="array_record",
+            download_config=tfds.download.DownloadConfig(manual_dir=str(raw)),
+        )
+    assert not builder.is_prepared()
+
+
+def test_empty_lines_are_skipped_and_counted(tmp_path):
+    write_lines(tmp_path / "a.gz", ["one", "", "three", "four", "five"])
+    write_lines(tmp_path / "b.gz", ["eins", "zwei", "   ", "vier", "fünf\r"])
+    pairs, skipped = multi30k.read_parallel(tmp_path / "a.gz", tmp_path / "b.gz")
+    assert skipped == 2
+    assert pairs == [(0, "one", "eins"), (3, "four", "vier"), (4, "five", "fünf")]
+
+
+def test_empty_lines_are_left_out_of_the_prepared_split(tmp_path):
+    raw = write_corpus(tmp_path / "raw")
+    lines = [sentence("val", "de", i) for i in range(3)]
+    lines[1] = ""
+    write_lines(raw / "val.de.gz", lines)
+    builder = prepare("en-de", tmp_path / "data", raw)
+    source = builder.as_data_source("validation")
+    assert [source[i]["en"].decode() for i in range(len(source))] == [
+        sentence("val", "en", 0),
+        sentence("val", "en", 2),
+    ]
+
+
+def test_missing_required_file_is_named(tmp_path):
+    raw = write_corpus(tmp_path / "raw")
+    (raw / "train.fr.gz").unlink()
+    builder = multi30k.Multi30k(config="en-fr", data_dir=str(tmp_path / "data"))
+    with pytest.raises(FileNotFoundError, match=r"lacks train\.fr\.gz"):
+        builder.download_and_prepare(
+            file_format="array_record",
+            download_config=tfds.download.DownloadConfig(manual_dir=str(raw)),
+        )
+
+
+def test_without_manual_dir_downloads_the_public_files(tmp_path):
+    """No manual dir: the builder asks dl_manager for the public URLs (served from tmp here)."""
+    remote = write_corpus(
+        tmp_path / "remote",
+        {p: (2, ("en", "cs")) for p in ("train", "val", "test_2016_flickr", "test_2018_flickr")},
+    )
+    requested = []
+
+    def fake_download(self, urls):
+        del self
+        requested.extend(url for per_lang in urls.values() for url in per_lang.values())
+        return {
+            split: {lang: remote / url.rsplit("/", 1)[1] for lang, url in per_lang.items()}
+            for split, per_lang in urls.items()
+        }
+
+    with mock.patch.object(tfds.download.DownloadManager, "download", fake_download):
+        builder = multi30k.Multi30k(config="en-cs", data_dir=str(tmp_path / "data"))
+        builder.download_and_prepare(file_format="array_record")
+    assert len(requested) == 8
+    assert all(url.startswith("https://raw.githubusercontent.com/multi30k/") for url in requested)
+    assert sorted(builder.info.splits.keys()) == [
+        "test_2016_flickr",
+        "test_2018_flickr",
+        "train",
+        "validation",
+    ]
+    assert builder.as_data_source("test_2018_flickr")[1] == {
+        "en": sentence("test_2018_flickr", "en", 1).encode(),
+        "cs": sentence("test_2018_flickr", "cs", 1).encode(),
+    }
+
+
+@pytest.mark.skipif(not REAL_CORPUS.is_dir(), reason=f"no real Multi30k at {REAL_CORPUS}")
+def test_real_corpus_en_de(tmp_path):
+    start = time.perf_counter()
+    train = datasets.load_translation_split(
+        "multi30k",
+        "train",
+        source_lang="en",
+        target_lang="de",
+        data_dir=str(tmp_path),
+        manual_dir=str(REAL_CORPUS),
+    )
+    print(f"prepared real Multi30k en-de in {time.perf_counter() - start:.1f} s")
+    assert len(train) == 29000
+    assert train[0] == (
+        "Two young, White males are outside near many bushes.",
+        "Zwei junge weiße Männer sind im Freien in der Nähe vieler Büsche.",
+    )
+    sizes = {
+        split: len(
+            datasets.load_translation_split(
+                "multi30k", split, source_lang="de", target_lang="en", data_dir=str(tmp_path)
+            )
+        )
+        for split in ("validation", "test_2016_flickr")
+    }
+    assert sizes == {"validation": 1014, "test_2016_flickr": 1000}

@@ -1,0 +1,407 @@
+"""Tests for tx_jax.data.pipeline: shapes, budgets, filtering counts, exact resume, sharding,
+eval coverage and packing, on tiny SentencePiece models and generated sentences."""
+
+import collections
+import json
+import random
+
+import grain
+import numpy as np
+import pytest
+from etils import epath
+
+from tx_jax.data import pipeline as pl
+from tx_jax.data import tokenizer as tk
+
+_VOCAB = """a the cat dog sat on mat red blue house tree bird flew over small big
+ein der die das Haus Baum Vogel klein groß über rot blau"""
+WORDS = _VOCAB.split()
+MAX_LEN = 16
+
+
+def _sentence(rng: random.Random, lo: int, hi: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+
+def _pairs(n: int, seed: int = 0, hi: int = 10) -> list[tuple[str, str]]:
+    rng = random.Random(seed)
+    return [(f"{i} " + _sentence(rng, 1, hi), _sentence(rng, 1, hi)) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> tk.Tokenizer:
+    texts = list(tk.iter_pair_texts(_pairs(300, seed=1)))
+    texts.append(" ".join(str(i) for i in range(400)))  # digits, so numbered pairs stay short
+    return tk.train_tokenizer(texts, 120, tmp_path_factory.mktemp("spm") / "spm.model")
+
+
+@pytest.fixture(scope="module")
+def pairs() -> list[tuple[str, str]]:
+    return _pairs(240, seed=2, hi=9)
+
+
+def _train(pairs, tok, **kw) -> pl.TrainIterator:
+    args = dict(max_len=MAX_LEN, tokens_per_batch=96, process_index=0, process_count=1)
+    return pl.make_train_iterator(pairs, tok, **(args | kw))
+
+
+def _rows(batch, key="inputs"):
+    """Token rows of a bucketed batch, without padding, each ending in EOS."""
+    out = []
+    for row in batch[key]:
+        n = int((row > 0).sum())
+        assert (row[:n] > 0).all() and (row[n:] == 0).all()  # padding only at the end
+        if n:
+            assert row[n - 1] == tk.EOS_ID
+            out.append(row[:n].tolist())
+    return out
+
+
+def _decode_pairs(batches, tok) -> list[tuple[str, str]]:
+    out = []
+    for b in batches:
+        src, tgt = _rows(b, "inputs"), _rows(b, "targets")
+        assert len(src) == len(tgt)
+        out += [(tok.decode(s), tok.decode(t)) for s, t in zip(src, tgt)]
+    return out
+
+
+def _fits(pair, tok) -> bool:
+    return all(len(tok.encode(s)) + 1 <= MAX_LEN for s in pair)
+
+
+# ---------------------------------------------------------------------- shapes
+
+
+def test_default_bucket_boundaries_and_batch_sizes():
+    assert pl.default_bucket_boundaries(256) == [
+        8,
+        16,
+        24,
+        32,
+        40,
+        56,
+        72,
+        96,
+        120,
+        152,
+        192,
+        240,
+        256,
+    ]
+    assert pl.default_bucket_boundaries(16) == [8, 16]
+    assert pl.default_bucket_boundaries(20) == [8, 16, 20]
+    assert pl.bucket_batch_sizes([8, 16, 24], 100, 4) == [12, 4, 4]
+    assert pl.bucket_batch_sizes([8, 16], 100) == [12, 6]
+    with pytest.raises(ValueError, match="too small"):
+        pl.bucket_batch_sizes([8, 16, 32], 100, 4)
+
+
+def test_batches_static_shapes_budget_and_multiple(pairs, tok):
+    it = _train(pairs, tok, tokens_per_batch=128, batch_multiple=4, num_epochs=1)
+    assert it.batch_shapes == ((16, 8), (8, 16))
+    batches = list(it)
+    assert batches
+    for b in batches:
+        assert set(b) == {"inputs", "targets"}
+        assert b["inputs"].dtype == np.int32 and b["targets"].dtype == np.int32
+        assert b["inputs"].shape == b["targets"].shape
+        assert b["inputs"].shape in it.batch_shapes
+        assert b["inputs"].shape[0] % 4 == 0
+        assert (b["inputs"] > 0).sum() <= 128 and (b["targets"] > 0).sum() <= 128
+    # Every emitted example is a real pair; kept = emitted + left in partial buckets.
+    decoded = _decode_pairs(batches, tok)
+    assert set(decoded) <= set(pairs)
+    assert len(set(decoded)) == len(decoded)
+    stats = it.stats()
+    assert stats["kept"] == len(decoded) + stats["dropped_remainder"]
+    assert stats["kept"] == sum(_fits(p, tok) for p in pairs)
+    assert stats["epoch"] == 1
+
+
+def test_each_example_in_smallest_bucket(pairs, tok):
+    it = _train(pairs, tok, tokens_per_batch=64, bucket_boundaries=[4, 8, 12, 16], num_epochs=1)
+    for b in it:
+        length = b["inputs"].shape[1]
+        longest = max((b["inputs"] > 0).sum(1).max(), (b["targets"] > 0).sum(1).max())
+        assert [x for x in (4, 8, 12, 16) if x >= longest][0] == length
+
+
+# ---------------------------------------------------------------------- filtering
+
+
+def test_filter_counts_are_exact(pairs, tok, monkeypatch):
+    long_src = ("the " * 30 + "cat", "a dog")
+    long_tgt = ("a dog", "ein Haus " * 20)
+    huge = ("x" * 1_000_000, "a cat")  # 1 MB line
+    bad_utf8 = (b"the caf\xe9 cat", b"777 ein Haus")  # Latin-1 byte: repaired, kept
+    surrogate = ("the cat \udce9", "778 der Baum")  # lone surrogate: repaired, kept
+    data = list(pairs[:50])
+    data += [long_src] * 3 + [long_tgt] * 2 + [huge] * 2
+    data += [("", "a cat"), ("a cat", "   "), ("\t\n", ""), ("\ufffd", "a cat")]  # empty
+    data += [bad_utf8, surrogate]
+    seen_lengths = []
+    encode = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda s: seen_lengths.append(len(s)) or encode(s))
+    it = _train(data, tok, num_epochs=1, bucket_boundaries=[MAX_LEN], tokens_per_batch=MAX_LEN)
+    emitted = _decode_pairs(list(it), tok)  # B = 1: nothing is left in a bucket
+    stats = it.stats()
+    fitting = sum(_fits(p, tok) for p in pairs[:50])
+    assert stats == {
+        "examples": len(data),
+        "kept": fitting + 2,
+        "dropped_empty": 4,
+        "dropped_too_long": 5 + (50 - fitting),
+        "dropped_too_long_chars": 2,
+        "invalid_utf8": 2,
+        "dropped_remainder": 0,
+        "epoch": 1,
+    }
+    assert len(emitted) == fitting + 2
+    assert max(seen_lengths) < 1000  # the 1 MB line was never tokenized
+    repaired = {t: s for s, t in emitted if t.startswith("77")}
+    assert repaired == {
+        "777 ein Haus": tok.decode(encode("the caf\ufffd cat")),
+        "778 der Baum": tok.decode(encode("the cat \ufffd")),
+    }
+    assert repaired["777 ein Haus"] == "the caf cat"  # nmt_nfkc normalization drops U+FFFD
+
+
+def test_counts_accumulate_over_epochs(pairs, tok):
+    data = list(pairs[:40]) + [("", "x")]
+    it = _train(data, tok, num_epochs=3, bucket_boundaries=[MAX_LEN], tokens_per_batch=MAX_LEN)
+    n = len(list(it))
+    stats = it.stats()
+    assert stats["examples"] == 3 * 41 and stats["dropped_empty"] == 3
+    assert n == stats["kept"] and stats["epoch"] == 3
+
+
+# ---------------------------------------------------------------------- state
+
+
+def _take(it, n):
+    return [next(it) for _ in range(n)]
+
+
+def _assert_same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for k in x:
+            np.testing.assert_array_equal(x[k], y[k])
+
+
+@pytest.mark.parametrize(
+    "kind, packing, prefetch",
+    [
+        ("mt", False, 0),
+        ("mt", True, 0),
+        ("mt", False, 2),
+        ("mt", True, 2),
+        ("lm", False, 0),
+        ("lm", True, 2),
+    ],
+)
+def test_exact_resume(pairs, tok, kind, packing, prefetch):
+    data = pairs[:70]  # several epochs within 12 batches
+
+    def make():
+        kw = dict(max_len=MAX_LEN, tokens_per_batch=128, packing=packing, prefetch=prefetch, seed=5)
+        kw |= dict(process_index=0, process_count=1, batch_multiple=2)
+        if kind == "lm":
+            return pl.make_lm_train_iterator([s for s, _ in data], tok, **kw)
+        return pl.make_train_iterator(data, tok, **kw)
+
+    it = make()
+    _take(it, 7)
+    state = json.loads(json.dumps(it.get_state()))
+    stats = it.stats()
+    expected = _take(it, 5)
+    assert it.stats()["epoch"] >= 1
+    fresh = make()
+    fresh.set_state(state)
+    assert fresh.stats() == stats
+    _assert_same(_take(fresh, 5), expected)
+    assert fresh.stats() == it.stats()
+    it.close()
+    fresh.close()
+
+
+def test_resume_rejects_other_pipeline(pairs, tok):
+    state = _train(pairs, tok).get_state()
+    other = _train(pairs, tok, tokens_per_batch=128)
+    with pytest.raises(ValueError, match="tokens_per_batch"):
+        other.set_state(state)
+    bad = dict(state, version=99)
+    with pytest.raises(ValueError, match="version"):
+        _train(pairs, tok).set_state(bad)
+
+
+def test_grain_orbax_handler_round_trip(pairs, tok, tmp_path):
+    it = _train(pairs, tok)
+    _take(it, 3)
+    grain.checkpoint.CheckpointHandler().save(epath.Path(tmp_path), it)
+    expected = _take(it, 3)
+    fresh = _train(pairs, tok)
+    grain.checkpoint.CheckpointHandler().restore(epath.Path(tmp_path), fresh)
+    _assert_same(_take(fresh, 3), expected)
+
+
+def test_epochs_reshuffled_like_grain(pairs, tok):
+    data = pairs[:30]
+    it = _train(
+        data, tok, num_epochs=2, seed=9, bucket_boundaries=[MAX_LEN], tokens_per_batch=MAX_LEN
+    )
+    order = _decode_pairs(list(it), tok)
+    kept = [p for p in data if _fits(p, tok)]
+    first, second = order[: len(kept)], order[len(kept) :]
+    assert sorted(first) == sorted(kept) and sorted(second) == sorted(kept)
+    assert first != second
+    grain_order = list(grain.MapDataset.source(data).shuffle(seed=9).repeat(2))
+    assert order == [p for p in grain_order if _fits(p, tok)]
+
+
+# ---------------------------------------------------------------------- sharding
+
+
+def test_process_shards_disjoint_and_covering(pairs, tok):
+    kw = dict(num_epochs=1, bucket_boundaries=[MAX_LEN], tokens_per_batch=MAX_LEN, process_count=2)
+    shards = [
+        set(_decode_pairs(list(_train(pairs, tok, process_index=i, **kw)), tok)) for i in (0, 1)
+    ]
+    assert not shards[0] & shards[1]
+    assert shards[0] | shards[1] == {p for p in pairs if _fits(p, tok)}
+    with pytest.raises(ValueError, match="process_index"):
+        _train(pairs, tok, process_index=2, process_count=2)
+
+
+def test_default_process_is_jax_process(pairs, tok):
+    it = pl.make_train_iterator(pairs, tok, max_len=MAX_LEN, tokens_per_batch=64)
+    fp = it.get_state()["fingerprint"]
+    assert (fp["process_index"], fp["process_count"]) == (0, 1)
+
+
+# ---------------------------------------------------------------------- eval
+
+
+def test_eval_covers_each_example_once_in_order(pairs, tok):
+    data = list(pairs[:19]) + [("the " * 40, "a cat"), ("", "ein Haus")]
+    ev = pl.make_eval_batches(data, tok, max_len=MAX_LEN, batch_size=8, batch_multiple=4)
+    assert len(ev) == 3 and ev.num_examples == 21
+    index = np.concatenate([b["example_index"] for b in ev])
+    mask = np.concatenate([b["example_mask"] for b in ev])
+    np.testing.assert_array_equal(index[mask == 1], np.arange(21))
+    assert (index[mask == 0] == -1).all() and mask.sum() == 21
+    truncated = sum(not _fits(p, tok) for p in data)
+    assert ev.stats == {"examples": 21, "empty": 1, "truncated": truncated, "invalid_utf8": 0}
+    for b in ev:
+        assert b["inputs"].shape == b["targets"].shape == (8, MAX_LEN)
+        assert b["inputs"].dtype == np.int32 and b["example_index"].dtype == np.int32
+        assert (b["inputs"][b["example_mask"] == 0] == 0).all()
+        for r in np.flatnonzero(b["example_mask"]):
+            src, tgt = data[b["example_index"][r]]
+            row = b["inputs"][r]
+            assert row[(row > 0).sum() - 1] == tk.EOS_ID
+            if _fits((src, tgt), tok):
+                assert tok.decode(row) == src and tok.decode(b["targets"][r]) == tgt
+            elif src.strip():  # truncated: the first max_len - 1 pieces, then EOS
+                assert row.tolist() == tok.encode(src)[: MAX_LEN - 1] + [tk.EOS_ID]
+    assert ev[-1]["inputs"][4].tolist() == [tk.EOS_ID] + [0] * (MAX_LEN - 1)  # empty source
+
+
+def test_eval_sorted_and_bucketed_still_covers(pairs, tok):
+    data = pairs[:37]
+    ev = pl.make_eval_batches(
+        data, tok, max_len=MAX_LEN, batch_size=8, bucket_boundaries=[8, 16], sort_by_length=True
+    )
+    index = np.concatenate([b["example_index"] for b in ev])
+    assert sorted(index[index >= 0].tolist()) == list(range(37))
+    lengths = []
+    for b in ev:
+        assert b["inputs"].shape[1] in (8, 16) and b["inputs"].shape[0] == 8
+        for r in np.flatnonzero(b["example_mask"]):
+            assert tok.decode(b["inputs"][r]) == data[b["example_index"][r]][0]
+            lengths.append(max((b["inputs"][r] > 0).sum(), (b["targets"][r] > 0).sum()))
+    assert lengths == sorted(lengths, reverse=True)
+
+
+def test_eval_process_shards(pairs, tok):
+    data = pairs[:21]
+    evs = [
+        pl.make_eval_batches(
+            data, tok, max_len=MAX_LEN, batch_size=4, process_index=i, process_count=2
+        )
+        for i in (0, 1)
+    ]
+    assert len(evs[0]) == len(evs[1]) == 3  # ceil(ceil(21 / 2) / 4): same count everywhere
+    seen = [set(np.concatenate([b["example_index"] for b in ev]).tolist()) - {-1} for ev in evs]
+    assert not seen[0] & seen[1] and seen[0] | seen[1] == set(range(21))
+    assert evs[0].num_examples == 11 and evs[1].num_examples == 10
+
+
+def test_encode_sources_and_lm_eval(tok):
+    texts = ["the cat", "ein Haus", "", b"der \xff Baum", "the " * 250_000]  # last: 1 MB
+    ev = pl.encode_sources(texts, tok, max_len=MAX_LEN, batch_size=2)
+    assert len(ev) == 3 and set(ev[0]) == {"inputs", "example_index", "example_mask"}
+    assert [tok.decode(r) for b in ev for r in b["inputs"]][:3] == ["the cat", "ein Haus", ""]
+    assert ev.stats == {"examples": 5, "empty": 1, "truncated": 1, "invalid_utf8": 1}
+    long_row = ev[2]["inputs"][0]
+    assert (long_row > 0).all() and long_row[-1] == tk.EOS_ID
+    assert ev[2]["example_mask"].tolist() == [1, 0]
+    lm = pl.make_lm_eval_batches(["the cat", "a dog"] * 3, tok, max_len=MAX_LEN, batch_size=4)
+    assert set(lm[0]) == {"targets", "example_index", "example_mask"}
+    assert lm[1]["example_mask"].tolist() == [1, 1, 0, 0]
+    with pytest.raises(ValueError, match="multiple"):
+        pl.encode_sources(texts, tok, max_len=MAX_LEN, batch_size=3, batch_multiple=2)
+
+
+# ---------------------------------------------------------------------- packing
+
+
+def _segments(row_tokens, row_seg, row_pos):
+    """Splits a packed row into per-segment token lists, checking segmentation/position."""
+    n = int((row_tokens > 0).sum())
+    assert (row_tokens[:n] > 0).all() and (row_tokens[n:] == 0).all()
+    assert (row_seg[n:] == 0).all() and (row_pos[n:] == 0).all()
+    segs = []
+    for s in range(1, int(row_seg.max(initial=0)) + 1):
+        where = np.flatnonzero(row_seg == s)
+        assert where.size and (np.diff(where) == 1).all()  # contiguous, in order
+        np.testing.assert_array_equal(row_pos[where], np.arange(where.size))
+        tokens = row_tokens[where].tolist()
+        assert tokens[-1] == tk.EOS_ID and tk.EOS_ID not in tokens[:-1]
+        segs.append(tokens)
+    assert sum(map(len, segs)) == n
+    return segs
+
+
+def test_packing_segments_consistent_and_no_token_lost(pairs, tok):
+    it = _train(pairs, tok, packing=True, tokens_per_batch=4 * MAX_LEN, num_epochs=1)
+    assert it.batch_shapes == ((4, MAX_LEN),)
+    keys = {"inputs", "targets", "inputs_segmentation", "targets_segmentation"}
+    keys |= {"inputs_position", "targets_position"}
+    emitted = []
+    for b in it:
+        assert set(b) == keys
+        assert all(v.shape == (4, MAX_LEN) and v.dtype == np.int32 for v in b.values())
+        for r in range(4):
+            src = _segments(b["inputs"][r], b["inputs_segmentation"][r], b["inputs_position"][r])
+            tgt = _segments(b["targets"][r], b["targets_segmentation"][r], b["targets_position"][r])
+            assert len(src) == len(tgt)
+            emitted += [(tok.decode(s), tok.decode(t)) for s, t in zip(src, tgt)]
+    stats = it.stats()
+    assert len(emitted) + stats["dropped_remainder"] == stats["kept"]
+    assert collections.Counter(emitted) <= collections.Counter(p for p in pairs if _fits(p, tok))
+    assert stats["kept"] == sum(_fits(p, tok) for p in pairs)
+
+
+def test_lm_iterator(pairs, tok):
+    texts = [s for s, _ in pairs]
+    it = pl.make_lm_train_iterator(
+        texts, tok, max_len=MAX_LEN, tokens_per_batch=64, process_index=0, process_count=1
+    )
+    b = next(it)
+    assert set(b) == {"targets"} and b["targets"].shape in it.batch_shapes
+    assert it.keys == ("targets",)
+    for row in _rows(b, "targets"):
+        assert tok.decode(row) in texts

@@ -1,0 +1,288 @@
+"""Multi30k (task 1) as a TFDS builder: line-aligned image captions in en, de, fr and cs.
+
+Multi30k (Elliott et al., 2016) pairs each English Flickr30k caption with human translations.
+The raw release is one gzip text file per split and language, one sentence per line, line `i`
+of `train.en.gz` translating line `i` of `train.de.gz`:
+
+    train.{lang}.gz             29,000 lines      en de fr cs
+    val.{lang}.gz               1,014 lines       en de fr cs   -> split 'validation'
+    test_2016_flickr.{lang}.gz  1,000 lines       en de fr cs
+    test_2017_flickr.{lang}.gz  1,000 lines       en de fr
+    test_2017_mscoco.{lang}.gz  461 lines         en de fr
+    test_2018_flickr.{lang}.gz  1,071 lines       en de fr cs
+
+There is one BuilderConfig per unordered language pair ('en-de', 'en-fr', 'en-cs', 'cs-de',
+'cs-fr', 'de-fr': English first, otherwise alphabetical; see `config_name`). Each example is
+`{lang1: text, lang2: text}`, so one prepared pair serves both translation directions; the
+caller picks the direction (`tx_jax.data.datasets.load_translation_split`).
+
+Where the files come from, in order:
+  1. the manual directory (`tfds.download.DownloadConfig(manual_dir=...)`) when it exists and
+     is not empty: every split whose two files are there is prepared; train and val must be;
+  2. otherwise the public repository (`URL_TEMPLATE`) through `dl_manager.download`, for the
+     splits that `SPLIT_LANGUAGES` says exist for both languages.
+
+Reading a pair of files (`read_parallel`): only the trailing newline ('\\n', and a '\\r' before
+it) is removed; other whitespace is kept as written. Both files must have the same number of
+lines, else a ValueError names both files and their counts. A line pair where either side is
+empty or whitespace only is skipped (a sentence with no translation teaches nothing and breaks
+length filters); the count is logged. The real corpus has no such line.
+
+Examples are stored in file order (`disable_shuffling=True`) with the 0-based line number as
+key, so `data_source[i]` of a test split lines up with the reference file, minus skipped lines.
+
+Preparing and reading need no TensorFlow:
+
+    builder = Multi30k(config="en-de", data_dir=data_dir)
+    builder.download_and_prepare(
+        file_format="array_record",
+        download_config=tfds.download.DownloadConfig(manual_dir="/path/to/multi30k"))
+    source = builder.as_data_source("train")   # source[i] == {"en": b"...", "de": b"..."}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import itertools
+from collections.abc import Iterator, Mapping
+
+import tensorflow_datasets as tfds
+from absl import logging
+from etils import epath
+
+LANGUAGES: tuple[str, ...] = ("en", "de", "fr", "cs")
+
+# Split name -> file prefix of its raw files.
+SPLIT_FILE_PREFIXES: dict[str, str] = {
+    "train": "train",
+    "validation": "val",
+    "test_2016_flickr": "test_2016_flickr",
+    "test_2017_flickr": "test_2017_flickr",
+    "test_2017_mscoco": "test_2017_mscoco",
+    "test_2018_flickr": "test_2018_flickr",
+}
+# Splits every prepared pair must have; the test splits are optional.
+REQUIRED_SPLITS: tuple[str, ...] = ("train", "validation")
+# Languages the public repository has for each split (used only when downloading).
+SPLIT_LANGUAGES: dict[str, frozenset[str]] = {
+    "train": frozenset(LANGUAGES),
+    "validation": frozenset(LANGUAGES),
+    "test_2016_flickr": frozenset(LANGUAGES),
+    "test_2017_flickr": frozenset({"en", "de", "fr"}),
+    "test_2017_mscoco": frozenset({"en", "de", "fr"}),
+    "test_2018_flickr": frozenset(LANGUAGES),
+}
+URL_TEMPLATE = (
+    "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/{prefix}.{lang}.gz"
+)
+
+_CITATION = """\
+@inproceedings{elliott-etal-2016-multi30k,
+  title = {Multi30K: Multilingual English-German Image Descriptions},
+  author = {Elliott, Desmond and Frank, Stella and Sima'an, Khalil and Specia, Lucia},
+  booktitle = {Proceedings of the 5th Workshop on Vision and Language},
+  year = {2016},
+  pages = {70--74},
+}
+"""
+
+
+def config_name(lang_a: str, lang_b: str) -> str:
+    """Returns the canonical config name of an unordered language pair.
+
+    English comes first, otherwise alphabetical order: ('de', 'en') -> 'en-de',
+    ('fr', 'cs') -> 'cs-fr'. Raises ValueError for an unknown or repeated language.
+    """
+    for lang in (lang_a, lang_b):
+        if lang not in LANGUAGES:
+            raise ValueError(
+                f"Multi30k has no language {lang!r}; valid languages: {', '.join(LANGUAGES)}."
+            )
+    if lang_a == lang_b:
+        raise ValueError(f"Multi30k needs two different languages, got {lang_a!r} twice.")
+    first, second = sorted((lang_a, lang_b), key=lambda lang: (lang != "en", lang))
+    return f"{first}-{second}"
+
+
+def file_name(split: str, lang: str) -> str:
+    """Returns the raw file name of a split and language: ('validation', 'de') -> 'val.de.gz'."""
+    if split not in SPLIT_FILE_PREFIXES:
+        raise ValueError(
+            f"Multi30k has no split {split!r}; valid splits: {', '.join(SPLIT_FILE_PREFIXES)}."
+        )
+    return f"{SPLIT_FILE_PREFIXES[split]}.{lang}.gz"
+
+
+def local_split_files(
+    directory: epath.PathLike, lang1: str, lang2: str
+) -> dict[str, dict[str, epath.Path]]:
+    """Finds the raw files of a language pair in a local directory.
+
+    Returns:
+      {split: {lang1: path, lang2: path}} for every split whose two files exist, in
+      `SPLIT_FILE_PREFIXES` order. A test split with only one of its two files is left out.
+
+    Raises:
+      FileNotFoundError: naming the directory and the missing files when a required split
+        (train, validation) lacks a file.
+    """
+    directory = epath.Path(directory)
+    found: dict[str, dict[str, epath.Path]] = {}
+    missing: list[str] = []
+    for split in SPLIT_FILE_PREFIXES:
+        paths = {lang: directory / file_name(split, lang) for lang in (lang1, lang2)}
+        exists = {lang: path.exists() for lang, path in paths.items()}
+        if all(exists.values()):
+            found[split] = paths
+        elif split in REQUIRED_SPLITS:
+            missing += [paths[lang].name for lang, ok in exists.items() if not ok]
+    if missing:
+        raise FileNotFoundError(
+            f"Multi30k {lang1}-{lang2}: {directory} lacks {', '.join(missing)}; it needs "
+            f"{', '.join(file_name(s, lang) for s in REQUIRED_SPLITS for lang in (lang1, lang2))} "
+            "(gzip text, one sentence per line)."
+        )
+    return found
+
+
+def download_urls(lang1: str, lang2: str) -> dict[str, dict[str, str]]:
+    """Returns {split: {lang: url}} of the public raw files for the splits both languages have."""
+    return {
+        split: {lang: URL_TEMPLATE.format(prefix=prefix, lang=lang) for lang in (lang1, lang2)}
+        for split, prefix in SPLIT_FILE_PREFIXES.items()
+        if {lang1, lang2} <= SPLIT_LANGUAGES[split]
+    }
+
+
+def _read_lines(path: epath.PathLike) -> list[str]:
+    """Returns the lines of a gzip UTF-8 text file without their trailing newline."""
+    with epath.Path(path).open("rb") as raw, gzip.open(raw, "rb") as f:
+        return [line.decode("utf-8").rstrip("\r\n") for line in f]
+
+
+def read_parallel(
+    path_a: epath.PathLike, path_b: epath.PathLike
+) -> tuple[list[tuple[int, str, str]], int]:
+    """Reads two line-aligned gzip text files.
+
+    Returns:
+      (pairs, skipped): pairs is [(line_number, text_a, text_b)] with 0-based line numbers,
+      in file order, leaving out the lines where either side is empty or whitespace only;
+      skipped is how many were left out.
+
+    Raises:
+      ValueError: naming both files and their line counts when the counts differ.
+    """
+    lines_a, lines_b = _read_lines(path_a), _read_lines(path_b)
+    if len(lines_a) != len(lines_b):
+        raise ValueError(
+            f"Line counts differ: {path_a} has {len(lines_a)} lines but {path_b} has "
+            f"{len(lines_b)}; the two files of a split must be line-aligned translations."
+        )
+    pairs = [
+        (i, a, b)
+        for i, (a, b) in enumerate(zip(lines_a, lines_b, strict=True))
+        if a.strip() and b.strip()
+    ]
+    return pairs, len(lines_a) - len(pairs)
+
+
+@dataclasses.dataclass(eq=False)  # eq=False like tfds.core.BuilderConfig: stays hashable.
+class Multi30kConfig(tfds.core.BuilderConfig):
+    """A Multi30k language pair; `languages` is (lang1, lang2) in canonical order."""
+
+    languages: tuple[str, str] = ("en", "de")
+
+
+def _pair_configs() -> list[Multi30kConfig]:
+    """Returns one config per unordered pair of `LANGUAGES`, 'en-de' first (the default)."""
+    names = sorted(
+        {config_name(a, b) for a, b in itertools.combinations(LANGUAGES, 2)},
+        key=lambda name: (not name.startswith("en-"), name != "en-de", name),
+    )
+    return [
+        Multi30kConfig(
+            name=name,
+            languages=tuple(name.split("-")),
+            description=f"Multi30k task 1, {name.split('-')[0]} and {name.split('-')[1]}.",
+        )
+        for name in names
+    ]
+
+
+class Multi30k(tfds.core.GeneratorBasedBuilder):
+    """Multi30k task 1 raw text, one config per language pair (see the module docstring)."""
+
+    VERSION = tfds.core.Version("1.0.0")
+    RELEASE_NOTES = {"1.0.0": "Task 1 raw text; optional test splits where files exist."}
+    BUILDER_CONFIGS = _pair_configs()
+    MANUAL_DOWNLOAD_INSTRUCTIONS = (
+        "Optional. Put the raw gzip files (train.en.gz, val.en.gz, test_2016_flickr.en.gz, ...; "
+        "from github.com/multi30k/dataset, data/task1/raw) in the manual directory. "
+        "Without them the files are downloaded."
+    )
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        """Returns the DatasetInfo: features {lang1: Text, lang2: Text}, file order kept."""
+        lang1, lang2 = self.builder_config.languages
+        return tfds.core.DatasetInfo(
+            builder=self,
+            description="Multi30k task 1: Flickr30k image captions and their translations.",
+            features=tfds.features.FeaturesDict(
+                {lang1: tfds.features.Text(), lang2: tfds.features.Text()}
+            ),
+            supervised_keys=None,
+            disable_shuffling=True,
+            homepage="https://github.com/multi30k/dataset",
+            citation=_CITATION,
+        )
+
+    def _split_generators(
+        self, dl_manager: tfds.download.DownloadManager
+    ) -> dict[str, Iterator[tuple[int, dict[str, str]]]]:
+        """Returns {split: example generator}; reads every file first so errors come early."""
+        lang1, lang2 = self.builder_config.languages
+        manual_dir = _usable_manual_dir(dl_manager)
+        if manual_dir is not None:
+            files = local_split_files(manual_dir, lang1, lang2)
+        else:
+            try:
+                files = dl_manager.download(download_urls(lang1, lang2))
+            except Exception as e:  # The download backends raise many kinds.
+                raise RuntimeError(
+                    f"Multi30k {lang1}-{lang2}: no raw files in the manual directory and "
+                    f"downloading them failed ({e}). Put train.{lang1}.gz, train.{lang2}.gz, "
+                    f"val.{lang1}.gz, val.{lang2}.gz (and test_*.gz) in a directory and pass "
+                    "it as tfds.download.DownloadConfig(manual_dir=...)."
+                ) from e
+        generators = {}
+        for split, paths in files.items():
+            pairs, skipped = read_parallel(paths[lang1], paths[lang2])
+            if skipped:
+                logging.warning(
+                    "Multi30k %s-%s %s: skipped %d of %d line pairs with an empty side.",
+                    lang1,
+                    lang2,
+                    split,
+                    skipped,
+                    len(pairs) + skipped,
+                )
+            generators[split] = self._generate_examples(pairs)
+        return generators
+
+    def _generate_examples(
+        self, pairs: list[tuple[int, str, str]]
+    ) -> Iterator[tuple[int, Mapping[str, str]]]:
+        """Yields (line_number, {lang1: text, lang2: text}) in file order."""
+        lang1, lang2 = self.builder_config.languages
+        for line, text1, text2 in pairs:
+            yield line, {lang1: text1, lang2: text2}
+
+
+def _usable_manual_dir(dl_manager: tfds.download.DownloadManager) -> epath.Path | None:
+    """Returns the manual directory if it exists and is not empty, else None (download)."""
+    try:
+        return dl_manager.manual_dir
+    except AssertionError:  # TFDS's signal for a manual dir that is unset, missing or empty.
+        return None

@@ -1,0 +1,267 @@
+"""SentencePiece subword tokenizer: joint-vocabulary training and a small wrapper.
+
+The paper (Vaswani et al., 2017, Section 5.1) uses a shared source-target vocabulary of
+byte-pair encodings (EN-DE, ~37k) or word pieces (EN-FR, 32k). `train_tokenizer` trains
+one SentencePiece model on source and target text together (the caller passes both).
+
+Reserved ids, fixed for every model trained here:
+
+    0  <pad>   padding, and only padding (the input pipeline pads with 0)
+    1  <unk>   any piece the model cannot represent (e.g. a character never seen)
+    2  <s>     BOS (used by decoders as the start token; never added by `encode`)
+    3  </s>    EOS (appended by the input pipeline; `decode` stops at the first one)
+
+`Tokenizer.encode(text) -> list[int]` adds no BOS/EOS; `Tokenizer.decode(ids) -> str`
+cuts at the first EOS and drops padding. `to_bytes()`/`from_bytes()` carry the
+serialized model proto, so a checkpoint can store the exact vocabulary it was trained with.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+
+import numpy as np
+import sentencepiece as spm
+from etils import epath
+
+PAD_ID = 0
+UNK_ID = 1
+BOS_ID = 2
+EOS_ID = 3
+
+# Sentences beyond this many are subsampled (seeded reservoir) before training.
+DEFAULT_MAX_SENTENCES = 2_000_000
+
+
+def _as_text(line: str | bytes) -> str:
+    """Returns `line` as str; bytes are decoded as UTF-8 with replacement characters."""
+    if isinstance(line, bytes):
+        return line.decode("utf-8", errors="replace")
+    return line
+
+
+def _sample_sentences(texts: Iterable[str | bytes], max_sentences: int, seed: int) -> list[str]:
+    """Non-empty lines of `texts`, reservoir-sampled down to `max_sentences` (seeded).
+
+    Deterministic for the same input and seed; keeps corpus order when nothing is dropped.
+    """
+    rng = random.Random(seed)
+    sample: list[str] = []
+    seen = 0
+    for raw in texts:
+        line = _as_text(raw).strip()
+        if not line:
+            continue
+        if len(sample) < max_sentences:
+            sample.append(line)
+        else:
+            j = rng.randint(0, seen)
+            if j < max_sentences:
+                sample[j] = line
+        seen += 1
+    return sample
+
+
+def _write_atomically(path: str | epath.PathLike, data: bytes) -> None:
+    """Writes `data` to `path` via a temporary file and a rename (no torn files)."""
+    target = epath.Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex}"
+    tmp.write_bytes(data)
+    tmp.replace(target)
+
+
+def train_tokenizer(
+    texts: Iterable[str | bytes],
+    vocab_size: int,
+    model_path: str | epath.PathLike,
+    *,
+    model_type: str = "unigram",
+    character_coverage: float = 1.0,
+    user_defined_symbols: Sequence[str] = (),
+    max_sentences: int = DEFAULT_MAX_SENTENCES,
+    max_sentence_length: int = 8192,
+    seed: int = 0,
+    num_threads: int = 1,
+) -> Tokenizer:
+    """Trains a joint SentencePiece model on `texts`, writes it to `model_path`, returns it.
+
+    Args:
+      texts: source and target sentences together (joint vocabulary); str or UTF-8 bytes.
+        Empty and whitespace-only lines are skipped.
+      vocab_size: requested number of pieces, including the 4 reserved ids. When the corpus
+        cannot support that many, the model is smaller (`hard_vocab_limit=False`); read
+        `Tokenizer.vocab_size` for the real size.
+      model_path: where the serialized model goes (written atomically: temp file + rename).
+      model_type: 'unigram' | 'bpe' | 'char' | 'word'.
+      character_coverage: fraction of characters the model covers; the rest map to <unk>.
+      user_defined_symbols: pieces that are never split (e.g. language tags '<2de>'); they get
+        ids 4, 5, ... in the given order.
+      max_sentences: at most this many sentences are used (seeded reservoir sample).
+      max_sentence_length: longer sentences (in bytes) are skipped by the trainer.
+      seed: seed for the sentence sample and SentencePiece's random generator.
+      num_threads: trainer threads. 1 (default) is bit-for-bit deterministic.
+
+    Returns:
+      The trained `Tokenizer`. Same input and arguments give identical model bytes.
+
+    Raises:
+      ValueError: no usable text, or `vocab_size` below the number of required characters.
+    """
+    sentences = _sample_sentences(texts, max_sentences, seed)
+    if not sentences:
+        raise ValueError("train_tokenizer: no non-empty sentence in `texts`.")
+    spm.set_random_generator_seed(seed)
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(sentences),
+            model_writer=model,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            character_coverage=character_coverage,
+            user_defined_symbols=list(user_defined_symbols),
+            pad_id=PAD_ID,
+            unk_id=UNK_ID,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
+            hard_vocab_limit=False,
+            input_sentence_size=0,  # we sample ourselves (seeded) above
+            shuffle_input_sentence=False,
+            max_sentence_length=max_sentence_length,
+            num_threads=num_threads,
+            minloglevel=2,
+        )
+    except RuntimeError as e:
+        raise ValueError(
+            f"SentencePiece training failed (vocab_size={vocab_size}, model_type={model_type},"
+            f" {len(sentences)} sentences): {e}"
+        ) from e
+    tokenizer = Tokenizer.from_bytes(model.getvalue())
+    tokenizer.save(model_path)
+    return tokenizer
+
+
+class Tokenizer:
+    """A loaded SentencePiece model with the pad/unk/bos/eos conventions of tx_jax.
+
+    Requires pad id 0 and an <unk> id != 0 (any model from `train_tokenizer` has
+    pad=0, unk=1, bos=2, eos=3).
+    """
+
+    def __init__(self, model_proto: bytes):
+        self._proto = bytes(model_proto)
+        self._sp = spm.SentencePieceProcessor(model_proto=self._proto)
+        if self._sp.pad_id() != PAD_ID or self._sp.unk_id() == PAD_ID:
+            raise ValueError(
+                f"Tokenizer needs pad_id=0 and unk_id!=0, got pad_id={self._sp.pad_id()},"
+                f" unk_id={self._sp.unk_id()}."
+            )
+        if self._sp.eos_id() < 0:
+            raise ValueError("Tokenizer needs an EOS piece (eos_id >= 0).")
+        pieces = (self._sp.id_to_piece(i) for i in range(self.vocab_size))
+        self._max_piece_chars = max(len(p) for p in pieces)
+
+    # ----------------------------------------------------------------------- construction
+
+    @classmethod
+    def load(cls, path: str | epath.PathLike) -> Tokenizer:
+        """Loads a serialized SentencePiece model from `path` (local or any epath)."""
+        return cls(epath.Path(path).read_bytes())
+
+    @classmethod
+    def from_bytes(cls, model_proto: bytes) -> Tokenizer:
+        """Builds a tokenizer from a serialized model proto (as returned by `to_bytes`)."""
+        return cls(model_proto)
+
+    def to_bytes(self) -> bytes:
+        """The serialized model proto; `Tokenizer.from_bytes(t.to_bytes())` equals `t`."""
+        return self._proto
+
+    def save(self, path: str | epath.PathLike) -> None:
+        """Writes the model to `path` atomically (temp file + rename)."""
+        _write_atomically(path, self._proto)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Tokenizer) and other._proto == self._proto
+
+    def __hash__(self) -> int:
+        return hash(self._proto)
+
+    def __getstate__(self) -> bytes:
+        return self._proto
+
+    def __setstate__(self, state: bytes) -> None:
+        self.__init__(state)
+
+    # ----------------------------------------------------------------------- vocabulary
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, reserved ones included (ids are 0 .. vocab_size - 1)."""
+        return self._sp.vocab_size()
+
+    @property
+    def pad_id(self) -> int:
+        return self._sp.pad_id()
+
+    @property
+    def unk_id(self) -> int:
+        return self._sp.unk_id()
+
+    @property
+    def bos_id(self) -> int:
+        return self._sp.bos_id()
+
+    @property
+    def eos_id(self) -> int:
+        return self._sp.eos_id()
+
+    @property
+    def max_piece_chars(self) -> int:
+        """Longest piece in characters; a text of n chars needs >= n / this many ids."""
+        return self._max_piece_chars
+
+    def id_to_piece(self, i: int) -> str:
+        return self._sp.id_to_piece(int(i))
+
+    def piece_to_id(self, piece: str) -> int:
+        return self._sp.piece_to_id(piece)
+
+    # ----------------------------------------------------------------------- encode/decode
+
+    def encode(self, text: str) -> list[int]:
+        """Text -> ids, without BOS or EOS. Unseen characters become `unk_id`, never 0."""
+        return self._sp.encode(text)
+
+    def encode_batch(self, texts: Sequence[str], num_threads: int = -1) -> list[list[int]]:
+        """`encode` over many texts, in parallel C++ threads (-1: one per core)."""
+        return self._sp.encode(list(texts), num_threads=num_threads)
+
+    def _strip(self, ids: Iterable[int]) -> list[int]:
+        """Ids up to (excluding) the first EOS, without padding and BOS."""
+        out = []
+        for i in np.asarray(ids, dtype=np.int64).reshape(-1).tolist():
+            if i == self.eos_id:
+                break
+            if i != PAD_ID and i != self.bos_id:
+                out.append(i)
+        return out
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Ids (list or 1-D array) -> text; stops at the first EOS, ignores padding and BOS."""
+        return self._sp.decode(self._strip(ids))
+
+    def decode_batch(self, ids: Iterable[Iterable[int]]) -> list[str]:
+        """`decode` for each row of a [B, L] array or a list of id lists."""
+        return [self.decode(row) for row in ids]
+
+
+def iter_pair_texts(pairs: Iterable[tuple[str, str]]) -> Iterator[str]:
+    """Source and target of each pair, interleaved: the input for a joint vocabulary."""
+    for source, target in pairs:
+        yield source
+        yield target
