@@ -1,0 +1,324 @@
+"""Decoding: cached logits equal the full forward pass; greedy, beam search and sampling."""
+
+import functools
+import itertools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tx_jax import decoding, models
+
+V = 11  # pad 0, 1, bos 2, eos 3, 4..10
+BOS, EOS = 2, 3
+
+
+def _cfg(vocab=V, **kw):
+    return models.variant("tiny", vocab_size=vocab, dropout_rate=0.0, **kw)
+
+
+def _params(model, *args, seed=0):
+    return nn.meta.unbox(jax.jit(model.init)(jax.random.key(seed), *args)["params"])
+
+
+# Source with padding (row 1), so the cross-attention padding mask matters.
+SRC = jnp.array([[5, 6, 7, 8, 9], [4, 9, 10, 0, 0]], jnp.int32)
+TGT = jnp.array([[5, 6, 7, 8, 9, 4], [4, 9, 10, 1, 5, 6]], jnp.int32)
+T_OUT = 8  # one output length for the translation tests: they share compiled functions
+
+
+@pytest.fixture(scope="module")
+def translation():
+    cfg = _cfg()
+    return cfg, _params(models.EncoderDecoder(cfg), SRC, TGT)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _stepwise(build, params, decoder_inputs):
+    """Feed decoder_inputs [B, L] one token at a time to the logits function that
+    build(params) makes -> logits [B, L, V] and the final cache."""
+    fn, cache = build(params)
+
+    def step(cache, tokens):
+        logits, cache = fn(tokens[:, None], cache)
+        return cache, logits
+
+    cache, logits = jax.lax.scan(step, cache, decoder_inputs.T)
+    return logits.transpose(1, 0, 2), cache
+
+
+@pytest.fixture(scope="module")
+def language_model():
+    cfg = _cfg(positional="learned", norm_position="pre", num_kv_heads=1)
+    return cfg, _params(models.DecoderOnly(cfg), TGT)
+
+
+def _check_ends(tokens, eos=EOS):
+    """Every row: real tokens, then (after its first EOS) only padding. -> rows that ended."""
+    ended = 0
+    for row in np.asarray(tokens).reshape(-1, tokens.shape[-1]):
+        eos_at = np.flatnonzero(row == eos)
+        end = eos_at[0] + 1 if eos_at.size else row.size
+        assert (row[:end] != 0).all(), row
+        assert (row[end:] == 0).all(), row
+        ended += bool(eos_at.size) and end < row.size
+    return ended
+
+
+# --------------------------------------------------------------------------- cache
+
+
+@pytest.mark.parametrize("variant", ["sinusoidal", "rope"])
+def test_cached_logits_equal_full_forward_encoder_decoder(translation, variant):
+    cfg, params = translation
+    if variant == "rope":  # with grouped-query attention and pre-LN
+        cfg = _cfg(positional="rope", num_kv_heads=2, norm_position="pre")
+        params = _params(models.EncoderDecoder(cfg), SRC, TGT)
+    model = models.EncoderDecoder(cfg)
+    want = jax.jit(model.apply)({"params": params}, SRC, TGT)  # teacher forcing: [B, L, V]
+    for use_cache in (True, False):
+        build = lambda p, use_cache=use_cache: decoding.encoder_decoder_logits_fn(
+            cfg, p, SRC, max_decode_len=TGT.shape[1], use_cache=use_cache
+        )
+        got, cache = _stepwise(build, params, models.shift_right(TGT, BOS))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{use_cache=}")
+        if use_cache:
+            layer = cache["decoder"]["layer_0"]
+            assert bool(layer["cross_attention"]["cross_filled"])
+            assert int(layer["self_attention"]["cache_index"]) == TGT.shape[1]
+
+
+def test_cached_logits_equal_full_forward_language_model(language_model):
+    cfg, params = language_model
+    want = jax.jit(models.DecoderOnly(cfg).apply)({"params": params}, TGT)
+    for use_cache in (True, False):
+        build = lambda p, use_cache=use_cache: decoding.decoder_only_logits_fn(
+            cfg, p, TGT.shape[0], max_decode_len=TGT.shape[1], use_cache=use_cache
+        )
+        got, _ = _stepwise(build, params, models.shift_right(TGT, BOS))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{use_cache=}")
+
+
+def test_gather_cache_reorders_beams_but_not_cross_attention():
+    B, N = 2, 3
+    rows = jnp.arange(B * N, dtype=jnp.float32)
+    cache = {
+        "self_attention": {"cached_key": rows[:, None] * 10, "cache_index": jnp.array(4)},
+        "cross_attention": {"cross_key": rows[:, None], "cross_filled": jnp.array(True)},
+    }
+    out = decoding.gather_cache(cache, jnp.array([[2, 2, 0], [1, 0, 0]]))
+    np.testing.assert_array_equal(
+        out["self_attention"]["cached_key"][:, 0], [20, 20, 0, 40, 30, 30]
+    )
+    np.testing.assert_array_equal(out["cross_attention"]["cross_key"][:, 0], rows)
+    assert int(out["self_attention"]["cache_index"]) == 4
+
+
+# -------------------------------------------------------------------------- greedy
+
+
+def test_decode_length_is_source_plus_50_capped():
+    assert decoding.decode_length(7) == 57
+    assert decoding.decode_length(7, 20) == 20
+    assert decoding.decode_length(None, 30, _cfg(positional="learned", max_len=16)) == 16
+    with pytest.raises(ValueError, match="max_decode_len"):
+        decoding.decode_length(None)
+
+
+def test_greedy_is_argmax_of_the_full_model(translation):
+    cfg, params = translation
+    T = T_OUT
+    model = models.EncoderDecoder(cfg)
+    full = jax.jit(
+        lambda y: model.apply({"params": params}, SRC, y, targets_segmentation=jnp.ones_like(y))
+    )
+    want = np.zeros((2, T), np.int32)  # argmax (padding excluded), recomputed from scratch
+    for t in range(T):
+        want[:, t] = np.asarray(full(jnp.asarray(want)))[:, t, 1:].argmax(-1) + 1
+    want[:, 1:][np.cumsum(want == EOS, axis=1)[:, :-1] > 0] = 0  # padding after EOS
+    got = decoding.translate_greedy(cfg, params, SRC, max_decode_len=T)
+    np.testing.assert_array_equal(got, want)
+    no_cache = decoding.translate_greedy(cfg, params, SRC, max_decode_len=T, use_cache=False)
+    np.testing.assert_array_equal(no_cache, want)
+
+
+# ---------------------------------------------------------------------------- beam
+
+
+def test_beam_size_one_is_greedy(translation):
+    cfg, params = translation
+    greedy = decoding.translate_greedy(cfg, params, SRC, max_decode_len=T_OUT)
+    beam, scores = decoding.translate_beam(
+        cfg, params, SRC, beam_size=1, alpha=0.0, max_decode_len=T_OUT
+    )
+    np.testing.assert_array_equal(beam[:, 0], greedy)
+    assert np.isfinite(scores).all()
+
+
+def test_beam_search_with_and_without_cache_agree(translation):
+    """The no-cache path keeps no model state, so this checks the cache gathering."""
+    cfg, params = translation
+    kw = dict(beam_size=3, alpha=0.6, max_decode_len=T_OUT)
+    tokens, scores = decoding.translate_beam(cfg, params, SRC, **kw)
+    ref_tokens, ref_scores = decoding.translate_beam(cfg, params, SRC, use_cache=False, **kw)
+    np.testing.assert_array_equal(tokens, ref_tokens)
+    np.testing.assert_allclose(scores, ref_scores, rtol=1e-5, atol=1e-5)
+    assert (np.diff(np.asarray(scores), axis=1) <= 0).all()  # best first
+    assert len({tuple(r) for r in np.asarray(tokens[0])}) == 3  # distinct hypotheses
+
+
+# A five-token vocabulary: pad 0, bos 2, eos 3 and real tokens 1, 4. With seed 2 the random
+# model's greedy path is not the best sequence, so the search has work to do.
+SMALL_V, MAX_LEN = 5, 4
+SMALL_SRC = jnp.array([[1, 4, 4], [4, 1, 0], [1, 1, 4], [4, 4, 1]], jnp.int32)
+
+
+def _all_hypotheses():
+    """Every output up to MAX_LEN: ends in EOS, or is cut at MAX_LEN. -> [H, T], lengths [H]."""
+    words = [1, 2, 4]  # non-EOS, non-padding tokens (BOS may be generated)
+    seqs = [p + (EOS,) for n in range(MAX_LEN) for p in itertools.product(words, repeat=n)]
+    seqs += list(itertools.product(words, repeat=MAX_LEN))
+    out = np.zeros((len(seqs), MAX_LEN), np.int32)
+    for j, s in enumerate(seqs):
+        out[j, : len(s)] = s
+    return out, np.array([len(s) for s in seqs])
+
+
+@pytest.fixture(scope="module")
+def small():
+    """The model, and log p(y | x) of every hypothesis y [H, T] in float64: [B, H]."""
+    cfg = _cfg(vocab=SMALL_V)
+    model = models.EncoderDecoder(cfg)
+    params = _params(model, SMALL_SRC, SMALL_SRC, seed=2)
+    hyps, lengths = _all_hypotheses()
+    B, H = SMALL_SRC.shape[0], len(hyps)
+    logits = jax.jit(model.apply)(
+        {"params": params}, jnp.repeat(SMALL_SRC, H, 0), jnp.tile(jnp.asarray(hyps), (B, 1))
+    )
+    logp = np.asarray(jax.nn.log_softmax(logits), np.float64).reshape(B, H, MAX_LEN, -1)
+    token_logp = np.take_along_axis(logp, np.broadcast_to(hyps[..., None], (B, H, MAX_LEN, 1)), -1)
+    token_logp = np.where(np.arange(MAX_LEN) < lengths[:, None], token_logp[..., 0], 0.0)
+    return cfg, params, (hyps, lengths, token_logp.sum(-1))
+
+
+def _exhaustive_scores(hypotheses, alpha, kind):
+    """Every hypothesis' log p(y | x) / penalty(|y|): [B, H], and the hypotheses [H, T]."""
+    hyps, lengths, logp = hypotheses
+    return logp / np.asarray(decoding.length_penalty(lengths, alpha, kind), np.float64), hyps
+
+
+def test_beam_as_wide_as_the_vocabulary_finds_the_exhaustive_best(small):
+    cfg, params, hypotheses = small
+    scores, hyps = _exhaustive_scores(hypotheses, 0.6, "gnmt")
+    best = scores.argmax(1)
+    tokens, beam_scores = decoding.translate_beam(
+        cfg, params, SMALL_SRC, beam_size=SMALL_V, alpha=0.6, max_decode_len=MAX_LEN
+    )
+    np.testing.assert_array_equal(tokens[:, 0], hyps[best])
+    np.testing.assert_allclose(beam_scores[:, 0], scores.max(1), rtol=1e-5, atol=1e-5)
+    greedy = decoding.translate_greedy(cfg, params, SMALL_SRC, max_decode_len=MAX_LEN)
+    assert (np.asarray(greedy) != hyps[best]).any(axis=1).sum() >= 2  # greedy misses them
+
+
+@pytest.mark.parametrize("alpha,kind", [(0.6, "gnmt"), (1.0, "fairseq")])
+def test_beam_covering_every_prefix_returns_the_exhaustive_top_n(small, alpha, kind):
+    """27 = 3^3 beams keep every live prefix, so the N best finished must be exact."""
+    cfg, params, hypotheses = small
+    N = 27
+    scores, hyps = _exhaustive_scores(hypotheses, alpha, kind)
+    tokens, beam_scores = decoding.translate_beam(
+        cfg, params, SMALL_SRC, beam_size=N, alpha=alpha, max_decode_len=MAX_LEN,
+        length_penalty=kind,
+    )  # fmt: skip
+    want = -np.sort(-scores, axis=1)[:, :N]
+    np.testing.assert_allclose(beam_scores, want, rtol=1e-5, atol=1e-5)
+    index = {tuple(h): j for j, h in enumerate(hyps)}  # each returned hypothesis' own score
+    for b in range(SMALL_SRC.shape[0]):
+        own = [scores[b, index[tuple(t)]] for t in np.asarray(tokens[b])]
+        np.testing.assert_allclose(own, beam_scores[b], rtol=1e-5, atol=1e-5)
+
+
+def test_eos_ends_a_sequence_and_padding_follows(small):
+    cfg, params, _ = small
+    kw = dict(max_decode_len=8)
+    greedy = decoding.translate_greedy(cfg, params, SMALL_SRC, **kw)
+    beams, _ = decoding.translate_beam(cfg, params, SMALL_SRC, beam_size=3, alpha=0.6, **kw)
+    sampled = decoding.sample(cfg, params, jax.random.key(0), inputs=SMALL_SRC, **kw)
+    assert _check_ends(beams) >= 3
+    assert _check_ends(sampled) >= 1
+    _check_ends(greedy)
+    with pytest.raises(ValueError, match="length_penalty"):
+        decoding.translate_beam(cfg, params, SMALL_SRC, length_penalty="google", **kw)
+
+
+def test_length_penalty_values():
+    np.testing.assert_allclose(decoding.length_penalty(1, 0.6), 1.0)
+    np.testing.assert_allclose(decoding.length_penalty(7, 0.6), 2.0**0.6, rtol=1e-6)
+    np.testing.assert_allclose(decoding.length_penalty(4, 1.0, "fairseq"), 4.0)
+    np.testing.assert_allclose(decoding.length_penalty(9, 0.0, "fairseq"), 1.0)
+
+
+# ------------------------------------------------------------------------ sampling
+
+
+def test_filter_logits_top_k_and_nucleus():
+    logits = jnp.log(jnp.array([[0.05, 0.5, 0.15, 0.3]]))
+    kept = lambda **kw: np.isfinite(decoding.filter_logits(logits, **kw))[0].tolist()
+    assert kept(top_k=2) == [False, True, False, True]
+    assert kept(top_p=0.5) == [False, True, False, False]  # 0.5 alone reaches 0.5
+    assert kept(top_p=0.7) == [False, True, False, True]
+    assert kept(top_p=0.81) == [False, True, True, True]
+    assert kept(top_k=2, top_p=0.81) == [False, True, False, True]
+
+
+def test_sample_frequencies_follow_the_tempered_distribution():
+    """A fixed logits function: 4000 one-step samples per setting against softmax(l / t)."""
+    logits = jnp.log(jnp.array([1e-9, 0.1, 0.2, 0.3, 0.4]))  # index 0 (padding) is never drawn
+    fn = lambda tokens, cache: (jnp.broadcast_to(logits, (tokens.shape[0], 5)), cache)
+    run = jax.jit(
+        lambda key, t: decoding.sample_decode(
+            fn, (), key, batch_size=4000, max_decode_len=1, bos_id=BOS, eos_id=99, temperature=t
+        )[:, 0]
+    )
+    for t in (1.0, 0.5):
+        freq = np.bincount(np.asarray(run(jax.random.key(0), t)), minlength=5) / 4000
+        want = np.asarray(jax.nn.softmax(logits[1:] / t))
+        assert freq[0] == 0
+        np.testing.assert_allclose(freq[1:], want, atol=0.03)
+    assert (np.asarray(run(jax.random.key(0), 0.0)) == 4).all()
+
+
+def test_language_model_sampling(language_model):
+    cfg, params = language_model
+    B, T = 3, 12
+    prompt = jnp.array([[5, 6, 7], [4, 0, 0], [0, 0, 0]], jnp.int32)
+    fn, cache = decoding.decoder_only_logits_fn(cfg, params, B, max_decode_len=T, use_cache=False)
+    greedy = jax.jit(
+        lambda p: decoding.greedy_decode(
+            fn, cache, batch_size=B, max_decode_len=T, bos_id=BOS, prompt=p
+        )
+    )(prompt)  # fmt: skip
+    run = lambda key, **kw: decoding.sample(
+        cfg, params, key, prompt=prompt, max_decode_len=T, **kw
+    )  # fmt: skip
+    k0, k1 = jax.random.key(0), jax.random.key(1)
+    np.testing.assert_array_equal(run(k0, temperature=0.0), greedy)
+    np.testing.assert_array_equal(run(k1, temperature=1e-4), greedy)
+    np.testing.assert_array_equal(run(k1, top_k=1, top_p=0.9), greedy)
+    first = run(k0)
+    np.testing.assert_array_equal(first, run(k0))
+    assert (np.asarray(first) != np.asarray(run(k1))).any()
+    np.testing.assert_array_equal(first[0, :3], [5, 6, 7])  # the prompt is forced
+    assert int(first[1, 0]) == 4
+    _check_ends(first)
+
+
+def test_translation_sampling_at_temperature_zero_is_greedy(translation):
+    cfg, params = translation
+    greedy = decoding.translate_greedy(cfg, params, SRC, max_decode_len=T_OUT)
+    sampled = decoding.sample(
+        cfg, params, jax.random.key(3), inputs=SRC, max_decode_len=T_OUT, temperature=0.0
+    )
+    np.testing.assert_array_equal(sampled, greedy)
