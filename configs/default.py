@@ -1,12 +1,16 @@
 """The default experiment: the embedded synthetic language pair, sized for a 2-core CPU.
 
-python -m tx_jax.main --config=configs/default.py --workdir=runs/default
---config=configs/default.py:debug      shrinks everything to seconds (tests, smoke runs)
+    ./launch.sh train                       (= python -m tx_jax.main --config=configs/default.py
+                                               --workdir=runs/default)
+    --config=configs/default.py:debug       shrinks everything to seconds (tests, smoke runs)
+
+Sections: model (-> tx_jax.models.ModelConfig), data, train, eval, checkpoint, parallel.
 """
 
 import ml_collections
 
 from tx_jax.config_utils import parse_arg
+from tx_jax.parallel import DEFAULT_RULES
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -14,29 +18,100 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0  # every random stream (init, dropout, data order) derives from this
 
-    # Model: a small post-LN Transformer (paper defaults, shrunk for the CPU).
+    # Model: a small post-LN Transformer (the paper's design, shrunk for the CPU).
     c.model = ml_collections.ConfigDict()
-    c.model.vocab_size = 1024  # joint SentencePiece vocabulary; set from the tokenizer
     c.model.d_model = 128  # M
     c.model.num_heads = 4  # H
     c.model.d_ff = 512  # FFN inner width
     c.model.num_encoder_layers = 2
     c.model.num_decoder_layers = 2
-    c.model.dropout_rate = 0.1  # residual + embedding dropout
+    c.model.dropout_rate = 0.1  # residual + embedding dropout (P_drop)
     c.model.attention_dropout_rate = 0.0
-    c.model.norm_position = "post"  # the paper's post-LN
-    c.model.positional = "sinusoidal"
-    c.model.share_embeddings = True  # joint vocabulary -> one embedding
+    c.model.norm_position = "post"  # the paper's post-LN; 'pre' for deep models
+    c.model.positional = "sinusoidal"  # sinusoidal | learned | rope | none
+    c.model.share_embeddings = True  # joint vocabulary -> one embedding matrix
     c.model.tie_output = True  # logits = x E^T
     c.model.dtype = "float32"  # compute dtype; 'bfloat16' on accelerators
+    c.model.attention_impl = "auto"  # auto | xla | chunked | cudnn
+
+    # Data: TFDS dataset, SentencePiece vocabulary, token-budget batches.
+    c.data = ml_collections.ConfigDict()
+    c.data.dataset = "synthetic"  # synthetic | multi30k | a TFDS name (wmt14_translate/de-en)
+    c.data.source_lang = "src"
+    c.data.target_lang = "tgt"
+    c.data.data_dir = ml_collections.FieldReference(None, field_type=str)  # TFDS dir; None: default
+    c.data.manual_dir = ml_collections.FieldReference(None, field_type=str)  # raw files (Multi30k)
+    c.data.download = False  # may the TFDS data be downloaded (never for 'synthetic')
+    c.data.synthetic = ml_collections.ConfigDict(
+        dict(num_train=50_000, num_validation=1_000, num_test=1_000, seed=0)
+    )
+    c.data.vocab_size = 512  # joint SentencePiece pieces (the model's vocab_size follows it)
+    c.data.tokenizer_pairs = 50_000  # train pairs used to train the tokenizer
+    c.data.max_len = 64  # train pairs with a longer side (in tokens, EOS included) are dropped
+    c.data.max_eval_len = 96  # eval sources/references are truncated to this
+    c.data.tokens_per_batch = 4096  # global token budget per batch (padded, per side)
+    # Static shapes: one compilation per bucket (None: every 8 tokens up to max_len).
+    c.data.bucket_boundaries = [16, 32, 48, 64]
+    c.data.packing = False  # pack several pairs per row with segment ids instead
+    c.data.eval_split = "validation"
+    c.data.test_split = "test"
+    c.data.eval_batch_size = 128  # rows per eval/decode batch
+
+    # Training: Adam with the paper's settings and its rsqrt warmup schedule.
+    c.train = ml_collections.ConfigDict()
+    c.train.num_steps = 600
+    c.train.schedule = "rsqrt"  # rsqrt (paper) | linear_rsqrt | cosine | constant
+    c.train.warmup_steps = 200
+    c.train.lr_scale = 0.7  # multiplies the paper's d_model^-0.5 * min(...) schedule
+    c.train.peak_lr = 1e-3  # for linear_rsqrt / cosine / constant
+    c.train.final_lr_fraction = 0.1  # cosine: end at peak_lr * this
+    c.train.beta1 = 0.9
+    c.train.beta2 = 0.98
+    c.train.eps = 1e-9
+    c.train.weight_decay = 0.0  # > 0 switches to AdamW
+    c.train.clip_grad_norm = 1.0  # global-norm clipping; 0 disables
+    c.train.label_smoothing = 0.1  # section 5.4
+    c.train.grad_accum_steps = 1  # split each batch into this many micro-batches
+    c.train.log_every = 50
+    c.train.restore_data_iterator = True  # resume the exact batch sequence
+    c.train.max_nonfinite_steps = 10  # stop after this many non-finite updates in a row
+
+    # Evaluation during training (and the final test-split score).
+    c.eval = ml_collections.ConfigDict()
+    c.eval.every = 300  # validation loss/accuracy/perplexity + BLEU every N steps
+    c.eval.bleu_examples = 200  # validation pairs decoded for BLEU (0 disables)
+    c.eval.beam_size = 1  # 1: greedy during training
+    c.eval.alpha = 0.6  # GNMT length penalty for beam search
+    c.eval.test_split = "test"  # scored at the end of training ('' to skip)
+
+    # Checkpoints (Orbax).
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every = 200
+    c.checkpoint.keep = 3  # latest K, plus the best by best_metric
+    c.checkpoint.best_metric = "bleu"
+    c.checkpoint.async_save = True
+
+    # Devices: 'pmap' (replicated) or 'mesh' (sharded jit over data/fsdp/tensor axes).
+    c.parallel = ml_collections.ConfigDict()
+    c.parallel.strategy = "pmap"
+    c.parallel.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+    c.parallel.rules = [list(r) for r in DEFAULT_RULES]  # logical axis -> mesh axes
+    c.parallel.distributed = False  # jax.distributed.initialize (TPU pods, multi-host)
+    c.parallel.coordinator_address = ml_collections.FieldReference(None, field_type=str)
+    c.parallel.num_processes = ml_collections.FieldReference(None, field_type=int)
+    c.parallel.process_id = ml_collections.FieldReference(None, field_type=int)
 
     if args.variant == "debug":
-        c.model.d_model = 32
-        c.model.num_heads = 2
-        c.model.d_ff = 64
-        c.model.num_encoder_layers = 1
-        c.model.num_decoder_layers = 1
-        c.model.vocab_size = 128
+        c.model.update(d_model=32, num_heads=2, d_ff=64, num_encoder_layers=1,
+                       num_decoder_layers=1, dropout_rate=0.0)  # fmt: skip
+        c.data.synthetic.update(num_train=400, num_validation=40, num_test=40)
+        c.data.vocab_size = 160
+        c.data.tokenizer_pairs = 400
+        c.data.tokens_per_batch = 512
+        c.data.eval_batch_size = 16
+        c.train.update(num_steps=8, warmup_steps=4, log_every=2)
+        c.eval.update(every=4, bleu_examples=16)
+        c.checkpoint.every = 4
     elif args.variant != "default":
         raise ValueError(f"configs/default.py: unknown variant {args.variant!r} (default, debug)")
     return c

@@ -8,8 +8,17 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-# Compile time dominates these tiny models; XLA's optimisation passes buy nothing here.
+# Compile time dominates these tiny models; XLA's optimisation passes buy nothing here, and
+# the persistent cache lets the many tiny training runs share their compilations.
 jax.config.update("jax_disable_most_optimizations", True)
+jax.config.update(
+    "jax_compilation_cache_dir",
+    os.environ.get(
+        "TX_JAX_TEST_CACHE", os.path.join(os.path.dirname(__file__), "..", ".jax_cache")
+    ),
+)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def reference_attention(q, k, v, mask=None, bias=None):
@@ -36,3 +45,9 @@ def reference_attention(q, k, v, mask=None, bias=None):
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+@pytest.fixture(scope="session")
+def tfds_dir(tmp_path_factory):
+    """One TFDS data dir per test session: the tiny synthetic corpus is prepared once."""
+    return tmp_path_factory.getbasetemp() / "tfds"

@@ -1,0 +1,63 @@
+"""Tiny training configs and run helpers shared by the end-to-end tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import ml_collections
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "configs"))
+
+import default as default_config  # noqa: E402
+
+
+def tiny_config(data_dir: str | os.PathLike, **overrides) -> ml_collections.ConfigDict:
+    """configs/default.py:debug with one bucket shape, no BLEU, and `overrides` (dotted)."""
+    c = default_config.get_config("debug")
+    c.data.data_dir = str(data_dir)
+    c.data.bucket_boundaries = [32]  # one static shape: one compilation
+    c.data.tokens_per_batch = 512  # 16 rows of 32: divisible by 8 devices
+    c.data.max_len = 32
+    c.data.max_eval_len = 32
+    c.eval.bleu_examples = 0
+    c.eval.test_split = ""
+    c.eval.every = 1000
+    c.checkpoint.async_save = False
+    c.train.log_every = 1
+    for key, value in overrides.items():
+        node = c
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return c
+
+
+def train_losses(workdir: str | os.PathLike) -> dict[int, float]:
+    """step -> train loss from WORKDIR/metrics.jsonl (the last record of each step wins)."""
+    out = {}
+    for line in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record["split"] == "train":
+            out[record["step"]] = record["loss"]
+    return out
+
+
+def run_python(code: str, *, devices: int = 8, timeout: int = 600, env=None) -> str:
+    """Run `code` in a fresh interpreter with `devices` forced CPU devices; return stdout."""
+    full_env = dict(os.environ, **(env or {}))
+    full_env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    full_env["JAX_PLATFORMS"] = "cpu"
+    full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+        env=full_env, cwd=ROOT,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    return proc.stdout

@@ -1,0 +1,87 @@
+"""Label-smoothed cross-entropy, accuracy, and the learning-rate schedules."""
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from tx_jax import losses, optim
+
+
+def _ref_smoothed_ce(logits, targets, weights, eps):
+    logits = np.asarray(logits, np.float64)
+    V = logits.shape[-1]
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    q = np.full(logits.shape, eps / (V - 1))
+    np.put_along_axis(q, np.asarray(targets)[..., None], 1 - eps, axis=-1)
+    ce = -(q * logp).sum(-1)
+    entropy = -(q * np.log(np.where(q > 0, q, 1.0))).sum(-1)
+    return ((ce - entropy) * weights).sum()
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_smoothed_cross_entropy_matches_float64_reference(eps):
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(3, 5, 11)).astype(np.float32)
+    targets = rng.integers(1, 11, size=(3, 5))
+    weights = (rng.random((3, 5)) > 0.3).astype(np.float32)
+    loss, w = losses.smoothed_cross_entropy(jnp.asarray(logits), targets, weights, eps)
+    np.testing.assert_allclose(loss, _ref_smoothed_ce(logits, targets, weights, eps), rtol=1e-5)
+    assert float(w) == weights.sum()
+
+
+def test_perfect_prediction_has_zero_smoothed_loss():
+    V, eps = 6, 0.1
+    q = np.full((1, 1, V), eps / (V - 1))
+    q[0, 0, 2] = 1 - eps
+    loss, _ = losses.smoothed_cross_entropy(
+        jnp.log(jnp.asarray(q)), jnp.array([[2]]), jnp.ones((1, 1)), eps
+    )
+    assert abs(float(loss)) < 1e-6
+
+
+def test_accuracy_counts_weighted_argmax_hits():
+    logits = jnp.array([[[0.0, 1.0, 0.0], [2.0, 0.0, 0.0], [0.0, 0.0, 5.0]]])
+    correct, w = losses.accuracy(logits, jnp.array([[1, 1, 2]]), jnp.array([[1.0, 1.0, 0.0]]))
+    assert (float(correct), float(w)) == (1.0, 2.0)
+
+
+def _train_cfg(**kw):
+    base = dict(
+        schedule="rsqrt", warmup_steps=4000, lr_scale=1.0, peak_lr=1e-3, final_lr_fraction=0.1,
+        num_steps=100_000, beta1=0.9, beta2=0.98, eps=1e-9, weight_decay=0.0, clip_grad_norm=0.0,
+    )  # fmt: skip
+    base.update(kw)
+    return ml_collections.ConfigDict(base)
+
+
+def test_paper_schedule_values():
+    """lrate = d^-0.5 min(step^-0.5, step warmup^-1.5): step 1, warmup, 4 x warmup."""
+    sched = optim.make_schedule(_train_cfg(), d_model=512)
+    d, w = 512, 4000
+    # Optax count c is the (c+1)-th update: step = c + 1
+    np.testing.assert_allclose(sched(0), d**-0.5 * 1 * w**-1.5, rtol=1e-6)
+    np.testing.assert_allclose(sched(w - 1), d**-0.5 * w**-0.5, rtol=1e-6)  # the peak, 6.99e-4
+    np.testing.assert_allclose(sched(4 * w - 1), d**-0.5 * (4 * w) ** -0.5, rtol=1e-6)
+    assert float(sched(w - 1)) == pytest.approx(6.988e-4, rel=1e-3)
+    assert float(sched(4 * w - 1)) == pytest.approx(float(sched(w - 1)) / 2, rel=1e-6)
+
+
+def test_other_schedules():
+    lin = optim.make_schedule(_train_cfg(schedule="linear_rsqrt", warmup_steps=10), 512)
+    np.testing.assert_allclose([lin(0), lin(9), lin(39)], [1e-4, 1e-3, 5e-4], rtol=1e-6)
+    cos = optim.make_schedule(_train_cfg(schedule="cosine", warmup_steps=10, num_steps=110), 512)
+    np.testing.assert_allclose([cos(10), cos(110)], [1e-3, 1e-4], rtol=1e-5)
+    with pytest.raises(ValueError, match="train.schedule='exp'"):
+        optim.make_schedule(_train_cfg(schedule="exp"), 512)
+
+
+def test_optimizer_is_adam_with_paper_betas_and_clipping():
+    tx, _ = optim.make_optimizer(_train_cfg(clip_grad_norm=1.0, schedule="constant"), 512)
+    params = {"w": jnp.zeros(3)}
+    grads = {"w": jnp.array([30.0, 40.0, 0.0])}  # norm 50 -> clipped to 1
+    updates, _ = tx.update(grads, tx.init(params), params)
+    # Adam's first step is -lr * g / (|g| + eps) elementwise: sign-like, whatever the scale
+    np.testing.assert_allclose(updates["w"], [-1e-3, -1e-3, 0.0], rtol=1e-5, atol=1e-9)
+    assert jax.tree_util.tree_structure(updates) == jax.tree_util.tree_structure(params)

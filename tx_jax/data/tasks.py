@@ -1,0 +1,148 @@
+"""A translation task: the config's data section turned into splits, a tokenizer and batches.
+
+    task = prepare_translation_task(config.data, workdir, seed=config.seed)
+    task.train_iterator(batch_multiple=n)      checkpointable grain iterator of train batches
+    task.eval_batches('validation', n)         every example once, static shapes
+    task.pairs('test')                          raw (source, reference) text pairs
+
+The joint SentencePiece model is trained on the train split once and saved as
+WORKDIR/tokenizer.model; resuming and evaluation load it from there (and checkpoints carry a
+copy). In a multi-process run process 0 prepares data and tokenizer, the others wait.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from etils import epath
+from jax.experimental import multihost_utils
+
+from tx_jax.data import datasets, pipeline
+from tx_jax.data.tokenizer import Tokenizer, iter_pair_texts, train_tokenizer
+
+TOKENIZER_FILE = "tokenizer.model"
+
+
+class Prefix(Sequence):
+    """The first `n` items of a sequence, without copying it."""
+
+    def __init__(self, seq: Sequence, n: int | None):
+        self._seq, self._n = seq, len(seq) if n is None else min(n, len(seq))
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._n))]
+        if not -self._n <= i < self._n:
+            raise IndexError(i)
+        return self._seq[i % self._n]
+
+
+@dataclasses.dataclass
+class TranslationTask:
+    data: Any  # config.data
+    tokenizer: Tokenizer
+    seed: int
+    _splits: dict[str, datasets.TranslationSource] = dataclasses.field(default_factory=dict)
+
+    def split_name(self, split: str) -> str:
+        """'validation' / 'test' are aliases for the config's eval_split / test_split."""
+        return {"validation": self.data.eval_split, "test": self.data.test_split}.get(split, split)
+
+    def source(self, split: str) -> datasets.TranslationSource:
+        name = self.split_name(split)
+        if name not in self._splits:
+            self._splits[name] = load_split(self.data, name)
+        return self._splits[name]
+
+    def pairs(self, split: str, limit: int | None = None) -> Sequence[tuple[str, str]]:
+        return Prefix(self.source(split), limit)
+
+    def train_iterator(self, batch_multiple: int) -> pipeline.TrainIterator:
+        d = self.data
+        boundaries = d.bucket_boundaries
+        if jax.process_count() > 1 and not d.packing and boundaries is None:
+            # every process must feed the same shape on the same step
+            boundaries = [d.max_len]
+        return pipeline.make_train_iterator(
+            self.source("train"), self.tokenizer, max_len=d.max_len,
+            tokens_per_batch=d.tokens_per_batch // jax.process_count(),
+            batch_multiple=batch_multiple, bucket_boundaries=boundaries, packing=d.packing,
+            seed=self.seed,
+        )  # fmt: skip
+
+    def eval_batches(self, split: str, batch_multiple: int, limit: int | None = None):
+        d = self.data
+        return pipeline.make_eval_batches(
+            self.pairs(split, limit), self.tokenizer, max_len=d.max_eval_len,
+            batch_size=d.eval_batch_size, batch_multiple=batch_multiple,
+            bucket_boundaries=[d.max_eval_len],
+        )  # fmt: skip
+
+
+def builder_kwargs(data: Any) -> dict:
+    """Extra TFDS builder arguments the config asks for (the synthetic corpus's sizes)."""
+    if data.dataset == "synthetic":
+        from tx_jax.data import synthetic
+
+        s = data.synthetic
+        return {
+            "config": synthetic.make_config(
+                num_train=s.num_train,
+                num_validation=s.num_validation,
+                num_test=s.num_test,
+                seed=s.seed,
+            )  # fmt: skip
+        }
+    return dict(data.get("builder_kwargs") or {})
+
+
+def load_split(data: Any, split: str) -> datasets.TranslationSource:
+    return datasets.load_translation_split(
+        data.dataset, split, source_lang=data.source_lang, target_lang=data.target_lang,
+        data_dir=data.data_dir, manual_dir=data.manual_dir, download=data.download,
+        builder_kwargs=builder_kwargs(data),
+    )  # fmt: skip
+
+
+def load_or_train_tokenizer(data: Any, workdir: epath.Path, train: Sequence) -> Tokenizer:
+    """WORKDIR/tokenizer.model if present, else a joint model trained on `train`."""
+    path = workdir / TOKENIZER_FILE
+    if path.exists():
+        return Tokenizer.from_bytes(path.read_bytes())
+    if jax.process_index() == 0:
+        logging.info("training a %d-piece SentencePiece model on %d pairs", data.vocab_size,
+                     len(train))  # fmt: skip
+        local = train_tokenizer(
+            iter_pair_texts(Prefix(train, data.tokenizer_pairs)), data.vocab_size,
+            str(path) if not str(path).startswith("gs://") else "/tmp/tx_jax_tokenizer.model",
+            user_defined_symbols=tuple(data.get("user_defined_symbols") or ()),
+        )  # fmt: skip
+        if str(path).startswith("gs://"):
+            path.write_bytes(local.to_bytes())
+    _barrier("tokenizer")
+    return Tokenizer.from_bytes(path.read_bytes())
+
+
+def prepare_translation_task(data: Any, workdir: str | epath.Path, *, seed: int) -> TranslationTask:
+    workdir = epath.Path(workdir)
+    if jax.process_index() == 0:
+        workdir.mkdir(parents=True, exist_ok=True)
+        load_split(data, "train")  # prepares the TFDS data once, before the others read it
+    _barrier("data")
+    train = load_split(data, "train")
+    tokenizer = load_or_train_tokenizer(data, workdir, train)
+    task = TranslationTask(data, tokenizer, seed)
+    task._splits["train"] = train
+    return task
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(f"tx_jax:{name}")

@@ -1,0 +1,100 @@
+"""Translating a split and scoring it with sacreBLEU (BLEU and chrF, with signatures).
+
+Used by training (validation BLEU) and by the evaluate / translate CLIs. Decoding runs in
+one process on that process's default device (or on the mesh the parameters live on).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import sacrebleu
+
+from tx_jax import decoding
+from tx_jax.data.tokenizer import Tokenizer
+from tx_jax.models import ModelConfig
+
+
+@dataclasses.dataclass
+class BleuResult:
+    bleu: float
+    chrf: float
+    signature: str  # sacreBLEU's BLEU signature (tokenizer, smoothing, version)
+    chrf_signature: str
+    hypotheses: list[str]
+    references: list[str]
+
+
+def score(hypotheses: Sequence[str], references: Sequence[str]) -> tuple[float, float, str, str]:
+    """Corpus BLEU and chrF of detokenized text -> (bleu, chrf, bleu_sig, chrf_sig)."""
+    if len(hypotheses) != len(references):
+        raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references")
+    bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
+    b = bleu.corpus_score(list(hypotheses), [list(references)])
+    c = chrf.corpus_score(list(hypotheses), [list(references)])
+    return b.score, c.score, str(bleu.get_signature()), str(chrf.get_signature())
+
+
+def translate_batches(
+    model_config: ModelConfig,
+    params: Any,
+    batches: Iterable[dict[str, np.ndarray]],
+    tokenizer: Tokenizer,
+    num_examples: int,
+    *,
+    beam_size: int = 1,
+    alpha: float = 0.6,
+    max_decode_len: int | None = None,
+) -> list[str]:
+    """Decode every batch (greedy when beam_size == 1) -> hypotheses in corpus order.
+
+    Batches carry 'inputs' [B, S], 'example_index' [B] and 'example_mask' [B]."""
+    out: list[str | None] = [None] * num_examples
+    eos = tokenizer.eos_id
+    for batch in batches:
+        inputs = jax.numpy.asarray(batch["inputs"])
+        if beam_size == 1:
+            tokens = decoding.translate_greedy(
+                model_config, params, inputs, max_decode_len=max_decode_len, eos_id=eos
+            )
+        else:
+            tokens, _ = decoding.translate_beam(
+                model_config, params, inputs, beam_size=beam_size, alpha=alpha,
+                max_decode_len=max_decode_len, eos_id=eos,
+            )  # fmt: skip
+            tokens = tokens[:, 0]  # best first
+        tokens = np.asarray(jax.device_get(tokens))
+        for row, (index, valid) in enumerate(zip(batch["example_index"], batch["example_mask"])):
+            if valid:
+                out[int(index)] = tokenizer.decode(tokens[row].tolist())
+    missing = [i for i, h in enumerate(out) if h is None]
+    if missing:
+        raise RuntimeError(f"{len(missing)} examples were not decoded (first: {missing[:5]})")
+    return out  # type: ignore[return-value]
+
+
+def bleu_for_split(
+    model_config: ModelConfig,
+    params: Any,
+    task: Any,
+    split: str,
+    *,
+    limit: int | None = None,
+    beam_size: int = 1,
+    alpha: float = 0.6,
+    batch_multiple: int = 1,
+) -> BleuResult:
+    """Translate the first `limit` examples of `split` of a TranslationTask and score them."""
+    pairs = task.pairs(split, limit)
+    batches = task.eval_batches(split, batch_multiple, limit)
+    hyps = translate_batches(
+        model_config, params, batches, task.tokenizer, len(pairs), beam_size=beam_size,
+        alpha=alpha,
+    )  # fmt: skip
+    refs = [pairs[i][1] for i in range(len(pairs))]
+    bleu, chrf, sig, chrf_sig = score(hyps, refs)
+    return BleuResult(bleu, chrf, sig, chrf_sig, hyps, refs)

@@ -1,0 +1,68 @@
+"""Learning-rate schedules and the optimiser (paper section 5.3), built on Optax.
+
+    rsqrt (the paper): lrate = scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
+    linear_rsqrt:       linear warmup to peak_lr, then peak_lr * sqrt(warmup / step)
+    cosine:             linear warmup to peak_lr, cosine decay to peak_lr * final_lr_fraction
+
+`step` counts optimizer updates from 1 (Optax's count + 1), so the first update uses step 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import optax
+
+SCHEDULES = ("rsqrt", "linear_rsqrt", "cosine", "constant")
+
+
+def rsqrt_schedule(d_model: int, warmup_steps: int, scale: float = 1.0) -> optax.Schedule:
+    """The paper's eq. (3), as a function of Optax's 0-based update count."""
+
+    def schedule(count):
+        step = jnp.asarray(count, jnp.float32) + 1.0
+        return scale * d_model**-0.5 * jnp.minimum(step**-0.5, step * warmup_steps**-1.5)
+
+    return schedule
+
+
+def make_schedule(train: Any, d_model: int) -> optax.Schedule:
+    """`train` is the config's train section (schedule, warmup_steps, peak_lr, ...)."""
+    kind, warmup = train.schedule, int(train.warmup_steps)
+    if kind == "rsqrt":
+        return rsqrt_schedule(d_model, warmup, train.lr_scale)
+    if kind == "linear_rsqrt":
+
+        def schedule(count):
+            step = jnp.asarray(count, jnp.float32) + 1.0
+            return train.peak_lr * jnp.minimum(step / warmup, jnp.sqrt(warmup / step))
+
+        return schedule
+    if kind == "cosine":
+        return optax.warmup_cosine_decay_schedule(
+            init_value=0.0,
+            peak_value=train.peak_lr,
+            warmup_steps=warmup,
+            decay_steps=max(int(train.num_steps), warmup + 1),
+            end_value=train.peak_lr * train.final_lr_fraction,
+        )
+    if kind == "constant":
+        return optax.constant_schedule(train.peak_lr)
+    raise ValueError(f"train.schedule={kind!r}; expected one of {SCHEDULES}")
+
+
+def make_optimizer(train: Any, d_model: int) -> tuple[optax.GradientTransformation, Any]:
+    """Adam(beta1, beta2, eps) (paper: 0.9, 0.98, 1e-9), optional decoupled weight decay and
+    global-norm clipping. Returns (transformation, schedule)."""
+    schedule = make_schedule(train, d_model)
+    if train.weight_decay > 0:
+        opt = optax.adamw(
+            schedule, b1=train.beta1, b2=train.beta2, eps=train.eps,
+            weight_decay=train.weight_decay,
+        )  # fmt: skip
+    else:
+        opt = optax.adam(schedule, b1=train.beta1, b2=train.beta2, eps=train.eps)
+    if train.clip_grad_norm > 0:
+        opt = optax.chain(optax.clip_by_global_norm(train.clip_grad_norm), opt)
+    return opt, schedule

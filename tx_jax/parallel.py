@@ -1,0 +1,276 @@
+"""Putting state and batches on devices: 'pmap' or 'mesh', behind one interface.
+
+    'pmap': jax.pmap over the local devices; the state is replicated, every device gets a
+            slice of the batch, and gradient/metric sums are averaged with lax.pmean.
+    'mesh': jax.jit over a Mesh with axes (data, fsdp, tensor). Parameters and optimizer
+            state are sharded by the logical axis names the model attaches to them
+            (`nn.with_logical_partitioning`), mapped to mesh axes by `config.parallel.rules`;
+            the batch is split over (data, fsdp); the state is donated to the step.
+
+Model code never sees a device: it names axes ('batch', 'embed', 'heads', ...), and only
+this file turns names into placements. Multi-host runs call `maybe_initialize_distributed`
+first; each process then feeds its own share of the global batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+STRATEGIES = ("pmap", "mesh")
+# Logical name -> mesh axis. A mesh axis is used once per array: activations
+# ('batch', 'length', 'embed') put batch on (data, fsdp) and leave embed replicated, while
+# parameters ('vocab', 'embed') shard embed over fsdp (ZeRO-3 style) and vocab over tensor.
+DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("length", None),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("kv", None),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+)
+
+
+def maybe_initialize_distributed(parallel: Any) -> None:
+    """jax.distributed.initialize when the config or the environment asks for it.
+
+    `parallel.coordinator_address` / `num_processes` / `process_id` (config), or the
+    variables JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID; on TPU VMs
+    `parallel.distributed=True` alone lets JAX discover the slice.
+    """
+    address = parallel.get("coordinator_address") or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if not (parallel.get("distributed") or address):
+        return
+    kwargs = {}
+    if address:
+        kwargs = dict(
+            coordinator_address=address,
+            num_processes=int(parallel.get("num_processes") or os.environ["JAX_NUM_PROCESSES"]),
+            process_id=int(
+                parallel.get("process_id")
+                if parallel.get("process_id") is not None
+                else os.environ["JAX_PROCESS_ID"]
+            ),
+        )
+    if jax.default_backend() == "cpu" or os.environ.get("JAX_PLATFORMS") == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(**kwargs)
+    logging.info(
+        "jax.distributed: process %d of %d, %d local / %d global devices",
+        jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count(),
+    )  # fmt: skip
+
+
+def mesh_shape(requested: dict[str, int], num_devices: int) -> tuple[int, ...]:
+    """{'data': -1, 'fsdp': 2, 'tensor': 1} -> (4, 2, 1) on 8 devices; -1 fills the rest."""
+    unknown = sorted(set(requested) - set(MESH_AXES))
+    if unknown:
+        raise ValueError(f"parallel.mesh has unknown axes {unknown}; valid: {MESH_AXES}")
+    sizes = [int(requested.get(a, 1)) for a in MESH_AXES]
+    if sizes.count(-1) > 1:
+        raise ValueError(f"parallel.mesh={requested}: at most one axis may be -1")
+    fixed = int(np.prod([s for s in sizes if s != -1]))
+    if num_devices % fixed:
+        raise ValueError(
+            f"parallel.mesh={requested}: {fixed} does not divide the {num_devices} devices"
+        )
+    sizes = [num_devices // fixed if s == -1 else s for s in sizes]
+    if int(np.prod(sizes)) != num_devices:
+        raise ValueError(
+            f"parallel.mesh={requested} gives {int(np.prod(sizes))} devices, "
+            f"but there are {num_devices}"
+        )
+    return tuple(sizes)
+
+
+@dataclasses.dataclass
+class Strategy:
+    """How this run places things. Build with `make_strategy(config.parallel)`."""
+
+    kind: str
+    mesh: Mesh | None = None
+    rules: tuple[tuple[str, Any], ...] = DEFAULT_RULES
+
+    @property
+    def local_batch_multiple(self) -> int:
+        """The host-local batch must divide by this (local devices, or this host's share)."""
+        if self.kind == "pmap":
+            return jax.local_device_count()
+        shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        return max(1, shards // jax.process_count())
+
+    # ----------------------------------------------------------------- state
+    def init_state(self, init_fn: Callable[[], Any]) -> Any:
+        """Allocate the state that `init_fn()` (boxed with logical names) returns, already
+        placed: replicated for pmap, sharded by the rules on the mesh."""
+        if self.kind == "pmap":
+            state = jax.jit(lambda: nn.meta.unbox(init_fn()))()
+            return replicate(state)
+        shardings = self.state_shardings(jax.eval_shape(init_fn))
+        with self.context():
+            return jax.jit(lambda: nn.meta.unbox(init_fn()), out_shardings=shardings)()
+
+    def state_shardings(self, abstract_boxed_state: Any) -> Any:
+        """Shardings (mesh) for a boxed abstract state; same tree as the unboxed state."""
+        specs = nn.get_partition_spec(abstract_boxed_state)
+        return nn.logical_to_mesh_sharding(specs, self.mesh, self.rules)
+
+    def abstract_state(self, init_fn: Callable[[], Any]) -> Any:
+        """ShapeDtypeStructs, with the shardings of this run, to restore a checkpoint into.
+
+        For pmap the target is single-device (the checkpoint stores one replica)."""
+        boxed = jax.eval_shape(init_fn)
+        abstract = nn.meta.unbox(boxed)
+        if self.kind == "pmap":
+            sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+            return jax.tree_util.tree_map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract
+            )
+        shardings = self.state_shardings(boxed)
+        return jax.tree_util.tree_map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings
+        )
+
+    def place_restored(self, state: Any) -> Any:
+        """A state restored into `abstract_state` -> ready for the step."""
+        return replicate(state) if self.kind == "pmap" else state
+
+    def for_checkpoint(self, state: Any) -> Any:
+        """The state as the checkpoint stores it: one replica for pmap, as is for mesh."""
+        if self.kind == "pmap":
+            return jax.tree_util.tree_map(lambda x: x[0], state)
+        return state
+
+    # ----------------------------------------------------------------- batches
+    def place_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Host-local numpy batch [B_local, ...] -> device arrays for the step."""
+        if self.kind == "pmap":
+            n = jax.local_device_count()
+            sharding = _pmap_sharding()
+            return jax.tree_util.tree_map(
+                lambda x: jax.device_put(x.reshape(n, x.shape[0] // n, *x.shape[1:]), sharding),
+                batch,
+            )
+        sharding = self.batch_sharding()
+        return jax.tree_util.tree_map(
+            lambda x: jax.make_array_from_process_local_data(sharding, x), batch
+        )
+
+    def batch_sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P(("data", "fsdp")))
+
+    def context(self):
+        """Trace-time context: the mesh and the logical rules (activation constraints)."""
+        return _MeshContext(self.mesh, self.rules) if self.kind == "mesh" else _Null()
+
+    # ----------------------------------------------------------------- steps
+    def compile_step(
+        self,
+        step_fn: Callable,
+        *,
+        donate: bool,
+        state_shardings: Any = None,
+        returns_state: bool = True,
+    ) -> Callable:
+        """step_fn(state, batch, axis_name=...) -> (state', metrics) (or metrics alone when
+        returns_state=False), compiled for this run. pmap: metrics come back as per-device
+        copies of the reduced values (fetch_metrics takes [0]).
+        """
+        if self.kind == "pmap":
+            fn = jax.pmap(
+                lambda s, b: step_fn(s, b, axis_name="batch"),
+                axis_name="batch",
+                donate_argnums=(0,) if donate else (),
+            )
+            return fn
+        replicated = NamedSharding(self.mesh, P())
+        jitted = jax.jit(
+            lambda s, b: step_fn(s, b, axis_name=None),
+            in_shardings=(state_shardings, self.batch_sharding()),
+            out_shardings=(state_shardings, replicated) if returns_state else replicated,
+            donate_argnums=(0,) if donate else (),
+        )
+
+        def run(state, batch):
+            with self.context():
+                return jitted(state, batch)
+
+        return run
+
+    def fetch_metrics(self, metrics: Any) -> dict[str, float]:
+        """Device metrics -> host floats (first replica for pmap)."""
+        metrics = jax.device_get(metrics)
+        if self.kind == "pmap":
+            metrics = jax.tree_util.tree_map(lambda x: x[0], metrics)
+        return {k: float(v) for k, v in metrics.items()}
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _MeshContext:
+    def __init__(self, mesh: Mesh, rules: Sequence):
+        self._mesh, self._rules = mesh, rules
+        self._stack: list = []
+
+    def __enter__(self):
+        for ctx in (jax.set_mesh(self._mesh), nn.logical_axis_rules(self._rules)):
+            ctx.__enter__()
+            self._stack.append(ctx)
+        return self
+
+    def __exit__(self, *exc):
+        while self._stack:
+            self._stack.pop().__exit__(*exc)
+        return False
+
+
+def _pmap_sharding() -> NamedSharding:
+    """Leading axis over the local devices, in the order jax.pmap expects."""
+    return NamedSharding(Mesh(np.asarray(jax.local_devices()), ("_pmap",)), P("_pmap"))
+
+
+def replicate(tree: Any) -> Any:
+    """Copy a (single-device) tree onto every local device, stacked on a leading axis."""
+    n = jax.local_device_count()
+    sharding = _pmap_sharding()
+    return jax.tree_util.tree_map(
+        lambda x: jax.device_put(jnp.broadcast_to(x, (n, *jnp.shape(x))), sharding), tree
+    )
+
+
+def make_strategy(parallel: Any) -> Strategy:
+    """config.parallel (strategy, mesh, rules) -> Strategy, validated."""
+    kind = parallel.strategy
+    if kind not in STRATEGIES:
+        raise ValueError(f"parallel.strategy={kind!r}; expected one of {STRATEGIES}")
+    rules = tuple((name, _axes(axes)) for name, axes in parallel.get("rules", DEFAULT_RULES))
+    if kind == "pmap":
+        return Strategy("pmap", rules=rules)
+    shape = mesh_shape(dict(parallel.mesh), jax.device_count())
+    devices = np.asarray(jax.devices()).reshape(shape)
+    return Strategy("mesh", Mesh(devices, MESH_AXES), rules)
+
+
+def _axes(axes: Any) -> Any:
+    if isinstance(axes, list):
+        return tuple(axes)
+    return axes

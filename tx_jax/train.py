@@ -1,0 +1,381 @@
+"""Training: the train state, `train_step`, `eval_step` and `train_and_evaluate`.
+
+    train_step(state, batch) -> (state, metrics)    pure; jitted (mesh) or pmapped by parallel.py
+    train_and_evaluate(config, workdir)              the library entry point (main.py: flags)
+
+Batches are dicts of int32 arrays: 'inputs' [B, S], 'targets' [B, L], and with packing
+'inputs_segmentation', 'inputs_position', 'targets_segmentation', 'targets_position'.
+The loss is token-weighted: gradient and metric *sums* are reduced over micro-batches
+(gradient accumulation) and devices, then divided by the global number of target tokens,
+so every device layout computes the same update as one device would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from etils import epath
+from flax import struct
+from jax import lax
+
+from tx_jax import checkpoint as ckpt_lib
+from tx_jax import logs, losses, models, optim, parallel
+from tx_jax.data import tasks
+
+Array = jax.Array
+PACKING_KEYS = (
+    "inputs_segmentation", "inputs_position", "targets_segmentation", "targets_position",
+)  # fmt: skip
+
+
+@struct.dataclass
+class TrainState:
+    """Everything that changes during training; all arrays, so Orbax saves it whole."""
+
+    step: Array  # int32 scalar: number of train steps taken (skipped ones included)
+    params: Any
+    opt_state: Any
+    rng: Array  # uint32[2] base dropout key; step s uses fold_in(rng, s)
+    nonfinite_total: Array  # int32: updates skipped for a non-finite loss or gradient
+    nonfinite_run: Array  # int32: consecutive skipped updates
+
+
+def init_state(model: nn.Module, tx: optax.GradientTransformation, seed: int) -> TrainState:
+    """A fresh state with parameters boxed by logical axis names (parallel.py unboxes)."""
+    init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(seed))
+    dummy = jnp.ones((1, 8), jnp.int32)
+    params = model.init(init_rng, dummy, dummy)["params"]
+    zero = jnp.zeros((), jnp.int32)
+    return TrainState(zero, params, tx.init(params), dropout_rng, zero, zero)
+
+
+def model_kwargs(batch: dict[str, Array]) -> dict[str, Array]:
+    """The packing arrays of a batch, renamed to the model's keyword arguments."""
+    names = {
+        "inputs_segmentation": "inputs_segmentation",
+        "targets_segmentation": "targets_segmentation",
+        "inputs_position": "inputs_positions",
+        "targets_position": "targets_positions",
+    }
+    return {names[k]: batch[k] for k in PACKING_KEYS if k in batch}
+
+
+def _loss_sums(model, params, batch, rng, label_smoothing, deterministic):
+    """Sums over one (micro-)batch: smoothed loss, NLL, correct tokens, target tokens."""
+    rngs = None if deterministic else {"dropout": rng}
+    logits = model.apply(
+        {"params": params}, batch["inputs"], batch["targets"], **model_kwargs(batch),
+        deterministic=deterministic, rngs=rngs,
+    )  # fmt: skip
+    targets = batch["targets"]
+    weights = (targets > 0).astype(jnp.float32)
+    loss, weight = losses.smoothed_cross_entropy(logits, targets, weights, label_smoothing)
+    nll, _ = losses.nll(logits, targets, weights)
+    correct, _ = losses.accuracy(logits, targets, weights)
+    return loss, {"loss": loss, "nll": nll, "correct": correct, "weight": weight}
+
+
+def train_step(
+    state: TrainState,
+    batch: dict[str, Array],
+    *,
+    model: nn.Module,
+    tx: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    label_smoothing: float,
+    grad_accum_steps: int = 1,
+    axis_name: str | None = None,
+) -> tuple[TrainState, dict[str, Array]]:
+    """One optimizer update from one global batch (split into `grad_accum_steps` parts).
+
+    A non-finite loss or gradient leaves params and optimizer state unchanged and is
+    counted in `nonfinite_total` / `nonfinite_run` (the loop stops after too many).
+    """
+    rng = jax.random.fold_in(state.rng, state.step)
+    if axis_name is not None:  # each device's slice of the batch gets its own dropout
+        rng = jax.random.fold_in(rng, lax.axis_index(axis_name))
+    grad_fn = jax.grad(
+        functools.partial(_loss_sums, model, label_smoothing=label_smoothing, deterministic=False),
+        has_aux=True,
+    )
+    if grad_accum_steps == 1:
+        grads, sums = grad_fn(state.params, batch, rng)
+    else:
+        k = grad_accum_steps
+        micro = jax.tree_util.tree_map(lambda x: x.reshape(k, -1, *x.shape[1:]), batch)
+
+        def accumulate(carry, xs):
+            mb, i = xs
+            g, s = grad_fn(state.params, mb, jax.random.fold_in(rng, i))
+            return jax.tree_util.tree_map(jnp.add, carry, (g, s)), None
+
+        first = jax.tree_util.tree_map(lambda x: x[0], micro)
+        shapes = jax.eval_shape(grad_fn, state.params, first, rng)
+        zeros = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+        (grads, sums), _ = lax.scan(accumulate, zeros, (micro, jnp.arange(k)))
+    if axis_name is not None:  # averaging sums with pmean leaves their ratio exact
+        grads, sums = lax.pmean((grads, sums), axis_name)
+    denom = jnp.maximum(sums["weight"], 1.0)
+    grads = jax.tree_util.tree_map(lambda g: g / denom, grads)
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(grad_norm) & jnp.isfinite(sums["loss"])
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), new, old)
+    skipped = 1 - finite.astype(jnp.int32)
+    new_state = state.replace(
+        step=state.step + 1,
+        params=keep(params, state.params),
+        opt_state=keep(opt_state, state.opt_state),
+        nonfinite_total=state.nonfinite_total + skipped,
+        nonfinite_run=jnp.where(finite, 0, state.nonfinite_run + 1),
+    )
+    n_dev = 1 if axis_name is None else lax.psum(1, axis_name)
+    metrics = {
+        "loss": sums["loss"] / denom,
+        "nll": sums["nll"] / denom,
+        "accuracy": sums["correct"] / denom,
+        "tokens": sums["weight"] * n_dev,
+        "grad_norm": grad_norm,
+        # Optax's count advances only on applied updates: step - skipped.
+        "lr": schedule(state.step - state.nonfinite_total),
+        "nonfinite_run": new_state.nonfinite_run.astype(jnp.float32),
+        "nonfinite_total": new_state.nonfinite_total.astype(jnp.float32),
+    }
+    return new_state, metrics
+
+
+def eval_step(
+    state: TrainState, batch: dict[str, Array], *, model: nn.Module, axis_name: str | None = None
+) -> dict[str, Array]:
+    """Sums of NLL, correct tokens and target tokens over a batch (padding rows weigh 0)."""
+    _, sums = _loss_sums(model, state.params, batch, None, 0.0, True)
+    sums = {k: sums[k] for k in ("nll", "correct", "weight")}
+    if axis_name is not None:
+        sums = lax.psum(sums, axis_name)
+    return sums
+
+
+# ---------------------------------------------------------------------------- the loop
+
+
+@dataclasses.dataclass
+class Run:
+    """What train_and_evaluate builds before the first step (also used by evaluate.py)."""
+
+    config: ml_collections.ConfigDict
+    workdir: epath.Path
+    strategy: parallel.Strategy
+    task: tasks.TranslationTask
+    model_config: models.ModelConfig
+    model: nn.Module
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    init_fn: Callable[[], TrainState]
+
+
+def build_run(config: ml_collections.ConfigDict, workdir: str | epath.Path) -> Run:
+    """Devices, data, tokenizer, model and optimizer for `config` in `workdir`."""
+    workdir = ckpt_lib.absolute(workdir)
+    parallel.maybe_initialize_distributed(config.parallel)
+    strategy = parallel.make_strategy(config.parallel)
+    task = tasks.prepare_translation_task(config.data, workdir, seed=config.seed)
+    model_config = models.ModelConfig.from_config(
+        config.model, vocab_size=task.tokenizer.vocab_size, bos_id=task.tokenizer.bos_id
+    )
+    model = models.EncoderDecoder(model_config)
+    tx, schedule = optim.make_optimizer(config.train, model_config.d_model)
+    init_fn = functools.partial(init_state, model, tx, config.seed)
+    return Run(config, workdir, strategy, task, model_config, model, tx, schedule, init_fn)
+
+
+def restore_or_init(run: Run, checkpointer: ckpt_lib.Checkpointer) -> tuple[TrainState, dict]:
+    """The latest checkpoint placed for this run's devices, or a fresh state."""
+    latest = checkpointer.latest_step()
+    if latest is None:
+        return run.strategy.init_state(run.init_fn), {}
+    abstract = run.strategy.abstract_state(run.init_fn)
+    state, data_state, _ = checkpointer.restore(latest, abstract)
+    logging.info("resuming from step %d", latest)
+    return run.strategy.place_restored(state), data_state
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+    """Train `config` in `workdir` (resuming if it holds checkpoints); return final metrics."""
+    run = build_run(config, workdir)
+    cfg = config.train
+    logs.write_json(run.workdir / "config.json", config.to_dict())
+    logs.write_json(run.workdir / "versions.json", logs.versions())
+    checkpointer = ckpt_lib.Checkpointer(
+        run.workdir / "checkpoints", keep=config.checkpoint.keep,
+        best_metric=config.checkpoint.best_metric, async_save=config.checkpoint.async_save,
+    )  # fmt: skip
+    state, data_state = restore_or_init(run, checkpointer)
+    train_iter = run.task.train_iterator(
+        batch_multiple=run.strategy.local_batch_multiple * cfg.grad_accum_steps
+    )
+    if data_state and cfg.restore_data_iterator:
+        train_iter.set_state(data_state)
+    shardings = None
+    if run.strategy.kind == "mesh":
+        shardings = run.strategy.state_shardings(jax.eval_shape(run.init_fn))
+    step_fn = functools.partial(
+        train_step, model=run.model, tx=run.tx, schedule=run.schedule,
+        label_smoothing=cfg.label_smoothing, grad_accum_steps=cfg.grad_accum_steps,
+    )  # fmt: skip
+    p_train = run.strategy.compile_step(step_fn, donate=True, state_shardings=shardings)
+    evaluator = Evaluator(run, shardings)
+    logger = logs.MetricLogger(run.workdir, cfg.num_steps)
+    step = int(jax.device_get(run.strategy.for_checkpoint(state).step))
+    save = functools.partial(_save, run, checkpointer, train_iter)
+    pending: list[dict] = []
+    last_log, final = time.time(), {}
+    while step < cfg.num_steps:
+        batch = next(train_iter)
+        state, metrics = p_train(state, run.strategy.place_batch(batch))
+        step += 1
+        pending.append(metrics)
+        is_last = step == cfg.num_steps
+        if step % cfg.log_every == 0 or is_last:
+            scalars = _summarise(run.strategy, pending, time.time() - last_log)
+            pending, last_log = [], time.time()
+            scalars.update({f"data_{k}": v for k, v in train_iter.stats().items()})
+            logger.write(step, "train", scalars)
+            logger.progress(step, scalars)
+            _check_finite(scalars, cfg.max_nonfinite_steps, step)
+        if step % config.eval.every == 0 or is_last:
+            final = evaluator.evaluate(state, step, logger, bleu=True)
+            save(step, state, metrics=final)
+        elif step % config.checkpoint.every == 0:
+            save(step, state)
+    checkpointer.wait()
+    if config.eval.test_split and jax.process_index() == 0 and step == cfg.num_steps:
+        final.update(evaluator.test_bleu(state, step, logger))
+    checkpointer.close()
+    logger.close()
+    _print_summary(run, final)
+    return final
+
+
+def _save(run: Run, checkpointer, train_iter, step: int, state, *, metrics=None) -> None:
+    metrics = {k: v for k, v in (metrics or {}).items() if k == run.config.checkpoint.best_metric}
+    checkpointer.save(
+        step, run.strategy.for_checkpoint(state), data_state=train_iter.get_state(),
+        config=run.config.to_dict(), tokenizer_bytes=run.task.tokenizer.to_bytes(),
+        versions=logs.versions(), metrics=metrics or None,
+    )  # fmt: skip
+
+
+def _summarise(strategy: parallel.Strategy, pending: list, seconds: float) -> dict[str, float]:
+    fetched = [strategy.fetch_metrics(m) for m in pending]
+    tokens = sum(m["tokens"] for m in fetched)
+    out = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[-1]}
+    out.update(
+        tokens_per_sec=tokens / max(seconds, 1e-9),
+        lr=fetched[-1]["lr"],
+        nonfinite_run=fetched[-1]["nonfinite_run"],
+        nonfinite_total=fetched[-1]["nonfinite_total"],
+    )
+    return out
+
+
+def _check_finite(scalars: dict[str, float], limit: int, step: int) -> None:
+    if scalars["nonfinite_run"] >= limit:
+        raise FloatingPointError(
+            f"step {step}: {int(scalars['nonfinite_run'])} consecutive non-finite losses or "
+            f"gradients (train.max_nonfinite_steps={limit}); updates were skipped and the "
+            "last good checkpoint is kept. Lower the learning rate or check the data."
+        )
+
+
+def _print_summary(run: Run, final: dict[str, float]) -> None:
+    if jax.process_index() != 0:
+        return
+    ckpt_dir = run.workdir / "checkpoints"
+    print(f"checkpoints: {ckpt_dir}")
+    print(
+        f"logs:        {run.workdir / 'metrics.jsonl'} (TensorBoard: {run.workdir / 'tensorboard'})"
+    )
+    for key in ("bleu", "test_bleu"):
+        if key in final:
+            print(f"{key}: {final[key]:.2f}  {final.get(key + '_signature', '')}")
+
+
+class Evaluator:
+    """Validation loss/accuracy/perplexity and BLEU (greedy) during training."""
+
+    def __init__(self, run: Run, shardings: Any):
+        self.run = run
+        fn = functools.partial(eval_step, model=run.model)
+        self.p_eval = run.strategy.compile_step(
+            fn, donate=False, state_shardings=shardings, returns_state=False
+        )
+
+    def _loss_metrics(self, state, batches: Iterable[dict]) -> dict[str, float]:
+        totals = {"nll": 0.0, "correct": 0.0, "weight": 0.0}
+        for batch in batches:
+            sums = self.run.strategy.fetch_metrics(
+                self.p_eval(state, self.run.strategy.place_batch(_model_inputs(batch)))
+            )
+            totals = {k: totals[k] + sums[k] for k in totals}
+        w = max(totals["weight"], 1.0)
+        loss = totals["nll"] / w
+        return {
+            "loss": loss,
+            "accuracy": totals["correct"] / w,
+            "perplexity": math.exp(min(loss, 50)),
+        }
+
+    def evaluate(self, state, step: int, logger, *, bleu: bool) -> dict[str, float]:
+        run = self.run
+        multiple = run.strategy.local_batch_multiple
+        metrics = self._loss_metrics(state, run.task.eval_batches("validation", multiple))
+        if bleu and run.config.eval.bleu_examples > 0:
+            metrics.update(self._bleu(state, "validation", run.config.eval.bleu_examples))
+        logger.write(step, "validation", {k: v for k, v in metrics.items() if _is_num(v)})
+        if jax.process_index() == 0:
+            print(
+                f"eval  {step:>6}  loss {metrics['loss']:.4f}  acc {metrics['accuracy']:.3f}  "
+                f"ppl {metrics['perplexity']:.2f}  bleu {metrics.get('bleu', float('nan')):.2f}",
+                flush=True,
+            )
+        return metrics
+
+    def _bleu(self, state, split: str, limit: int | None) -> dict[str, Any]:
+        from tx_jax import evaluation
+
+        params = self.run.strategy.for_checkpoint(state).params
+        result = evaluation.bleu_for_split(
+            self.run.model_config, params, self.run.task, split, limit=limit,
+            beam_size=self.run.config.eval.beam_size, alpha=self.run.config.eval.alpha,
+        )  # fmt: skip
+        return {"bleu": result.bleu, "chrf": result.chrf, "bleu_signature": result.signature}
+
+    def test_bleu(self, state, step: int, logger) -> dict[str, Any]:
+        split = self.run.config.eval.test_split
+        result = self._bleu(state, split, None)
+        out = {f"test_{k}": v for k, v in result.items()}
+        logger.write(step, split, {k: v for k, v in result.items() if _is_num(v)})
+        return out
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float))
+
+
+def _model_inputs(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Drop the eval-only keys (example ids, masks) the step does not take."""
+    keep = ("inputs", "targets", *PACKING_KEYS)
+    return {k: v for k, v in batch.items() if k in keep}
