@@ -13,7 +13,9 @@ from tx_jax.checkpoint import Checkpointer
 
 def test_tiny_run_lowers_the_loss_and_writes_a_checkpoint(tmp_path, tfds_dir):
     workdir = tmp_path / "run"
-    config = tiny_config(tfds_dir, **{"train.num_steps": 30, "train.warmup_steps": 10})
+    config = tiny_config(
+        tfds_dir, **{"train.num_steps": 30, "train.warmup_steps": 10, "data.packing": True}
+    )
     final = train.train_and_evaluate(config, workdir)
     losses = train_losses(workdir)
     first, last = (
@@ -60,6 +62,35 @@ def test_gradient_accumulation_equals_the_full_batch(tmp_path, tfds_dir):
     train.train_and_evaluate(four, tmp_path / "four")
     a, b = train_losses(tmp_path / "one"), train_losses(tmp_path / "four")
     np.testing.assert_allclose([a[s] for s in (1, 2, 3)], [b[s] for s in (1, 2, 3)], rtol=1e-5)
+
+
+def test_bf16_training_and_best_checkpoint_retention(tmp_path, tfds_dir):
+    """bf16 compute trains (finite, decreasing loss, float32 params); retention keeps the
+    latest `keep` checkpoints plus the best by the validation metric."""
+    config = tiny_config(
+        tfds_dir,
+        **{
+            "model.dtype": "bfloat16", "train.num_steps": 8, "eval.every": 2,
+            "checkpoint.every": 2, "checkpoint.keep": 1, "checkpoint.best_metric": "loss",
+            # 'max' keeps the *worst* loss: a step that differs from the latest one
+            "checkpoint.best_mode": "max",
+        },
+    )  # fmt: skip
+    train.train_and_evaluate(config, tmp_path)
+    losses = train_losses(tmp_path)
+    assert all(np.isfinite(v) for v in losses.values()) and losses[8] < losses[1]
+    validation = [
+        json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    ]
+    val_loss = {r["step"]: r["loss"] for r in validation if r["split"] == "validation"}
+    worst = max(val_loss, key=val_loss.get)
+    assert worst != 8
+    ckpt = Checkpointer(tmp_path / "checkpoints", read_only=True)
+    assert ckpt.all_steps() == [worst, 8]
+    run = train.build_run(config, tmp_path)
+    state, _, _ = ckpt.restore(8, run.strategy.abstract_state(run.init_fn))
+    dtypes = {x.dtype for x in jax.tree_util.tree_leaves(state.params)}
+    assert dtypes == {np.dtype("float32")}  # bf16 is the compute dtype only
 
 
 @pytest.mark.slow

@@ -220,7 +220,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     logs.write_json(run.workdir / "versions.json", logs.versions())
     checkpointer = ckpt_lib.Checkpointer(
         run.workdir / "checkpoints", keep=config.checkpoint.keep,
-        best_metric=config.checkpoint.best_metric, async_save=config.checkpoint.async_save,
+        best_metric=config.checkpoint.best_metric, best_mode=config.checkpoint.best_mode,
+        async_save=config.checkpoint.async_save,
     )  # fmt: skip
     state, data_state = restore_or_init(run, checkpointer)
     train_iter = run.task.train_iterator(
