@@ -4,21 +4,26 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# Compile time dominates these tiny models; XLA's optimisation passes buy nothing here, and
+# the persistent cache lets the many tiny training runs share their compilations. Set in the
+# environment so that the subprocesses of multi-device and signal tests inherit them.
+_CACHE = os.environ.get(
+    "TX_JAX_TEST_CACHE",
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".jax_cache"),
+)
+for _key, _value in {
+    "JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
+    "JAX_COMPILATION_CACHE_DIR": _CACHE,
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+}.items():
+    os.environ.setdefault(_key, _value)
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-# Compile time dominates these tiny models; XLA's optimisation passes buy nothing here, and
-# the persistent cache lets the many tiny training runs share their compilations.
-jax.config.update("jax_disable_most_optimizations", True)
-jax.config.update(
-    "jax_compilation_cache_dir",
-    os.environ.get(
-        "TX_JAX_TEST_CACHE", os.path.join(os.path.dirname(__file__), "..", ".jax_cache")
-    ),
-)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+assert jax.config.read("jax_disable_most_optimizations")
 
 
 def reference_attention(q, k, v, mask=None, bias=None):

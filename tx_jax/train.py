@@ -16,6 +16,8 @@ import dataclasses
 import functools
 import logging
 import math
+import os
+import signal
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -189,8 +191,11 @@ class Run:
 def build_run(config: ml_collections.ConfigDict, workdir: str | epath.Path) -> Run:
     """Devices, data, tokenizer, model and optimizer for `config` in `workdir`."""
     workdir = ckpt_lib.absolute(workdir)
+    validate_config(config)
     parallel.maybe_initialize_distributed(config.parallel)
     strategy = parallel.make_strategy(config.parallel)
+    _check_batch_divides(config, strategy)
+    check_writable(workdir)
     task = tasks.prepare_translation_task(config.data, workdir, seed=config.seed)
     model_config = models.ModelConfig.from_config(
         config.model, vocab_size=task.tokenizer.vocab_size, bos_id=task.tokenizer.bos_id
@@ -199,6 +204,71 @@ def build_run(config: ml_collections.ConfigDict, workdir: str | epath.Path) -> R
     tx, schedule = optim.make_optimizer(config.train, model_config.d_model)
     init_fn = functools.partial(init_state, model, tx, config.seed)
     return Run(config, workdir, strategy, task, model_config, model, tx, schedule, init_fn)
+
+
+def validate_config(config: ml_collections.ConfigDict) -> None:
+    """Every check that needs no device and no data, before anything compiles. Raises
+    ValueError naming the key (unknown keys are caught by the locked ConfigDict / from_config).
+    """
+    models.ModelConfig.from_config(config.model)  # unknown keys, enums, divisibility
+    enums = {
+        "train.schedule": optim.SCHEDULES,
+        "parallel.strategy": parallel.STRATEGIES,
+        "checkpoint.best_mode": ("min", "max"),
+    }
+    for key, allowed in enums.items():
+        section, name = key.split(".")
+        if config[section][name] not in allowed:
+            raise ValueError(f"{key}={config[section][name]!r}; expected one of {allowed}")
+    positive = (
+        "train.num_steps", "train.warmup_steps", "train.grad_accum_steps", "train.log_every",
+        "eval.every", "eval.beam_size", "checkpoint.every", "checkpoint.keep",
+        "data.max_len", "data.tokens_per_batch", "data.vocab_size", "data.eval_batch_size",
+    )  # fmt: skip
+    for key in positive:
+        section, name = key.split(".")
+        if config[section][name] <= 0:
+            raise ValueError(f"{key}={config[section][name]} must be positive")
+    if config.data.max_len > config.data.tokens_per_batch:
+        raise ValueError(
+            f"data.tokens_per_batch={config.data.tokens_per_batch} is smaller than one row of "
+            f"data.max_len={config.data.max_len} tokens"
+        )
+    if config.checkpoint.best_metric and config.checkpoint.best_metric not in (
+        "bleu", "chrf", "loss", "accuracy", "perplexity",
+    ):  # fmt: skip
+        raise ValueError(
+            f"checkpoint.best_metric={config.checkpoint.best_metric!r}; expected a validation "
+            "metric: bleu, chrf, loss, accuracy or perplexity"
+        )
+
+
+def _check_batch_divides(config: ml_collections.ConfigDict, strategy: parallel.Strategy) -> None:
+    """The smallest batch (rows at the longest bucket) must split over devices and micro-batches."""
+    d = config.data
+    longest = max(d.bucket_boundaries or [d.max_len]) if not d.packing else d.max_len
+    rows = d.tokens_per_batch // jax.process_count() // longest
+    need = strategy.local_batch_multiple * config.train.grad_accum_steps
+    if rows < need:
+        raise ValueError(
+            f"data.tokens_per_batch={d.tokens_per_batch} gives {rows} rows of {longest} tokens "
+            f"per process, fewer than the {need} needed ({strategy.local_batch_multiple} "
+            f"devices x train.grad_accum_steps={config.train.grad_accum_steps}); raise "
+            "data.tokens_per_batch"
+        )
+
+
+def check_writable(workdir: epath.Path) -> None:
+    """Fail at start, not at the first save, when the workdir cannot be written."""
+    if jax.process_index() != 0:
+        return
+    probe = workdir / f".write_test_{os.getpid()}"
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise OSError(f"workdir {workdir} is not writable: {e}") from e
 
 
 def restore_or_init(run: Run, checkpointer: ckpt_lib.Checkpointer) -> tuple[TrainState, dict]:
@@ -243,7 +313,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     save = functools.partial(_save, run, checkpointer, train_iter)
     pending: list[dict] = []
     last_log, final = time.time(), {}
+    stop = StopSignal(checkpointer)
     while step < cfg.num_steps:
+        if stop.requested(step):
+            save(step, state)
+            checkpointer.close()
+            stop.restore()
+            logger.close()
+            print(f"{stop.name} at step {step}: checkpoint saved in {checkpointer.directory}; "
+                  "rerun the same command to resume", flush=True)  # fmt: skip
+            return {"stopped_at": float(step)}
         batch = next(train_iter)
         state, metrics = p_train(state, run.strategy.place_batch(batch))
         step += 1
@@ -261,6 +340,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             save(step, state, metrics=final)
         elif step % config.checkpoint.every == 0:
             save(step, state)
+    stop.restore()
     checkpointer.wait()
     if config.eval.test_split and jax.process_index() == 0 and step == cfg.num_steps:
         final.update(evaluator.test_bleu(state, step, logger))
@@ -268,6 +348,49 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     logger.close()
     _print_summary(run, final)
     return final
+
+
+class StopSignal:
+    """SIGTERM / SIGINT ask the loop to save and exit cleanly at the next step boundary.
+
+    A single process needs its own handler (Orbax's preemption sync only acts under
+    jax.distributed). With several processes JAX's coordination service watches SIGTERM and
+    Orbax's `reached_preemption` makes all of them agree on the step to save at; installing
+    a Python handler there would replace that watcher. A second SIGINT interrupts at once.
+    """
+
+    def __init__(self, checkpointer: ckpt_lib.Checkpointer):
+        self.checkpointer = checkpointer
+        self.signum: int | None = None
+        self._previous = {}
+        if threading_is_main() and jax.process_count() == 1:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.signum == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else "preemption"
+
+    def requested(self, step: int) -> bool:
+        if jax.process_count() > 1:
+            return bool(self.checkpointer.manager.reached_preemption(step))
+        return self.signum is not None
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+
+def threading_is_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
 
 
 def _save(run: Run, checkpointer, train_iter, step: int, state, *, metrics=None) -> None:

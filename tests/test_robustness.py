@@ -1,0 +1,141 @@
+"""Nothing lost: config validation, unwritable workdirs, SIGTERM/SIGINT, non-finite losses."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import ROOT, tiny_config, train_losses
+
+from tx_jax import train
+from tx_jax.checkpoint import Checkpointer
+
+
+@pytest.mark.parametrize(
+    "key,value,message",
+    [
+        ("model.d_model", 33, "model.d_model=33 is not divisible by model.num_heads=2"),
+        ("model.norm_position", "middle", "model.norm_position='middle'"),
+        ("train.schedule", "exp", "train.schedule='exp'"),
+        ("parallel.strategy", "shard", "parallel.strategy='shard'"),
+        ("data.tokens_per_batch", 16, "data.tokens_per_batch=16 is smaller than one row"),
+        ("train.grad_accum_steps", 32, "train.grad_accum_steps=32"),
+        ("checkpoint.best_metric", "bleuu", "checkpoint.best_metric='bleuu'"),
+        ("train.num_steps", 0, "train.num_steps=0 must be positive"),
+    ],
+)
+def test_config_errors_name_the_key_before_anything_compiles(tmp_path, key, value, message):
+    config = tiny_config(tmp_path / "tfds_never_made", **{key: value})
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        train.train_and_evaluate(config, tmp_path / "run")
+    assert not (tmp_path / "tfds_never_made").exists()  # failed before touching data
+
+
+def test_unknown_config_key_is_named(tmp_path):
+    config = tiny_config(tmp_path)
+    config.model.d_modle = 3  # an unlocked ConfigDict accepts it; the model config does not
+    with pytest.raises(ValueError, match=r"unknown model config key\(s\) \['d_modle'\]"):
+        train.train_and_evaluate(config, tmp_path / "run")
+    # the CLI locks the config: an unknown override is refused by name
+    cli = subprocess.run(
+        [sys.executable, "-m", "tx_jax.main", "--config=configs/default.py:debug",
+         f"--workdir={tmp_path}/w", "--config.model.d_modle=4"],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    assert cli.returncode != 0 and "d_modle" in cli.stderr
+
+
+def test_unwritable_workdir_is_a_clear_error(tmp_path, tfds_dir):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    with pytest.raises(OSError, match=f"workdir {blocker}/run is not writable"):
+        train.train_and_evaluate(tiny_config(tfds_dir), blocker / "run")
+
+
+def _launch(workdir, tfds_dir, steps, **extra):
+    overrides = {"train.num_steps": steps, "checkpoint.every": 1000, **extra}
+    code = (
+        "import sys; sys.path.insert(0, 'tests');"
+        "from helpers import tiny_config; from tx_jax import train;"
+        f"train.train_and_evaluate(tiny_config({str(tfds_dir)!r}, **{overrides!r}), "
+        f"{str(workdir)!r})"
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    return subprocess.Popen(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def _wait_for_step(workdir, step, proc, timeout=300):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (workdir / "metrics.jsonl").exists() and max(train_losses(workdir), default=0) >= step:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(proc.stdout.read())
+        time.sleep(0.2)
+    raise TimeoutError(f"no step {step} after {timeout} s")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_saves_a_checkpoint_and_exits_zero(tmp_path, tfds_dir, sig):
+    workdir = tmp_path / "run"
+    proc = _launch(workdir, tfds_dir, 10_000)
+    _wait_for_step(workdir, 3, proc)
+    sent = time.time()
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=120)
+    seconds = time.time() - sent
+    assert proc.returncode == 0, out
+    assert f"{signal.Signals(sig).name} at step" in out
+    steps = Checkpointer(workdir / "checkpoints", read_only=True).all_steps()
+    stopped = max(train_losses(workdir))
+    assert steps == [stopped] and stopped >= 3
+    print(f"{signal.Signals(sig).name}: exit 0 after {seconds:.1f} s, checkpoint at {stopped}")
+    # relaunching continues from there
+    resumed = _launch(workdir, tfds_dir, stopped + 2)
+    out, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, out
+    assert max(train_losses(workdir)) == stopped + 2
+
+
+def test_too_many_nonfinite_steps_stop_with_a_clear_error(tmp_path, tfds_dir, monkeypatch):
+    """A NaN loss skips the update; after train.max_nonfinite_steps in a row training stops
+    with FloatingPointError (non-zero exit from the CLI), keeping the last good checkpoint."""
+    from tx_jax import losses
+
+    real = losses.smoothed_cross_entropy
+
+    def poisoned(logits, targets, weights, label_smoothing=0.0):
+        loss, w = real(logits, targets, weights, label_smoothing)
+        return loss * jnp.nan, w
+
+    config = tiny_config(
+        tfds_dir, **{"train.num_steps": 20, "checkpoint.every": 2, "train.max_nonfinite_steps": 3}
+    )
+    train.train_and_evaluate(config.copy_and_resolve_references(), tmp_path / "good")
+    good_steps = Checkpointer(tmp_path / "good" / "checkpoints", read_only=True).all_steps()
+    assert good_steps[-1] == 20
+    monkeypatch.setattr(losses, "smoothed_cross_entropy", poisoned)
+    config.train.num_steps = 40
+    with pytest.raises(FloatingPointError, match="3 consecutive non-finite"):
+        train.train_and_evaluate(config, tmp_path / "good")
+    # steps 21-23 were skipped (the check at step 23 stopped the run); the step-22 checkpoint
+    # holds exactly the step-20 parameters and counts two skipped updates
+    ckpt = Checkpointer(tmp_path / "good" / "checkpoints", read_only=True)
+    assert ckpt.latest_step() == 22
+    run = train.build_run(config, tmp_path / "good")
+    abstract = run.strategy.abstract_state(run.init_fn)
+    state, _, _ = ckpt.restore(22, abstract)
+    before, _, _ = ckpt.restore(20, abstract)
+    assert (int(state.nonfinite_total), int(state.nonfinite_run)) == (2, 2)
+    for a, b in zip(
+        jax.tree_util.tree_leaves(state.params), jax.tree_util.tree_leaves(before.params)
+    ):
+        np.testing.assert_array_equal(a, b)
