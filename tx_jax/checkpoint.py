@@ -76,12 +76,16 @@ class Checkpointer:
         versions: dict | None = None,
         metrics: dict[str, float] | None = None,
         force: bool = True,
+        extra_meta: dict | None = None,
     ) -> bool:
-        """Start an (async) save of everything at `step`; returns whether a save started."""
+        """Start an (async) save of everything at `step`; returns whether a save started.
+
+        `extra_meta` adds JSON keys to `meta` (e.g. 'averaged': the steps an average holds)."""
         meta = {
             "config": config,
             "tokenizer": base64.b64encode(tokenizer_bytes).decode("ascii"),
             "versions": versions or {},
+            **(extra_meta or {}),
         }
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state),
@@ -115,6 +119,25 @@ class Checkpointer:
         """The config and tokenizer of a checkpoint, without reading its arrays."""
         restored = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         return decode_meta(restored["meta"])
+
+    def restore_params(self, step: int, abstract_params: Any) -> Any:
+        """Only `state.params`, placed as `abstract_params` says: the optimizer moments and
+        the other items are not read (evaluation and decoding need nothing else)."""
+        target = {"params": abstract_params}
+        args = ocp.args.PyTreeRestore(
+            item=target,
+            restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+            partial_restore=True,
+        )
+        # A handler of its own: the manager's 'state' item is registered for StandardRestore.
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
+            restored = reader.restore(self.directory / str(step) / "state", args=args)
+        return restored["params"]
+
+    def state_metadata(self, step: int) -> dict:
+        """The `state` item as a tree of Orbax ArrayMetadata (shape, dtype), reading no array."""
+        handler = ocp.PyTreeCheckpointHandler()
+        return handler.metadata(self.directory / str(step) / "state").tree
 
 
 def absolute(path: str | epath.Path) -> epath.Path:

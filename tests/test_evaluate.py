@@ -1,0 +1,213 @@
+"""Evaluation from checkpoints: evaluate, translate, averaging, device layouts, clear errors.
+
+One tiny run (checkpoints at steps 30, 60, 90) is trained once for the module; every test
+reads it, and the tests that write (averaging) write next to it, never into its checkpoints.
+"""
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+import sacrebleu
+from helpers import ROOT, run_python, tiny_config
+
+from tx_jax import averaging, evaluate, restore, train, translate
+from tx_jax.checkpoint import Checkpointer
+from tx_jax.data import tasks
+
+STEPS, EVERY = 90, 30  # checkpoints at 30, 60, 90: enough to translate lines differently
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory, tfds_dir):
+    path = tmp_path_factory.mktemp("evaluate") / "run"
+    config = tiny_config(
+        tfds_dir, **{"train.num_steps": STEPS, "train.warmup_steps": 10, "checkpoint.every": EVERY}
+    )
+    train.train_and_evaluate(config, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def greedy_validation(workdir):
+    """The greedy evaluation of the validation split, with its hypotheses and sources."""
+    record = evaluate.evaluate(workdir, split="validation", beam_size=1)
+    loaded = restore.load(workdir)
+    sources = [s for s, _ in tasks.load_split(loaded.config.data, "validation")]
+    hyps = pathlib.Path(record["hypotheses"]).read_text().split("\n")
+    return record, hyps[:-1], sources
+
+
+def _cli(module: str, *args: str, stdin: bytes = b"") -> subprocess.CompletedProcess:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], input=stdin, capture_output=True, env=env,
+        cwd=ROOT, timeout=300,
+    )  # fmt: skip
+
+
+def test_evaluate_writes_bleu_with_signature_and_one_line_per_example(workdir):
+    record = evaluate.evaluate(workdir, split="test", beam_size=4, alpha=0.6)
+    saved = json.loads((workdir / "eval_results.jsonl").read_text().splitlines()[-1])
+    assert saved == json.loads(json.dumps(record))
+    assert saved["signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:")
+    assert (saved["step"], saved["split"], saved["beam"], saved["alpha"]) == (STEPS, "test", 4, 0.6)
+    assert saved["examples"] == 40 and saved["averaged"] is None  # debug config: 40 test pairs
+    path = pathlib.Path(saved["hypotheses"])
+    assert path == workdir / "eval" / f"test_step{STEPS}_beam4_alpha0.6.txt"
+    hyps = path.read_text().split("\n")
+    assert len(hyps) == 41 and hyps[-1] == ""  # 40 lines, each ended by a newline
+    refs = [t for _, t in tasks.load_split(restore.load(workdir).config.data, "test")]
+    assert saved["bleu"] == pytest.approx(sacrebleu.corpus_bleu(hyps[:-1], [refs]).score)
+    assert 0 <= saved["bleu"] <= 100 and 0 <= saved["chrf"] <= 100
+    assert saved["perplexity"] == pytest.approx(math.exp(saved["loss"]))
+    assert saved["seconds"] >= saved["decode_seconds"] > 0
+
+
+def test_evaluate_loss_matches_training_validation_loss(workdir, greedy_validation):
+    record, hyps, _ = greedy_validation
+    logged = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    final = [r for r in logged if r["split"] == "validation" and r["step"] == STEPS][-1]
+    assert record["loss"] == pytest.approx(final["loss"], rel=1e-5)
+    assert record["accuracy"] == pytest.approx(final["accuracy"], rel=1e-5)
+    assert record["alpha"] is None and record["hypotheses"].endswith(
+        f"validation_step{STEPS}_beam1.txt"
+    )
+    assert len(hyps) == record["examples"] == 40
+
+
+def test_translate_keeps_line_count_and_alignment(workdir, greedy_validation):
+    _, hyps, sources = greedy_validation
+    lines = [
+        sources[3], "", "   \t", sources[0], "ЖЖЖ 中文 ☃ ∮ 𝄞",
+        b"\xff\xfe invalid \xc3 utf-8 " + sources[5].encode(), sources[7], "",
+    ]  # fmt: skip
+    out = translate.translate(lines, workdir, beam_size=1, batch_size=16)
+    assert len(out) == len(lines)
+    assert (out[0], out[3], out[6]) == (hyps[3], hyps[0], hyps[7])  # really aligned:
+    assert len({hyps[3], hyps[0], hyps[7]}) == 3  # the three translations differ
+    assert out[1] == out[2] == out[7] == ""
+    assert all("\n" not in line for line in out)
+    # the CLI: bytes in, one line out per line in, messages on stderr only
+    stdin = b"\n".join(x if isinstance(x, bytes) else x.encode() for x in lines) + b"\n"
+    stdin += (" ".join(sources[:20]) + "\n").encode()  # too long: truncated, with a warning
+    proc = _cli("tx_jax.translate", f"--workdir={workdir}", "--beam_size=1", "--batch_size=16",
+                stdin=stdin)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    got = proc.stdout.decode().split("\n")
+    assert got[:-1][: len(lines)] == out and len(got) == len(lines) + 2 and got[-1] == ""
+    assert b"line 9 is longer than 32 tokens; truncated" in proc.stderr
+    assert b"6/6 lines" in proc.stderr and b"translate:" not in proc.stdout  # 6 non-blank
+
+
+def _params(loaded):
+    return {jax.tree_util.keystr(p): np.asarray(x)
+            for p, x in jax.tree_util.tree_leaves_with_path(loaded.params)}  # fmt: skip
+
+
+def test_averaging_identical_checkpoints_returns_them(workdir, tmp_path):
+    ckpt = restore.open_checkpoints(workdir / "checkpoints")
+    opened = restore.open_step(ckpt, STEPS)
+    state, data_state, meta = ckpt.restore(STEPS, averaging._abstract_state(opened))
+    copies = Checkpointer(tmp_path / "checkpoints", async_save=False, best_metric=None)
+    for step in (10, 20, 30):
+        copies.save(step, state, data_state=data_state, config=meta["config"],
+                    tokenizer_bytes=meta["tokenizer"])  # fmt: skip
+    copies.close()
+    averaged = averaging.average_checkpoints(tmp_path, 3)
+    assert averaged.path == tmp_path / "averaged" / "last3" / "30"
+    assert (averaged.step, averaged.steps) == (30, [10, 20, 30])
+    want, got = _params(restore.load(workdir)), _params(restore.load(checkpoint=averaged.path))
+    assert want.keys() == got.keys()
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)  # bit for bit
+    # a real checkpoint: the ordinary full-state restore reads it, optimizer and all
+    full, _, meta = Checkpointer(averaged.path.parent, read_only=True).restore(
+        30, averaging._abstract_state(opened)
+    )
+    assert int(full.step) == STEPS and meta["averaged"]["steps"] == [10, 20, 30]
+    np.testing.assert_array_equal(
+        jax.tree_util.tree_leaves(full.opt_state)[1], jax.tree_util.tree_leaves(state.opt_state)[1]
+    )
+
+
+def test_averaging_different_checkpoints_gives_their_mean(workdir):
+    steps = [30, 60, 90]
+    assert Checkpointer(workdir / "checkpoints", read_only=True).all_steps() == steps
+    averaged = averaging.average_checkpoints(workdir, 3)
+    assert averaged.path == workdir / "averaged" / "last3" / str(STEPS)
+    mtime = os.stat(averaged.path / "_CHECKPOINT_METADATA").st_mtime_ns
+    assert averaging.average_checkpoints(workdir, 3) == averaged  # reused, not redone
+    assert os.stat(averaged.path / "_CHECKPOINT_METADATA").st_mtime_ns == mtime
+    each = [_params(restore.load(workdir, step=s)) for s in steps]
+    got = _params(restore.load(checkpoint=averaged.path))
+    key = "['encoder']['layer_0']['ffn']['wi_kernel']"
+    a, b, c = (p[key].astype(np.float64) for p in each)
+    np.testing.assert_array_equal(got[key], ((a + b + c) / 3).astype(np.float32))
+    assert not np.array_equal(each[0][key], each[2][key])  # the steps really differ
+    # evaluate --average_last=3 picks it up and says so
+    record = evaluate.evaluate(workdir, average_last=3, split="validation", beam_size=1, limit=8)
+    assert (record["averaged"], record["averaged_steps"], record["step"]) == (3, steps, STEPS)
+    assert record["hypotheses"].endswith(f"validation_step{STEPS}_avg3_beam1_first8.txt")
+    assert averaging.average_checkpoints(workdir, 2, until=60).steps == [30, 60]
+
+
+def test_eight_device_checkpoint_evaluates_on_one_device(tmp_path, tfds_dir):
+    overrides = {
+        "train.num_steps": 60, "train.warmup_steps": 10, "checkpoint.every": 60,
+        "parallel.strategy": "mesh",
+        "parallel.mesh": {"data": 2, "fsdp": 2, "tensor": 2},
+    }  # fmt: skip
+    workdir = tmp_path / "mesh"
+    code = f"""
+import json, jax
+jax.config.update("jax_disable_most_optimizations", True)  # as conftest.py: same numerics
+from helpers import tiny_config
+from tx_jax import evaluate, train
+assert jax.device_count() == 8
+train.train_and_evaluate(tiny_config({str(tfds_dir)!r}, **{overrides!r}), {str(workdir)!r})
+print(json.dumps(evaluate.evaluate({str(workdir)!r}, split="validation", beam_size=4)))
+"""
+    eight = json.loads(run_python(code, devices=8).strip().splitlines()[-1])
+    eight_hyps = pathlib.Path(eight["hypotheses"]).read_text()
+    assert jax.device_count() == 1
+    one = evaluate.evaluate(workdir, split="validation", beam_size=4)
+    assert one["bleu"] == eight["bleu"] and one["loss"] == pytest.approx(eight["loss"], rel=1e-5)
+    assert pathlib.Path(one["hypotheses"]).read_text() == eight_hyps
+    assert len(eight_hyps.splitlines()) == 40 and len(set(eight_hyps.splitlines())) >= 5
+
+
+def test_clear_errors(workdir, tmp_path):
+    with pytest.raises(restore.CheckpointError, match=r"no checkpoint: .*/nothing.* not exist"):
+        evaluate.evaluate(tmp_path / "nothing")
+    (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(restore.CheckpointError, match=r"no checkpoint in .*empty/checkpoints"):
+        evaluate.evaluate(tmp_path / "empty")
+    with pytest.raises(
+        restore.CheckpointError, match=r"no checkpoint for step 5 .*available steps: \[30, 60, 90\]"
+    ):
+        evaluate.evaluate(workdir, step=5)
+    with pytest.raises(restore.CheckpointError, match=r"model\.d_model \(32 in the checkpoint, 64"):
+        evaluate.evaluate(workdir, overrides={"model.d_model": "64"})
+    with pytest.raises(restore.CheckpointError, match=r"model\.d_ff \(64 in the checkpoint, 128 n"):
+        translate.translate(["a"], workdir, overrides={"model.d_ff": 128})
+    with pytest.raises(restore.CheckpointError, match=r"model\.d_model \(32 in the checkpoint, 99"):
+        evaluate.evaluate(workdir, overrides={"model.d_model": "999"})  # not even valid
+    with pytest.raises(restore.CheckpointError, match=r"no key 'model\.colour'"):
+        evaluate.evaluate(workdir, overrides={"model.colour": "blue"})
+    with pytest.raises(restore.CheckpointError, match=r"average the last 5 .*only 3"):
+        evaluate.evaluate(workdir, average_last=5)
+    # the command line says it in one line, without a traceback
+    proc = _cli("tx_jax.evaluate", f"--workdir={workdir}", "--step=7", "--config.data.max_len=9")
+    err = proc.stderr.decode()
+    assert proc.returncode == 1 and "Traceback" not in err
+    assert (
+        f"error: no checkpoint for step 7 in {workdir}/checkpoints; available steps: [30, 60, 90]"
+        in err
+    )

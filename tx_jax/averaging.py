@@ -1,0 +1,149 @@
+"""Checkpoint averaging: one model from the mean parameters of the last K checkpoints.
+
+The paper (Vaswani et al., 2017, section 6.1) evaluates the base models as "a single model
+obtained by averaging the last 5 checkpoints" and the big ones the last 20 (fairseq's
+`average_checkpoints.py`, tensor2tensor's `avg_checkpoints.py`).
+
+    averaged = average_checkpoints("runs/default", 5)   # -> Averaged(path, step, steps)
+    python -m tx_jax.evaluate --workdir=runs/default --average_last=5
+    python -m tx_jax.evaluate --checkpoint=runs/default/averaged/last5/600
+
+Parameters are averaged elementwise: summed on the host in float64, one checkpoint at a
+time, divided by K and rounded once to the parameter dtype (float32), so the mean of K equal
+checkpoints is that checkpoint bit for bit. The result is saved as a real Orbax checkpoint
+(the same `state` / `data` / `meta` items as training's) at
+
+    WORKDIR/averaged/last<K>/<last step>              the last K checkpoints
+    WORKDIR/averaged/steps_<a>_<b>_.../<last step>    explicit steps
+
+holding the last checkpoint's state (step, optimizer, rng) with the averaged parameters,
+its iterator state, and its meta plus 'averaged': {'steps': [...], 'k': K}. A later call
+for the same steps reuses it. Training never reads WORKDIR/averaged.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import numpy as np
+from etils import epath
+
+from tx_jax import models, optim, restore, train
+from tx_jax.checkpoint import Checkpointer, absolute
+
+
+class Averaged(NamedTuple):
+    path: epath.Path  # the averaged checkpoint's step directory
+    step: int  # its step: the last averaged one
+    steps: list[int]  # the averaged steps, ascending
+
+
+def choose_steps(
+    available: Sequence[int],
+    k: int | None = None,
+    steps: Sequence[int] | None = None,
+    until: int | None = None,
+) -> list[int]:
+    """The last `k` of `available` (those <= `until` if given), or exactly `steps`."""
+    available = sorted(available)
+    if steps is not None:
+        missing = sorted(set(steps) - set(available))
+        if missing:
+            raise restore.CheckpointError(
+                f"no checkpoint for step(s) {missing}; available steps: {available}"
+            )
+        return sorted(set(steps))
+    if k is None or k < 1:
+        raise restore.CheckpointError(f"average_last={k}: give K >= 1 (or explicit steps)")
+    if until is not None:
+        if until not in available:
+            raise restore.CheckpointError(
+                f"no checkpoint for step {until}; available steps: {available}"
+            )
+        available = [s for s in available if s <= until]
+    if len(available) < k:
+        raise restore.CheckpointError(
+            f"cannot average the last {k} checkpoints: only {len(available)} (steps {available})"
+        )
+    return available[-k:]
+
+
+def average_params(ckpt: Checkpointer, steps: Sequence[int], abstract: Any) -> Any:
+    """Mean of `state.params` over `steps`, accumulated in float64, in `abstract`'s dtypes
+    and placement. Holds one checkpoint's parameters plus the float64 sum at a time."""
+    total = None
+    for step in steps:
+        params = jax.device_get(ckpt.restore_params(step, abstract))
+        if total is None:
+            total = jax.tree_util.tree_map(lambda x: np.array(x, np.float64), params)
+        else:
+            jax.tree_util.tree_map(lambda t, x: np.add(t, x, out=t, dtype=np.float64),
+                                   total, params)  # fmt: skip
+    return jax.tree_util.tree_map(
+        lambda t, a: jax.device_put((t / len(steps)).astype(a.dtype), a.sharding), total, abstract
+    )
+
+
+def _abstract_state(opened: restore.Opened) -> Any:
+    """The full TrainState of the run as ShapeDtypeStructs on the params' device."""
+    config, model_config = opened.config, opened.model_config
+    tx, _ = optim.make_optimizer(config.train, model_config.d_model)
+    init_fn = functools.partial(train.init_state, models.EncoderDecoder(model_config), tx,
+                                config.seed)  # fmt: skip
+    sharding = jax.tree_util.tree_leaves(opened.abstract_params)[0].sharding
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+        nn.meta.unbox(jax.eval_shape(init_fn)),
+    )
+
+
+def _reusable(directory: epath.Path, step: int, steps: list[int]) -> bool:
+    if not (directory / str(step) / "meta").exists():
+        return False
+    try:
+        ckpt = Checkpointer(directory, read_only=True, best_metric=None)
+        ok = step in ckpt.all_steps() and ckpt.restore_meta(step).get("averaged", {}).get(
+            "steps"
+        ) == list(steps)
+        ckpt.close()
+        return ok
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def average_checkpoints(
+    workdir: str | epath.Path,
+    k: int | None = None,
+    *,
+    steps: Sequence[int] | None = None,
+    until: int | None = None,
+    reuse: bool = True,
+) -> Averaged:
+    """Average the last `k` checkpoints of WORKDIR/checkpoints (those <= `until` if given),
+    or the given `steps`, and save the result (module docstring); reuse it if saved."""
+    workdir = absolute(workdir)
+    ckpt = restore.open_checkpoints(workdir / restore.CHECKPOINTS_DIR)
+    chosen = choose_steps(ckpt.all_steps(), k, steps, until)
+    name = f"last{k}" if steps is None else "steps_" + "_".join(map(str, chosen))
+    out_dir, last = workdir / restore.AVERAGED_DIR / name, chosen[-1]
+    if reuse and _reusable(out_dir, last, chosen):
+        return Averaged(out_dir / str(last), last, chosen)
+    opened = restore.open_step(ckpt, last)
+    params = average_params(ckpt, chosen, opened.abstract_params)
+    state, data_state, meta = ckpt.restore(last, _abstract_state(opened))
+    ckpt.close()
+    out = Checkpointer(out_dir, keep=3, best_metric=None, async_save=False)
+    if last in out.all_steps():
+        out.manager.delete(last)
+    out.save(
+        last, state.replace(params=params), data_state=data_state, config=meta["config"],
+        tokenizer_bytes=meta["tokenizer"], versions=meta.get("versions"),
+        extra_meta={"averaged": {"steps": chosen, "k": len(chosen),
+                                 "source": str(ckpt.directory)}},
+    )  # fmt: skip
+    out.close()
+    return Averaged(out_dir / str(last), last, chosen)
