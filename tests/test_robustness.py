@@ -152,3 +152,58 @@ def test_kill_9_at_random_moments_loses_nothing_before_the_last_save(tmp_path, t
         assert r["finished"] and r["resumed_exactly"], r
         assert r["tmp_dirs_after_resume"] == 0, r
         assert r["steps_lost"] <= 3, r  # at most the steps since the last (every-2) save
+
+
+def test_damaged_checkpoints_are_detected_and_skipped(tmp_path, tfds_dir, capsys):
+    """Flipped bytes and truncated files are reported naming step and file; training and
+    evaluation fall back to the previous good checkpoint."""
+    import random
+    import shutil
+
+    from tx_jax import restore
+    from tx_jax.checkpoint import MANIFEST, CorruptCheckpointError
+
+    workdir = tmp_path / "run"
+    config = tiny_config(
+        tfds_dir, **{"train.num_steps": 6, "checkpoint.every": 2, "checkpoint.async_save": True}
+    )
+    train.train_and_evaluate(config, workdir)
+    ckpt = Checkpointer(workdir / "checkpoints", read_only=True)
+    assert ckpt.all_steps() == [2, 4, 6] and all(ckpt.verify(s) for s in (2, 4, 6))
+    step6 = workdir / "checkpoints" / "6"
+    files = sorted(p for p in step6.rglob("*") if p.is_file() and p.name != MANIFEST)
+    # 20 random single-byte flips, each on a fresh copy: every one is detected
+    rng = random.Random(0)
+    detected = 0
+    for i in range(20):
+        copy = tmp_path / "copies" / str(i) / "checkpoints"
+        shutil.copytree(workdir / "checkpoints", copy)
+        victim = copy / "6" / rng.choice(files).relative_to(step6)
+        data = bytearray(victim.read_bytes())
+        data[rng.randrange(len(data))] ^= 0xFF
+        victim.write_bytes(bytes(data))
+        with pytest.raises(CorruptCheckpointError, match=f"step 6 is damaged: {victim}"):
+            Checkpointer(copy, read_only=True).verify(6)
+        detected += 1
+    print(f"corruptions detected: {detected}/20")
+    # damage the real step 6 (biggest state file flipped) and truncate a file of step 4
+    biggest = max((p for p in files if "state" in str(p)), key=lambda p: p.stat().st_size)
+    data = bytearray(biggest.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    biggest.write_bytes(bytes(data))
+    with pytest.raises(restore.CheckpointError, match="step 6 is damaged.*checksum mismatch"):
+        restore.load(workdir, step=6)
+    loaded = restore.load(workdir)  # evaluation: the latest *good* checkpoint
+    assert loaded.step == 4
+    assert "step 6 is damaged" in capsys.readouterr().err
+    # training resumes from step 4 and finishes
+    config.train.num_steps = 8
+    train.train_and_evaluate(config, workdir)
+    assert "step 6 is damaged" in capsys.readouterr().out
+    assert max(train_losses(workdir)) == 8
+    assert (tmp_path / "run" / "checkpoints.damaged" / "6-0").is_dir()  # kept, not deleted
+    truncated = sorted((workdir / "checkpoints" / "8").rglob("*"), key=lambda p: p.stat().st_size)
+    victim = [p for p in truncated if p.is_file() and p.name != MANIFEST][-1]
+    victim.write_bytes(victim.read_bytes()[:-7])
+    with pytest.raises(CorruptCheckpointError, match="step 8 is damaged.*checksum mismatch"):
+        Checkpointer(workdir / "checkpoints", read_only=True).verify(8)

@@ -8,20 +8,39 @@ A checkpoint at step N is the directory WORKDIR/checkpoints/N with three items:
     meta    the resolved config, the SentencePiece model (base64) and the package versions
 Saves are asynchronous; `wait()` blocks until the last one is on disk. Retention keeps the
 latest `keep` checkpoints plus the best one by a validation metric.
+
+Integrity: Orbax restores flipped bytes silently, so once a save of this process is final,
+process 0 writes N/checksums.json (SHA-256 of every file of the step). Restores verify it
+and raise `CorruptCheckpointError` naming the step and the file; `restore_latest` then falls
+back to the previous good checkpoint. A checkpoint whose manifest was never written (the
+process died between Orbax's commit and the manifest) is used with a warning: a manifest is
+only ever written for a save this process made, never for one found on disk.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
+import json
 import logging
 import os
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_managers as cm
 
 ITEMS = ("state", "data", "meta")
+MANIFEST = "checksums.json"
+
+
+class CorruptCheckpointError(RuntimeError):
+    """A checkpoint whose files do not match its checksums (names the step and the file)."""
+
+    def __init__(self, step: int, path: str, reason: str):
+        super().__init__(f"checkpoint step {step} is damaged: {path}: {reason}")
+        self.step, self.path, self.reason = step, path, reason
 
 
 class Checkpointer:
@@ -56,6 +75,7 @@ class Checkpointer:
             read_only=read_only,
         )
         self.manager = ocp.CheckpointManager(self.directory, item_names=ITEMS, options=options)
+        self._unsealed: list[int] = []  # saves of this process still without a manifest
 
     # ------------------------------------------------------------------ queries
     def latest_step(self) -> int | None:
@@ -92,18 +112,92 @@ class Checkpointer:
             data=ocp.args.JsonSave(data_state or {}),
             meta=ocp.args.JsonSave(meta),
         )
-        return self.manager.save(step, args=args, metrics=metrics, force=force)
+        self.seal()  # the previous async save must be final before its manifest is written
+        started = self.manager.save(step, args=args, metrics=metrics, force=force)
+        if started:
+            self._unsealed.append(step)
+        return started
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        self.seal()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        self.seal()
         self.manager.close()
+
+    # ------------------------------------------------------------------ integrity
+    def seal(self) -> None:
+        """Wait for pending saves, then write the checksum manifest of each of them."""
+        self.manager.wait_until_finished()
+        pending, self._unsealed = self._unsealed, []
+        if jax.process_index() != 0:
+            return
+        existing = set(self.manager.all_steps())
+        for step in pending:
+            if step in existing:  # retention may already have removed it
+                step_dir = self.directory / str(step)
+                manifest = {rel: _sha256(step_dir / rel) for rel in _files(step_dir)}
+                tmp = step_dir / (MANIFEST + ".tmp")
+                tmp.write_text(json.dumps(manifest, indent=0, sort_keys=True))
+                tmp.rename(step_dir / MANIFEST)
+
+    def verify(self, step: int) -> bool:
+        """Check step's files against its manifest: True if verified, False if it has none
+        (warned); raises CorruptCheckpointError naming the first bad file."""
+        step_dir = self.directory / str(step)
+        manifest_path = step_dir / MANIFEST
+        if not manifest_path.exists():
+            logging.warning("checkpoint step %d has no %s: not verified", step, MANIFEST)
+            return False
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except (OSError, ValueError) as e:
+            raise CorruptCheckpointError(step, str(manifest_path), f"unreadable: {e}") from e
+        for rel, digest in sorted(manifest.items()):
+            path = step_dir / rel
+            if not path.exists():
+                raise CorruptCheckpointError(step, str(path), "missing")
+            if _sha256(path) != digest:
+                raise CorruptCheckpointError(step, str(path), "checksum mismatch")
+        extra = sorted(set(_files(step_dir)) - set(manifest))
+        if extra:
+            raise CorruptCheckpointError(step, str(step_dir / extra[0]), "not in the manifest")
+        return True
+
+    def quarantine(self, step: int) -> epath.Path:
+        """Move a damaged step out of the manager's way (training would re-save that step)
+        into DIRECTORY.damaged/STEP-<n>; nothing is deleted."""
+        target_dir = epath.Path(str(self.directory) + ".damaged")
+        n = 0
+        while (target := target_dir / f"{step}-{n}").exists():
+            n += 1
+        if jax.process_index() == 0:
+            target_dir.mkdir(parents=True, exist_ok=True)
+            (self.directory / str(step)).rename(target)
+        self.manager.reload()
+        return target
+
+    def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict, dict] | None:
+        """The newest checkpoint that verifies and restores -> (step, state, data, meta);
+        damaged ones are reported and skipped. None when there is no checkpoint at all."""
+        steps = self.all_steps()
+        for step in reversed(steps):
+            try:
+                return (step, *self.restore(step, abstract_state))
+            except CorruptCheckpointError as e:
+                moved = self.quarantine(step)
+                print(f"warning: {e}; moved to {moved}; falling back to an earlier checkpoint",
+                      flush=True)  # fmt: skip
+        if steps:
+            raise CorruptCheckpointError(
+                steps[0], str(self.directory), f"all {len(steps)} checkpoints are damaged"
+            )
+        return None
 
     # ------------------------------------------------------------------ restore
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict, dict]:
-        """-> (state placed as `abstract_state` says, iterator state, meta)."""
+        """-> (state placed as `abstract_state` says, iterator state, meta), verified."""
+        self.verify(step)
         restored = self.manager.restore(
             step,
             args=ocp.args.Composite(
@@ -122,7 +216,9 @@ class Checkpointer:
 
     def restore_params(self, step: int, abstract_params: Any) -> Any:
         """Only `state.params`, placed as `abstract_params` says: the optimizer moments and
-        the other items are not read (evaluation and decoding need nothing else)."""
+        the other items are not read (evaluation and decoding need nothing else). The
+        whole step is verified against its checksums first."""
+        self.verify(step)
         target = {"params": abstract_params}
         args = ocp.args.PyTreeRestore(
             item=target,
@@ -138,6 +234,35 @@ class Checkpointer:
         """The `state` item as a tree of Orbax ArrayMetadata (shape, dtype), reading no array."""
         handler = ocp.PyTreeCheckpointHandler()
         return handler.metadata(self.directory / str(step) / "state").tree
+
+
+def _files(step_dir: epath.Path) -> list[str]:
+    """Every file under a step directory, relative, except the manifest itself."""
+    root = str(step_dir)
+    out = []
+    for dirpath, _, names in os.walk(root) if "://" not in root else _walk_remote(step_dir):
+        for name in names:
+            rel = os.path.relpath(os.path.join(dirpath, name), root)
+            if rel not in (MANIFEST, MANIFEST + ".tmp"):
+                out.append(rel)
+    return sorted(out)
+
+
+def _walk_remote(step_dir: epath.Path):
+    stack = [step_dir]
+    while stack:
+        d = stack.pop()
+        children = list(d.iterdir())
+        yield str(d), None, [c.name for c in children if not c.is_dir()]
+        stack.extend(c for c in children if c.is_dir())
+
+
+def _sha256(path: epath.Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def absolute(path: str | epath.Path) -> epath.Path:

@@ -32,7 +32,7 @@ import ml_collections
 from etils import epath
 
 from tx_jax import models
-from tx_jax.checkpoint import Checkpointer, absolute
+from tx_jax.checkpoint import Checkpointer, CorruptCheckpointError, absolute
 from tx_jax.data.tokenizer import Tokenizer
 
 CHECKPOINTS_DIR = "checkpoints"  # WORKDIR/checkpoints/N: training's checkpoints
@@ -127,6 +127,19 @@ def open_checkpoints(directory: str | epath.Path) -> Checkpointer:
     if not ckpt.all_steps():
         raise CheckpointError(f"no checkpoint in {directory} (no finished step directory)")
     return ckpt
+
+
+def _latest_verified(ckpt: Checkpointer) -> int | None:
+    steps = ckpt.all_steps()
+    for step in reversed(steps):
+        try:
+            ckpt.verify(step)
+            return step
+        except CorruptCheckpointError as e:
+            print(f"warning: {e}; falling back to an earlier checkpoint", file=sys.stderr)
+    if steps:
+        raise CheckpointError(f"every checkpoint in {ckpt.directory} is damaged: {steps}")
+    return None
 
 
 def select_step(ckpt: Checkpointer, step: int | None) -> int:
@@ -337,7 +350,10 @@ def load(
     if named_step is not None and step is not None and step != named_step:
         raise CheckpointError(f"{directory / str(named_step)} is step {named_step}, not {step}")
     ckpt = open_checkpoints(directory)
-    opened = open_step(ckpt, named_step if step is None else step, overrides, device)
+    wanted = named_step if step is None else step
+    if wanted is None:  # the latest good one: damaged checkpoints are reported and skipped
+        wanted = _latest_verified(ckpt)
+    opened = open_step(ckpt, wanted, overrides, device)
     stored_task = task_of(opened.config)
     if task is not None and stored_task != task:
         ckpt.close()
@@ -345,7 +361,11 @@ def load(
             f"{directory / str(opened.step)} holds a {stored_task!r} model (config.task), "
             f"not {task!r}"
         )
-    params = ckpt.restore_params(opened.step, opened.abstract_params)
+    try:
+        params = ckpt.restore_params(opened.step, opened.abstract_params)
+    except CorruptCheckpointError as e:
+        ckpt.close()
+        raise CheckpointError(str(e)) from None
     ckpt.close()
     averaged_steps = (opened.meta.get("averaged") or {}).get("steps")
     return Loaded(

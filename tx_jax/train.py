@@ -272,13 +272,13 @@ def check_writable(workdir: epath.Path) -> None:
 
 
 def restore_or_init(run: Run, checkpointer: ckpt_lib.Checkpointer) -> tuple[TrainState, dict]:
-    """The latest checkpoint placed for this run's devices, or a fresh state."""
-    latest = checkpointer.latest_step()
-    if latest is None:
+    """The newest good checkpoint placed for this run's devices (damaged ones are reported
+    and skipped), or a fresh state."""
+    if checkpointer.latest_step() is None:
         return run.strategy.init_state(run.init_fn), {}
     abstract = run.strategy.abstract_state(run.init_fn)
-    state, data_state, _ = checkpointer.restore(latest, abstract)
-    logging.info("resuming from step %d", latest)
+    step, state, data_state, _ = checkpointer.restore_latest(abstract)
+    logging.info("resuming from step %d", step)
     return run.strategy.place_restored(state), data_state
 
 
