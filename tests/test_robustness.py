@@ -207,3 +207,40 @@ def test_damaged_checkpoints_are_detected_and_skipped(tmp_path, tfds_dir, capsys
     victim.write_bytes(victim.read_bytes()[:-7])
     with pytest.raises(CorruptCheckpointError, match="step 8 is damaged.*checksum mismatch"):
         Checkpointer(workdir / "checkpoints", read_only=True).verify(8)
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 3 MB tmpfs: a real full disk (needs root; skipped where mounting is not allowed)."""
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount_point)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_full_disk_is_a_clear_error_and_keeps_complete_checkpoints(tiny_disk, tfds_dir):
+    workdir = tiny_disk / "run"
+    config = tiny_config(
+        tfds_dir,
+        **{"train.num_steps": 500, "checkpoint.every": 1, "checkpoint.keep": 1000,
+           "checkpoint.async_save": True},
+    )  # fmt: skip
+    with pytest.raises(OSError, match=r"No space left on device") as info:
+        train.train_and_evaluate(config, workdir)
+    message = str(info.value)
+    assert str(workdir) in message and ("checkpoint step" in message or "logs" in message)
+    print(f"full disk: {message[:300]}")
+    # what was saved completely before the disk filled is intact and verifies
+    ckpt = Checkpointer(workdir / "checkpoints", read_only=True)
+    steps = ckpt.all_steps()
+    assert steps, "no complete checkpoint survived"
+    verified = [s for s in steps if (workdir / "checkpoints" / str(s) / "checksums.json").exists()]
+    assert verified and all(ckpt.verify(s) for s in verified)

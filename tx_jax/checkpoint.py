@@ -35,6 +35,10 @@ ITEMS = ("state", "data", "meta")
 MANIFEST = "checksums.json"
 
 
+class CheckpointSaveError(OSError):
+    """A save that failed (disk full, permissions, ...): names the step and the directory."""
+
+
 class CorruptCheckpointError(RuntimeError):
     """A checkpoint whose files do not match its checksums (names the step and the file)."""
 
@@ -113,7 +117,13 @@ class Checkpointer:
             meta=ocp.args.JsonSave(meta),
         )
         self.seal()  # the previous async save must be final before its manifest is written
-        started = self.manager.save(step, args=args, metrics=metrics, force=force)
+        try:
+            started = self.manager.save(step, args=args, metrics=metrics, force=force)
+        except Exception as e:  # noqa: BLE001 - Orbax raises many types; say which save failed
+            raise CheckpointSaveError(
+                f"saving checkpoint step {step} in {self.directory} failed: {e}; the "
+                f"checkpoints already there are intact: {self.all_steps()}"
+            ) from e
         if started:
             self._unsealed.append(step)
         return started
@@ -128,8 +138,14 @@ class Checkpointer:
     # ------------------------------------------------------------------ integrity
     def seal(self) -> None:
         """Wait for pending saves, then write the checksum manifest of each of them."""
-        self.manager.wait_until_finished()
         pending, self._unsealed = self._unsealed, []
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - the async save's own error, re-raised here
+            raise CheckpointSaveError(
+                f"saving checkpoint step(s) {pending} in {self.directory} failed: {e}; the "
+                f"checkpoints already there are intact: {self.all_steps()}"
+            ) from e
         if jax.process_index() != 0:
             return
         existing = set(self.manager.all_steps())
@@ -138,8 +154,13 @@ class Checkpointer:
                 step_dir = self.directory / str(step)
                 manifest = {rel: _sha256(step_dir / rel) for rel in _files(step_dir)}
                 tmp = step_dir / (MANIFEST + ".tmp")
-                tmp.write_text(json.dumps(manifest, indent=0, sort_keys=True))
-                tmp.rename(step_dir / MANIFEST)
+                try:
+                    tmp.write_text(json.dumps(manifest, indent=0, sort_keys=True))
+                    tmp.rename(step_dir / MANIFEST)
+                except OSError as e:
+                    raise CheckpointSaveError(
+                        f"writing the checksums of checkpoint step {step} ({tmp}) failed: {e}"
+                    ) from e
 
     def verify(self, step: int) -> bool:
         """Check step's files against its manifest: True if verified, False if it has none

@@ -53,6 +53,12 @@ class MetricLogger:
     def write(self, step: int, split: str, scalars: dict[str, float]) -> None:
         if not self.enabled:
             return
+        try:
+            self._write(step, split, scalars)
+        except OSError as e:
+            raise OSError(f"writing the logs in {self.workdir} failed at step {step}: {e}") from e
+
+    def _write(self, step: int, split: str, scalars: dict[str, float]) -> None:
         for key, value in scalars.items():
             self._tb.add_scalar(f"{split}/{key}", value, step)
         self._tb.flush()
