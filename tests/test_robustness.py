@@ -244,3 +244,52 @@ def test_full_disk_is_a_clear_error_and_keeps_complete_checkpoints(tiny_disk, tf
     assert steps, "no complete checkpoint survived"
     verified = [s for s in steps if (workdir / "checkpoints" / str(s) / "checksums.json").exists()]
     assert verified and all(ckpt.verify(s) for s in verified)
+
+
+def test_dirty_corpus_trains_with_counts_per_category(tmp_path, caplog):
+    """Empty / whitespace-only lines, invalid UTF-8, a 1 MB line, a too-long line and unseen
+    characters in a Multi30k-format corpus: skipped or truncated and counted, never a crash."""
+    import gzip
+    import json
+    import logging as std_logging
+
+    from tx_jax.data import synthetic
+
+    pairs = synthetic.generate_corpus(300, seed=3)
+    en = [s.encode() for s, _ in pairs]
+    de = [t.encode() for _, t in pairs]
+    dirty = {
+        5: (b"", b"ein hund ."),  # empty side
+        7: (b"  \t ", b"gumesi ke ."),  # whitespace-only side
+        9: (b"the dog \xff\xfe sees the cat .", de[9]),  # invalid UTF-8
+        11: (b"word " * 200_000, de[11]),  # a 1 MB line
+        13: (b" ".join([b"the big dog"] * 30), de[13]),  # too long for max_len, not huge
+        15: ("the dog \u72d7 \U0001f415 sees .".encode(), de[15]),  # never-seen characters
+    }
+    for i, (a, b) in dirty.items():
+        en[i], de[i] = a, b
+    manual = tmp_path / "raw"
+    manual.mkdir()
+    for split, n in (("train", 300), ("val", 20), ("test_2016_flickr", 20)):
+        for lang, lines in (("en", en), ("de", de)):
+            chosen = lines if split == "train" else [s.encode() for s, _ in pairs[:n]]
+            if split != "train" and lang == "de":
+                chosen = [t.encode() for _, t in pairs[:n]]
+            with gzip.open(manual / f"{split}.{lang}.gz", "wb") as f:
+                f.write(b"\n".join(chosen) + b"\n")
+    config = tiny_config(
+        tmp_path / "tfds",
+        **{"data.dataset": "multi30k", "data.source_lang": "en", "data.target_lang": "de",
+           "data.manual_dir": str(manual), "train.num_steps": 4, "data.test_split":
+           "test_2016_flickr"},
+    )  # fmt: skip
+    with caplog.at_level(std_logging.WARNING):
+        train.train_and_evaluate(config, tmp_path / "run")
+    logs = caplog.text
+    assert "skipped 2 of 300 line pairs with an empty side" in logs
+    assert "1 line(s) with invalid UTF-8" in logs and "lines [10]" in logs  # 1-based
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in records if r["split"] == "train"][-1]
+    assert last["data_dropped_too_long_chars"] >= 1  # the 1 MB line, never tokenized
+    assert last["data_dropped_too_long"] >= 1  # the 90-word line
+    assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)

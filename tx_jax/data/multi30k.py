@@ -156,9 +156,27 @@ def download_urls(lang1: str, lang2: str) -> dict[str, dict[str, str]]:
 
 
 def _read_lines(path: epath.PathLike) -> list[str]:
-    """Returns the lines of a gzip UTF-8 text file without their trailing newline."""
+    """Returns the lines of a gzip UTF-8 text file without their trailing newline.
+
+    Bytes that are not UTF-8 become U+FFFD; the lines concerned are counted and named in a
+    warning (file and 1-based line numbers), so a dirty file never stops preparation silently
+    or with a bare UnicodeDecodeError.
+    """
+    lines, bad = [], []
     with epath.Path(path).open("rb") as raw, gzip.open(raw, "rb") as f:
-        return [line.decode("utf-8").rstrip("\r\n") for line in f]
+        for number, line in enumerate(f, start=1):
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError:
+                text = line.decode("utf-8", errors="replace")
+                bad.append(number)
+            lines.append(text.rstrip("\r\n"))
+    if bad:
+        logging.warning(
+            "%s: %d line(s) with invalid UTF-8 (replaced by U+FFFD): lines %s%s",
+            path, len(bad), bad[:10], " ..." if len(bad) > 10 else "",
+        )  # fmt: skip
+    return lines
 
 
 def read_parallel(
