@@ -44,7 +44,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--lengths", default="16,32,64,128")
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--source_len", type=int, default=24)
+    parser.add_argument("--source_len", type=int, default=80)  # T <= S + 50
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="")
     args = parser.parse_args()
