@@ -9,7 +9,9 @@
 
 Model code never sees a device: it names axes ('batch', 'embed', 'heads', ...), and only
 this file turns names into placements. Multi-host runs call `maybe_initialize_distributed`
-first; each process then feeds its own share of the global batch.
+first. Train batches are global: every process holds the same [B, ...] batch and
+`place_global_batch` gives each device its rows (see data/tasks.py for why); eval batches are
+per process (`place_batch`: each process feeds its own rows, and the step sums globally).
 """
 
 from __future__ import annotations
@@ -52,8 +54,8 @@ def maybe_initialize_distributed(parallel: Any) -> None:
     `parallel.distributed=True` alone lets JAX discover the slice.
     """
     address = parallel.get("coordinator_address") or os.environ.get("JAX_COORDINATOR_ADDRESS")
-    if not (parallel.get("distributed") or address):
-        return
+    if not (parallel.get("distributed") or address) or jax.distributed.is_initialized():
+        return  # (a second build_run in the same process, e.g. evaluation after training)
     kwargs = {}
     if address:
         kwargs = dict(
@@ -65,7 +67,10 @@ def maybe_initialize_distributed(parallel: Any) -> None:
                 else os.environ["JAX_PROCESS_ID"]
             ),
         )
-    if jax.default_backend() == "cpu" or os.environ.get("JAX_PLATFORMS") == "cpu":
+    # Cross-process collectives on CPU (tests, CPU clusters) need an implementation: gloo over
+    # TCP is jax 0.10's default; set it where an older jax has none. Nothing here may ask for
+    # a backend (jax.default_backend() would create it, and initialize() must come first).
+    if getattr(jax.config, "jax_cpu_collectives_implementation", None) is None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(**kwargs)
     logging.info(
@@ -103,6 +108,13 @@ class Strategy:
     kind: str
     mesh: Mesh | None = None
     rules: tuple[tuple[str, Any], ...] = DEFAULT_RULES
+
+    @property
+    def global_batch_multiple(self) -> int:
+        """The global batch must divide by this (all devices, or the mesh's batch shards)."""
+        if self.kind == "pmap":
+            return jax.device_count()
+        return self.mesh.shape["data"] * self.mesh.shape["fsdp"]
 
     @property
     def local_batch_multiple(self) -> int:
@@ -149,7 +161,16 @@ class Strategy:
         return replicate(state) if self.kind == "pmap" else state
 
     def for_checkpoint(self, state: Any) -> Any:
-        """The state as the checkpoint stores it: one replica for pmap, as is for mesh."""
+        """The state as the checkpoint stores it: one replica for pmap, as is for mesh.
+
+        With several processes pmap's copies are host-local arrays, which Orbax cannot save;
+        they become one global array replicated over every device."""
+        if self.kind == "pmap" and jax.process_count() > 1:
+            from orbax.checkpoint import utils as ocp_utils
+
+            return jax.tree_util.tree_map(
+                ocp_utils.fully_replicated_host_local_array_to_global_array, state
+            )
         if self.kind == "pmap":
             return jax.tree_util.tree_map(lambda x: x[0], state)
         return state
@@ -168,6 +189,26 @@ class Strategy:
         return jax.tree_util.tree_map(
             lambda x: jax.make_array_from_process_local_data(sharding, x), batch
         )
+
+    def place_global_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """The same global numpy batch [B, ...] on every process -> device arrays for the step.
+
+        With one process this is `place_batch`. With several, each device takes its own rows
+        of the global batch (mesh: whatever the device order of the mesh; pmap: this process's
+        block of B / process_count rows), so the step sees exactly the 1-process batch.
+        """
+        if jax.process_count() == 1:
+            return self.place_batch(batch)
+        if self.kind == "pmap":
+            i, n = jax.process_index(), jax.process_count()
+            return self.place_batch(
+                {k: x[i * len(x) // n : (i + 1) * len(x) // n] for k, x in batch.items()}
+            )
+        sharding = self.batch_sharding()
+        return {
+            k: jax.make_array_from_callback(x.shape, sharding, lambda index, x=x: x[index])
+            for k, x in batch.items()
+        }
 
     def batch_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, P(("data", "fsdp")))

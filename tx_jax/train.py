@@ -247,12 +247,12 @@ def _check_batch_divides(config: ml_collections.ConfigDict, strategy: parallel.S
     """The smallest batch (rows at the longest bucket) must split over devices and micro-batches."""
     d = config.data
     longest = max(d.bucket_boundaries or [d.max_len]) if not d.packing else d.max_len
-    rows = d.tokens_per_batch // jax.process_count() // longest
-    need = strategy.local_batch_multiple * config.train.grad_accum_steps
+    rows = d.tokens_per_batch // longest  # the global batch (tasks.py)
+    need = strategy.global_batch_multiple * config.train.grad_accum_steps
     if rows < need:
         raise ValueError(
-            f"data.tokens_per_batch={d.tokens_per_batch} gives {rows} rows of {longest} tokens "
-            f"per process, fewer than the {need} needed ({strategy.local_batch_multiple} "
+            f"data.tokens_per_batch={d.tokens_per_batch} gives {rows} rows of {longest} tokens, "
+            f"fewer than the {need} needed ({strategy.global_batch_multiple} "
             f"devices x train.grad_accum_steps={config.train.grad_accum_steps}); raise "
             "data.tokens_per_batch"
         )
@@ -294,8 +294,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         async_save=config.checkpoint.async_save,
     )  # fmt: skip
     state, data_state = restore_or_init(run, checkpointer)
-    train_iter = run.task.train_iterator(
-        batch_multiple=run.strategy.local_batch_multiple * cfg.grad_accum_steps
+    train_iter = run.task.train_iterator(  # global batches, the same on every process
+        batch_multiple=run.strategy.global_batch_multiple * cfg.grad_accum_steps
     )
     if data_state and cfg.restore_data_iterator:
         train_iter.set_state(data_state)
@@ -324,7 +324,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                   "rerun the same command to resume", flush=True)  # fmt: skip
             return {"stopped_at": float(step)}
         batch = next(train_iter)
-        state, metrics = p_train(state, run.strategy.place_batch(batch))
+        state, metrics = p_train(state, run.strategy.place_global_batch(batch))
         step += 1
         pending.append(metrics)
         is_last = step == cfg.num_steps
@@ -342,7 +342,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             save(step, state)
     stop.restore()
     checkpointer.wait()
-    if config.eval.test_split and jax.process_index() == 0 and step == cfg.num_steps:
+    if config.eval.test_split and step == cfg.num_steps:  # every process decodes (SPMD)
         final.update(evaluator.test_bleu(state, step, logger))
     checkpointer.close()
     logger.close()
@@ -481,8 +481,11 @@ class Evaluator:
         from tx_jax import evaluation
 
         params = self.run.strategy.for_checkpoint(state).params
+        task = self.run.task
+        if jax.process_count() > 1:  # the parameters span all processes: decode the same
+            task = dataclasses.replace(task, shard_eval=False)  # examples everywhere
         result = evaluation.bleu_for_split(
-            self.run.model_config, params, self.run.task, split, limit=limit,
+            self.run.model_config, params, task, split, limit=limit,
             beam_size=self.run.config.eval.beam_size, alpha=self.run.config.eval.alpha,
         )  # fmt: skip
         return {"bleu": result.bleu, "chrf": result.chrf, "bleu_signature": result.signature}

@@ -1,13 +1,26 @@
 """A translation task: the config's data section turned into splits, a tokenizer and batches.
 
     task = prepare_translation_task(config.data, workdir, seed=config.seed)
-    task.train_iterator(batch_multiple=n)      checkpointable grain iterator of train batches
+    task.train_iterator(batch_multiple=n)      checkpointable grain iterator of global batches
     task.eval_batches('validation', n)         every example once, static shapes
     task.pairs('test')                          raw (source, reference) text pairs
 
 The joint SentencePiece model is trained on the train split once and saved as
 WORKDIR/tokenizer.model; resuming and evaluation load it from there (and checkpoints carry a
 copy). In a multi-process run process 0 prepares data and tokenizer, the others wait.
+
+Multi-process training reads one global stream: every process builds the same iterator over
+the whole train split with the global token budget, and the step places each device's rows of
+that global batch (`parallel.Strategy.place_global_batch`). So N processes train on exactly
+the batches of one process with the same devices (same losses, resumable across process
+counts), every process holds the same iterator state (the checkpoint stores one copy, and any
+process can restore it), and length buckets stay in step across processes. The price: every
+process tokenizes (and caches) every train example instead of 1/N of them, small next to a
+step for translation corpora; a corpus too big for that would use per-process shards
+(pipeline.make_train_iterator's process_index/process_count) and accept other batches.
+Validation loss batches stay per-process shards (their sums are reduced over all devices);
+decoding for BLEU runs the same examples on every process (`shard_eval=False`), since the
+parameters it reads are spread over all of them.
 """
 
 from __future__ import annotations
@@ -50,6 +63,9 @@ class TranslationTask:
     tokenizer: Tokenizer
     seed: int
     _splits: dict[str, datasets.TranslationSource] = dataclasses.field(default_factory=dict)
+    # False: eval_batches gives every process all the examples (decoding with parameters
+    # sharded over several processes runs the same batches everywhere)
+    shard_eval: bool = True
 
     def split_name(self, split: str) -> str:
         """'validation' / 'test' are aliases for the config's eval_split / test_split."""
@@ -65,24 +81,23 @@ class TranslationTask:
         return Prefix(self.source(split), limit)
 
     def train_iterator(self, batch_multiple: int) -> pipeline.TrainIterator:
+        """Global batches (rows a multiple of `batch_multiple`), the same on every process."""
         d = self.data
-        boundaries = d.bucket_boundaries
-        if jax.process_count() > 1 and not d.packing and boundaries is None:
-            # every process must feed the same shape on the same step
-            boundaries = [d.max_len]
         return pipeline.make_train_iterator(
             self.source("train"), self.tokenizer, max_len=d.max_len,
-            tokens_per_batch=d.tokens_per_batch // jax.process_count(),
-            batch_multiple=batch_multiple, bucket_boundaries=boundaries, packing=d.packing,
-            seed=self.seed,
+            tokens_per_batch=d.tokens_per_batch, batch_multiple=batch_multiple,
+            bucket_boundaries=d.bucket_boundaries, packing=d.packing, seed=self.seed,
+            process_index=0, process_count=1,  # the whole stream on every process
         )  # fmt: skip
 
     def eval_batches(self, split: str, batch_multiple: int, limit: int | None = None):
+        """This process's share of the examples (every example when `shard_eval` is False)."""
         d = self.data
+        every = {} if self.shard_eval else {"process_index": 0, "process_count": 1}
         return pipeline.make_eval_batches(
             self.pairs(split, limit), self.tokenizer, max_len=d.max_eval_len,
             batch_size=d.eval_batch_size, batch_multiple=batch_multiple,
-            bucket_boundaries=[d.max_eval_len],
+            bucket_boundaries=[d.max_eval_len], **every,
         )  # fmt: skip
 
 
@@ -114,9 +129,11 @@ def load_split(data: Any, split: str) -> datasets.TranslationSource:
 def load_or_train_tokenizer(data: Any, workdir: epath.Path, train: Sequence) -> Tokenizer:
     """WORKDIR/tokenizer.model if present, else a joint model trained on `train`."""
     path = workdir / TOKENIZER_FILE
-    if path.exists():
+    if jax.process_count() == 1 and path.exists():
         return Tokenizer.from_bytes(path.read_bytes())
-    if jax.process_index() == 0:
+    # Only process 0 looks at the file: another process could see it appear (half written)
+    # and skip the barrier that process 0 then waits at.
+    if jax.process_index() == 0 and not path.exists():
         logging.info("training a %d-piece SentencePiece model on %d pairs", data.vocab_size,
                      len(train))  # fmt: skip
         local = train_tokenizer(

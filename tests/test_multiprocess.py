@@ -1,0 +1,227 @@
+"""A real multi-process run: 2 processes x 4 CPU devices on 127.0.0.1 (jax.distributed, gloo).
+
+They train into one workdir, are SIGKILLed after a checkpoint, resume, and must log the train
+and validation losses of 1 process with 8 devices and the same mesh; their checkpoint then
+restores and evaluates in this (1-device) process.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import portpicker
+import pytest
+from helpers import ROOT, run_python, tiny_config, train_losses
+
+from tx_jax import train
+from tx_jax.checkpoint import Checkpointer
+
+NUM_PROCESSES, LOCAL_DEVICES = 2, 4
+OVERRIDES = {
+    "parallel.strategy": "mesh",
+    "data.packing": True,
+    "checkpoint.every": 2,
+    "eval.every": 4,
+    "eval.bleu_examples": 8,  # greedy decoding with parameters spread over 2 processes
+    "model.dropout_rate": 0.1,  # one dropout key for the global batch: must match too
+}
+TIMEOUT = 240  # seconds for any one launch; a hung collective fails the test, not CI
+
+
+def _code(tfds_dir, workdir, overrides: dict) -> str:
+    return (
+        "from helpers import tiny_config; from tx_jax import train;"
+        f"train.train_and_evaluate(tiny_config({str(tfds_dir)!r}, **{overrides!r}), "
+        f"{str(workdir)!r})"
+    )
+
+
+def _launch(tfds_dir, workdir, overrides, logs, name: str) -> list[subprocess.Popen]:
+    """Start the processes of one run of tiny_config(**overrides) (a fresh port each time)."""
+    port = portpicker.pick_unused_port()
+    procs: list[subprocess.Popen] = []
+    try:
+        for i in range(NUM_PROCESSES):
+            env = dict(
+                os.environ,
+                XLA_FLAGS=f"--xla_force_host_platform_device_count={LOCAL_DEVICES}",
+                JAX_PLATFORMS="cpu",
+                JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                JAX_NUM_PROCESSES=str(NUM_PROCESSES),
+                JAX_PROCESS_ID=str(i),
+                PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+                PYTHONUNBUFFERED="1",
+            )
+            with open(logs / f"{name}_process{i}.log", "w") as log:  # the child keeps a copy
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-c", _code(tfds_dir, workdir, overrides)],
+                        cwd=ROOT,
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
+    except BaseException:
+        _kill(procs)
+        raise
+    return procs
+
+
+def _kill(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=30)
+
+
+def _outputs(logs) -> str:
+    return "\n".join(f"===== {p.name}\n{p.read_text()[-5000:]}" for p in sorted(logs.iterdir()))
+
+
+def _wait(procs, logs, timeout=TIMEOUT) -> None:
+    """All exit 0 within `timeout`, else AssertionError with every process's output."""
+    deadline = time.time() + timeout
+    for p in procs:
+        try:
+            p.wait(timeout=max(deadline - time.time(), 1))
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"no exit after {timeout} s\n{_outputs(logs)}") from None
+    codes = [p.returncode for p in procs]
+    assert codes == [0] * len(procs), f"exit codes {codes}\n{_outputs(logs)}"
+
+
+def _wait_past_checkpoint(workdir, step: int, procs, logs, timeout=TIMEOUT) -> None:
+    """Until a complete checkpoint >= `step` exists (Orbax renames it into place when done)
+    and a later step is logged: a kill then loses steps that the resumed run must redo."""
+    deadline = time.time() + timeout
+    ckpt_dir = workdir / "checkpoints"
+    while time.time() < deadline:
+        done = (
+            [int(d.name) for d in ckpt_dir.iterdir() if d.name.isdigit()]
+            if ckpt_dir.exists()
+            else []
+        )
+        if done and max(done) >= step and _last_logged_step(workdir) > max(done):
+            return
+        if any(p.poll() is not None for p in procs):
+            raise AssertionError(f"a process exited early\n{_outputs(logs)}")
+        time.sleep(0.05)
+    raise AssertionError(f"no step past checkpoint {step} in {timeout} s\n{_outputs(logs)}")
+
+
+def _last_logged_step(workdir) -> int:
+    """The last complete line of metrics.jsonl (process 0 may be writing the next one)."""
+    lines = (workdir / "metrics.jsonl").read_text().split("\n")[:-1]
+    return json.loads(lines[-1])["step"] if lines else 0
+
+
+def _records(workdir) -> list[dict]:
+    return [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _validation(workdir) -> dict[int, dict]:
+    return {r["step"]: r for r in _records(workdir) if r["split"] == "validation"}
+
+
+@pytest.mark.slow
+def test_two_processes_train_resume_and_match_one_process(tmp_path, tfds_dir):
+    workdir, logs = tmp_path / "run", tmp_path / "logs"
+    logs.mkdir()
+    procs: list[subprocess.Popen] = []
+    try:
+        # 1. train (far more steps than we let it run); SIGKILL both after checkpoint 4
+        procs = _launch(tfds_dir, workdir, {**OVERRIDES, "train.num_steps": 1000}, logs, "1_killed")
+        _wait_past_checkpoint(workdir, 4, procs, logs)
+        for p in procs:
+            p.send_signal(signal.SIGKILL)
+        for p in procs:
+            p.wait(timeout=30)
+        before = _records(workdir)
+        ckpt = Checkpointer(workdir / "checkpoints", read_only=True).latest_step()
+        killed_at = max(r["step"] for r in before)
+        # 2. relaunch with a target beyond anything done: they resume from `ckpt` and finish
+        target = max(killed_at, 9) + 3  # BLEU > 0 by step 12
+        procs = _launch(
+            tfds_dir, workdir, {**OVERRIDES, "train.num_steps": target}, logs, "2_resumed"
+        )
+        _wait(procs, logs)
+    finally:
+        _kill(procs)
+    after = _records(workdir)[len(before) :]
+    print(f"killed at step {killed_at} (latest checkpoint {ckpt}); resumed to {target}")
+    # metrics.jsonl comes from process 0 alone: each step once per launch, in order
+    train_steps = [r["step"] for r in before if r["split"] == "train"]
+    assert train_steps == list(range(1, killed_at + 1))
+    resumed_steps = [r["step"] for r in after if r["split"] == "train"]
+    assert resumed_steps == list(range(ckpt + 1, target + 1)), _outputs(logs)
+
+    # 3. the same steps in 1 process with 8 devices and the same mesh: the same losses
+    reference = tmp_path / "reference"
+    run_python(
+        "from helpers import tiny_config; from tx_jax import train;"
+        f"train.train_and_evaluate(tiny_config({str(tfds_dir)!r}, "
+        f"**{ {**OVERRIDES, 'train.num_steps': target}!r}), {str(reference)!r})",
+        devices=NUM_PROCESSES * LOCAL_DEVICES,
+        timeout=TIMEOUT,
+    )
+    got, want = train_losses(workdir), train_losses(reference)
+    steps = list(range(1, target + 1))
+    print("2 processes:", [round(got[s], 6) for s in steps])
+    print("1 process:  ", [round(want[s], 6) for s in steps])
+    print("max relative difference:", max(abs(got[s] / want[s] - 1) for s in steps))
+    np.testing.assert_allclose([got[s] for s in steps], [want[s] for s in steps], rtol=1e-5)
+    got_eval, want_eval = _validation(workdir), _validation(reference)
+    assert set(got_eval) == set(want_eval) and target in got_eval
+    for key in ("loss", "accuracy", "bleu", "chrf"):
+        np.testing.assert_allclose(
+            [got_eval[s][key] for s in sorted(want_eval)],
+            [want_eval[s][key] for s in sorted(want_eval)], rtol=1e-5, err_msg=key,
+        )  # fmt: skip
+    print("validation 2 processes:", got_eval[target])
+    print("validation 1 process:  ", want_eval[target])
+
+    # 4. the 2-process checkpoint restores and evaluates here, on 1 device
+    config = tiny_config(tfds_dir, **{**OVERRIDES, "train.num_steps": target})
+    run = train.build_run(config, workdir)
+    assert jax.process_count() == 1  # this process, with its own device(s)
+    checkpointer = Checkpointer(workdir / "checkpoints", read_only=True)
+    assert checkpointer.latest_step() == target
+    state, data_state, _ = checkpointer.restore(target, run.strategy.abstract_state(run.init_fn))
+    assert int(state.step) == target
+    assert all(np.isfinite(x).all() for x in jax.tree_util.tree_leaves(state.params))
+    # one global stream: the iterator state is the 1-process one (resumable there too)
+    assert data_state["fingerprint"]["process_count"] == 1
+    shardings = run.strategy.state_shardings(jax.eval_shape(run.init_fn))
+    evaluator = train.Evaluator(run, shardings)
+    metrics = evaluator._loss_metrics(state, run.task.eval_batches("validation", 1))
+    np.testing.assert_allclose(metrics["loss"], got_eval[target]["loss"], rtol=1e-5)
+    np.testing.assert_allclose(metrics["accuracy"], got_eval[target]["accuracy"], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_two_processes_with_pmap_save_resume_and_match_one_device(tmp_path, tfds_dir):
+    """pmap (the default strategy) across processes: its host-local replicas are saved as one
+    global array, and every process restores its own copy."""
+    overrides = {"parallel.strategy": "pmap", "data.packing": True, "checkpoint.every": 2}
+    workdir, logs = tmp_path / "run", tmp_path / "logs"
+    logs.mkdir()
+    procs: list[subprocess.Popen] = []
+    try:
+        for name, steps in (("1_first", 2), ("2_resumed", 4)):
+            procs = _launch(tfds_dir, workdir, {**overrides, "train.num_steps": steps}, logs, name)
+            _wait(procs, logs)
+    finally:
+        _kill(procs)
+    assert [r["step"] for r in _records(workdir) if r["split"] == "train"] == [1, 2, 3, 4]
+    train.train_and_evaluate(
+        tiny_config(tfds_dir, **overrides, **{"train.num_steps": 4}), tmp_path / "one_device"
+    )
+    got, want = train_losses(workdir), train_losses(tmp_path / "one_device")
+    steps = [1, 2, 3, 4]
+    np.testing.assert_allclose([got[s] for s in steps], [want[s] for s in steps], rtol=1e-5)
