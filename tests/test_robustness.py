@@ -151,7 +151,9 @@ def test_kill_9_at_random_moments_loses_nothing_before_the_last_save(tmp_path, t
     for r in results:
         assert r["finished"] and r["resumed_exactly"], r
         assert r["tmp_dirs_after_resume"] == 0, r
-        assert r["steps_lost"] <= 3, r  # at most the steps since the last (every-2) save
+        # async saves: at most one save is in flight, so at most two save intervals (2 x 2
+        # steps) of work are redone; everything up to the newest complete save is kept
+        assert r["steps_lost"] <= 4, r
 
 
 def test_damaged_checkpoints_are_detected_and_skipped(tmp_path, tfds_dir, capsys):
