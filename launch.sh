@@ -3,6 +3,10 @@
 #
 #   ./launch.sh train [WORKDIR] [--config.key=value ...]   default experiment (CPU, offline)
 #   ./launch.sh test [pytest args]                         ruff (lint + format) then pytest
+#   ./launch.sh sweep experiments/FILE.py [--parallel N] [--dry-run] [--only 0,3] [--root DIR]
+#                     [--test_split_eval] [--override key=value ...]     python -m tx_jax.sweep
+#   ./launch.sh tpu-create|tpu-setup|tpu-run|tpu-logs|tpu-delete NAME [...] [--dry-run]
+#                                                          Cloud TPU VMs (scripts/tpu.sh)
 #
 # Environment: PYTHON (interpreter for the venv, >= 3.11), TX_JAX_TEST_WORKERS (pytest-xdist).
 set -euo pipefail
@@ -45,11 +49,18 @@ case "$cmd" in
     if [ $# -gt 0 ] && [[ "$1" != --* ]]; then workdir="$1"; shift; fi
     exec "$VENV/bin/python" -m tx_jax.main --config=configs/default.py --workdir="$workdir" "$@"
     ;;
+  sweep)
+    ensure_venv
+    exec "$VENV/bin/python" -m tx_jax.sweep "$@"
+    ;;
+  tpu-create|tpu-setup|tpu-run|tpu-logs|tpu-delete)
+    exec bash scripts/tpu.sh "$cmd" "$@"  # no venv here: --dry-run needs nothing installed
+    ;;
   help|-h|--help)
-    sed -n '2,8p' "$0"
+    sed -n '2,11p' "$0"
     ;;
   *)
-    echo "launch.sh: unknown command '$cmd' (expected train or test)" >&2
+    echo "launch.sh: unknown command '$cmd' (expected train, test, sweep or tpu-*)" >&2
     exit 2
     ;;
 esac

@@ -17,11 +17,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     args = parse_arg(arg, variant="default")
     c = ml_collections.ConfigDict()
     c.seed = 0  # every random stream (init, dropout, data order) derives from this
+    c.task = "translation"  # translation (EncoderDecoder) | lm (DecoderOnly; configs/lm.py)
 
     # Model: a small post-LN Transformer (the paper's design, shrunk for the CPU).
     c.model = ml_collections.ConfigDict()
     c.model.d_model = 128  # M
     c.model.num_heads = 4  # H
+    c.model.num_kv_heads = ml_collections.FieldReference(None, field_type=int)  # K<H: GQA
+    c.model.head_dim = ml_collections.FieldReference(None, field_type=int)  # None: d_model / H
     c.model.d_ff = 512  # FFN inner width
     c.model.num_encoder_layers = 2
     c.model.num_decoder_layers = 2
@@ -56,6 +59,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.eval_split = "validation"
     c.data.test_split = "test"
     c.data.eval_batch_size = 128  # rows per eval/decode batch
+    c.data.lm_side = "target"  # task='lm': the side of the pairs modelled (target|source|both)
 
     # Training: Adam with the paper's settings and its rsqrt warmup schedule.
     c.train = ml_collections.ConfigDict()
@@ -82,6 +86,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.bleu_examples = 200  # validation pairs decoded for BLEU (0 disables)
     c.eval.beam_size = 1  # 1: greedy during training
     c.eval.alpha = 0.6  # GNMT length penalty for beam search
+    c.eval.test_beam_size = 0  # beam for the final test-split score; 0: eval.beam_size
     c.eval.test_split = "test"  # scored at the end of training ('' to skip)
 
     # Checkpoints (Orbax).

@@ -1,17 +1,26 @@
-"""Every config file and variant builds, and its model eval_shapes."""
+"""Every config file and variant builds, passes validation, and its model eval_shapes."""
 
 import importlib.util
+import os
 import pathlib
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from tx_jax import models
+from tx_jax import models, restore, train
 from tx_jax.config_utils import apply_overrides, parse_arg
 
-CONFIGS = sorted((pathlib.Path(__file__).parent.parent / "configs").glob("*.py"))
-CASES = [(p, arg) for p in CONFIGS for arg in (None, "debug")]
+CONFIG_DIR = pathlib.Path(__file__).parent.parent / "configs"
+CONFIGS = sorted(CONFIG_DIR.glob("*.py"))
+# The documented variants and arguments of each config (module docstrings, README).
+DOCUMENTED = {
+    "default": ["default"],
+    "lm": ["default", "multi30k"],
+    "multi30k": ["small", "base", "pair=fr-cs", "pair=de-en,variant=base", "pair=cs-en,debug"],
+    "wmt14_ende": ["base", "big", "direction=de-en", "variant=big,direction=de-en"],
+}
+CASES = [(p, arg) for p in CONFIGS for arg in (None, "debug", *DOCUMENTED.get(p.stem, []))]
 
 
 def load(path: pathlib.Path):
@@ -24,11 +33,91 @@ def load(path: pathlib.Path):
 @pytest.mark.parametrize("path,arg", CASES, ids=[f"{p.stem}:{a}" for p, a in CASES])
 def test_config_builds_and_model_eval_shapes(path, arg):
     config = load(path).get_config(arg)
+    train.validate_config(config)
+    task = restore.task_of(config)
+    assert task in train.TASKS
     cfg = models.ModelConfig.from_config(config.model)
-    model = models.EncoderDecoder(cfg)
+    model = restore.make_model(cfg, task)
+    assert isinstance(model, models.DecoderOnly if task == "lm" else models.EncoderDecoder)
     tokens = jnp.ones((2, 8), jnp.int32)
-    shapes = jax.eval_shape(model.init, jax.random.key(0), tokens, tokens)
+    inputs = (tokens,) if task == "lm" else (tokens, tokens)
+    shapes = jax.eval_shape(model.init, jax.random.key(0), *inputs)
     assert models.count_params(shapes["params"]) > 0
+
+
+def test_config_values():
+    m30k = load(CONFIG_DIR / "multi30k.py")
+    c = m30k.get_config("pair=fr-cs")
+    assert (c.data.source_lang, c.data.target_lang, c.model.d_model) == ("fr", "cs", 256)
+    assert (c.data.test_split, c.eval.test_beam_size, c.eval.alpha) == ("test_2016_flickr", 4, 0.6)
+    assert c.model.num_encoder_layers == c.model.num_decoder_layers == 3
+    assert load(CONFIG_DIR / "multi30k.py").get_config("base").model.d_model == 512
+    # manual_dir is absolute and names the shared data whatever the working directory.
+    here = os.getcwd()
+    try:
+        os.chdir("/")
+        assert m30k.get_config(None).data.manual_dir == c.data.manual_dir
+    finally:
+        os.chdir(here)
+    assert pathlib.Path(c.data.manual_dir).is_absolute()
+    assert c.data.manual_dir.endswith(os.path.join("shared", "data", "multi30k"))
+
+    wmt = load(CONFIG_DIR / "wmt14_ende.py")
+    base, big = wmt.get_config(None), wmt.get_config("big")
+    assert (base.data.source_lang, base.data.target_lang) == ("en", "de")
+    assert wmt.get_config("direction=de-en").data.source_lang == "de"
+    assert (base.data.vocab_size, base.train.warmup_steps, base.train.lr_scale) == (37000, 4000, 1)
+    assert (base.train.beta2, base.train.eps, base.train.label_smoothing) == (0.98, 1e-9, 0.1)
+    assert (base.model.dropout_rate, big.model.dropout_rate) == (0.1, 0.3)
+    assert (base.train.num_steps, big.train.num_steps) == (100_000, 300_000)
+    assert (base.eval.average_last, big.eval.average_last) == (5, 20)
+    assert big.checkpoint.keep >= big.eval.average_last
+    assert (base.model.dtype, base.parallel.strategy, base.data.download) == (
+        "bfloat16", "mesh", True,
+    )  # fmt: skip
+    # ~25k real tokens per side: the padded budget of packed rows (~96% real).
+    assert 25_000 <= 0.96 * base.data.tokens_per_batch <= 26_000
+
+    lm = load(CONFIG_DIR / "lm.py")
+    c = lm.get_config("multi30k")
+    assert (c.task, c.data.lm_side, c.data.source_lang) == ("lm", "source", "en")
+    assert (lm.get_config(None).model.positional, lm.get_config(None).model.norm_position) == (
+        "rope", "pre",
+    )  # fmt: skip
+    assert load(CONFIG_DIR / "default.py").get_config(None).task == "translation"
+
+
+@pytest.mark.parametrize(
+    "stem,arg,match",
+    [
+        ("multi30k", "pair=en-en", r"pair='en-en'.*two different languages of en, de, fr, cs"),
+        ("multi30k", "pair=en-xx", r"pair='en-xx'"),
+        ("multi30k", "pair=ende", r"pair='ende'"),
+        ("multi30k", "huge", r"unknown variant 'huge' \(small, base, debug\)"),
+        ("multi30k", "lang=en", r"unknown config argument 'lang'"),
+        ("wmt14_ende", "direction=en-fr", r"direction='en-fr'; expected one of en-de, de-en"),
+        ("wmt14_ende", "variant=huge", r"unknown variant 'huge' \(base, big, debug\)"),
+        ("wmt14_ende", "pair=en-de", r"unknown config argument 'pair'"),
+        ("lm", "huge", r"unknown variant 'huge' \(default, multi30k, debug\)"),
+    ],
+)
+def test_config_argument_errors(stem, arg, match):
+    with pytest.raises(ValueError, match=match):
+        load(CONFIG_DIR / f"{stem}.py").get_config(arg)
+
+
+def test_lm_config_validation_errors():
+    config = load(CONFIG_DIR / "lm.py").get_config("debug")
+    config.checkpoint.best_metric = "bleu"
+    with pytest.raises(ValueError, match="checkpoint.best_metric='bleu': a language model"):
+        train.validate_config(config)
+    config = load(CONFIG_DIR / "lm.py").get_config("debug")
+    config.data.lm_side = "middle"
+    with pytest.raises(ValueError, match="data.lm_side='middle'"):
+        train.validate_config(config)
+    config.task = "classification"
+    with pytest.raises(ValueError, match="task='classification'"):
+        train.validate_config(config)
 
 
 def test_parse_arg_types_and_errors():
@@ -40,11 +129,11 @@ def test_parse_arg_types_and_errors():
     with pytest.raises(ValueError, match="unknown config argument 'pear'"):
         parse_arg("pear=en-fr", pair="en-de")
     with pytest.raises(ValueError, match="unknown variant 'huge'"):
-        load(CONFIGS[0]).get_config("huge")
+        load(CONFIG_DIR / "default.py").get_config("huge")
 
 
 def test_apply_overrides():
-    config = load(CONFIGS[0]).get_config(None)
+    config = load(CONFIG_DIR / "default.py").get_config(None)
     apply_overrides(config, {"model.d_model": 64, "seed": 3})
     assert (config.model.d_model, config.seed) == (64, 3)
     with pytest.raises(KeyError, match="model.d_modle"):

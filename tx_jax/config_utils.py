@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import pathlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -57,3 +59,24 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Mapping[str, A
         if leaf not in node:
             raise KeyError(f"config override {dotted!r}: no key {dotted!r}")
         node[leaf] = value
+
+
+def sibling_config(here: str, name: str, arg: str | None = None) -> ml_collections.ConfigDict:
+    """`get_config(arg)` of configs/NAME.py, the config file next to `here` (a config's
+    `__file__`): configs build on configs/default.py without being a package."""
+    path = pathlib.Path(here).resolve().parent / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_tx_jax_config_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg)
+
+
+def repo_path(here: str, *parts: str) -> str:
+    """An absolute path from the repository root of the config file `here` (configs/x.py),
+    so that configs mean the same data whatever the working directory."""
+    return str(pathlib.Path(here).resolve().parent.parent.joinpath(*parts).resolve())
+
+
+def task_of(config: Any) -> str:
+    """config.task: 'translation' (EncoderDecoder; also when the key is absent) or 'lm'."""
+    return config.get("task", "translation") or "translation"

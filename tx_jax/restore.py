@@ -33,6 +33,7 @@ from etils import epath
 
 from tx_jax import models
 from tx_jax.checkpoint import Checkpointer, CorruptCheckpointError, absolute
+from tx_jax.config_utils import task_of
 from tx_jax.data.tokenizer import Tokenizer
 
 CHECKPOINTS_DIR = "checkpoints"  # WORKDIR/checkpoints/N: training's checkpoints
@@ -227,11 +228,6 @@ def config_differences(stored: Mapping, current: Mapping) -> dict[str, tuple[Any
 
 
 # ---------------------------------------------------------------------- parameters
-
-
-def task_of(config: Any) -> str:
-    """'lm' (DecoderOnly) or 'translation' (EncoderDecoder; configs without `task`)."""
-    return config.get("task", "translation") or "translation"
 
 
 def make_model(model_config: models.ModelConfig, task: str) -> nn.Module:

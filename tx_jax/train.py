@@ -5,6 +5,8 @@
 
 Batches are dicts of int32 arrays: 'inputs' [B, S], 'targets' [B, L], and with packing
 'inputs_segmentation', 'inputs_position', 'targets_segmentation', 'targets_position'.
+With config.task == 'lm' the model is a DecoderOnly and batches hold only the 'targets'
+keys (the model shifts them right itself); validation gives loss and perplexity, no BLEU.
 The loss is token-weighted: gradient and metric *sums* are reduced over micro-batches
 (gradient accumulation) and devices, then divided by the global number of target tokens,
 so every device layout computes the same update as one device would.
@@ -34,9 +36,11 @@ from jax import lax
 
 from tx_jax import checkpoint as ckpt_lib
 from tx_jax import logs, losses, models, optim, parallel
+from tx_jax.config_utils import task_of
 from tx_jax.data import tasks
 
 Array = jax.Array
+TASKS = ("translation", "lm")
 PACKING_KEYS = (
     "inputs_segmentation", "inputs_position", "targets_segmentation", "targets_position",
 )  # fmt: skip
@@ -58,7 +62,8 @@ def init_state(model: nn.Module, tx: optax.GradientTransformation, seed: int) ->
     """A fresh state with parameters boxed by logical axis names (parallel.py unboxes)."""
     init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(seed))
     dummy = jnp.ones((1, 8), jnp.int32)
-    params = model.init(init_rng, dummy, dummy)["params"]
+    args = (dummy,) if isinstance(model, models.DecoderOnly) else (dummy, dummy)
+    params = model.init(init_rng, *args)["params"]
     zero = jnp.zeros((), jnp.int32)
     return TrainState(zero, params, tx.init(params), dropout_rng, zero, zero)
 
@@ -74,13 +79,22 @@ def model_kwargs(batch: dict[str, Array]) -> dict[str, Array]:
     return {names[k]: batch[k] for k in PACKING_KEYS if k in batch}
 
 
+def lm_model_kwargs(batch: dict[str, Array]) -> dict[str, Array]:
+    """The packing arrays of an LM batch, renamed to DecoderOnly's keyword arguments."""
+    names = {"targets_segmentation": "segment_ids", "targets_position": "positions"}
+    return {name: batch[k] for k, name in names.items() if k in batch}
+
+
 def _loss_sums(model, params, batch, rng, label_smoothing, deterministic):
     """Sums over one (micro-)batch: smoothed loss, NLL, correct tokens, target tokens."""
     rngs = None if deterministic else {"dropout": rng}
+    if isinstance(model, models.DecoderOnly):  # 'targets' only; shifted inside the model
+        args, kwargs = (batch["targets"],), lm_model_kwargs(batch)
+    else:
+        args, kwargs = (batch["inputs"], batch["targets"]), model_kwargs(batch)
     logits = model.apply(
-        {"params": params}, batch["inputs"], batch["targets"], **model_kwargs(batch),
-        deterministic=deterministic, rngs=rngs,
-    )  # fmt: skip
+        {"params": params}, *args, **kwargs, deterministic=deterministic, rngs=rngs
+    )
     targets = batch["targets"]
     weights = (targets > 0).astype(jnp.float32)
     loss, weight = losses.smoothed_cross_entropy(logits, targets, weights, label_smoothing)
@@ -180,7 +194,7 @@ class Run:
     config: ml_collections.ConfigDict
     workdir: epath.Path
     strategy: parallel.Strategy
-    task: tasks.TranslationTask
+    task: tasks.TranslationTask | tasks.LMTask
     model_config: models.ModelConfig
     model: nn.Module
     tx: optax.GradientTransformation
@@ -196,11 +210,13 @@ def build_run(config: ml_collections.ConfigDict, workdir: str | epath.Path) -> R
     strategy = parallel.make_strategy(config.parallel)
     _check_batch_divides(config, strategy)
     check_writable(workdir)
-    task = tasks.prepare_translation_task(config.data, workdir, seed=config.seed)
+    is_lm = task_of(config) == "lm"
+    prepare = tasks.prepare_lm_task if is_lm else tasks.prepare_translation_task
+    task = prepare(config.data, workdir, seed=config.seed)
     model_config = models.ModelConfig.from_config(
         config.model, vocab_size=task.tokenizer.vocab_size, bos_id=task.tokenizer.bos_id
     )
-    model = models.EncoderDecoder(model_config)
+    model = models.DecoderOnly(model_config) if is_lm else models.EncoderDecoder(model_config)
     tx, schedule = optim.make_optimizer(config.train, model_config.d_model)
     init_fn = functools.partial(init_state, model, tx, config.seed)
     return Run(config, workdir, strategy, task, model_config, model, tx, schedule, init_fn)
@@ -211,6 +227,17 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     ValueError naming the key (unknown keys are caught by the locked ConfigDict / from_config).
     """
     models.ModelConfig.from_config(config.model)  # unknown keys, enums, divisibility
+    if task_of(config) not in TASKS:
+        raise ValueError(f"task={config.task!r}; expected one of {TASKS}")
+    if task_of(config) == "lm":
+        if config.data.get("lm_side", "target") not in tasks.LM_SIDES:
+            raise ValueError(f"data.lm_side={config.data.lm_side!r}; expected one of "
+                             f"{tasks.LM_SIDES}")  # fmt: skip
+        if config.checkpoint.best_metric in ("bleu", "chrf"):
+            raise ValueError(
+                f"checkpoint.best_metric={config.checkpoint.best_metric!r}: a language model "
+                "has no BLEU; use loss, accuracy or perplexity"
+            )
     enums = {
         "train.schedule": optim.SCHEDULES,
         "parallel.strategy": parallel.STRATEGIES,
@@ -343,7 +370,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     stop.restore()
     checkpointer.wait()
     if config.eval.test_split and step == cfg.num_steps:  # every process decodes (SPMD)
-        final.update(evaluator.test_bleu(state, step, logger))
+        final.update(evaluator.test_metrics(state, step, logger))
     checkpointer.close()
     logger.close()
     _print_summary(run, final)
@@ -432,13 +459,17 @@ def _print_summary(run: Run, final: dict[str, float]) -> None:
     print(
         f"logs:        {run.workdir / 'metrics.jsonl'} (TensorBoard: {run.workdir / 'tensorboard'})"
     )
+    for key in ("perplexity", "test_perplexity"):
+        if key in final and task_of(run.config) == "lm":
+            print(f"{key}: {final[key]:.2f}")
     for key in ("bleu", "test_bleu"):
         if key in final:
             print(f"{key}: {final[key]:.2f}  {final.get(key + '_signature', '')}")
 
 
 class Evaluator:
-    """Validation loss/accuracy/perplexity and BLEU (greedy) during training."""
+    """Validation loss/accuracy/perplexity and BLEU (greedy) during training; for a language
+    model (config.task == 'lm') loss/accuracy/perplexity only, also on the test split."""
 
     def __init__(self, run: Run, shardings: Any):
         self.run = run
@@ -466,18 +497,21 @@ class Evaluator:
         run = self.run
         multiple = run.strategy.local_batch_multiple
         metrics = self._loss_metrics(state, run.task.eval_batches("validation", multiple))
-        if bleu and run.config.eval.bleu_examples > 0:
+        if bleu and run.config.eval.bleu_examples > 0 and task_of(run.config) != "lm":
             metrics.update(self._bleu(state, "validation", run.config.eval.bleu_examples))
         logger.write(step, "validation", {k: v for k, v in metrics.items() if _is_num(v)})
         if jax.process_index() == 0:
             print(
                 f"eval  {step:>6}  loss {metrics['loss']:.4f}  acc {metrics['accuracy']:.3f}  "
-                f"ppl {metrics['perplexity']:.2f}  bleu {metrics.get('bleu', float('nan')):.2f}",
+                f"ppl {metrics['perplexity']:.2f}"
+                + (f"  bleu {metrics['bleu']:.2f}" if "bleu" in metrics else ""),
                 flush=True,
             )
         return metrics
 
-    def _bleu(self, state, split: str, limit: int | None) -> dict[str, Any]:
+    def _bleu(
+        self, state, split: str, limit: int | None, beam_size: int | None = None
+    ) -> dict[str, Any]:
         from tx_jax import evaluation
 
         params = self.run.strategy.for_checkpoint(state).params
@@ -486,13 +520,26 @@ class Evaluator:
             task = dataclasses.replace(task, shard_eval=False)  # examples everywhere
         result = evaluation.bleu_for_split(
             self.run.model_config, params, task, split, limit=limit,
-            beam_size=self.run.config.eval.beam_size, alpha=self.run.config.eval.alpha,
+            beam_size=beam_size or self.run.config.eval.beam_size,
+            alpha=self.run.config.eval.alpha,
         )  # fmt: skip
         return {"bleu": result.bleu, "chrf": result.chrf, "bleu_signature": result.signature}
 
+    def test_metrics(self, state, step: int, logger) -> dict[str, Any]:
+        """BLEU on the test split, or for a language model its loss and perplexity."""
+        if task_of(self.run.config) != "lm":
+            return self.test_bleu(state, step, logger)
+        split, multiple = self.run.config.eval.test_split, self.run.strategy.local_batch_multiple
+        result = self._loss_metrics(state, self.run.task.eval_batches(split, multiple))
+        logger.write(step, split, result)
+        if jax.process_index() == 0:
+            print(f"test  {step:>6}  loss {result['loss']:.4f}  ppl {result['perplexity']:.2f}",
+                  flush=True)  # fmt: skip
+        return {f"test_{k}": v for k, v in result.items()}
+
     def test_bleu(self, state, step: int, logger) -> dict[str, Any]:
         split = self.run.config.eval.test_split
-        result = self._bleu(state, split, None)
+        result = self._bleu(state, split, None, self.run.config.eval.get("test_beam_size"))
         out = {f"test_{k}": v for k, v in result.items()}
         logger.write(step, split, {k: v for k, v in result.items() if _is_num(v)})
         return out

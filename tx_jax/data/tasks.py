@@ -5,6 +5,9 @@
     task.eval_batches('validation', n)         every example once, static shapes
     task.pairs('test')                          raw (source, reference) text pairs
 
+    task = prepare_lm_task(config.data, workdir, seed=config.seed)    (config.task == 'lm')
+    the same interface over one side of the pairs (`data.lm_side`): 'targets' batches only
+
 The joint SentencePiece model is trained on the train split once and saved as
 WORKDIR/tokenizer.model; resuming and evaluation load it from there (and checkpoints carry a
 copy). In a multi-process run process 0 prepares data and tokenizer, the others wait.
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -126,8 +129,14 @@ def load_split(data: Any, split: str) -> datasets.TranslationSource:
     )  # fmt: skip
 
 
-def load_or_train_tokenizer(data: Any, workdir: epath.Path, train: Sequence) -> Tokenizer:
-    """WORKDIR/tokenizer.model if present, else a joint model trained on `train`."""
+def load_or_train_tokenizer(
+    data: Any,
+    workdir: epath.Path,
+    train: Sequence,
+    texts: Callable[[Iterable], Iterator[str]] = iter_pair_texts,
+) -> Tokenizer:
+    """WORKDIR/tokenizer.model if present, else a model trained on `texts` of the first
+    `data.tokenizer_pairs` items of `train` (both sides of each pair by default: joint)."""
     path = workdir / TOKENIZER_FILE
     if jax.process_count() == 1 and path.exists():
         return Tokenizer.from_bytes(path.read_bytes())
@@ -137,7 +146,7 @@ def load_or_train_tokenizer(data: Any, workdir: epath.Path, train: Sequence) -> 
         logging.info("training a %d-piece SentencePiece model on %d pairs", data.vocab_size,
                      len(train))  # fmt: skip
         local = train_tokenizer(
-            iter_pair_texts(Prefix(train, data.tokenizer_pairs)), data.vocab_size,
+            texts(Prefix(train, data.tokenizer_pairs)), data.vocab_size,
             str(path) if not str(path).startswith("gs://") else "/tmp/tx_jax_tokenizer.model",
             user_defined_symbols=tuple(data.get("user_defined_symbols") or ()),
         )  # fmt: skip
@@ -158,6 +167,88 @@ def prepare_translation_task(data: Any, workdir: str | epath.Path, *, seed: int)
     task = TranslationTask(data, tokenizer, seed)
     task._splits["train"] = train
     return task
+
+
+# ------------------------------------------------------------------ language modelling
+
+LM_SIDES = ("target", "source", "both")
+
+
+class SideTexts(Sequence):
+    """One side of a sequence of pairs as a sequence of texts ('both': source, target of
+    pair 0, then of pair 1, ...), read lazily."""
+
+    def __init__(self, pairs: Sequence[tuple[str, str]], side: str):
+        if side not in LM_SIDES:
+            raise ValueError(f"data.lm_side={side!r}; expected one of {LM_SIDES}")
+        self._pairs, self._side = pairs, side
+
+    def __len__(self) -> int:
+        return len(self._pairs) * (2 if self._side == "both" else 1)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i %= len(self)
+        if self._side == "both":
+            return self._pairs[i // 2][i % 2]
+        return self._pairs[i][0 if self._side == "source" else 1]
+
+
+@dataclasses.dataclass
+class LMTask:
+    """A language-modelling task over one side of a translation dataset (`data.lm_side`):
+    the TranslationTask interface with 'targets'-only batches (no pairs, no BLEU)."""
+
+    data: Any  # config.data
+    tokenizer: Tokenizer
+    seed: int
+    pair_task: TranslationTask  # the splits it reads
+    shard_eval: bool = True
+
+    def texts(self, split: str, limit: int | None = None) -> Sequence[str]:
+        return SideTexts(self.pair_task.pairs(split, limit), self.data.get("lm_side", "target"))
+
+    def train_iterator(self, batch_multiple: int) -> pipeline.TrainIterator:
+        """Global batches of 'targets' (texts + EOS), the same on every process."""
+        d = self.data
+        return pipeline.make_lm_train_iterator(
+            self.texts("train"), self.tokenizer, max_len=d.max_len,
+            tokens_per_batch=d.tokens_per_batch, batch_multiple=batch_multiple,
+            bucket_boundaries=d.bucket_boundaries, packing=d.packing, seed=self.seed,
+            process_index=0, process_count=1,
+        )  # fmt: skip
+
+    def eval_batches(self, split: str, batch_multiple: int, limit: int | None = None):
+        """This process's share of the texts (all of them when `shard_eval` is False)."""
+        d = self.data
+        every = {} if self.shard_eval else {"process_index": 0, "process_count": 1}
+        return pipeline.make_lm_eval_batches(
+            self.texts(split, limit), self.tokenizer, max_len=d.max_eval_len,
+            batch_size=d.eval_batch_size, batch_multiple=batch_multiple, **every,
+        )  # fmt: skip
+
+
+def prepare_lm_task(data: Any, workdir: str | epath.Path, *, seed: int) -> LMTask:
+    """The pairs of `data` read as for translation; the tokenizer is trained on the LM side
+    only (`data.lm_side`), saved as WORKDIR/tokenizer.model like a translation one."""
+    side = data.get("lm_side", "target")
+    if side not in LM_SIDES:
+        raise ValueError(f"data.lm_side={side!r}; expected one of {LM_SIDES}")
+    workdir = epath.Path(workdir)
+    if jax.process_index() == 0:
+        workdir.mkdir(parents=True, exist_ok=True)
+        load_split(data, "train")
+    _barrier("data")
+    train = load_split(data, "train")
+    tokenizer = load_or_train_tokenizer(
+        data, workdir, train, texts=lambda pairs: iter(SideTexts(pairs, side))
+    )
+    pair_task = TranslationTask(data, tokenizer, seed)
+    pair_task._splits["train"] = train
+    return LMTask(data, tokenizer, seed, pair_task)
 
 
 def _barrier(name: str) -> None:

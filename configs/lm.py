@@ -1,0 +1,98 @@
+"""Decoder-only language modelling (config.task='lm') on one side of a translation corpus.
+
+    --config=configs/lm.py                   the synthetic corpus's target side, CPU, ~minutes
+    --config=configs/lm.py:multi30k          Multi30k's English side (../shared/data/multi30k)
+    --config=configs/lm.py:debug             seconds
+    python -m tx_jax.generate --workdir=DIR --prompt="the red"     samples from the result
+
+The model is a DecoderOnly (models.py): pre-LN and RoPE, the choices of current LMs.
+Validation (and test) give loss, accuracy and perplexity; there is no BLEU.
+Built on configs/default.py; every key set here is commented, the others are default.py's.
+"""
+
+import ml_collections
+
+from tx_jax.config_utils import parse_arg, repo_path, sibling_config
+
+VARIANTS = ("default", "multi30k", "debug")
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    args = parse_arg(arg, variant="default")
+    if args.variant not in VARIANTS:
+        raise ValueError(f"configs/lm.py: unknown variant {args.variant!r} ({', '.join(VARIANTS)})")
+    c = sibling_config(__file__, "default")
+    c.task = "lm"  # DecoderOnly; batches hold 'targets' only
+
+    # Model: a small pre-LN decoder with rotary positions.
+    c.model.d_model = 128  # M
+    c.model.num_heads = 4  # H (head dim 32: even, as RoPE needs)
+    c.model.d_ff = 512
+    c.model.num_encoder_layers = 1  # unused by DecoderOnly (kept valid for ModelConfig)
+    c.model.num_decoder_layers = 4
+    c.model.dropout_rate = 0.1
+    c.model.norm_position = "pre"  # x + f(norm(x)), plus a final norm
+    c.model.positional = "rope"  # rotary positions in every attention layer
+    c.model.tie_output = True  # logits = x E^T
+
+    # Data: the synthetic pair corpus; the model reads its target side only.
+    c.data.dataset = "synthetic"
+    c.data.lm_side = "target"  # target | source | both (both: 2 texts per pair)
+    c.data.vocab_size = 512  # SentencePiece trained on the modelled side only
+    c.data.max_len = 64  # longer texts (in tokens, EOS included) are dropped
+    c.data.max_eval_len = 64  # eval texts are truncated to this (one padded shape)
+    c.data.tokens_per_batch = 2048  # padded tokens per batch (32 packed rows of 64)
+    c.data.bucket_boundaries = [64]  # packed rows of max_len: one shape
+    c.data.packing = True  # several texts per row, separated by segment ids
+
+    # Training: linear warmup then 1/sqrt decay from a fixed peak.
+    c.train.num_steps = 600
+    c.train.schedule = "linear_rsqrt"
+    c.train.warmup_steps = 100
+    c.train.peak_lr = 2e-3
+    c.train.label_smoothing = 0.0  # plain cross-entropy: perplexity is the objective
+    c.train.log_every = 50
+
+    # Evaluation: loss / accuracy / perplexity on validation, then on the test split.
+    c.eval.every = 300
+    c.eval.bleu_examples = 0  # no BLEU for a language model (ignored anyway)
+    c.eval.test_split = "test"  # its perplexity is logged at the end ('' to skip)
+
+    # Checkpoints: the best by validation perplexity is kept too.
+    c.checkpoint.every = 300
+    c.checkpoint.best_metric = "perplexity"
+    c.checkpoint.best_mode = "min"
+
+    if args.variant == "multi30k":
+        # 29k sentences: a wider model with heavy dropout.
+        c.model.update(d_model=256, num_heads=4, d_ff=1024, num_decoder_layers=4,
+                       dropout_rate=0.3)  # fmt: skip
+        c.data.dataset = "multi30k"
+        c.data.source_lang = "en"  # the modelled side
+        c.data.target_lang = "de"  # read but not modelled (Multi30k comes in pairs)
+        c.data.lm_side = "source"
+        c.data.manual_dir = repo_path(__file__, "..", "shared", "data", "multi30k")
+        c.data.data_dir = None  # TFDS's default (~/tensorflow_datasets)
+        c.data.vocab_size = 4000  # English only: ~10k word types
+        c.data.tokenizer_pairs = 29_000  # the whole train split
+        c.data.tokens_per_batch = 4096
+        c.data.eval_split = "validation"
+        c.data.test_split = "test_2016_flickr"
+        c.train.update(num_steps=6000, warmup_steps=500, peak_lr=1e-3, log_every=100)
+        c.eval.update(every=1000, test_split="test_2016_flickr")
+        c.checkpoint.every = 1000
+    elif args.variant == "debug":
+        c.model.update(d_model=32, num_heads=2, d_ff=64, num_decoder_layers=1,
+                       dropout_rate=0.0)  # fmt: skip
+        c.data.synthetic.update(num_train=400, num_validation=40, num_test=40)
+        c.data.vocab_size = 160
+        c.data.tokenizer_pairs = 400
+        c.data.max_len = 32
+        c.data.max_eval_len = 32
+        c.data.bucket_boundaries = [32]
+        c.data.tokens_per_batch = 512  # 16 rows of 32: divisible by 8 devices
+        c.data.eval_batch_size = 16
+        c.train.update(num_steps=8, warmup_steps=4, log_every=2)
+        c.eval.every = 4
+        c.checkpoint.every = 4
+    return c

@@ -1,0 +1,52 @@
+"""The paper's Table 3 ablations (Vaswani et al., 2017, section 6.2) at Multi30k scale.
+
+    ./launch.sh sweep experiments/table3.py --parallel 2     -> runs/sweeps/table3/results.md
+
+The base is configs/multi30k.py:variant=small, assumed to be the paper's base model at half
+width: d_model 256, d_ff 1024 (every number of the paper that follows from d_model = 512 is
+multiplied by D_MODEL / 512 = 1/2; change D_MODEL if the small variant changes). Point 0 is
+the unchanged base; then the rows (ROWS), paper -> here:
+
+    A  heads, keeping h * d_k = d_model: (h, d_k, d_v) = (1, 512, 512), (4, 128, 128),
+       (16, 32, 32), (32, 16, 16) -> model.num_heads 1, 4, 16, 32 (d_k = d_v = 256 / h:
+       256, 64, 16, 8; the config's head_dim None means d_model // num_heads)
+    B  key size d_k 16, 32 (h = 8 of 64 each) -> model.head_dim 8, 16 with the base's heads
+       (head_dim sets d_k and d_v together; the base config must define model.head_dim)
+    C  size: N 2, 4, 8 (depth does not scale: model.num_encoder_layers = num_decoder_layers);
+       d_model 256, 1024 (d_ff unchanged, as in the paper) -> 128, 512;
+       d_ff 1024, 4096 -> 512, 2048
+    D  regularisation: P_drop 0.0, 0.2 (model.dropout_rate); label smoothing eps_ls 0.0, 0.2
+       (train.label_smoothing); not scaled
+    E  learned positional embeddings instead of sinusoids (model.positional = 'learned')
+
+Point names (and workdirs) come from the overrides, e.g. 'model.num_heads=16'.
+"""
+
+CONFIG = "configs/multi30k.py:variant=small"
+NAME = "table3"
+D_MODEL = 256  # the base config's model.d_model; the paper's numbers assume 512
+
+
+def _scale(paper_value: int) -> int:
+    """A width the paper gives for d_model = 512, at D_MODEL."""
+    return paper_value * D_MODEL // 512
+
+
+def _layers(n: int) -> dict:
+    return {"model.num_encoder_layers": n, "model.num_decoder_layers": n}
+
+
+ROWS: dict[str, list[dict]] = {
+    "A": [{"model.num_heads": h} for h in (1, 4, 16, 32)],
+    "B": [{"model.head_dim": _scale(d_k)} for d_k in (16, 32)],
+    "C": [_layers(n) for n in (2, 4, 8)]
+    + [{"model.d_model": _scale(d)} for d in (256, 1024)]
+    + [{"model.d_ff": _scale(f)} for f in (1024, 4096)],
+    "D": [{"model.dropout_rate": p} for p in (0.0, 0.2)]
+    + [{"train.label_smoothing": e} for e in (0.0, 0.2)],
+    "E": [{"model.positional": "learned"}],
+}
+
+
+def sweep() -> list[dict]:
+    return [{}] + [point for row in ROWS.values() for point in row]

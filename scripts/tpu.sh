@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# Cloud TPU VMs for tx_jax (called by ./launch.sh tpu-*; usable alone). Needs gcloud, except
+# with --dry-run, which prints every gcloud command ("+ ..." one per line) and runs nothing.
+#
+#   tpu-create NAME [--zone Z] [--accelerator-type v4-8] [--version tpu-ubuntu2204-base]
+#                   [--project P] [--spot | --queued]
+#   tpu-setup NAME [--zone Z] [--project P]      copy the repo to all workers, make .venv there
+#   tpu-run NAME [--zone Z] [--project P] -- ARGS...
+#                   python -m tx_jax.main ARGS --config.parallel.distributed=True on every
+#                   worker, in the background (nohup; log ~/tx_jax/runs/tpu-run.log)
+#   tpu-logs NAME [--worker N] [--zone Z] [--project P]          follow a worker's log
+#   tpu-delete NAME [--zone Z] [--project P]
+#
+# --workdir may be gs://bucket/path: etils/Orbax write there directly. Environment:
+# TPU_ZONE, TPU_PROJECT (defaults for --zone, --project).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+REMOTE_DIR='~/tx_jax'  # on each worker (expanded by the worker's shell)
+LOG='runs/tpu-run.log'  # relative to REMOTE_DIR
+DRY_RUN=0
+
+die() { echo "tpu.sh: $*" >&2; exit 2; }
+
+# Shell-quote each argument the way Python's shlex.quote does (plain words stay bare, others
+# go in single quotes) and join them: an argument with spaces, quotes or $ stays one word.
+quote_words() {
+  local out=() w sq="'" esc="'\\''"
+  for w in "$@"; do
+    if [[ -n "$w" && "$w" =~ ^[A-Za-z0-9_@%+=:,./-]+$ ]]; then
+      out+=("$w")
+    else
+      out+=("'${w//"$sq"/"$esc"}'")
+    fi
+  done
+  local IFS=' '
+  echo "${out[*]}"
+}
+
+# Run (or with --dry-run print, "+ " then the quoted words) one command: what is printed is
+# exactly what would run.
+run() {
+  if [ "$DRY_RUN" = 1 ]; then
+    echo "+ $(quote_words "$@")"
+  else
+    "$@"
+  fi
+}
+
+cmd="${1:-}"
+[ $# -gt 0 ] && shift
+[ $# -gt 0 ] && [[ "$1" != -* ]] || die "$cmd: expected a TPU name first"
+name="$1"
+shift
+
+zone="${TPU_ZONE:-}" project="${TPU_PROJECT:-}" accel="v4-8" version="tpu-ubuntu2204-base"
+spot=0 queued=0 worker=0
+remote_args=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run|--dry_run) DRY_RUN=1 ;;
+    --zone) zone="$2"; shift ;;
+    --zone=*) zone="${1#*=}" ;;
+    --project) project="$2"; shift ;;
+    --project=*) project="${1#*=}" ;;
+    --accelerator-type) accel="$2"; shift ;;
+    --accelerator-type=*) accel="${1#*=}" ;;
+    --version) version="$2"; shift ;;
+    --version=*) version="${1#*=}" ;;
+    --spot) spot=1 ;;
+    --queued) queued=1 ;;
+    --worker) worker="$2"; shift ;;
+    --worker=*) worker="${1#*=}" ;;
+    --) shift; remote_args=("$@"); break ;;
+    *) die "$cmd: unknown option '$1'" ;;
+  esac
+  shift
+done
+
+where=()  # --zone/--project, when given
+[ -n "$zone" ] && where+=("--zone=$zone")
+[ -n "$project" ] && where+=("--project=$project")
+
+ssh_all() {  # ssh_all REMOTE_COMMAND: run it on every worker
+  run gcloud compute tpus tpu-vm ssh "$name" "${where[@]}" --worker=all --command="$1"
+}
+
+case "$cmd" in
+  tpu-create)
+    [ "$spot" = 1 ] && [ "$queued" = 1 ] && die "tpu-create: --spot or --queued, not both"
+    if [ "$queued" = 1 ]; then
+      run gcloud alpha compute tpus queued-resources create "$name" "${where[@]}" \
+        --node-id="$name" --accelerator-type="$accel" --runtime-version="$version"
+    else
+      extra=()
+      [ "$spot" = 1 ] && extra+=(--spot)
+      run gcloud compute tpus tpu-vm create "$name" "${where[@]}" \
+        --accelerator-type="$accel" --version="$version" "${extra[@]}"
+    fi
+    ;;
+  tpu-setup)
+    # The working tree as it is (tracked and untracked files, not .venv/runs/.git).
+    archive="/tmp/tx_jax-$name.tar.gz"
+    run tar czf "$archive" --exclude=.venv --exclude=runs --exclude=.git --exclude=.jax_cache .
+    run gcloud compute tpus tpu-vm scp "$archive" "$name:/tmp/tx_jax.tar.gz" "${where[@]}" \
+      --worker=all
+    ssh_all "mkdir -p $REMOTE_DIR && tar xzf /tmp/tx_jax.tar.gz -C $REMOTE_DIR && cd $REMOTE_DIR \
+&& python3 -m venv .venv && .venv/bin/pip install -q --upgrade pip \
+&& .venv/bin/pip install -q -e '.[test]' 'jax[tpu]' \
+&& .venv/bin/python -c 'import jax; print(jax.process_index(), jax.devices())'"
+    ;;
+  tpu-run)
+    [ ${#remote_args[@]} -gt 0 ] || die "tpu-run: expected -- ARGS... (e.g. -- --config=...)"
+    args="$(quote_words "${remote_args[@]}" --config.parallel.distributed=True)"
+    ssh_all "cd $REMOTE_DIR && mkdir -p runs && nohup .venv/bin/python -m tx_jax.main \
+$args > $LOG 2>&1 < /dev/null &"
+    ;;
+  tpu-logs)
+    run gcloud compute tpus tpu-vm ssh "$name" "${where[@]}" --worker="$worker" \
+      --command="tail -n 100 -f $REMOTE_DIR/$LOG"
+    ;;
+  tpu-delete)
+    if [ "$queued" = 1 ]; then
+      run gcloud alpha compute tpus queued-resources delete "$name" "${where[@]}" --force --quiet
+    else
+      run gcloud compute tpus tpu-vm delete "$name" "${where[@]}" --quiet
+    fi
+    ;;
+  *)
+    die "unknown command '$cmd' (tpu-create, tpu-setup, tpu-run, tpu-logs, tpu-delete)"
+    ;;
+esac

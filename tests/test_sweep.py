@@ -1,0 +1,109 @@
+"""tx_jax.sweep: sweep files expand to the expected overrides, typos fail before anything
+runs, and the runner trains every point, tabulates them and skips finished points on rerun."""
+
+import csv
+import dataclasses
+import pathlib
+
+import pytest
+from helpers import ROOT
+
+from tx_jax import sweep
+
+TABLE3 = ROOT / "experiments" / "table3.py"
+SMOKE = ROOT / "experiments" / "default_smoke.py"
+DEBUG = "configs/default.py:debug"
+
+
+def test_table3_rows_and_points():
+    table3 = sweep.load_sweep(TABLE3)
+    assert table3.name == "table3" and table3.config == "configs/multi30k.py:variant=small"
+    rows = sweep._load_module(TABLE3, "table3_rows").ROWS
+    assert {k: len(v) for k, v in rows.items()} == {"A": 4, "B": 2, "C": 7, "D": 4, "E": 1}
+    assert len(table3.points) == 1 + 18 and table3.points[0] == {}  # the base, then the rows
+    assert rows["A"][3] == {"model.num_heads": 32}  # d_k = 256 / 32 = 8 (paper: 512 / 32)
+    assert rows["B"] == [{"model.head_dim": 8}, {"model.head_dim": 16}]  # paper: 16, 32
+    assert {"model.num_encoder_layers": 8, "model.num_decoder_layers": 8} in rows["C"]
+    assert {"model.d_model": 512} in rows["C"] and {"model.d_ff": 512} in rows["C"]
+    assert rows["D"][3] == {"train.label_smoothing": 0.2}
+    assert rows["E"] == [{"model.positional": "learned"}]
+    names = [sweep.point_name(p) for p in table3.points]
+    assert names[:2] == ["baseline", "model.num_heads=1"] and len(set(names)) == len(names)
+
+
+def test_table3_keys_exist_in_its_base_config(tmp_path, monkeypatch):
+    """Every key but model.head_dim (row B) is in configs/multi30k.py; head_dim either is too
+    or fails naming itself (the configs gain model.head_dim separately)."""
+    monkeypatch.chdir(ROOT)
+    table3 = sweep.load_sweep(TABLE3)
+    if not (ROOT / table3.config.partition(":")[0]).exists():
+        table3 = dataclasses.replace(table3, config=DEBUG)
+    row_b = [p for p in table3.points if "model.head_dim" in p]
+    others = dataclasses.replace(table3, points=[p for p in table3.points if p not in row_b])
+    points = sweep.expand(others, tmp_path)
+    assert points[1].workdir == tmp_path / "01_model.num_heads=1"
+    try:
+        sweep.expand(dataclasses.replace(table3, points=row_b), tmp_path)
+    except ValueError as e:
+        assert "'model.head_dim'" in str(e)
+
+
+def test_unknown_key_is_an_error_naming_it_and_the_point(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    bad = sweep.Sweep("bad", DEBUG, [{"model.dropout_rate": 0.0}, {"model.num_hedas": 2}])
+    with pytest.raises(ValueError, match=r"point 1 \(model.num_hedas=2\).*'model.num_hedas'"):
+        sweep.expand(bad, tmp_path)
+    assert not list(tmp_path.iterdir())  # nothing ran, nothing written
+    assert sweep.main([str(SMOKE), f"--root={tmp_path}", "--override=train.num_stpes=2"]) == 2
+
+
+def test_command_quotes_values_and_routes_lists_through_a_config_file(tmp_path):
+    point = sweep.Point(0, "x", {"data.data_dir": "/a b/$c", "data.bucket_boundaries": [32],
+                                 "model.share_embeddings": False}, tmp_path / "p")  # fmt: skip
+    argv, wrapper = sweep.command(point, DEBUG, python="python")
+    assert argv[3] == f"--config={tmp_path / 'p' / 'sweep_config.py'}"
+    assert argv[5:] == ["--config.data.data_dir=/a b/$c", "--config.model.share_embeddings=False"]
+    assert "{'data.bucket_boundaries': [32]}" in wrapper and "default.py:debug" in wrapper
+    assert sweep.parse_overrides(["a.b=3", "c=/x y", "d=[1, 2]", "e=None"]) == {
+        "a.b": 3, "c": "/x y", "d": [1, 2], "e": None}  # fmt: skip
+
+
+def test_runner_trains_both_points_tabulates_and_skips_them_on_rerun(tmp_path, tfds_dir):
+    root = tmp_path / "sweep"
+    tiny = {"data.data_dir": str(tfds_dir), "data.bucket_boundaries": [32], "data.max_len": 32,
+            "data.max_eval_len": 32, "data.packing": False, "train.num_steps": 2,
+            "train.log_every": 1, "eval.every": 2, "eval.bleu_examples": 4,
+            "checkpoint.async_save": False}  # fmt: skip
+    args = [str(SMOKE), f"--root={root}", "--parallel=2"]
+    args += [f"--override={k}={v}" for k, v in tiny.items()]
+    assert sweep.main(args) == 0
+    with open(root / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["name"] for r in rows] == ["model.dropout_rate=0.0", "model.dropout_rate=0.1"]
+    for row in rows:
+        assert row["status"] == "ok" and int(row["steps"]) == 2
+        for key in ("wall_s", "val_bleu", "val_loss", "test_bleu"):
+            float(row[key])  # numeric
+    md = (root / "results.md").read_text().splitlines()
+    assert len(md) == 4 and "| 1 | model.dropout_rate=0.1 | ok | 2 |" in md[3]
+    assert (root / "curves.png").stat().st_size > 1000
+    metrics = sorted(root.glob("*/metrics.jsonl"))
+    assert len(metrics) == 2
+    mtimes = [m.stat().st_mtime_ns for m in metrics]
+
+    lines = []
+    assert sweep.run_sweep(SMOKE, root, overrides=tiny, echo=lines.append)
+    assert [m.stat().st_mtime_ns for m in metrics] == mtimes  # no new training
+    assert sum("skipped (done)" in line for line in lines if line.startswith("[")) == 2
+
+
+def test_launch_sh_sweep_dry_run(tmp_path):
+    import subprocess
+
+    out = subprocess.run(
+        ["./launch.sh", "sweep", str(SMOKE), "--dry-run", "--root", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "--config.model.dropout_rate=0.1" in out.stdout
+    assert not list(pathlib.Path(tmp_path).iterdir())
