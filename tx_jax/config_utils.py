@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import pathlib
 from collections.abc import Mapping
@@ -14,18 +15,25 @@ from typing import Any
 import ml_collections
 
 
-def _convert(key: str, text: str, default: Any) -> Any:
-    if isinstance(default, bool):
+def convert_text(text: str, like: Any) -> Any:
+    """Command-line text -> a value of the type `like` has (bool, int, float, str); for None,
+    lists and dicts a Python literal, else the text itself. ValueError names what was wrong."""
+    if isinstance(like, bool):
         if text.lower() in ("1", "true", "yes"):
             return True
         if text.lower() in ("0", "false", "no"):
             return False
-        raise ValueError(f"config argument {key}={text!r}: expected true or false")
-    if isinstance(default, int):
+        raise ValueError(f"expected true or false, got {text!r}")
+    if isinstance(like, int):
         return int(text)
-    if isinstance(default, float):
+    if isinstance(like, float):
         return float(text)
-    return text
+    if isinstance(like, str):
+        return text
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
 
 
 def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
@@ -43,7 +51,10 @@ def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
             raise ValueError(
                 f"unknown config argument {key!r}; valid arguments: {sorted(defaults)}"
             )
-        values[key] = _convert(key, text.strip(), defaults[key])
+        try:
+            values[key] = convert_text(text.strip(), defaults[key])
+        except ValueError as e:
+            raise ValueError(f"config argument {key}={text.strip()!r}: {e}") from None
     return ml_collections.ConfigDict(values)
 
 

@@ -19,7 +19,6 @@ is a `CheckpointError` naming the config keys that differ from the checkpoint's.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import sys
 from collections.abc import Mapping
@@ -33,7 +32,7 @@ from etils import epath
 
 from tx_jax import models
 from tx_jax.checkpoint import Checkpointer, CorruptCheckpointError, absolute
-from tx_jax.config_utils import task_of
+from tx_jax.config_utils import convert_text, task_of
 from tx_jax.data.tokenizer import Tokenizer
 
 CHECKPOINTS_DIR = "checkpoints"  # WORKDIR/checkpoints/N: training's checkpoints
@@ -169,26 +168,6 @@ def parse_override_args(args: list[str]) -> dict[str, str]:
     return out
 
 
-def _convert(text: str, current: Any) -> Any:
-    """Text from the command line -> a value of the type the config holds."""
-    if isinstance(current, bool):
-        if text.lower() in ("1", "true", "yes"):
-            return True
-        if text.lower() in ("0", "false", "no"):
-            return False
-        raise ValueError(f"expected true or false, got {text!r}")
-    if isinstance(current, int):
-        return int(text)
-    if isinstance(current, float):
-        return float(text)
-    if isinstance(current, str):
-        return text
-    try:  # None, lists, dicts: a Python literal, else the text itself
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
-
-
 def apply_overrides(config: ml_collections.ConfigDict, overrides: Mapping[str, Any]) -> None:
     """Set dotted keys in place; text values take the stored value's type."""
     for dotted, value in overrides.items():
@@ -205,7 +184,7 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Mapping[str, A
             raise CheckpointError(f"config override {dotted!r}: the checkpoint's config has no "
                                   f"key {dotted!r}")  # fmt: skip
         try:
-            node[leaf] = _convert(value, node[leaf]) if isinstance(value, str) else value
+            node[leaf] = convert_text(value, node[leaf]) if isinstance(value, str) else value
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"config override {dotted}={value!r}: {e}") from None
 
