@@ -2,8 +2,9 @@
 
     python benchmarks/kill_trials.py --trials 20 --out /tmp/kill_trials.json
 
-Each trial starts a tiny training run (a checkpoint every 2 steps, async saves), sends
-SIGKILL after a random delay, relaunches to the target step, and checks: the relaunch
+Each trial starts a tiny training run (a checkpoint every 2 steps, async saves), waits until
+a random step has been logged, waits a random 0-1 s more (so the kill lands inside a step or
+a save), sends SIGKILL, relaunches to the target step, and checks: the relaunch
 resumes from the newest complete checkpoint, no temporary checkpoint directory is left,
 and the train losses after the restart equal an uninterrupted reference run bit for bit.
 """
@@ -62,10 +63,19 @@ def reference(base: pathlib.Path, tfds_dir: pathlib.Path) -> dict[int, float]:
     return train_losses(base / "reference")
 
 
-def trial(base: pathlib.Path, tfds_dir: pathlib.Path, i: int, delay: float, ref: dict) -> dict:
+def trial(
+    base: pathlib.Path, tfds_dir: pathlib.Path, i: int, at_step: int, jitter: float, ref: dict
+) -> dict:
     workdir = base / f"trial{i}"
     proc = launch(workdir, tfds_dir, STEPS)
-    time.sleep(delay)
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if (workdir / "metrics.jsonl").exists() and max(
+            train_losses(workdir), default=0
+        ) >= at_step:
+            break
+        time.sleep(0.02)
+    time.sleep(jitter)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     logged = max(train_losses(workdir), default=0) if (workdir / "metrics.jsonl").exists() else 0
@@ -79,7 +89,8 @@ def trial(base: pathlib.Path, tfds_dir: pathlib.Path, i: int, delay: float, ref:
     exact = all(losses[s] == ref[s] for s in range(newest + 1, STEPS + 1))
     return {
         "trial": i,
-        "kill_after_s": round(delay, 2),
+        "kill_at_step": at_step,
+        "jitter_s": round(jitter, 2),
         "last_logged_step": logged,
         "newest_complete_checkpoint": newest,
         "steps_lost": max(logged - newest, 0),
@@ -93,7 +104,10 @@ def trial(base: pathlib.Path, tfds_dir: pathlib.Path, i: int, delay: float, ref:
 def run_trials(n: int, seed: int, base: pathlib.Path, tfds_dir: pathlib.Path) -> list[dict]:
     ref = reference(base, tfds_dir)
     rng = random.Random(seed)
-    return [trial(base, tfds_dir, i, rng.uniform(4.0, 14.0), ref) for i in range(n)]
+    return [
+        trial(base, tfds_dir, i, rng.randint(1, STEPS - 4), rng.uniform(0.0, 1.0), ref)
+        for i in range(n)
+    ]
 
 
 def main():
