@@ -5,6 +5,7 @@ Only process 0 writes. Each metrics.jsonl line is {"step": N, "split": "train", 
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 import platform
@@ -21,6 +22,7 @@ PACKAGES = (
 )  # fmt: skip
 
 
+@functools.cache  # fixed for the life of the process; read once, not at every save
 def versions() -> dict[str, str]:
     """Python, platform and the versions of the packages a result depends on."""
     out = {"python": sys.version.split()[0], "platform": platform.platform()}

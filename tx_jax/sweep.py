@@ -208,12 +208,7 @@ def run_point(
         (point.workdir / "sweep_config.py").write_text(wrapper)
     (point.workdir / "sweep_command.sh").write_text(shlex.join(argv) + "\n")
     start = time.time()
-    with open(point.workdir / LOG_FILE, "a") as log:
-        log.write(f"$ {shlex.join(argv)}\n")
-        log.flush()
-        rc = subprocess.run(
-            argv, stdout=log, stderr=subprocess.STDOUT, env=_env(parallel)
-        ).returncode
+    rc = _run_logged(argv, point, parallel)
     record = {"overrides": _jsonable(point.overrides), "command": shlex.join(argv),
               "wall_s": round(time.time() - start, 2)}  # fmt: skip
     if rc != 0:
@@ -227,16 +222,21 @@ def run_point(
     return {**record, "status": "ok"}
 
 
+def _run_logged(argv: list[str], point: Point, parallel: int) -> int:
+    """Run `argv` with its output appended to the point's log (command line first)."""
+    with open(point.workdir / LOG_FILE, "a") as log:
+        log.write(f"$ {shlex.join(argv)}\n")
+        log.flush()
+        return subprocess.run(
+            argv, stdout=log, stderr=subprocess.STDOUT, env=_env(parallel)
+        ).returncode
+
+
 def _evaluate_test(point: Point, beam_size: int, parallel: int) -> dict | None:
     """tx_jax.evaluate on the test split in a subprocess (the runner never holds a device)."""
     argv = [sys.executable, "-m", "tx_jax.evaluate", f"--workdir={point.workdir}",
             "--split=test", f"--beam_size={beam_size}"]  # fmt: skip
-    with open(point.workdir / LOG_FILE, "a") as log:
-        log.write(f"$ {shlex.join(argv)}\n")
-        log.flush()
-        rc = subprocess.run(
-            argv, stdout=log, stderr=subprocess.STDOUT, env=_env(parallel)
-        ).returncode
+    rc = _run_logged(argv, point, parallel)
     results = point.workdir / "eval_results.jsonl"
     if rc != 0 or not results.exists():
         return None
