@@ -3,6 +3,7 @@ runs, and the runner trains every point, tabulates them and skips finished point
 
 import csv
 import dataclasses
+import json
 import pathlib
 
 import pytest
@@ -74,7 +75,7 @@ def test_runner_trains_both_points_tabulates_and_skips_them_on_rerun(tmp_path, t
             "data.max_eval_len": 32, "data.packing": False, "train.num_steps": 2,
             "train.log_every": 1, "eval.every": 2, "eval.bleu_examples": 4,
             "checkpoint.async_save": False}  # fmt: skip
-    args = [str(SMOKE), f"--root={root}", "--parallel=2"]
+    args = [str(SMOKE), f"--root={root}", "--parallel=2", "--test_split_eval", "--beam_size=2"]
     args += [f"--override={k}={v}" for k, v in tiny.items()]
     assert sweep.main(args) == 0
     with open(root / "results.csv") as f:
@@ -84,6 +85,14 @@ def test_runner_trains_both_points_tabulates_and_skips_them_on_rerun(tmp_path, t
         assert row["status"] == "ok" and int(row["steps"]) == 2
         for key in ("wall_s", "val_bleu", "val_loss", "test_bleu"):
             float(row[key])  # numeric
+        # --test_split_eval: test_bleu is tx_jax.evaluate's beam-2 score of the final checkpoint,
+        # recorded in the point's DONE file, not the greedy score written during training.
+        evaluated = json.loads((pathlib.Path(row["workdir"]) / "eval_results.jsonl")
+                               .read_text().splitlines()[-1])  # fmt: skip
+        assert (evaluated["split"], evaluated["beam"], evaluated["step"]) == ("test", 2, 2)
+        assert float(row["test_bleu"]) == evaluated["bleu"]
+        done = json.loads((pathlib.Path(row["workdir"]) / sweep.DONE_FILE).read_text())
+        assert done["test_eval"]["bleu"] == evaluated["bleu"] and done["test_eval"]["beam"] == 2
     md = (root / "results.md").read_text().splitlines()
     assert len(md) == 4 and "| 1 | model.dropout_rate=0.1 | ok | 2 |" in md[3]
     assert (root / "curves.png").stat().st_size > 1000
