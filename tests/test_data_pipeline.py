@@ -1,5 +1,5 @@
-"""Tests for tx_jax.data.pipeline: shapes, budgets, filtering counts, exact resume, sharding,
-eval coverage and packing, on tiny SentencePiece models and generated sentences."""
+"""Tests for tx_jax.data.pipeline (and batching.py): shapes, budgets, filtering counts, exact
+resume, sharding and packing, on tiny SentencePiece models and generated sentences."""
 
 import collections
 import json
@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from etils import epath
 
+from tx_jax.data import batching
 from tx_jax.data import pipeline as pl
 from tx_jax.data import tokenizer as tk
 
@@ -28,11 +29,16 @@ def _pairs(n: int, seed: int = 0, hi: int = 10) -> list[tuple[str, str]]:
     return [(f"{i} " + _sentence(rng, 1, hi), _sentence(rng, 1, hi)) for i in range(n)]
 
 
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory) -> tk.Tokenizer:
+def make_tokenizer(directory) -> tk.Tokenizer:
+    """The tests' 120-piece model over generated pairs (and digits)."""
     texts = list(tk.iter_pair_texts(_pairs(300, seed=1)))
     texts.append(" ".join(str(i) for i in range(400)))  # digits, so numbered pairs stay short
-    return tk.train_tokenizer(texts, 120, tmp_path_factory.mktemp("spm") / "spm.model")
+    return tk.train_tokenizer(texts, 120, directory / "spm.model")
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> tk.Tokenizer:
+    return make_tokenizer(tmp_path_factory.mktemp("spm"))
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +80,7 @@ def _fits(pair, tok) -> bool:
 
 
 def test_default_bucket_boundaries_and_batch_sizes():
-    assert pl.default_bucket_boundaries(256) == [
+    assert batching.default_bucket_boundaries(256) == [
         8,
         16,
         24,
@@ -89,12 +95,12 @@ def test_default_bucket_boundaries_and_batch_sizes():
         240,
         256,
     ]
-    assert pl.default_bucket_boundaries(16) == [8, 16]
-    assert pl.default_bucket_boundaries(20) == [8, 16, 20]
-    assert pl.bucket_batch_sizes([8, 16, 24], 100, 4) == [12, 4, 4]
-    assert pl.bucket_batch_sizes([8, 16], 100) == [12, 6]
+    assert batching.default_bucket_boundaries(16) == [8, 16]
+    assert batching.default_bucket_boundaries(20) == [8, 16, 20]
+    assert batching.bucket_batch_sizes([8, 16, 24], 100, 4) == [12, 4, 4]
+    assert batching.bucket_batch_sizes([8, 16], 100) == [12, 6]
     with pytest.raises(ValueError, match="too small"):
-        pl.bucket_batch_sizes([8, 16, 32], 100, 4)
+        batching.bucket_batch_sizes([8, 16, 32], 100, 4)
 
 
 def test_batches_static_shapes_budget_and_multiple(pairs, tok):
@@ -279,80 +285,6 @@ def test_default_process_is_jax_process(pairs, tok):
     it = pl.make_train_iterator(pairs, tok, max_len=MAX_LEN, tokens_per_batch=64)
     fp = it.get_state()["fingerprint"]
     assert (fp["process_index"], fp["process_count"]) == (0, 1)
-
-
-# ---------------------------------------------------------------------- eval
-
-
-def test_eval_covers_each_example_once_in_order(pairs, tok):
-    data = list(pairs[:19]) + [("the " * 40, "a cat"), ("", "ein Haus")]
-    ev = pl.make_eval_batches(data, tok, max_len=MAX_LEN, batch_size=8, batch_multiple=4)
-    assert len(ev) == 3 and ev.num_examples == 21
-    index = np.concatenate([b["example_index"] for b in ev])
-    mask = np.concatenate([b["example_mask"] for b in ev])
-    np.testing.assert_array_equal(index[mask == 1], np.arange(21))
-    assert (index[mask == 0] == -1).all() and mask.sum() == 21
-    truncated = sum(not _fits(p, tok) for p in data)
-    assert ev.stats == {"examples": 21, "empty": 1, "truncated": truncated, "invalid_utf8": 0}
-    for b in ev:
-        assert b["inputs"].shape == b["targets"].shape == (8, MAX_LEN)
-        assert b["inputs"].dtype == np.int32 and b["example_index"].dtype == np.int32
-        assert (b["inputs"][b["example_mask"] == 0] == 0).all()
-        for r in np.flatnonzero(b["example_mask"]):
-            src, tgt = data[b["example_index"][r]]
-            row = b["inputs"][r]
-            assert row[(row > 0).sum() - 1] == tk.EOS_ID
-            if _fits((src, tgt), tok):
-                assert tok.decode(row) == src and tok.decode(b["targets"][r]) == tgt
-            elif src.strip():  # truncated: the first max_len - 1 pieces, then EOS
-                assert row.tolist() == tok.encode(src)[: MAX_LEN - 1] + [tk.EOS_ID]
-    assert ev[-1]["inputs"][4].tolist() == [tk.EOS_ID] + [0] * (MAX_LEN - 1)  # empty source
-
-
-def test_eval_sorted_and_bucketed_still_covers(pairs, tok):
-    data = pairs[:37]
-    ev = pl.make_eval_batches(
-        data, tok, max_len=MAX_LEN, batch_size=8, bucket_boundaries=[8, 16], sort_by_length=True
-    )
-    index = np.concatenate([b["example_index"] for b in ev])
-    assert sorted(index[index >= 0].tolist()) == list(range(37))
-    lengths = []
-    for b in ev:
-        assert b["inputs"].shape[1] in (8, 16) and b["inputs"].shape[0] == 8
-        for r in np.flatnonzero(b["example_mask"]):
-            assert tok.decode(b["inputs"][r]) == data[b["example_index"][r]][0]
-            lengths.append(max((b["inputs"][r] > 0).sum(), (b["targets"][r] > 0).sum()))
-    assert lengths == sorted(lengths, reverse=True)
-
-
-def test_eval_process_shards(pairs, tok):
-    data = pairs[:21]
-    evs = [
-        pl.make_eval_batches(
-            data, tok, max_len=MAX_LEN, batch_size=4, process_index=i, process_count=2
-        )
-        for i in (0, 1)
-    ]
-    assert len(evs[0]) == len(evs[1]) == 3  # ceil(ceil(21 / 2) / 4): same count everywhere
-    seen = [set(np.concatenate([b["example_index"] for b in ev]).tolist()) - {-1} for ev in evs]
-    assert not seen[0] & seen[1] and seen[0] | seen[1] == set(range(21))
-    assert evs[0].num_examples == 11 and evs[1].num_examples == 10
-
-
-def test_encode_sources_and_lm_eval(tok):
-    texts = ["the cat", "ein Haus", "", b"der \xff Baum", "the " * 250_000]  # last: 1 MB
-    ev = pl.encode_sources(texts, tok, max_len=MAX_LEN, batch_size=2)
-    assert len(ev) == 3 and set(ev[0]) == {"inputs", "example_index", "example_mask"}
-    assert [tok.decode(r) for b in ev for r in b["inputs"]][:3] == ["the cat", "ein Haus", ""]
-    assert ev.stats == {"examples": 5, "empty": 1, "truncated": 1, "invalid_utf8": 1}
-    long_row = ev[2]["inputs"][0]
-    assert (long_row > 0).all() and long_row[-1] == tk.EOS_ID
-    assert ev[2]["example_mask"].tolist() == [1, 0]
-    lm = pl.make_lm_eval_batches(["the cat", "a dog"] * 3, tok, max_len=MAX_LEN, batch_size=4)
-    assert set(lm[0]) == {"targets", "example_index", "example_mask"}
-    assert lm[1]["example_mask"].tolist() == [1, 1, 0, 0]
-    with pytest.raises(ValueError, match="multiple"):
-        pl.encode_sources(texts, tok, max_len=MAX_LEN, batch_size=3, batch_multiple=2)
 
 
 # ---------------------------------------------------------------------- packing

@@ -24,7 +24,7 @@ from typing import BinaryIO
 from absl import app, flags
 
 from tx_jax import evaluate, evaluation, restore
-from tx_jax.data import pipeline
+from tx_jax.data import eval_pipeline
 
 CHUNK_BATCHES = 8  # batches encoded and decoded between progress reports
 
@@ -85,7 +85,7 @@ def translate_lines(
     chunk = batch_size * CHUNK_BATCHES
     for start in range(0, len(todo), chunk):
         part = todo[start : start + chunk]
-        batches = pipeline.encode_sources(
+        batches = eval_pipeline.encode_sources(
             [texts[i] for i in part], loaded.tokenizer, max_len=max_len, batch_size=batch_size,
             bucket_boundaries=[max_len], sort_by_length=sort_by_length,
         )  # fmt: skip

@@ -1,4 +1,4 @@
-"""Grain input pipeline: text pairs -> SentencePiece ids -> static-shape numpy batches.
+"""Grain train pipeline: text pairs -> SentencePiece ids -> static-shape numpy batches.
 
 Letters: B batch rows, L padded length. In a bucketed batch 'inputs' and 'targets' share one
 L (the bucket boundary that holds the longer side), so each bucket is a single jit shape.
@@ -11,7 +11,7 @@ Train batches (`make_train_iterator`, `make_lm_train_iterator`): dicts of numpy 
     bucketed (packing=False)
       'inputs'   [B, L]  source ids + EOS, then 0 (padding)      (absent for LM)
       'targets'  [B, L]  target ids + EOS, then 0
-      L is a bucket boundary (`default_bucket_boundaries`); B = floor(tokens_per_batch / L)
+      L is a bucket boundary (`batching.default_bucket_boundaries`); B = floor(tokens_per_batch / L)
       rounded down to a multiple of `batch_multiple`, so B * L <= tokens_per_batch and only
       len(boundaries) shapes exist (`TrainIterator.batch_shapes`).
     packed (packing=True), L = max_len, B = floor(tokens_per_batch / max_len) rounded down
@@ -20,12 +20,9 @@ Train batches (`make_train_iterator`, `make_lm_train_iterator`): dicts of numpy 
       'inputs_position', 'targets_position'          [B, L]  0-based, restarting per example
       Rows are filled first-fit in stream order; an example never spans two rows.
 
-Eval batches (`make_eval_batches`, `make_lm_eval_batches`, `encode_sources`): every example
-once, in corpus order unless `sort_by_length`, never filtered (long sides are truncated to
-max_len keeping the final EOS; empty sides become just EOS), all with B = batch_size:
-      'inputs', 'targets'  [B, L]  as above ('inputs' only for `encode_sources`)
-      'example_index'      [B]     position in `pairs` (global, not per process); -1 = pad row
-      'example_mask'       [B]     1 for a real example, 0 for a padding row (all-zero row)
+Eval batches (every example once, fixed shapes, nothing dropped) are in eval_pipeline.py;
+a sampled mixture of several corpora (multilingual training) in mixture.py. Both reuse the
+featurizer below, so text becomes the same ids everywhere.
 
 Train records are sharded per process ([process_index::process_count]), shuffled with `seed`
 (a new permutation each epoch, the order of grain's `MapDataset.shuffle(seed).repeat()`),
@@ -63,23 +60,27 @@ form one global array over several processes.
 from __future__ import annotations
 
 import atexit
-import bisect
 import copy
 import dataclasses
 import hashlib
 import logging
-import math
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import grain
 import numpy as np
 from grain.experimental import index_shuffle
 
+from tx_jax.data.batching import (
+    Batch,
+    BatchSpec,
+    GroupIterDataset,
+    bucket_batch_sizes,
+    check_boundaries,
+)
 from tx_jax.data.tokenizer import Tokenizer
 
-Batch = dict[str, np.ndarray]
 Text = str | bytes
 
 _STATE_VERSION = 1
@@ -92,58 +93,6 @@ _COUNT_KEYS = (
     "dropped_too_long_chars",
     "invalid_utf8",
 )
-
-
-# ------------------------------------------------------------------------ shapes
-
-
-def default_bucket_boundaries(
-    max_len: int, *, min_length: int = 8, growth: float = 1.25, multiple: int = 8
-) -> list[int]:
-    """Geometric bucket lengths, rounded up to `multiple`, ending exactly at `max_len`.
-
-    E.g. max_len=256 -> [8, 16, 24, 32, 40, 56, 72, 96, 120, 152, 192, 240, 256]: at most
-    ~25% padding per bucket with 13 jit shapes.
-    """
-    out = [min(max_len, multiple * math.ceil(min_length / multiple))]
-    while out[-1] < max_len:
-        nxt = multiple * math.ceil(out[-1] * growth / multiple)
-        out.append(min(max_len, max(nxt, out[-1] + multiple)))
-    return out
-
-
-def bucket_batch_sizes(
-    boundaries: Sequence[int], tokens_per_batch: int, batch_multiple: int = 1
-) -> list[int]:
-    """Rows per bucket: floor(tokens_per_batch / L) rounded down to `batch_multiple`."""
-    sizes = [
-        (tokens_per_batch // length) // batch_multiple * batch_multiple for length in boundaries
-    ]
-    if min(sizes) < 1:
-        raise ValueError(
-            f"tokens_per_batch={tokens_per_batch} is too small for length {max(boundaries)} and"
-            f" batch_multiple={batch_multiple}: need at least {max(boundaries) * batch_multiple}."
-        )
-    return sizes
-
-
-def _check_boundaries(boundaries: Sequence[int] | None, max_len: int) -> list[int]:
-    if boundaries is None:
-        return default_bucket_boundaries(max_len)
-    out = sorted(int(b) for b in boundaries)
-    if out[-1] != max_len or out[0] < 1 or len(set(out)) != len(out):
-        raise ValueError(f"bucket_boundaries must be distinct, >= 1, end at max_len: {out}")
-    return out
-
-
-def _pad_rows(features: Sequence[dict[str, np.ndarray]], keys, rows: int, length: int) -> Batch:
-    """Stacks 1-D id arrays into zero-padded int32 [rows, length] arrays, one per key."""
-    out = {k: np.zeros((rows, length), np.int32) for k in keys}
-    for r, feats in enumerate(features):
-        for k in keys:
-            v = feats[k]
-            out[k][r, : len(v)] = v
-    return out
 
 
 # ------------------------------------------------------------------------ text -> ids
@@ -303,7 +252,13 @@ class _ExampleIterator(grain.DatasetIterator):
         self._counts = dict.fromkeys(_COUNT_KEYS, 0)
 
     def __next__(self) -> tuple[int, dict[str, np.ndarray]]:
+        misses = 0
         while self._end is None or self._next_index < self._end:
+            if misses > self._n:  # a whole epoch read and nothing kept: it never will be
+                raise ValueError(
+                    f"no example of {self._n} fits: every one is empty or longer than max_len"
+                    f" (counts: {self._counts})"
+                )
             position = self._next_index
             record = _record_at(self._records, self._n, self._seed, position)
             self._next_index += 1
@@ -312,6 +267,7 @@ class _ExampleIterator(grain.DatasetIterator):
                 self._counts[note] += 1
             if record.drop:
                 self._counts[f"dropped_{record.drop}"] += 1
+                misses += 1
                 continue
             self._counts["kept"] += 1
             return position, record.features
@@ -327,149 +283,6 @@ class _ExampleIterator(grain.DatasetIterator):
     def set_state(self, state: dict[str, Any]) -> None:
         self._next_index = int(state["next_index"])
         self._counts = dict(state["tx_counts"])
-
-
-@dataclasses.dataclass(frozen=True)
-class _BatchSpec:
-    keys: tuple[str, ...]
-    lengths: tuple[int, ...]  # bucket boundaries; (max_len,) when packing
-    batch_sizes: tuple[int, ...]  # rows per bucket
-    packing: bool
-
-
-class _GroupIterDataset(grain.IterDataset):
-    """Kept examples -> batches: by length bucket, or first-fit packed into rows."""
-
-    def __init__(self, parent: _ExampleIterDataset, spec: _BatchSpec):
-        super().__init__(parent)
-        self._spec = spec
-
-    def __iter__(self) -> _GroupIterator:
-        cls = _PackIterator if self._spec.packing else _BucketIterator
-        return cls(self._parent.__iter__(), self._spec)
-
-
-class _GroupIterator(grain.DatasetIterator):
-    """Holds examples until a batch is full. State: stream state + held positions.
-
-    Restoring re-reads the held positions (cached, or re-tokenized) and re-adds them in
-    order, which rebuilds the exact same groups.
-    """
-
-    def __init__(self, parent: _ExampleIterator, spec: _BatchSpec):
-        super().__init__(parent)
-        self._spec = spec
-        self._dropped_remainder = 0
-        self._reset()
-
-    def _reset(self) -> None:
-        raise NotImplementedError
-
-    def _add(self, position: int, features: dict[str, np.ndarray]) -> Batch | None:
-        """Adds one example; returns a batch when one is complete."""
-        raise NotImplementedError
-
-    def _held(self) -> list[list[int]]:
-        """Positions of the examples held, per group, in the order they were added."""
-        return [[int(p) for p, _ in group] for group in self._groups]
-
-    def __next__(self) -> Batch:
-        while True:
-            try:
-                position, features = next(self._parent)
-            except StopIteration:
-                self._dropped_remainder += sum(len(g) for g in self._held())
-                self._reset()
-                raise
-            batch = self._add(position, features)
-            if batch is not None:
-                return batch
-
-    def get_state(self) -> dict[str, Any]:
-        return {
-            "examples": self._parent.get_state(),
-            "held": self._held(),
-            "dropped_remainder": self._dropped_remainder,
-        }
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        self._parent.set_state(state["examples"])
-        self._dropped_remainder = int(state["dropped_remainder"])
-        self._reset()
-        for group in state["held"]:
-            for position in group:
-                batch = self._add(position, self._parent.reread(position))
-                assert batch is None, "restoring held examples must not complete a batch"
-
-
-class _BucketIterator(_GroupIterator):
-    """One group per bucket; a bucket of length L is emitted when it holds B(L) examples."""
-
-    def _reset(self) -> None:
-        self._groups: list[list[tuple[int, dict]]] = [[] for _ in self._spec.lengths]
-
-    def _add(self, position: int, features: dict[str, np.ndarray]) -> Batch | None:
-        spec = self._spec
-        b = bisect.bisect_left(spec.lengths, max(len(v) for v in features.values()))
-        group = self._groups[b]
-        group.append((position, features))
-        if len(group) < spec.batch_sizes[b]:
-            return None
-        self._groups[b] = []
-        return _pad_rows([f for _, f in group], spec.keys, spec.batch_sizes[b], spec.lengths[b])
-
-
-class _PackIterator(_GroupIterator):
-    """First fit into B rows of max_len; emits the rows when an example fits in none."""
-
-    def _reset(self) -> None:
-        self._groups = [[]]  # (position, features) of the open batch
-        self._rows: list[int] = []  # row of each held example
-        self._free = [[self._spec.lengths[0]] * len(self._spec.keys)]  # per used row and key
-
-    def _first_fit(self, lengths: list[int]) -> int | None:
-        for r, free in enumerate(self._free):
-            if all(n <= f for n, f in zip(lengths, free)):
-                return r
-        return len(self._free) if len(self._free) < self._spec.batch_sizes[0] else None
-
-    def _add(self, position: int, features: dict[str, np.ndarray]) -> Batch | None:
-        lengths = [len(features[k]) for k in self._spec.keys]
-        batch = None
-        row = self._first_fit(lengths)
-        if row is None:
-            examples = [f for _, f in self._groups[0]]
-            batch = _pack_rows(examples, self._rows, self._spec)
-            self._reset()
-            row = 0  # every kept example fits an empty row (len <= max_len)
-        if row == len(self._free):
-            self._free.append([self._spec.lengths[0]] * len(lengths))
-        self._free[row] = [f - n for f, n in zip(self._free[row], lengths)]
-        self._rows.append(row)
-        self._groups[0].append((position, features))
-        return batch
-
-
-def _pack_rows(examples: Sequence[dict], rows: Sequence[int], spec: _BatchSpec) -> Batch:
-    """Writes examples into their rows: tokens, segmentation (1, 2, ...) and positions."""
-    num_rows, length = spec.batch_sizes[0], spec.lengths[0]
-    out = {}
-    for k in spec.keys:
-        for name in (k, f"{k}_segmentation", f"{k}_position"):
-            out[name] = np.zeros((num_rows, length), np.int32)
-    segments = [0] * num_rows
-    fill = {k: [0] * num_rows for k in spec.keys}
-    arange = np.arange(length, dtype=np.int32)
-    for features, r in zip(examples, rows):
-        segments[r] += 1
-        for k in spec.keys:
-            v = features[k]
-            start, end = fill[k][r], fill[k][r] + len(v)
-            out[k][r, start:end] = v
-            out[f"{k}_segmentation"][r, start:end] = segments[r]
-            out[f"{k}_position"][r, start:end] = arange[: len(v)]
-            fill[k][r] = end
-    return out
 
 
 _LIVE_ITERATORS: weakref.WeakSet = weakref.WeakSet()
@@ -507,7 +320,7 @@ class TrainIterator(grain.DatasetIterator):
 
     def __init__(
         self,
-        dataset: _GroupIterDataset,
+        dataset: GroupIterDataset,
         *,
         prefetch: int,
         fingerprint: dict[str, Any],
@@ -599,30 +412,52 @@ class _TrainArgs:
 _TRAIN_ARGS = frozenset(f.name for f in dataclasses.fields(_TrainArgs))
 
 
-def _train_iterator(
-    items: Sequence[Any], keys: tuple[str, ...], tokenizer: Tokenizer, a: _TrainArgs
-) -> TrainIterator:
-    """Shared builder for the translation and LM train iterators."""
-    pi, pc = _process_shard(a.process_index, a.process_count)
-    records = _ShardRecords(
-        items, slice(pi, None, pc), _Featurizer(tokenizer, keys, a.max_len), a.cache_tokens
-    )
+def _shard_records(
+    items: Sequence[Any],
+    keys: tuple[str, ...],
+    tokenizer: Tokenizer,
+    a: _TrainArgs,
+    pi: int,
+    pc: int,
+) -> _ShardRecords:
+    """The featurized records of this process's shard of `items` (an error if it is empty)."""
+    featurize = _Featurizer(tokenizer, keys, a.max_len)
+    records = _ShardRecords(items, slice(pi, None, pc), featurize, a.cache_tokens)
     if len(records) == 0:
         raise ValueError(f"Process {pi} of {pc} has no examples ({len(items)} in total).")
-    kept = _ExampleIterDataset(records, a.seed, a.num_epochs)
-    boundaries = [a.max_len] if a.packing else _check_boundaries(a.bucket_boundaries, a.max_len)
+    return records
+
+
+def _batch_iterator(
+    kept: grain.IterDataset,
+    keys: tuple[str, ...],
+    tokenizer: Tokenizer,
+    a: _TrainArgs,
+    shard: tuple[int, int],
+    *,
+    num_examples: int,
+    shard_size: int,
+    fingerprint_extra: dict[str, Any] | None = None,
+) -> TrainIterator:
+    """A stream of kept (position, features) examples -> a TrainIterator of batches.
+
+    `kept` yields what `_ExampleIterator` yields and can `reread(position)` (mixture.py's
+    sampler too); `shard_size` is what one epoch of `stats()['epoch']` counts."""
+    pi, pc = shard
+    boundaries = [a.max_len] if a.packing else check_boundaries(a.bucket_boundaries, a.max_len)
     sizes = bucket_batch_sizes(boundaries, a.tokens_per_batch, a.batch_multiple)
     if pc > 1 and len(boundaries) > 1:
         logging.warning("Length buckets differ across %d processes; see pipeline.py.", pc)
-    spec = _BatchSpec(keys, tuple(boundaries), tuple(sizes), a.packing)
-    ds = _GroupIterDataset(kept, spec)
+    spec = BatchSpec(keys, tuple(boundaries), tuple(sizes), a.packing)
+    ds = GroupIterDataset(kept, spec)
     fingerprint = dataclasses.asdict(a) | {
         "bucket_boundaries": boundaries,
         "process_index": pi,
         "process_count": pc,
-        "num_examples": len(items),
+        "num_examples": num_examples,
         "keys": list(keys),
         "tokenizer_sha1": hashlib.sha1(tokenizer.to_bytes()).hexdigest(),
+        **(fingerprint_extra or {}),
     }
     for k in ("cache_tokens", "prefetch"):  # do not change the batches
         fingerprint.pop(k)
@@ -634,7 +469,19 @@ def _train_iterator(
         keys=keys,
         batch_shapes=shapes,
         packing=a.packing,
-        shard_size=len(records),
+        shard_size=shard_size,
+    )
+
+
+def _train_iterator(
+    items: Sequence[Any], keys: tuple[str, ...], tokenizer: Tokenizer, a: _TrainArgs
+) -> TrainIterator:
+    """Shared builder for the translation and LM train iterators."""
+    pi, pc = _process_shard(a.process_index, a.process_count)
+    records = _shard_records(items, keys, tokenizer, a, pi, pc)
+    kept = _ExampleIterDataset(records, a.seed, a.num_epochs)
+    return _batch_iterator(
+        kept, keys, tokenizer, a, (pi, pc), num_examples=len(items), shard_size=len(records)
     )
 
 
@@ -699,145 +546,3 @@ def make_lm_train_iterator(
     """
     args = _TrainArgs(**{k: v for k, v in locals().items() if k in _TRAIN_ARGS})
     return _train_iterator(texts, ("targets",), tokenizer, args)
-
-
-# ------------------------------------------------------------------------ eval batches
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalBatches(Sequence):
-    """Eval batches of this process plus what happened to the raw text.
-
-    Attributes:
-      batches: list of batch dicts (module docstring); equal count on every process.
-      num_examples: real examples in this process's shard (sum of 'example_mask').
-      stats: 'examples', 'empty', 'truncated', 'invalid_utf8' counts over the shard.
-    """
-
-    batches: list[Batch]
-    num_examples: int
-    stats: dict[str, int]
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __getitem__(self, i):
-        return self.batches[i]
-
-    def __iter__(self) -> Iterator[Batch]:
-        return iter(self.batches)
-
-
-def _eval_batches(
-    items: Sequence[Any],
-    keys: tuple[str, ...],
-    tokenizer: Tokenizer,
-    *,
-    max_len: int,
-    batch_size: int,
-    batch_multiple: int,
-    bucket_boundaries: Sequence[int] | None,
-    sort_by_length: bool,
-    process_index: int | None,
-    process_count: int | None,
-) -> EvalBatches:
-    """Shared builder for eval / translate batches: fixed B, no shuffling, no dropping."""
-    if batch_size < 1 or batch_size % batch_multiple:
-        raise ValueError(
-            f"batch_size={batch_size} must be a positive multiple of {batch_multiple}."
-        )
-    pi, pc = _process_shard(process_index, process_count)
-    boundaries = (
-        [max_len] if bucket_boundaries is None else _check_boundaries(bucket_boundaries, max_len)
-    )
-    featurize = _Featurizer(tokenizer, keys, max_len, truncate=True)
-    indices = range(pi, len(items), pc)
-    feats = [featurize(items[i]) for i in indices]
-    stats = dict.fromkeys(("examples", "empty", "truncated", "invalid_utf8"), 0)
-    stats["examples"] = len(feats)
-    for rec in feats:
-        for note in rec.notes:
-            stats[note] += 1
-    lengths = [max(len(v) for v in rec.features.values()) for rec in feats]
-    order = list(range(len(feats)))
-    if sort_by_length:
-        order.sort(key=lambda j: -lengths[j])
-    num_batches = math.ceil(math.ceil(len(items) / pc) / batch_size)  # same on every process
-    batches = []
-    for b in range(num_batches):
-        chunk = order[b * batch_size : (b + 1) * batch_size]
-        longest = max((lengths[j] for j in chunk), default=1)
-        length = boundaries[bisect.bisect_left(boundaries, longest)]
-        batch = _pad_rows([feats[j].features for j in chunk], keys, batch_size, length)
-        batch["example_index"] = np.full((batch_size,), -1, np.int32)
-        batch["example_index"][: len(chunk)] = [indices[j] for j in chunk]
-        batch["example_mask"] = (batch["example_index"] >= 0).astype(np.int32)
-        batches.append(batch)
-    return EvalBatches(batches, len(feats), stats)
-
-
-def make_eval_batches(
-    pairs: Sequence[tuple[Text, Text]],
-    tokenizer: Tokenizer,
-    *,
-    max_len: int,
-    batch_size: int,
-    batch_multiple: int = 1,
-    bucket_boundaries: Sequence[int] | None = None,
-    sort_by_length: bool = False,
-    process_index: int | None = None,
-    process_count: int | None = None,
-) -> EvalBatches:
-    """Every pair of this process's shard exactly once, in fixed-shape batches.
-
-    Args:
-      pairs: random-access (source, target) texts.
-      tokenizer: as for training.
-      max_len: L of every batch when `bucket_boundaries` is None; longer sides are truncated
-        (counted in `stats['truncated']`).
-      batch_size: B of every batch (a multiple of `batch_multiple`); the last batches are
-        filled with all-zero rows, `example_mask` 0, `example_index` -1.
-      bucket_boundaries: if given, each batch gets the smallest boundary >= its longest side.
-      sort_by_length: order longest first (faster decoding); `example_index` restores order.
-      process_index, process_count: shard [process_index::process_count]; every process gets
-        the same number of batches.
-    """
-    kwargs = {k: v for k, v in locals().items() if k not in ("pairs", "tokenizer")}
-    return _eval_batches(pairs, ("inputs", "targets"), tokenizer, **kwargs)
-
-
-def make_lm_eval_batches(
-    texts: Sequence[Text],
-    tokenizer: Tokenizer,
-    *,
-    max_len: int,
-    batch_size: int,
-    batch_multiple: int = 1,
-    process_index: int | None = None,
-    process_count: int | None = None,
-) -> EvalBatches:
-    """LM eval batches: 'targets' [B, max_len], 'example_index', 'example_mask'."""
-    kwargs = {k: v for k, v in locals().items() if k not in ("texts", "tokenizer")}
-    return _eval_batches(
-        texts, ("targets",), tokenizer, **kwargs, bucket_boundaries=None, sort_by_length=False
-    )
-
-
-def encode_sources(
-    texts: Sequence[Text],
-    tokenizer: Tokenizer,
-    *,
-    max_len: int,
-    batch_size: int,
-    batch_multiple: int = 1,
-    bucket_boundaries: Sequence[int] | None = None,
-    sort_by_length: bool = False,
-) -> EvalBatches:
-    """Raw source sentences -> 'inputs' [B, L], 'example_index', 'example_mask' batches.
-
-    For translation from a list of strings (one process; nothing dropped, long inputs
-    truncated). Write hypothesis `r` of a batch to output line `example_index[r]` when
-    `example_mask[r]` is 1.
-    """
-    kwargs = {k: v for k, v in locals().items() if k not in ("texts", "tokenizer")}
-    return _eval_batches(texts, ("inputs",), tokenizer, **kwargs, process_index=0, process_count=1)

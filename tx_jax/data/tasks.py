@@ -37,7 +37,7 @@ import jax
 from etils import epath
 from jax.experimental import multihost_utils
 
-from tx_jax.data import datasets, pipeline
+from tx_jax.data import datasets, eval_pipeline, pipeline
 from tx_jax.data.tokenizer import Tokenizer, iter_pair_texts, train_tokenizer
 
 TOKENIZER_FILE = "tokenizer.model"
@@ -97,7 +97,7 @@ class TranslationTask:
         """This process's share of the examples (every example when `shard_eval` is False)."""
         d = self.data
         every = {} if self.shard_eval else {"process_index": 0, "process_count": 1}
-        return pipeline.make_eval_batches(
+        return eval_pipeline.make_eval_batches(
             self.pairs(split, limit), self.tokenizer, max_len=d.max_eval_len,
             batch_size=d.eval_batch_size, batch_multiple=batch_multiple,
             bucket_boundaries=[d.max_eval_len], **every,
@@ -225,7 +225,7 @@ class LMTask:
         """This process's share of the texts (all of them when `shard_eval` is False)."""
         d = self.data
         every = {} if self.shard_eval else {"process_index": 0, "process_count": 1}
-        return pipeline.make_lm_eval_batches(
+        return eval_pipeline.make_lm_eval_batches(
             self.texts(split, limit), self.tokenizer, max_len=d.max_eval_len,
             batch_size=d.eval_batch_size, batch_multiple=batch_multiple, **every,
         )  # fmt: skip

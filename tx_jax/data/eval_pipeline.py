@@ -1,0 +1,171 @@
+"""Eval batches: every example once, in fixed-shape batches, never filtered.
+
+    make_eval_batches(pairs, tokenizer, max_len=..., batch_size=...)   translation
+    make_lm_eval_batches(texts, tokenizer, ...)                          language model
+    encode_sources(texts, tokenizer, ...)                                sources only (translate)
+
+Letters: B batch rows, L padded length. In corpus order unless `sort_by_length`; long sides are
+truncated to max_len keeping the final EOS, empty sides become just EOS; all batches have
+B = batch_size:
+      'inputs', 'targets'  [B, L]  ids + EOS, then 0 ('inputs' only for `encode_sources`,
+                                   'targets' only for the LM)
+      'example_index'      [B]     position in `pairs` (global, not per process); -1 = pad row
+      'example_mask'       [B]     1 for a real example, 0 for a padding row (all-zero row)
+
+Text is turned into ids exactly as for training (pipeline.py's featurizer, in truncating mode),
+so a pair that trains fits the same way here. Process shards are [process_index::process_count]
+with the same number of batches on every process.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from tx_jax.data.batching import Batch, check_boundaries, pad_rows
+from tx_jax.data.pipeline import Text, _Featurizer, _process_shard
+from tx_jax.data.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalBatches(Sequence):
+    """Eval batches of this process plus what happened to the raw text.
+
+    Attributes:
+      batches: list of batch dicts (module docstring); equal count on every process.
+      num_examples: real examples in this process's shard (sum of 'example_mask').
+      stats: 'examples', 'empty', 'truncated', 'invalid_utf8' counts over the shard.
+    """
+
+    batches: list[Batch]
+    num_examples: int
+    stats: dict[str, int]
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i):
+        return self.batches[i]
+
+    def __iter__(self) -> Iterator[Batch]:
+        return iter(self.batches)
+
+
+def _eval_batches(
+    items: Sequence[Any],
+    keys: tuple[str, ...],
+    tokenizer: Tokenizer,
+    *,
+    max_len: int,
+    batch_size: int,
+    batch_multiple: int,
+    bucket_boundaries: Sequence[int] | None,
+    sort_by_length: bool,
+    process_index: int | None,
+    process_count: int | None,
+) -> EvalBatches:
+    """Shared builder for eval / translate batches: fixed B, no shuffling, no dropping."""
+    if batch_size < 1 or batch_size % batch_multiple:
+        raise ValueError(
+            f"batch_size={batch_size} must be a positive multiple of {batch_multiple}."
+        )
+    pi, pc = _process_shard(process_index, process_count)
+    boundaries = (
+        [max_len] if bucket_boundaries is None else check_boundaries(bucket_boundaries, max_len)
+    )
+    featurize = _Featurizer(tokenizer, keys, max_len, truncate=True)
+    indices = range(pi, len(items), pc)
+    feats = [featurize(items[i]) for i in indices]
+    stats = dict.fromkeys(("examples", "empty", "truncated", "invalid_utf8"), 0)
+    stats["examples"] = len(feats)
+    for rec in feats:
+        for note in rec.notes:
+            stats[note] += 1
+    lengths = [max(len(v) for v in rec.features.values()) for rec in feats]
+    order = list(range(len(feats)))
+    if sort_by_length:
+        order.sort(key=lambda j: -lengths[j])
+    num_batches = math.ceil(math.ceil(len(items) / pc) / batch_size)  # same on every process
+    batches = []
+    for b in range(num_batches):
+        chunk = order[b * batch_size : (b + 1) * batch_size]
+        longest = max((lengths[j] for j in chunk), default=1)
+        length = boundaries[bisect.bisect_left(boundaries, longest)]
+        batch = pad_rows([feats[j].features for j in chunk], keys, batch_size, length)
+        batch["example_index"] = np.full((batch_size,), -1, np.int32)
+        batch["example_index"][: len(chunk)] = [indices[j] for j in chunk]
+        batch["example_mask"] = (batch["example_index"] >= 0).astype(np.int32)
+        batches.append(batch)
+    return EvalBatches(batches, len(feats), stats)
+
+
+def make_eval_batches(
+    pairs: Sequence[tuple[Text, Text]],
+    tokenizer: Tokenizer,
+    *,
+    max_len: int,
+    batch_size: int,
+    batch_multiple: int = 1,
+    bucket_boundaries: Sequence[int] | None = None,
+    sort_by_length: bool = False,
+    process_index: int | None = None,
+    process_count: int | None = None,
+) -> EvalBatches:
+    """Every pair of this process's shard exactly once, in fixed-shape batches.
+
+    Args:
+      pairs: random-access (source, target) texts.
+      tokenizer: as for training.
+      max_len: L of every batch when `bucket_boundaries` is None; longer sides are truncated
+        (counted in `stats['truncated']`).
+      batch_size: B of every batch (a multiple of `batch_multiple`); the last batches are
+        filled with all-zero rows, `example_mask` 0, `example_index` -1.
+      bucket_boundaries: if given, each batch gets the smallest boundary >= its longest side.
+      sort_by_length: order longest first (faster decoding); `example_index` restores order.
+      process_index, process_count: shard [process_index::process_count]; every process gets
+        the same number of batches.
+    """
+    kwargs = {k: v for k, v in locals().items() if k not in ("pairs", "tokenizer")}
+    return _eval_batches(pairs, ("inputs", "targets"), tokenizer, **kwargs)
+
+
+def make_lm_eval_batches(
+    texts: Sequence[Text],
+    tokenizer: Tokenizer,
+    *,
+    max_len: int,
+    batch_size: int,
+    batch_multiple: int = 1,
+    process_index: int | None = None,
+    process_count: int | None = None,
+) -> EvalBatches:
+    """LM eval batches: 'targets' [B, max_len], 'example_index', 'example_mask'."""
+    kwargs = {k: v for k, v in locals().items() if k not in ("texts", "tokenizer")}
+    return _eval_batches(
+        texts, ("targets",), tokenizer, **kwargs, bucket_boundaries=None, sort_by_length=False
+    )
+
+
+def encode_sources(
+    texts: Sequence[Text],
+    tokenizer: Tokenizer,
+    *,
+    max_len: int,
+    batch_size: int,
+    batch_multiple: int = 1,
+    bucket_boundaries: Sequence[int] | None = None,
+    sort_by_length: bool = False,
+) -> EvalBatches:
+    """Raw source sentences -> 'inputs' [B, L], 'example_index', 'example_mask' batches.
+
+    For translation from a list of strings (one process; nothing dropped, long inputs
+    truncated). Write hypothesis `r` of a batch to output line `example_index[r]` when
+    `example_mask[r]` is 1.
+    """
+    kwargs = {k: v for k, v in locals().items() if k not in ("texts", "tokenizer")}
+    return _eval_batches(texts, ("inputs",), tokenizer, **kwargs, process_index=0, process_count=1)
