@@ -1,0 +1,521 @@
+r"""Representation and surface similarity between languages on parallel sentences.
+
+How alike two languages look to the encoder (representation similarity, per layer) against
+how alike they look on the page (surface similarity); the study of issue 8, after the source
+document 002 (language similarity shapes cross-lingual transfer: English and German share
+vocabulary and grammar, so a model may represent them alike).
+
+Pure functions (NumPy, float64):
+
+    mean_pool(hidden [B, L, M], mask [B, L]) -> [B, M]     mean over real tokens only
+    linear_cka(x [N, D1], y [N, D2]) -> float             Kornblith et al. (2019), linear CKA
+    sentence_cosines(x [N, M], y [N, M]) -> [N]            cosine of each parallel pair
+    mean_pooled_cosine(x [N, M], y [N, M]) -> float        their mean
+    char_ngram_overlap(a, b) -> float                      Jaccard / Dice of char 1-4 grams
+    char_ngram_similarity(texts_a, texts_b) -> float       its mean over parallel sentences
+    chrf_similarity(texts_a, texts_b) -> float             sacreBLEU chrF (0-100), symmetrised
+    surface_similarity_matrix(texts_by_lang) -> [K, K]      either of the two, every pair
+    similarity_matrices(reps_by_lang) -> {'cka', 'cosine': [G, K, K]}   every layer and pair
+    off_diagonal(matrix [K, K]) -> [K(K-1)/2]              the i < j entries (pair_labels)
+    correlation(x [P], y [P]) -> {'pearson', 'spearman', p-values, 'n'}
+
+Model side: `encoder_layer_representations(model, params, tokenizer, sentences)` -> one
+[N, M] array of mean-pooled sentence vectors per encoder depth (G = num_encoder_layers + 1).
+Plots: `plot_similarity_heatmaps` (a language x language panel per layer, values written in
+the cells) and `plot_similarity_vs_surface` (a scatter per layer, correlations in the titles).
+
+Letters: N parallel sentences (rows aligned across languages), B batch, L source length,
+M d_model, D feature width, K languages, G encoder depths (embedding + layers), P pairs.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import pathlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import sacrebleu
+import scipy.stats
+from matplotlib.figure import Figure
+
+from tx_jax import models
+from tx_jax.data.tokenizer import PAD_ID, Tokenizer
+from tx_jax.layers import EncoderLayer
+
+PathLike = str | pathlib.Path
+POOLS = ("text", "all")
+NGRAM_METRICS = ("jaccard", "dice")
+SURFACE_METRICS = ("chrf", "char_ngram")
+
+
+# ---------------------------------------------------------------- representation similarity
+
+
+def mean_pool(hidden: Any, mask: Any) -> Any:
+    """hidden [B, L, M], mask [B, L] (1 = real token, 0 = padding) -> [B, M].
+
+    The mean over the positions the mask keeps, so padding never changes a row; a row with
+    no kept position gives zeros. Works on NumPy and JAX arrays alike (used inside jit)."""
+    mask = mask.astype(hidden.dtype)
+    counts = mask.sum(axis=1, keepdims=True)  # [B, 1]
+    return (hidden * mask[..., None]).sum(axis=1) / (counts + (counts == 0))
+
+
+def _centre(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    if x.ndim != 2:
+        raise ValueError(f"expected a [N, D] representation matrix, got shape {x.shape}")
+    return x - x.mean(axis=0, keepdims=True)
+
+
+def linear_cka(x: Any, y: Any) -> float:
+    """Linear centred kernel alignment of x [N, D1] and y [N, D2] (rows: the same N inputs).
+
+    Kornblith et al. (2019), eq. 1-3 with linear kernels K = X X^T, L = Y Y^T on column-centred
+    X, Y: CKA = HSIC(K, L) / sqrt(HSIC(K, K) HSIC(L, L)) = ||Y^T X||_F^2 / (||X^T X||_F
+    ||Y^T Y||_F). In [0, 1]; invariant to orthogonal transforms and isotropic scaling of
+    either side, not to arbitrary invertible maps. NaN when a side has no variance."""
+    x, y = _centre(x), _centre(y)
+    if x.shape[0] != y.shape[0]:
+        raise ValueError(f"x and y must have the same rows: {x.shape[0]} != {y.shape[0]}")
+    n, d1, d2 = x.shape[0], x.shape[1], y.shape[1]
+    if n * n * (d1 + d2) < n * (d1 * d2 + d1 * d1 + d2 * d2):  # the N x N Gram form is cheaper
+        k, l_ = x @ x.T, y @ y.T  # [N, N]
+        cross, norm_x, norm_y = (k * l_).sum(), np.linalg.norm(k), np.linalg.norm(l_)
+    else:  # the feature form: D1 x D2, D1 x D1, D2 x D2 products
+        cross = np.linalg.norm(y.T @ x) ** 2
+        norm_x, norm_y = np.linalg.norm(x.T @ x), np.linalg.norm(y.T @ y)
+    denominator = norm_x * norm_y
+    return float(cross / denominator) if denominator > 0 else math.nan
+
+
+def sentence_cosines(x: Any, y: Any, *, center: bool = False) -> np.ndarray:
+    """Cosine similarity of each parallel pair: x [N, M], y [N, M] -> [N].
+
+    center=True first subtracts each side's mean vector (over its N rows), removing the
+    component shared by every sentence of a language (Libovický et al., 2019). A zero vector
+    has cosine 0 with anything."""
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    if x.shape != y.shape or x.ndim != 2:
+        raise ValueError(f"expected two [N, M] arrays of one shape, got {x.shape}, {y.shape}")
+    if center:
+        x, y = _centre(x), _centre(y)
+    norms = np.linalg.norm(x, axis=1) * np.linalg.norm(y, axis=1)
+    dots = (x * y).sum(axis=1)
+    return np.where(norms > 0, dots / np.where(norms > 0, norms, 1.0), 0.0)
+
+
+def mean_pooled_cosine(x: Any, y: Any, *, center: bool = False) -> float:
+    """Mean over sentences of the cosine of mean-pooled vectors x [N, M], y [N, M] (rows are
+    parallel sentences, e.g. one layer of `encoder_layer_representations` per language)."""
+    return float(sentence_cosines(x, y, center=center).mean())
+
+
+def similarity_matrices(
+    reps_by_lang: Mapping[str, Sequence[Any]], *, center_cosine: bool = False
+) -> dict[str, Any]:
+    """{language: [G arrays [N, M]]} -> {'languages': [K names, in the mapping's order],
+    'cka': [G, K, K], 'cosine': [G, K, K]} (float64, symmetric, diagonal 1 where defined).
+
+    Every language needs the same G layers and the same N parallel sentences, row by row."""
+    languages = list(reps_by_lang)
+    if not languages:
+        raise ValueError("reps_by_lang is empty")
+    layers = {lang: [np.asarray(r, np.float64) for r in reps] for lang, reps in
+              reps_by_lang.items()}  # fmt: skip
+    depths = {len(v) for v in layers.values()}
+    shapes = {r.shape[0] for v in layers.values() for r in v}
+    if len(depths) != 1 or len(shapes) != 1:
+        raise ValueError(
+            "every language needs the same number of layers and sentences; got "
+            + ", ".join(f"{k}: {len(v)} x {[r.shape for r in v][:1]}" for k, v in layers.items())
+        )
+    g, k = depths.pop(), len(languages)
+    cka, cosine = np.zeros((g, k, k)), np.zeros((g, k, k))
+    for layer in range(g):
+        for i, j in itertools.combinations_with_replacement(range(k), 2):
+            a, b = layers[languages[i]][layer], layers[languages[j]][layer]
+            cka[layer, i, j] = cka[layer, j, i] = linear_cka(a, b)
+            cosine[layer, i, j] = cosine[layer, j, i] = mean_pooled_cosine(
+                a, b, center=center_cosine
+            )
+    return {"languages": languages, "cka": cka, "cosine": cosine}
+
+
+# ---------------------------------------------------------------- surface similarity
+
+
+def char_ngrams(text: str, n: int, *, lowercase: bool = False) -> set[str]:
+    """The set of character n-grams of `text` with whitespace removed (as chrF does)."""
+    text = "".join(text.split())
+    if lowercase:
+        text = text.lower()
+    return {text[i : i + n] for i in range(len(text) - n + 1)}
+
+
+def char_ngram_overlap(
+    a: str,
+    b: str,
+    *,
+    n_min: int = 1,
+    n_max: int = 4,
+    metric: str = "jaccard",
+    lowercase: bool = False,
+) -> float:
+    """Character n-gram overlap of two strings, averaged over n = n_min .. n_max.
+
+    Per order: Jaccard |A & B| / |A | B| or Dice 2 |A & B| / (|A| + |B|) of the n-gram sets
+    (whitespace removed). Orders neither string is long enough for are left out; two strings
+    with no n-gram at all score 0. Identical strings -> 1, no shared character -> 0."""
+    if metric not in NGRAM_METRICS:
+        raise ValueError(f"metric={metric!r}; expected one of {NGRAM_METRICS}")
+    scores = []
+    for n in range(n_min, n_max + 1):
+        ga, gb = char_ngrams(a, n, lowercase=lowercase), char_ngrams(b, n, lowercase=lowercase)
+        if not ga and not gb:
+            continue
+        shared = len(ga & gb)
+        scores.append(shared / len(ga | gb) if metric == "jaccard" else
+                      2 * shared / (len(ga) + len(gb)))  # fmt: skip
+    return float(np.mean(scores)) if scores else 0.0
+
+
+def _check_parallel(texts_a: Sequence[str], texts_b: Sequence[str]) -> None:
+    if len(texts_a) != len(texts_b) or not texts_a:
+        raise ValueError(f"need parallel, non-empty sentence lists: {len(texts_a)} vs "
+                         f"{len(texts_b)} sentences")  # fmt: skip
+
+
+def char_ngram_similarity(texts_a: Sequence[str], texts_b: Sequence[str], **kwargs: Any) -> float:
+    """Mean of `char_ngram_overlap(a_i, b_i, **kwargs)` over parallel sentences, in [0, 1]."""
+    _check_parallel(texts_a, texts_b)
+    return float(np.mean([char_ngram_overlap(a, b, **kwargs) for a, b in zip(texts_a, texts_b)]))
+
+
+def chrf_similarity(
+    texts_a: Sequence[str], texts_b: Sequence[str], *, symmetric: bool = True
+) -> float:
+    """Corpus chrF (sacreBLEU defaults: char 6-grams, beta 2, whitespace removed), 0-100, of
+    language A's sentences scored against B's as references. chrF weighs recall above
+    precision, so it is asymmetric; symmetric=True returns the mean of A->B and B->A."""
+    _check_parallel(texts_a, texts_b)
+    metric = sacrebleu.metrics.CHRF()
+    forward = metric.corpus_score(list(texts_a), [list(texts_b)]).score
+    if not symmetric:
+        return float(forward)
+    backward = metric.corpus_score(list(texts_b), [list(texts_a)]).score
+    return float((forward + backward) / 2)
+
+
+def surface_similarity_matrix(
+    texts_by_lang: Mapping[str, Sequence[str]], *, metric: str = "chrf", **kwargs: Any
+) -> np.ndarray:
+    """{language: N parallel sentences} -> [K, K] (languages in the mapping's order):
+    `chrf_similarity` (metric='chrf', 0-100) or `char_ngram_similarity` ('char_ngram', 0-1)
+    of every pair; symmetric (chrF symmetrised unless symmetric=False is passed)."""
+    if metric not in SURFACE_METRICS:
+        raise ValueError(f"metric={metric!r}; expected one of {SURFACE_METRICS}")
+    fn = chrf_similarity if metric == "chrf" else char_ngram_similarity
+    languages = list(texts_by_lang)
+    out = np.zeros((len(languages), len(languages)))
+    for i, a in enumerate(languages):
+        for j, b in enumerate(languages):
+            if metric == "chrf" or j >= i:  # chrF(A, B) may differ from chrF(B, A)
+                out[i, j] = fn(texts_by_lang[a], texts_by_lang[b], **kwargs)
+            else:
+                out[i, j] = out[j, i]
+    return out
+
+
+# ---------------------------------------------------------------- correlation
+
+
+def off_diagonal(matrix: Any) -> np.ndarray:
+    """[K, K] -> [K(K-1)/2]: the entries above the diagonal (i < j) in row order, one per
+    language pair (the matrices here are symmetric); `pair_labels` names them."""
+    m = np.asarray(matrix, np.float64)
+    if m.ndim != 2 or m.shape[0] != m.shape[1]:
+        raise ValueError(f"expected a square matrix, got shape {m.shape}")
+    return m[np.triu_indices(m.shape[0], k=1)]
+
+
+def pair_labels(languages: Sequence[str]) -> list[str]:
+    """'a-b' for each i < j pair, in the order of `off_diagonal`."""
+    return [f"{a}-{b}" for a, b in itertools.combinations(languages, 2)]
+
+
+def correlation(x: Any, y: Any) -> dict[str, float]:
+    """Pearson and Spearman (average ranks for ties) correlation of x [P] and y [P], with
+    two-sided p-values (scipy.stats). NaN where undefined: fewer than 3 points or a constant
+    side. -> {'pearson', 'pearson_p', 'spearman', 'spearman_p', 'n'}."""
+    x, y = np.asarray(x, np.float64).ravel(), np.asarray(y, np.float64).ravel()
+    if x.shape != y.shape:
+        raise ValueError(f"x and y must have the same length: {x.size} != {y.size}")
+    out = {"pearson": math.nan, "pearson_p": math.nan, "spearman": math.nan,
+           "spearman_p": math.nan, "n": int(x.size)}  # fmt: skip
+    if x.size < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
+        return out
+    pearson = scipy.stats.pearsonr(x, y)
+    spearman = scipy.stats.spearmanr(x, y)
+    out.update(pearson=float(pearson.statistic), pearson_p=float(pearson.pvalue),
+               spearman=float(spearman.statistic), spearman_p=float(spearman.pvalue))  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------- encoder representations
+
+
+def source_ids(
+    tokenizer: Tokenizer,
+    sentences: Sequence[str],
+    *,
+    tag: str | Sequence[int] | None = None,
+    max_len: int | None = None,
+) -> tuple[list[list[int]], int]:
+    """Sentences -> (id lists `prefix + pieces + [EOS]`, prefix length), as the input pipeline
+    encodes sources (tx_jax.data.pipeline: pieces then EOS), with an optional prefix.
+
+    `tag`: a piece such as '<2de>' (a `user_defined_symbols` entry of the tokenizer), giving
+    [its id] as the training pipeline's `source_prefix` does, or a list of ids used as is.
+    Longer than `max_len`: the pieces are cut, keeping the prefix and EOS."""
+    if tag is None:
+        prefix: list[int] = []
+    elif isinstance(tag, str):
+        prefix = [tokenizer.piece_to_id(tag)]
+        if prefix[0] == tokenizer.unk_id and tag != tokenizer.id_to_piece(tokenizer.unk_id):
+            raise ValueError(f"the tag {tag!r} is not a piece of the tokenizer's vocabulary "
+                             "(train it with user_defined_symbols, or pass ids)")  # fmt: skip
+    else:
+        prefix = [int(i) for i in tag]
+    if PAD_ID in prefix:
+        raise ValueError(f"the source prefix {prefix} contains the padding id {PAD_ID}")
+    out = []
+    for pieces in tokenizer.encode_batch([str(s) for s in sentences]):
+        ids = prefix + list(pieces) + [tokenizer.eos_id]
+        if max_len is not None and len(ids) > max_len:
+            ids = ids[: max_len - 1] + ids[-1:]
+        out.append(ids)
+    return out, len(prefix)
+
+
+def _capture(module: nn.Module, method_name: str) -> bool:
+    # The embedding output (tokens * sqrt(M) + positions, after dropout: off here) and each
+    # EncoderLayer's output; not the layer's helper methods, which return sub-modules.
+    if isinstance(module, EncoderLayer):
+        return method_name == "__call__"
+    return isinstance(module, models.Encoder) and method_name == "embed_tokens"
+
+
+@functools.partial(jax.jit, static_argnames=("model", "final_norm"))
+def _pooled_layers(model: nn.Module, params: Any, tokens: jax.Array, pool_mask: jax.Array,
+                   final_norm: bool) -> jax.Array:  # fmt: skip
+    """tokens [B, L], pool mask [B, L] -> [G, B, M] mean-pooled encoder states."""
+    encoded, state = model.apply(
+        {"params": params}, tokens, method=model.encode, capture_intermediates=_capture,
+        mutable=["intermediates"],
+    )  # fmt: skip
+    captured = state["intermediates"]["encoder"]
+    hidden = [captured["embed_tokens"][0]]
+    hidden += [captured[f"layer_{i}"]["__call__"][0] for i in range(len(captured) - 1)]
+    if final_norm:
+        hidden[-1] = encoded
+    mask = pool_mask.astype(jnp.float32)
+    return jnp.stack([mean_pool(h.astype(jnp.float32), mask) for h in hidden])
+
+
+def encoder_layer_representations(
+    model: nn.Module,
+    params: Any,
+    tokenizer: Tokenizer,
+    sentences: Sequence[str],
+    *,
+    tag: str | Sequence[int] | None = None,
+    batch_size: int = 64,
+    pool: str = "text",
+    final_norm: bool = False,
+    max_len: int | None = None,
+    pad_to_multiple: int = 16,
+) -> list[np.ndarray]:
+    """Mean-pooled encoder representations of N sentences: G = num_encoder_layers + 1
+    arrays [N, M] (float32, row n for sentences[n]).
+
+    Depth 0 is the embedding layer's output (token embeddings, times sqrt(M) when the config
+    scales them, plus sinusoidal or learned positions; RoPE models have none to add); depth i
+    is the output of encoder layer i, i.e. the residual stream after its FFN sub-layer: for
+    post-LN (the paper) that is after the layer's final LayerNorm, so the last depth equals
+    the encoder output; for pre-LN it is the un-normalised residual stream, before the
+    encoder's final norm (final_norm=True puts the encoder output, after that norm, in the
+    last depth instead; it changes nothing for post-LN). Deterministic: no dropout.
+
+    Args:
+      model: an `EncoderDecoder` (e.g. `restore.load(...).model`) or `EncoderOnly`.
+      params: its 'params' collection, boxed (fresh from init) or not (restore.load).
+      tokenizer: the model's SentencePiece tokenizer; a source is its pieces then EOS.
+      sentences: N source sentences.
+      tag: an optional source prefix: a piece such as '<2de>' or a list of ids (`source_ids`).
+      batch_size: sentences per forward pass (the last batch is filled with EOS-only rows).
+      pool: 'text' averages over the sentence's own pieces only (not the prefix, not EOS,
+        which every language shares); 'all' over every non-padding token. A sentence with no
+        piece of its own (empty) gives zeros under 'text'.
+      final_norm: see above.
+      max_len: longer sources are cut (default: the config's max_len, the size of a learned
+        position table).
+      pad_to_multiple: batches are padded to a multiple of this length (fewer compilations);
+        padding never changes a representation.
+    """
+    if pool not in POOLS:
+        raise ValueError(f"pool={pool!r}; expected one of {POOLS}")
+    if not isinstance(model, models.EncoderDecoder | models.EncoderOnly):
+        raise TypeError(f"expected an EncoderDecoder or EncoderOnly model, got {type(model)}")
+    cfg = model.config.replace(decode=False, remat="none", sow_attention_weights=False)
+    model = type(model)(cfg)
+    params = nn.meta.unbox(params)
+    ids, prefix_len = source_ids(tokenizer, sentences, tag=tag, max_len=max_len or cfg.max_len)
+    n = len(ids)
+    pooled = np.zeros((cfg.num_encoder_layers + 1, n, cfg.d_model), np.float32)
+    order = sorted(range(n), key=lambda i: len(ids[i]))  # similar lengths share a batch
+    for start in range(0, n, batch_size):
+        rows = order[start : start + batch_size]
+        length = -(-max(len(ids[i]) for i in rows) // pad_to_multiple) * pad_to_multiple
+        tokens = np.zeros((batch_size, length), np.int32)
+        tokens[:, 0] = tokenizer.eos_id  # filler rows: a lone EOS, never an all-padding row
+        mask = np.zeros((batch_size, length), np.int32)
+        for r, i in enumerate(rows):
+            tokens[r, : len(ids[i])] = ids[i]
+            text_end = len(ids[i]) - 1 if pool == "text" else len(ids[i])
+            mask[r, prefix_len if pool == "text" else 0 : text_end] = 1
+        out = _pooled_layers(model, params, jnp.asarray(tokens), jnp.asarray(mask), final_norm)
+        pooled[:, rows] = np.asarray(out)[:, : len(rows)]
+    return list(pooled)
+
+
+# ---------------------------------------------------------------- plots
+
+
+def _layer_titles(g: int) -> list[str]:
+    return ["layer 0 (embeddings)"] + [f"layer {i}" for i in range(1, g)]
+
+
+def _as_stack(matrices: Any) -> np.ndarray:
+    m = np.asarray(matrices, np.float64)
+    m = m[None] if m.ndim == 2 else m
+    if m.ndim != 3 or m.shape[1] != m.shape[2]:
+        raise ValueError(f"expected [K, K] or [G, K, K] matrices, got shape {m.shape}")
+    return m
+
+
+def _save(fig: Figure, path: PathLike, dpi: int) -> pathlib.Path:
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi, format="png")  # Figure() draws with the Agg canvas
+    return path
+
+
+def plot_similarity_heatmaps(
+    matrices: Any,
+    languages: Sequence[str],
+    path: PathLike,
+    *,
+    metric: str = "linear CKA",
+    panel_titles: Sequence[str] | None = None,
+    title: str | None = None,
+    vmin: float | None = None,
+    vmax: float | None = None,
+    max_cols: int = 4,
+    dpi: int = 110,
+) -> pathlib.Path:
+    """One PNG: a language x language heatmap per layer of matrices [G, K, K] (or one
+    [K, K]), each cell annotated with its value, one shared colour scale (default: the
+    data's range) and colorbar. Panels are titled 'layer 0 (embeddings)', 'layer 1', ...
+    unless `panel_titles` says otherwise. Returns the path written."""
+    m = _as_stack(matrices)
+    g, k = m.shape[0], m.shape[1]
+    if len(languages) != k:
+        raise ValueError(f"{len(languages)} language names for {k} x {k} matrices")
+    titles = list(panel_titles) if panel_titles is not None else _layer_titles(g)
+    finite = m[np.isfinite(m)]
+    lo = vmin if vmin is not None else (float(finite.min()) if finite.size else 0.0)
+    hi = vmax if vmax is not None else (float(finite.max()) if finite.size else 1.0)
+    hi = hi if hi > lo else lo + 1e-6
+    ncols = min(g, max_cols)
+    nrows = math.ceil(g / ncols)
+    side = max(2.4, 0.5 * k + 1.0)
+    fig = Figure(figsize=(ncols * side + 1.2, nrows * side + 0.6), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    image = None
+    font = 8 if k <= 8 else 6
+    for p, ax in enumerate(axes.flat):
+        if p >= g:
+            ax.set_axis_off()
+            continue
+        image = ax.imshow(m[p], cmap="viridis", vmin=lo, vmax=hi)
+        for i, j in itertools.product(range(k), range(k)):
+            shade = (m[p, i, j] - lo) / (hi - lo) if np.isfinite(m[p, i, j]) else 0.0
+            ax.text(j, i, f"{m[p, i, j]:.2f}", ha="center", va="center", fontsize=font,
+                    color="black" if shade > 0.6 else "white")  # fmt: skip
+        ax.set_xticks(range(k), languages, fontsize=8)
+        ax.set_yticks(range(k), languages, fontsize=8)
+        ax.tick_params(length=0)
+        ax.set_title(titles[p], fontsize=9)
+    fig.colorbar(image, ax=axes, shrink=0.8, label=metric)
+    fig.suptitle(title or f"{metric} between languages, by encoder layer", fontsize=11)
+    return _save(fig, path, dpi)
+
+
+def _format_correlation(c: Mapping[str, float]) -> str:
+    return f"Pearson r={c['pearson']:.2f}, Spearman ρ={c['spearman']:.2f} (n={c['n']})"
+
+
+def plot_similarity_vs_surface(
+    representation: Any,
+    surface: Any,
+    languages: Sequence[str],
+    path: PathLike,
+    *,
+    representation_label: str = "linear CKA",
+    surface_label: str = "chrF",
+    panel_titles: Sequence[str] | None = None,
+    title: str | None = None,
+    max_cols: int = 4,
+    dpi: int = 110,
+) -> pathlib.Path:
+    """One PNG: for each layer of representation [G, K, K] (or one [K, K]), a scatter of its
+    language pairs (off-diagonal, i < j), surface similarity [K, K] on x against
+    representation similarity on y, points labelled 'a-b', with `correlation` in the panel
+    title (and the figure title when there is one panel). Returns the path written."""
+    rep, surf = _as_stack(representation), np.asarray(surface, np.float64)
+    g, k = rep.shape[0], rep.shape[1]
+    if surf.shape != (k, k) or len(languages) != k:
+        raise ValueError(f"surface {surf.shape}, {len(languages)} languages for [{g}, {k}, {k}]")
+    xs, labels = off_diagonal(surf), pair_labels(languages)
+    titles = list(panel_titles) if panel_titles is not None else _layer_titles(g)
+    ncols = min(g, max_cols)
+    nrows = math.ceil(g / ncols)
+    fig = Figure(figsize=(ncols * 3.6 + 0.4, nrows * 3.4 + 0.6), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    for p, ax in enumerate(axes.flat):
+        if p >= g:
+            ax.set_axis_off()
+            continue
+        ys = off_diagonal(rep[p])
+        stats = correlation(xs, ys)
+        ax.scatter(xs, ys, s=24, color="tab:blue")
+        for x, y, label in zip(xs, ys, labels):
+            ax.annotate(label, (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
+        ax.set_title(f"{titles[p]}\n{_format_correlation(stats)}", fontsize=8)
+        ax.set_xlabel(surface_label, fontsize=8)
+        ax.set_ylabel(representation_label, fontsize=8)
+        ax.grid(alpha=0.3)
+    if title is None:
+        title = f"{representation_label} against {surface_label}, per language pair"
+        if g == 1:
+            title += f": {_format_correlation(correlation(xs, off_diagonal(rep[0])))}"
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, path, dpi)
