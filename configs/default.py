@@ -60,6 +60,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.test_split = "test"
     c.data.eval_batch_size = 128  # rows per eval/decode batch
     c.data.lm_side = "target"  # task='lm': the side of the pairs modelled (target|source|both)
+    # Multilingual (tx_jax/data/directions.py; configs/multilingual.py): one model, several
+    # directions, a '<2xx>' target-language tag before each source, one shared vocabulary.
+    # 'en-de,de-en,en-fr' (or a list); '' = one pair, source_lang -> target_lang, untagged.
+    c.data.directions = ml_collections.FieldReference("", field_type=object)
+    # Also decoded for BLEU (e.g. zero-shot 'de-fr'; bleu/de-fr), not trained, not in the mean.
+    c.data.extra_eval_directions = ml_collections.FieldReference("", field_type=object)
+    c.data.mixture = "uniform"  # direction sampling: uniform | temperature (p_i ~ n_i^(1/T))
+    c.data.temperature = 5.0  # T of mixture='temperature' (1: proportional to size)
+    # Train on the first N pairs (of each direction) only, 0: all; or per direction
+    # 'en-fr=3000,fr-en=3000' (the directions not named keep every pair).
+    c.data.max_train_pairs = ml_collections.FieldReference(0, field_type=object)
+    # An existing tokenizer.model (or a run directory holding one) instead of training one here.
+    c.data.tokenizer_path = ml_collections.FieldReference(None, field_type=str)
 
     # Training: Adam with the paper's settings and its rsqrt warmup schedule.
     c.train = ml_collections.ConfigDict()
@@ -79,6 +92,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train.log_every = 50
     c.train.restore_data_iterator = True  # resume the exact batch sequence
     c.train.max_nonfinite_steps = 10  # stop after this many non-finite updates in a row
+    # Start from another run's parameters and tokenizer (its workdir, checkpoints dir or one
+    # step dir) with a fresh optimizer at step 0; read only when this workdir has no checkpoint.
+    c.train.init_from = ml_collections.FieldReference(None, field_type=str)
 
     # Evaluation during training (and the final test-split score).
     c.eval = ml_collections.ConfigDict()

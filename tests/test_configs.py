@@ -19,6 +19,11 @@ DOCUMENTED = {
     "lm": ["default", "multi30k"],
     "multi30k": ["small", "base", "pair=fr-cs", "pair=de-en,variant=base", "pair=cs-en,debug"],
     "wmt14_ende": ["base", "big", "direction=de-en", "variant=big,direction=de-en"],
+    "multilingual": [
+        "default",
+        "directions=en-de+en-fr+en-cs,mixture=temperature,temperature=2",
+        "directions=en-de+de-en,extra=de-fr+fr-de,debug",
+    ],  # fmt: skip
 }
 CASES = [(p, arg) for p in CONFIGS for arg in (None, "debug", *DOCUMENTED.get(p.stem, []))]
 
@@ -99,6 +104,12 @@ def test_config_values():
         ("wmt14_ende", "variant=huge", r"unknown variant 'huge' \(base, big, debug\)"),
         ("wmt14_ende", "pair=en-de", r"unknown config argument 'pair'"),
         ("lm", "huge", r"unknown variant 'huge' \(default, multi30k, debug\)"),
+        ("multilingual", "huge", r"unknown variant 'huge' \(default, debug\)"),
+        ("multilingual", "directions=en-xx", r"en-xx is not a pair of en, de, fr, cs"),
+        ("multilingual", "directions=en-de,de-en", r"variant 'de-en' .*join directions with '\+'"),
+        ("multilingual", "directions=en-en", r"'en-en' is not SRC-TGT with two different"),
+        ("multilingual", "mixture=zipf", r"mixture='zipf' \(uniform, temperature\)"),
+        ("multilingual", "extra=de", r"extra='de'"),
     ],
 )
 def test_config_argument_errors(stem, arg, match):

@@ -88,3 +88,16 @@ def test_encode_sources_and_lm_eval(tok):
     assert lm[1]["example_mask"].tolist() == [1, 1, 0, 0]
     with pytest.raises(ValueError, match="multiple"):
         ep.encode_sources(texts, tok, max_len=MAX_LEN, batch_size=3, batch_multiple=2)
+
+
+def test_source_prefix_before_every_source(pairs, tok):
+    ev = ep.make_eval_batches(pairs[:5], tok, max_len=MAX_LEN, batch_size=8, source_prefix=[7])
+    src = ep.encode_sources(["the cat", "the " * 40], tok, max_len=MAX_LEN, batch_size=2,
+                            source_prefix=[7])  # fmt: skip
+    for r in range(5):
+        row = ev[0]["inputs"][r]
+        assert row[0] == 7 and tok.decode(row[1:]) == pairs[r][0]
+        assert tok.decode(ev[0]["targets"][r]) == pairs[r][1]  # targets untouched
+    assert src[0]["inputs"][0, :4].tolist() == [7, *tok.encode("the cat"), tk.EOS_ID]
+    long_row = src[0]["inputs"][1]  # truncated: the prefix stays, EOS last
+    assert long_row[0] == 7 and long_row[-1] == tk.EOS_ID and (long_row > 0).all()

@@ -337,3 +337,40 @@ def test_lm_iterator(pairs, tok):
     assert it.keys == ("targets",)
     for row in _rows(b, "targets"):
         assert tok.decode(row) in texts
+
+
+def test_source_prefix_counts_toward_max_len(pairs, tok):
+    """A language tag's id goes before every source and counts toward max_len."""
+    tag = [5]
+    it = _train(pairs, tok, source_prefix=tag, num_epochs=1)
+    plain = _train(pairs, tok, num_epochs=1)
+    assert it.get_state()["fingerprint"]["source_prefix"] == tag
+    assert "source_prefix" not in plain.get_state()["fingerprint"]  # older states still fit
+    sources = {s for s, _ in pairs}
+    for b in it:
+        for row in _rows(b, "inputs"):
+            assert row[0] == 5 and tok.decode(row[1:]) in sources
+    list(plain)
+    long = [("the " * 14 + "cat", "a")]  # 15 pieces + EOS fit; + the tag do not
+    fits = sum(len(tok.encode(s)) + 2 <= MAX_LEN and len(tok.encode(t)) + 1 <= MAX_LEN
+               for s, t in pairs)  # fmt: skip
+    assert it.stats()["kept"] == fits <= plain.stats()["kept"]
+    assert len(tok.encode(long[0][0])) + 1 == MAX_LEN
+    assert next(_train(long * 40, tok))["inputs"].shape == (6, MAX_LEN)
+    with pytest.raises(ValueError, match="no example of 40 fits"):
+        next(_train(long * 40, tok, source_prefix=tag))
+
+
+def test_nothing_fits_is_an_error_not_a_hang(tok):
+    it = pl.make_train_iterator(
+        [("the " * 40, "a")] * 5, tok, max_len=MAX_LEN, tokens_per_batch=64, process_index=0,
+        process_count=1,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="no example of 5 fits"):
+        next(it)
+    rare = pl.make_train_iterator(  # one pair in 40 fits: rare across epochs, never an error
+        [("the cat", "a dog")] + [("the " * 40, "a")] * 39, tok, max_len=MAX_LEN,
+        tokens_per_batch=8 * MAX_LEN, bucket_boundaries=[MAX_LEN], process_index=0,
+        process_count=1,
+    )  # fmt: skip
+    assert [tok.decode(r) for r in next(rare)["inputs"]] == ["the cat"] * 8

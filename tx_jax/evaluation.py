@@ -98,3 +98,30 @@ def bleu_for_split(
     refs = [pairs[i][1] for i in range(len(pairs))]
     bleu, chrf, sig, chrf_sig = score(hyps, refs)
     return BleuResult(bleu, chrf, sig, chrf_sig, hyps, refs)
+
+
+def bleu_metrics(
+    model_config: ModelConfig,
+    params: Any,
+    task: Any,
+    split: str,
+    *,
+    limit: int | None = None,
+    beam_size: int = 1,
+    alpha: float = 0.6,
+) -> dict[str, Any]:
+    """{'bleu', 'chrf', 'bleu_signature'} of a split; for a multilingual task (one with
+    `bleu_directions`, data/directions.py) also 'bleu/en-de', 'chrf/en-de', ... per direction
+    (the first `limit` pairs of each), and 'bleu' / 'chrf' are the means over its training
+    directions (`task.directions`; extra, e.g. zero-shot, directions are reported only)."""
+    kw = dict(limit=limit, beam_size=beam_size, alpha=alpha)
+    if not hasattr(task, "bleu_directions"):
+        r = bleu_for_split(model_config, params, task, split, **kw)
+        return {"bleu": r.bleu, "chrf": r.chrf, "bleu_signature": r.signature}
+    out: dict[str, Any] = {}
+    for name in task.bleu_directions:
+        r = bleu_for_split(model_config, params, task.direction(name), split, **kw)
+        out.update({f"bleu/{name}": r.bleu, f"chrf/{name}": r.chrf, "bleu_signature": r.signature})
+    for metric in ("bleu", "chrf"):
+        out[metric] = float(np.mean([out[f"{metric}/{n}"] for n in task.directions]))
+    return out

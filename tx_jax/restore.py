@@ -5,6 +5,8 @@
     loaded = restore.load("runs/default", average_last=5)       the average of the last 5
     loaded = restore.load(checkpoint="runs/default/averaged/last5/600")   any checkpoint path
     loaded.params, loaded.model_config, loaded.tokenizer, loaded.config, loaded.step
+    source = restore.open_init_source("runs/multi")              train.init_from: another
+    source.load_params(abstract, config, vocab_size)              run's parameters, checked
 
 Only what decoding needs is read: the `meta` item (config, SentencePiece model) and the
 parameters of the `state` item (an Orbax partial restore: no optimizer moments, no iterator
@@ -347,3 +349,59 @@ def load(
         opened.config, opened.tokenizer, opened.model_config, params, opened.step, directory,
         workdir, averaged_steps,
     )  # fmt: skip
+
+
+# ---------------------------------------------------------------------- init_from
+
+
+@dataclasses.dataclass
+class InitSource:
+    """Another run's checkpoint whose parameters start a new run (`train.init_from`)."""
+
+    checkpointer: Checkpointer
+    step: int
+    config: dict  # the checkpoint's config, as stored
+    tokenizer: Tokenizer  # its SentencePiece model: the new run must use the same vocabulary
+
+    @property
+    def path(self) -> epath.Path:
+        return self.checkpointer.directory / str(self.step)
+
+    def load_params(self, abstract: Any, config: ml_collections.ConfigDict, vocab_size: int):
+        """The checkpoint's parameters restored into `abstract` (this run's unboxed parameter
+        ShapeDtypeStructs, with its shardings). A CheckpointError names the config keys when
+        the vocabulary or a parameter shape differs."""
+        where = f"train.init_from={str(self.path)!r}"
+        if vocab_size != self.tokenizer.vocab_size:
+            raise CheckpointError(
+                f"{where}: its vocabulary has {self.tokenizer.vocab_size} pieces, this run's "
+                f"{vocab_size} (data.vocab_size / data.tokenizer_path): use its tokenizer"
+            )
+        stored = {"model": self.config.get("model", {})}
+        differences = config_differences(stored, {"model": config.model.to_dict()})
+        try:
+            check_params_fit(abstract, self.checkpointer.state_metadata(self.step)["params"],
+                             differences, self.path)  # fmt: skip
+        except CheckpointError as e:
+            raise CheckpointError(f"{where}: {e}") from None
+        try:
+            return self.checkpointer.restore_params(self.step, abstract)
+        except CorruptCheckpointError as e:
+            raise CheckpointError(f"{where}: {e}") from None
+
+
+def open_init_source(path: str | epath.Path) -> InitSource:
+    """`train.init_from`: a run directory (its latest good checkpoint), a checkpoint manager
+    directory (WORKDIR/checkpoints, WORKDIR/averaged/last5) or one step of it (.../600)."""
+    p = absolute(path)
+    if (p / CHECKPOINTS_DIR).is_dir():
+        directory, step, _ = locate(workdir=p)
+    else:
+        directory, step, _ = locate(checkpoint=p)
+    try:
+        ckpt = open_checkpoints(directory)
+    except CheckpointError as e:
+        raise CheckpointError(f"train.init_from={str(path)!r}: {e}") from None
+    step = _latest_verified(ckpt) if step is None else select_step(ckpt, step)
+    meta = ckpt.restore_meta(step)
+    return InitSource(ckpt, step, meta["config"], Tokenizer.from_bytes(meta["tokenizer"]))

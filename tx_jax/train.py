@@ -10,6 +10,11 @@ keys (the model shifts them right itself); validation gives loss and perplexity,
 The loss is token-weighted: gradient and metric *sums* are reduced over micro-batches
 (gradient accumulation) and devices, then divided by the global number of target tokens,
 so every device layout computes the same update as one device would.
+
+With data.directions set, one model learns several tagged directions from a mixed stream
+(data/directions.py); validation and test BLEU are logged per direction (bleu/en-de, ...) and
+'bleu' is their mean, so checkpoint.best_metric='bleu' works unchanged. train.init_from starts
+a run from another run's parameters (and tokenizer) with a fresh optimizer at step 0.
 """
 
 from __future__ import annotations
@@ -35,9 +40,9 @@ from flax import struct
 from jax import lax
 
 from tx_jax import checkpoint as ckpt_lib
-from tx_jax import logs, losses, models, optim, parallel
+from tx_jax import logs, losses, models, optim, parallel, restore
 from tx_jax.config_utils import task_of
-from tx_jax.data import tasks
+from tx_jax.data import directions, tasks
 
 Array = jax.Array
 TASKS = ("translation", "lm")
@@ -194,12 +199,14 @@ class Run:
     config: ml_collections.ConfigDict
     workdir: epath.Path
     strategy: parallel.Strategy
-    task: tasks.TranslationTask | tasks.LMTask
+    task: tasks.TranslationTask | tasks.LMTask | directions.MultilingualTask
     model_config: models.ModelConfig
     model: nn.Module
     tx: optax.GradientTransformation
     schedule: optax.Schedule
     init_fn: Callable[[], TrainState]
+    # train.init_from's checkpoint when this run starts from it (None when resuming)
+    init_source: restore.InitSource | None = None
 
 
 def build_run(config: ml_collections.ConfigDict, workdir: str | epath.Path) -> Run:
@@ -212,14 +219,31 @@ def build_run(config: ml_collections.ConfigDict, workdir: str | epath.Path) -> R
     check_writable(workdir)
     is_lm = task_of(config) == "lm"
     prepare = tasks.prepare_lm_task if is_lm else tasks.prepare_translation_task
-    task = prepare(config.data, workdir, seed=config.seed)
+    if directions.is_multilingual(config.data):
+        prepare = directions.prepare_multilingual_task
+    source = _init_source(config, workdir)
+    tokenizer = source.tokenizer if source is not None else None
+    task = prepare(config.data, workdir, seed=config.seed, tokenizer=tokenizer)
     model_config = models.ModelConfig.from_config(
         config.model, vocab_size=task.tokenizer.vocab_size, bos_id=task.tokenizer.bos_id
     )
     model = models.DecoderOnly(model_config) if is_lm else models.EncoderDecoder(model_config)
     tx, schedule = optim.make_optimizer(config.train, model_config.d_model)
     init_fn = functools.partial(init_state, model, tx, config.seed)
-    return Run(config, workdir, strategy, task, model_config, model, tx, schedule, init_fn)
+    return Run(config, workdir, strategy, task, model_config, model, tx, schedule, init_fn,
+               source)  # fmt: skip
+
+
+def _init_source(config: ml_collections.ConfigDict, workdir: epath.Path):
+    """train.init_from's checkpoint, opened (meta only), unless the workdir has checkpoints
+    of its own: then the run resumes from those and init_from is not read again."""
+    path = config.train.get("init_from")
+    if not path:
+        return None
+    own = workdir / "checkpoints"
+    if own.exists() and any(p.name.isdigit() for p in own.iterdir()):
+        return None
+    return restore.open_init_source(path)
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
@@ -238,6 +262,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
                 f"checkpoint.best_metric={config.checkpoint.best_metric!r}: a language model "
                 "has no BLEU; use loss, accuracy or perplexity"
             )
+    directions.validate_config(config.data, task_of(config))
     enums = {
         "train.schedule": optim.SCHEDULES,
         "parallel.strategy": parallel.STRATEGIES,
@@ -301,12 +326,28 @@ def check_writable(workdir: epath.Path) -> None:
 def restore_or_init(run: Run, checkpointer: ckpt_lib.Checkpointer) -> tuple[TrainState, dict]:
     """The newest good checkpoint placed for this run's devices (damaged ones are reported
     and skipped), or a fresh state."""
+    if checkpointer.latest_step() is None and run.init_source is not None:
+        return _init_from(run), {}
     if checkpointer.latest_step() is None:
         return run.strategy.init_state(run.init_fn), {}
     abstract = run.strategy.abstract_state(run.init_fn)
     step, state, data_state, _ = checkpointer.restore_latest(abstract)
     logging.info("resuming from step %d", step)
     return run.strategy.place_restored(state), data_state
+
+
+def _init_from(run: Run) -> TrainState:
+    """A fresh state (step 0, new optimizer moments, the config's dropout key) holding the
+    parameters of train.init_from's checkpoint, placed for this run's devices."""
+    source = run.init_source
+    abstract = run.strategy.abstract_state(run.init_fn).params
+    params = source.load_params(abstract, run.config, run.task.tokenizer.vocab_size)
+    source.checkpointer.close()
+    logging.info("parameters from %s (train.init_from)", source.path)
+    if jax.process_index() == 0:
+        print(f"init_from: parameters of {source.path} (step {source.step})", flush=True)
+    state = run.strategy.init_state(run.init_fn)
+    return state.replace(params=run.strategy.place_restored(params))
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
@@ -504,7 +545,8 @@ class Evaluator:
             print(
                 f"eval  {step:>6}  loss {metrics['loss']:.4f}  acc {metrics['accuracy']:.3f}  "
                 f"ppl {metrics['perplexity']:.2f}"
-                + (f"  bleu {metrics['bleu']:.2f}" if "bleu" in metrics else ""),
+                + (f"  bleu {metrics['bleu']:.2f}" if "bleu" in metrics else "")
+                + "".join(f"  {k} {v:.2f}" for k, v in metrics.items() if k.startswith("bleu/")),
                 flush=True,
             )
         return metrics
@@ -518,12 +560,11 @@ class Evaluator:
         task = self.run.task
         if jax.process_count() > 1:  # the parameters span all processes: decode the same
             task = dataclasses.replace(task, shard_eval=False)  # examples everywhere
-        result = evaluation.bleu_for_split(
+        return evaluation.bleu_metrics(  # multilingual: also bleu/<direction>, chrf/<direction>
             self.run.model_config, params, task, split, limit=limit,
             beam_size=beam_size or self.run.config.eval.beam_size,
             alpha=self.run.config.eval.alpha,
         )  # fmt: skip
-        return {"bleu": result.bleu, "chrf": result.chrf, "bleu_signature": result.signature}
 
     def test_metrics(self, state, step: int, logger) -> dict[str, Any]:
         """BLEU on the test split, or for a language model its loss and perplexity."""

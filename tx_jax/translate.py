@@ -4,6 +4,7 @@
     python -m tx_jax.translate --workdir=runs/default --average_last=5 --beam_size=4 \
         --alpha=0.6 --batch_size=64 < source.txt
     python -m tx_jax.translate --checkpoint=runs/default/averaged/last5/600 < source.txt
+    python -m tx_jax.translate --workdir=runs/multi --target_lang=fr [--pivot=en] < de.txt
 
 Parameters, tokenizer and model config come from the checkpoint (restore.py); no dataset
 is read or prepared. Lines are split on '\\n' (a trailing '\\r' is dropped), decoded as UTF-8
@@ -52,9 +53,10 @@ def max_source_len(loaded: restore.Loaded) -> int:
     return n
 
 
-def _warn_truncated(loaded, lines, indices, max_len, warn) -> None:
+def _warn_truncated(loaded, lines, indices, max_len, warn, extra: int = 0) -> None:
     cap = max_len * loaded.tokenizer.max_piece_chars * 4  # the pipeline's character bound
-    long = [i for i in indices if len(loaded.tokenizer.encode(lines[i][:cap])) + 1 > max_len]
+    n = lambda i: len(loaded.tokenizer.encode(lines[i][:cap])) + 1 + extra  # EOS, prefix
+    long = [i for i in indices if n(i) > max_len]
     for i in long[:5]:
         warn(f"warning: line {i + 1} is longer than {max_len} tokens; truncated")
     if len(long) > 5:
@@ -72,15 +74,17 @@ def translate_lines(
     sort_by_length: bool = True,
     warn: Callable[[str], None] = _stderr,
     progress: Callable[[int, int], None] | None = None,
+    source_prefix: Sequence[int] = (),
 ) -> list[str]:
     """Translations of `lines`, aligned: one output per input, '' for blank inputs.
 
     Sources are truncated to `max_len` tokens (default `max_source_len`); `progress(done,
-    total)` is called after every chunk of CHUNK_BATCHES batches."""
+    total)` is called after every chunk of CHUNK_BATCHES batches. `source_prefix`: ids before
+    every source, e.g. a multilingual model's target-language tag (multilingual.py)."""
     max_len = max_len or max_source_len(loaded)
     texts = [x.decode("utf-8", errors="replace") if isinstance(x, bytes) else x for x in lines]
     todo = [i for i, t in enumerate(texts) if t.strip()]
-    _warn_truncated(loaded, texts, todo, max_len, warn)
+    _warn_truncated(loaded, texts, todo, max_len, warn, len(source_prefix))
     out = [""] * len(texts)
     chunk = batch_size * CHUNK_BATCHES
     for start in range(0, len(todo), chunk):
@@ -88,6 +92,7 @@ def translate_lines(
         batches = eval_pipeline.encode_sources(
             [texts[i] for i in part], loaded.tokenizer, max_len=max_len, batch_size=batch_size,
             bucket_boundaries=[max_len], sort_by_length=sort_by_length,
+            source_prefix=source_prefix,
         )  # fmt: skip
         hyps = evaluation.translate_batches(
             loaded.model_config, loaded.params, batches, loaded.tokenizer, len(part),
@@ -132,10 +137,19 @@ def _main(argv: list[str], overrides: dict[str, str]) -> None:
     def progress(done: int, total: int) -> None:
         _stderr(f"translate: {done}/{total} lines, {time.time() - start:.1f} s")
 
-    out = translate_lines(
-        loaded, lines, beam_size=f.beam_size, alpha=f.alpha, batch_size=f.batch_size,
-        max_len=f.max_len, progress=progress,
-    )  # fmt: skip
+    kwargs = dict(beam_size=f.beam_size, alpha=f.alpha, batch_size=f.batch_size,
+                  max_len=f.max_len, progress=progress)  # fmt: skip
+    if f.target_lang:  # a multilingual model: tag the sources (through a pivot if asked)
+        from tx_jax import multilingual
+
+        out = multilingual.translate_to(loaded, lines, f.target_lang, pivot=f.pivot, **kwargs)
+    elif f.pivot:
+        raise app.UsageError("--pivot needs --target_lang (a multilingual checkpoint)")
+    elif loaded.config.data.get("directions"):
+        raise app.UsageError(f"{loaded.path} is multilingual: give --target_lang (e.g. "
+                             f"{loaded.config.data.target_lang})")  # fmt: skip
+    else:
+        out = translate_lines(loaded, lines, **kwargs)
     sys.stdout.buffer.write("".join(line + "\n" for line in out).encode("utf-8"))
     sys.stdout.flush()
 
@@ -147,6 +161,10 @@ def main() -> None:
     flags.DEFINE_integer("batch_size", 64, "Source lines per decoding batch.")
     flags.DEFINE_integer("max_len", None, "Truncate sources to this many tokens "
                          "(default: the checkpoint's data.max_eval_len).")  # fmt: skip
+    flags.DEFINE_string("target_lang", None, "Multilingual checkpoints: translate into this "
+                        "language (its <2xx> tag goes before each source).")  # fmt: skip
+    flags.DEFINE_string("pivot", None, "With --target_lang: translate into this language "
+                        "first, then from it (e.g. en).")  # fmt: skip
     evaluate.run_cli(_main)
 
 

@@ -68,6 +68,7 @@ def _eval_batches(
     sort_by_length: bool,
     process_index: int | None,
     process_count: int | None,
+    source_prefix: Sequence[int] = (),
 ) -> EvalBatches:
     """Shared builder for eval / translate batches: fixed B, no shuffling, no dropping."""
     if batch_size < 1 or batch_size % batch_multiple:
@@ -78,7 +79,7 @@ def _eval_batches(
     boundaries = (
         [max_len] if bucket_boundaries is None else check_boundaries(bucket_boundaries, max_len)
     )
-    featurize = _Featurizer(tokenizer, keys, max_len, truncate=True)
+    featurize = _Featurizer(tokenizer, keys, max_len, True, tuple(source_prefix))
     indices = range(pi, len(items), pc)
     feats = [featurize(items[i]) for i in indices]
     stats = dict.fromkeys(("examples", "empty", "truncated", "invalid_utf8"), 0)
@@ -115,6 +116,7 @@ def make_eval_batches(
     sort_by_length: bool = False,
     process_index: int | None = None,
     process_count: int | None = None,
+    source_prefix: Sequence[int] = (),
 ) -> EvalBatches:
     """Every pair of this process's shard exactly once, in fixed-shape batches.
 
@@ -129,6 +131,7 @@ def make_eval_batches(
       sort_by_length: order longest first (faster decoding); `example_index` restores order.
       process_index, process_count: shard [process_index::process_count]; every process gets
         the same number of batches.
+      source_prefix: ids before every source's pieces (a target-language tag), as in training.
     """
     kwargs = {k: v for k, v in locals().items() if k not in ("pairs", "tokenizer")}
     return _eval_batches(pairs, ("inputs", "targets"), tokenizer, **kwargs)
@@ -160,12 +163,13 @@ def encode_sources(
     batch_multiple: int = 1,
     bucket_boundaries: Sequence[int] | None = None,
     sort_by_length: bool = False,
+    source_prefix: Sequence[int] = (),
 ) -> EvalBatches:
     """Raw source sentences -> 'inputs' [B, L], 'example_index', 'example_mask' batches.
 
     For translation from a list of strings (one process; nothing dropped, long inputs
     truncated). Write hypothesis `r` of a batch to output line `example_index[r]` when
-    `example_mask[r]` is 1.
+    `example_mask[r]` is 1. `source_prefix`: ids before every source (a language tag).
     """
     kwargs = {k: v for k, v in locals().items() if k not in ("texts", "tokenizer")}
     return _eval_batches(texts, ("inputs",), tokenizer, **kwargs, process_index=0, process_count=1)

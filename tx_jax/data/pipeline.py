@@ -139,6 +139,7 @@ class _Featurizer:
     keys: tuple[str, ...]  # ('inputs', 'targets') for pairs, ('targets',) for LM
     max_len: int
     truncate: bool = False
+    source_prefix: tuple[int, ...] = ()  # ids put before the 'inputs' pieces (a language tag)
 
     @property
     def char_limit(self) -> int:
@@ -172,6 +173,8 @@ class _Featurizer:
                 if not self.truncate:
                     return _Record(None, "empty", notes)
                 notes += ("empty",)
+            if key == "inputs" and self.source_prefix:
+                ids = [*self.source_prefix, *ids]
             if len(ids) > self.max_len:
                 if not self.truncate:
                     return _Record(None, "too_long", notes)
@@ -254,7 +257,8 @@ class _ExampleIterator(grain.DatasetIterator):
     def __next__(self) -> tuple[int, dict[str, np.ndarray]]:
         misses = 0
         while self._end is None or self._next_index < self._end:
-            if misses > self._n:  # a whole epoch read and nothing kept: it never will be
+            # 2n - 1 positions in a row always cover one whole epoch: if none was kept, none is
+            if misses >= 2 * self._n:
                 raise ValueError(
                     f"no example of {self._n} fits: every one is empty or longer than max_len"
                     f" (counts: {self._counts})"
@@ -419,9 +423,10 @@ def _shard_records(
     a: _TrainArgs,
     pi: int,
     pc: int,
+    source_prefix: Sequence[int] = (),
 ) -> _ShardRecords:
     """The featurized records of this process's shard of `items` (an error if it is empty)."""
-    featurize = _Featurizer(tokenizer, keys, a.max_len)
+    featurize = _Featurizer(tokenizer, keys, a.max_len, source_prefix=tuple(source_prefix))
     records = _ShardRecords(items, slice(pi, None, pc), featurize, a.cache_tokens)
     if len(records) == 0:
         raise ValueError(f"Process {pi} of {pc} has no examples ({len(items)} in total).")
@@ -474,15 +479,22 @@ def _batch_iterator(
 
 
 def _train_iterator(
-    items: Sequence[Any], keys: tuple[str, ...], tokenizer: Tokenizer, a: _TrainArgs
+    items: Sequence[Any],
+    keys: tuple[str, ...],
+    tokenizer: Tokenizer,
+    a: _TrainArgs,
+    source_prefix: Sequence[int] = (),
 ) -> TrainIterator:
     """Shared builder for the translation and LM train iterators."""
     pi, pc = _process_shard(a.process_index, a.process_count)
-    records = _shard_records(items, keys, tokenizer, a, pi, pc)
+    records = _shard_records(items, keys, tokenizer, a, pi, pc, source_prefix)
     kept = _ExampleIterDataset(records, a.seed, a.num_epochs)
+    # Only when set: the fingerprints of untagged runs stay what their checkpoints hold.
+    extra = {"source_prefix": [int(i) for i in source_prefix]} if source_prefix else None
     return _batch_iterator(
-        kept, keys, tokenizer, a, (pi, pc), num_examples=len(items), shard_size=len(records)
-    )
+        kept, keys, tokenizer, a, (pi, pc), num_examples=len(items), shard_size=len(records),
+        fingerprint_extra=extra,
+    )  # fmt: skip
 
 
 def make_train_iterator(
@@ -500,6 +512,7 @@ def make_train_iterator(
     num_epochs: int | None = None,
     cache_tokens: bool = True,
     prefetch: int = 0,
+    source_prefix: Sequence[int] = (),
 ) -> TrainIterator:
     """Translation train batches ('inputs', 'targets'; see the module docstring).
 
@@ -519,9 +532,11 @@ def make_train_iterator(
       prefetch: batches prepared ahead in a background thread (0: none). Building a batch
         takes ~1 ms, which async dispatch already hides behind the device step; prefetch
         adds a state deep-copy per batch.
+      source_prefix: ids put before every source's pieces (e.g. the target-language tag of a
+        multilingual model, `[tokenizer.piece_to_id('<2de>')]`); they count toward max_len.
     """
     args = _TrainArgs(**{k: v for k, v in locals().items() if k in _TRAIN_ARGS})
-    return _train_iterator(pairs, ("inputs", "targets"), tokenizer, args)
+    return _train_iterator(pairs, ("inputs", "targets"), tokenizer, args, source_prefix)
 
 
 def make_lm_train_iterator(

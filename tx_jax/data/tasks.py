@@ -10,7 +10,11 @@
 
 The joint SentencePiece model is trained on the train split once and saved as
 WORKDIR/tokenizer.model; resuming and evaluation load it from there (and checkpoints carry a
-copy). In a multi-process run process 0 prepares data and tokenizer, the others wait.
+copy). `data.tokenizer_path` (or `train.init_from`'s checkpoint) gives an existing model to
+use instead, so that runs share one vocabulary. `data.max_train_pairs` keeps only the first N
+train pairs (the tokenizer, if trained here, sees only those). In a multi-process run process 0
+prepares data and tokenizer, the others wait. Several directions in one model
+(`data.directions`): directions.py.
 
 Multi-process training reads one global stream: every process builds the same iterator over
 the whole train split with the global token budget, and the step places each device's rows of
@@ -30,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -60,6 +64,43 @@ class Prefix(Sequence):
         return self._seq[i % self._n]
 
 
+def parse_max_train_pairs(spec: Any) -> int | dict[str, int] | None:
+    """`data.max_train_pairs`: N (every direction), 'en-fr=3000,fr-en=3000' ('+' works too) or
+    {'en-fr': 3000} (per direction; the others keep every pair); None for 0 / '' / None."""
+    key = "data.max_train_pairs"
+    if not spec:
+        return None
+    if isinstance(spec, str) and spec.strip().isdigit():
+        spec = int(spec)
+    if isinstance(spec, int):
+        if spec < 0:
+            raise ValueError(f"{key}={spec} must be >= 0 (0: every pair)")
+        return spec or None
+    items = spec.items() if hasattr(spec, "items") else None
+    if items is None:
+        parts = [p for p in str(spec).replace("+", ",").split(",") if p.strip()]
+        items = [p.partition("=")[::2] for p in parts]
+    table = {}
+    for direction, n in items:
+        direction, n = str(direction).strip(), str(n).strip()
+        if "-" not in direction or not n.isdigit():
+            raise ValueError(
+                f"{key}={spec!r}: write N, or SRC-TGT=N per direction ('en-fr=3000,fr-en=3000')"
+            )
+        table[direction] = int(n)
+    return table
+
+
+def max_train_pairs(data: Any, direction: str | None = None) -> int | None:
+    """How many train pairs `direction` keeps (default: source_lang-target_lang of `data`):
+    `data.max_train_pairs` read by `parse_max_train_pairs`; None: all of them."""
+    spec = parse_max_train_pairs(data.get("max_train_pairs"))
+    if isinstance(spec, dict):
+        direction = direction or f"{data.source_lang}-{data.target_lang}"
+        return spec.get(direction) or None
+    return spec
+
+
 @dataclasses.dataclass
 class TranslationTask:
     data: Any  # config.data
@@ -69,6 +110,14 @@ class TranslationTask:
     # False: eval_batches gives every process all the examples (decoding with parameters
     # sharded over several processes runs the same batches everywhere)
     shard_eval: bool = True
+    # A multilingual model's target-language tag ('<2de>'): its id goes before every source
+    # (train and eval), so the pairs themselves stay plain text; '' for none.
+    tag: str = ""
+
+    @property
+    def source_prefix(self) -> list[int]:
+        """The ids put before every source: [id of the tag], or none."""
+        return [self.tokenizer.piece_to_id(self.tag)] if self.tag else []
 
     def split_name(self, split: str) -> str:
         """'validation' / 'test' are aliases for the config's eval_split / test_split."""
@@ -80,17 +129,24 @@ class TranslationTask:
             self._splits[name] = load_split(self.data, name)
         return self._splits[name]
 
+    def train_pairs(self) -> Sequence[tuple[str, str]]:
+        """The train split, cut to its first `data.max_train_pairs` pairs when that is set."""
+        n = max_train_pairs(self.data)
+        return self.source("train") if n is None else Prefix(self.source("train"), n)
+
     def pairs(self, split: str, limit: int | None = None) -> Sequence[tuple[str, str]]:
-        return Prefix(self.source(split), limit)
+        pairs = self.train_pairs() if self.split_name(split) == "train" else self.source(split)
+        return Prefix(pairs, limit)
 
     def train_iterator(self, batch_multiple: int) -> pipeline.TrainIterator:
         """Global batches (rows a multiple of `batch_multiple`), the same on every process."""
         d = self.data
         return pipeline.make_train_iterator(
-            self.source("train"), self.tokenizer, max_len=d.max_len,
+            self.train_pairs(), self.tokenizer, max_len=d.max_len,
             tokens_per_batch=d.tokens_per_batch, batch_multiple=batch_multiple,
             bucket_boundaries=d.bucket_boundaries, packing=d.packing, seed=self.seed,
             process_index=0, process_count=1,  # the whole stream on every process
+            source_prefix=self.source_prefix,
         )  # fmt: skip
 
     def eval_batches(self, split: str, batch_multiple: int, limit: int | None = None):
@@ -100,7 +156,7 @@ class TranslationTask:
         return eval_pipeline.make_eval_batches(
             self.pairs(split, limit), self.tokenizer, max_len=d.max_eval_len,
             batch_size=d.eval_batch_size, batch_multiple=batch_multiple,
-            bucket_boundaries=[d.max_eval_len], **every,
+            bucket_boundaries=[d.max_eval_len], source_prefix=self.source_prefix, **every,
         )  # fmt: skip
 
 
@@ -129,43 +185,87 @@ def load_split(data: Any, split: str) -> datasets.TranslationSource:
     )  # fmt: skip
 
 
+def given_tokenizer(data: Any) -> Tokenizer | None:
+    """The tokenizer `data.tokenizer_path` names (a .model file, or a run directory holding
+    tokenizer.model), or None when unset: a run that must share another run's vocabulary."""
+    path = data.get("tokenizer_path")
+    if not path:
+        return None
+    path = epath.Path(path)
+    if path.is_dir():
+        path = path / TOKENIZER_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"data.tokenizer_path={data.tokenizer_path!r}: no {path}")
+    return Tokenizer.load(path)
+
+
 def load_or_train_tokenizer(
     data: Any,
     workdir: epath.Path,
-    train: Sequence,
-    texts: Callable[[Iterable], Iterator[str]] = iter_pair_texts,
+    texts: Callable[[], Iterable[str]],
+    *,
+    given: Tokenizer | None = None,
+    given_by: str = "data.tokenizer_path",
+    symbols: Sequence[str] = (),
 ) -> Tokenizer:
-    """WORKDIR/tokenizer.model if present, else a model trained on `texts` of the first
-    `data.tokenizer_pairs` items of `train` (both sides of each pair by default: joint)."""
+    """WORKDIR/tokenizer.model if present, else `given` (or `data.tokenizer_path`'s) saved
+    there, else a `data.vocab_size` model trained on `texts()` (e.g. both sides of the first
+    `data.tokenizer_pairs` train pairs: a joint vocabulary) with `symbols` (and
+    `data.user_defined_symbols`) as single pieces. A WORKDIR/tokenizer.model that differs
+    from the given one is an error naming `given_by`: the vocabularies would not match."""
     path = workdir / TOKENIZER_FILE
+    if given is None:
+        given = given_tokenizer(data)
+    elif data.get("tokenizer_path") and given_tokenizer(data) != given:
+        raise ValueError(
+            f"data.tokenizer_path={data.tokenizer_path!r} and {given_by} name different "
+            "tokenizers; set only one"
+        )
     if jax.process_count() == 1 and path.exists():
-        return Tokenizer.from_bytes(path.read_bytes())
+        existing = Tokenizer.from_bytes(path.read_bytes())
+        if given is not None and existing != given:
+            raise ValueError(
+                f"{path} differs from the tokenizer of {given_by}: a workdir keeps the "
+                "vocabulary it started with; use a new workdir"
+            )
+        return existing
     # Only process 0 looks at the file: another process could see it appear (half written)
     # and skip the barrier that process 0 then waits at.
     if jax.process_index() == 0 and not path.exists():
-        logging.info("training a %d-piece SentencePiece model on %d pairs", data.vocab_size,
-                     len(train))  # fmt: skip
-        local = train_tokenizer(
-            texts(Prefix(train, data.tokenizer_pairs)), data.vocab_size,
-            str(path) if not str(path).startswith("gs://") else "/tmp/tx_jax_tokenizer.model",
-            user_defined_symbols=tuple(data.get("user_defined_symbols") or ()),
-        )  # fmt: skip
-        if str(path).startswith("gs://"):
-            path.write_bytes(local.to_bytes())
+        if given is not None:
+            given.save(path)
+        else:
+            logging.info("training a %d-piece SentencePiece model", data.vocab_size)
+            local = train_tokenizer(
+                texts(), data.vocab_size,
+                str(path) if not str(path).startswith("gs://") else "/tmp/tx_jax_tokenizer.model",
+                user_defined_symbols=(*symbols, *(data.get("user_defined_symbols") or ())),
+            )  # fmt: skip
+            if str(path).startswith("gs://"):
+                path.write_bytes(local.to_bytes())
     _barrier("tokenizer")
-    return Tokenizer.from_bytes(path.read_bytes())
+    tokenizer = Tokenizer.from_bytes(path.read_bytes())
+    if given is not None and tokenizer != given:
+        raise ValueError(f"{path} differs from the tokenizer of {given_by}; use a new workdir")
+    return tokenizer
 
 
-def prepare_translation_task(data: Any, workdir: str | epath.Path, *, seed: int) -> TranslationTask:
+def prepare_translation_task(
+    data: Any, workdir: str | epath.Path, *, seed: int, tokenizer: Tokenizer | None = None
+) -> TranslationTask:
+    """Splits and tokenizer of one language pair; `tokenizer`, when given (another run's, for
+    `train.init_from`), is used and saved as WORKDIR/tokenizer.model instead of training one."""
     workdir = epath.Path(workdir)
     if jax.process_index() == 0:
         workdir.mkdir(parents=True, exist_ok=True)
         load_split(data, "train")  # prepares the TFDS data once, before the others read it
     _barrier("data")
-    train = load_split(data, "train")
-    tokenizer = load_or_train_tokenizer(data, workdir, train)
-    task = TranslationTask(data, tokenizer, seed)
-    task._splits["train"] = train
+    task = TranslationTask(data, None, seed)  # type: ignore[arg-type]  (set below)
+    task._splits["train"] = load_split(data, "train")
+    pairs = Prefix(task.train_pairs(), data.tokenizer_pairs)
+    task.tokenizer = load_or_train_tokenizer(
+        data, workdir, lambda: iter_pair_texts(pairs), given=tokenizer, given_by="train.init_from"
+    )
     return task
 
 
@@ -231,7 +331,9 @@ class LMTask:
         )  # fmt: skip
 
 
-def prepare_lm_task(data: Any, workdir: str | epath.Path, *, seed: int) -> LMTask:
+def prepare_lm_task(
+    data: Any, workdir: str | epath.Path, *, seed: int, tokenizer: Tokenizer | None = None
+) -> LMTask:
     """The pairs of `data` read as for translation; the tokenizer is trained on the LM side
     only (`data.lm_side`), saved as WORKDIR/tokenizer.model like a translation one."""
     side = data.get("lm_side", "target")
@@ -242,13 +344,14 @@ def prepare_lm_task(data: Any, workdir: str | epath.Path, *, seed: int) -> LMTas
         workdir.mkdir(parents=True, exist_ok=True)
         load_split(data, "train")
     _barrier("data")
-    train = load_split(data, "train")
-    tokenizer = load_or_train_tokenizer(
-        data, workdir, train, texts=lambda pairs: iter(SideTexts(pairs, side))
-    )
-    pair_task = TranslationTask(data, tokenizer, seed)
-    pair_task._splits["train"] = train
-    return LMTask(data, tokenizer, seed, pair_task)
+    pair_task = TranslationTask(data, None, seed)  # type: ignore[arg-type]  (set below)
+    pair_task._splits["train"] = load_split(data, "train")
+    pairs = Prefix(pair_task.train_pairs(), data.tokenizer_pairs)
+    pair_task.tokenizer = load_or_train_tokenizer(
+        data, workdir, lambda: iter(SideTexts(pairs, side)), given=tokenizer,
+        given_by="train.init_from",
+    )  # fmt: skip
+    return LMTask(data, pair_task.tokenizer, seed, pair_task)
 
 
 def _barrier(name: str) -> None:

@@ -1,0 +1,278 @@
+"""Multilingual translation: one model, several directions, target-language tags.
+
+    data.directions = 'en-de,de-en,en-fr,fr-en'   (or '+' between them, or a list)
+    data.mixture = 'temperature'                  'uniform' | 'temperature' (mixture.py)
+    data.temperature = 5.0                        p_i ~ n_i^(1/T)
+    data.extra_eval_directions = 'de-fr'          also decoded for BLEU (e.g. zero-shot)
+
+    task = prepare_multilingual_task(config.data, workdir, seed=config.seed)
+    task.train_iterator(n)               one mixed stream over every direction (mixture.py)
+    task.eval_batches('validation', n)   the validation pairs of every training direction
+    task.direction('en-de')              a TranslationTask of one direction, tagged: its pairs,
+                                         eval batches and BLEU; any direction whose target
+                                         language has a tag, trained or not (zero-shot)
+    task.bleu_directions                 the training directions, then extra_eval_directions
+
+Tags (Johnson et al., 2017): the id of '<2xx>' goes before every source whose target language
+is xx, in training and in evaluation; the pairs themselves stay plain text. The tokenizer has
+one user-defined piece per language of `directions` and `extra_eval_directions` (sorted), so a
+tag is one id: `lang_tag('de') == '<2de>'`, id `tokenizer.piece_to_id('<2de>')`. A source is
+encoded as [tag id] + pieces + [EOS].
+
+Shared vocabulary: one SentencePiece model over every language: for each unordered language
+pair of the directions, both sides of its first `data.tokenizer_pairs` train pairs (each
+sentence once), unless `data.tokenizer_path` or `train.init_from` gives one (which must have
+the tags).
+
+Data: a direction is `data.dataset` with source_lang/target_lang set to it (Multi30k prepares
+one pair config for both directions of a pair); `data.max_train_pairs` cuts each direction's
+train split to its first N pairs (or per direction: 'en-fr=3000,fr-en=3000', the others whole),
+before the mixture sizes n_i are counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import ml_collections
+from etils import epath
+
+from tx_jax.data import mixture, tasks
+from tx_jax.data.eval_pipeline import EvalBatches
+from tx_jax.data.pipeline import TrainIterator
+from tx_jax.data.tokenizer import Tokenizer
+
+Direction = tuple[str, str]  # (source language, target language)
+
+
+def lang_tag(lang: str) -> str:
+    """The target-language tag piece: 'de' -> '<2de>'."""
+    return f"<2{lang}>"
+
+
+def direction_name(direction: Direction) -> str:
+    """('en', 'de') -> 'en-de' (metric names: bleu/en-de)."""
+    return f"{direction[0]}-{direction[1]}"
+
+
+def parse_directions(spec: str | Sequence[str] | None, key: str = "data.directions") -> list:
+    """'en-de,de-en' / 'en-de+de-en' / ['en-de', 'de-en'] -> [('en', 'de'), ('de', 'en')], in
+    the given order; '' or None -> []. A ValueError names `key` for anything malformed."""
+    if not spec:
+        return []
+    items = spec.replace("+", ",").split(",") if isinstance(spec, str) else list(spec)
+    out: list[Direction] = []
+    for item in (str(i).strip() for i in items):
+        src, sep, tgt = item.partition("-")
+        if not sep or not src or not tgt or "-" in tgt or src == tgt:
+            raise ValueError(
+                f"{key}={spec!r}: {item!r} is not SRC-TGT with two different languages "
+                "(write e.g. 'en-de,de-en,en-fr')"
+            )
+        if (src, tgt) in out:
+            raise ValueError(f"{key}={spec!r}: {item!r} appears twice")
+        out.append((src, tgt))
+    return out
+
+
+def is_multilingual(data: Any) -> bool:
+    """Whether `data` (config.data) asks for tagged directions (`data.directions` is set)."""
+    return bool(data.get("directions"))
+
+
+def train_directions(data: Any) -> list[Direction]:
+    return parse_directions(data.get("directions"))
+
+
+def extra_directions(data: Any) -> list[Direction]:
+    """`data.extra_eval_directions` that are not training directions."""
+    trained = train_directions(data)
+    extra = parse_directions(data.get("extra_eval_directions"), "data.extra_eval_directions")
+    return [d for d in extra if d not in trained]
+
+
+def tag_languages(data: Any) -> list[str]:
+    """Every language of the directions (training and extra), sorted: one tag each."""
+    pairs = train_directions(data) + extra_directions(data)
+    return sorted({lang for d in pairs for lang in d})
+
+
+def validate_config(data: Any, task: str = "translation") -> None:
+    """The multilingual and transfer keys of config.data, before anything is read (absent
+    in older configs: nothing to check). ValueError names the key."""
+    trained = train_directions(data)
+    parse_directions(data.get("extra_eval_directions"), "data.extra_eval_directions")
+    if data.get("extra_eval_directions") and not trained:
+        raise ValueError("data.extra_eval_directions needs data.directions (a multilingual run)")
+    if trained and task == "lm":
+        raise ValueError("data.directions is for translation; task='lm' reads data.lm_side")
+    if data.get("mixture", "uniform") not in mixture.MIXTURES:
+        raise ValueError(f"data.mixture={data.mixture!r}; expected one of {mixture.MIXTURES}")
+    if data.get("temperature", 1.0) <= 0:
+        raise ValueError(f"data.temperature={data.temperature} must be positive")
+    cut = tasks.parse_max_train_pairs(data.get("max_train_pairs"))
+    names = [direction_name(d) for d in trained] or [f"{data.source_lang}-{data.target_lang}"]
+    if isinstance(cut, dict) and set(cut) - set(names):
+        raise ValueError(
+            f"data.max_train_pairs={data.max_train_pairs!r} names {sorted(set(cut) - set(names))}"
+            f", not a trained direction ({', '.join(names)})"
+        )
+
+
+def check_tags(tokenizer: Tokenizer, languages: Sequence[str], where: str) -> None:
+    """Every `lang_tag` must be one piece of the tokenizer (a user-defined symbol)."""
+    missing = [lang_tag(x) for x in languages if tokenizer.piece_to_id(lang_tag(x)) in
+               (tokenizer.unk_id, tokenizer.pad_id)]  # fmt: skip
+    if missing:
+        raise ValueError(
+            f"the tokenizer of {where} has no piece {', '.join(missing)}: a multilingual model "
+            "needs each target-language tag as one piece (trained with them as "
+            "user_defined_symbols, as prepare_multilingual_task does)"
+        )
+
+
+def direction_data(data: Any, direction: Direction) -> ml_collections.ConfigDict:
+    """A copy of config.data reading `direction` (source_lang, target_lang set)."""
+    out = ml_collections.ConfigDict(data.to_dict() if hasattr(data, "to_dict") else dict(data))
+    out.source_lang, out.target_lang = direction
+    return out
+
+
+def direction_task(data: Any, tokenizer: Tokenizer, seed: int, direction: Direction | str):
+    """The tagged TranslationTask of one direction (trained or not) of a multilingual config."""
+    if isinstance(direction, str):
+        (direction,) = parse_directions(direction, "direction")
+    check_tags(tokenizer, [direction[1]], "this model")
+    return tasks.TranslationTask(
+        direction_data(data, direction), tokenizer, seed, tag=lang_tag(direction[1])
+    )
+
+
+class Concat(Sequence):
+    """Sequences one after another, without copying them."""
+
+    def __init__(self, parts: Sequence[Sequence]):
+        self._parts = list(parts)
+        self._starts = list(itertools.accumulate((len(p) for p in self._parts), initial=0))
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i %= len(self)
+        k = next(k for k in range(len(self._parts)) if i < self._starts[k + 1])
+        return self._parts[k][i - self._starts[k]]
+
+
+@dataclasses.dataclass
+class MultilingualTask:
+    """The TranslationTask interface over several tagged directions (module docstring)."""
+
+    data: Any  # config.data
+    tokenizer: Tokenizer
+    seed: int
+    directions: dict[str, tasks.TranslationTask]  # training directions, by name ('en-de')
+    probabilities: dict[str, float]  # sampling probability of each training direction
+    extra: dict[str, tasks.TranslationTask] = dataclasses.field(default_factory=dict)
+    shard_eval: bool = True  # as TranslationTask.shard_eval
+
+    @property
+    def bleu_directions(self) -> list[str]:
+        """Directions decoded for BLEU: the training ones, then `extra_eval_directions`."""
+        return [*self.directions, *self.extra]
+
+    def split_name(self, split: str) -> str:
+        return {"validation": self.data.eval_split, "test": self.data.test_split}.get(split, split)
+
+    def direction(self, name: str) -> tasks.TranslationTask:
+        """One direction's task ('de-fr'); one that was not configured is built on the fly."""
+        task = self.directions.get(name) or self.extra.get(name)
+        if task is None:
+            task = direction_task(self.data, self.tokenizer, self.seed, name)
+            self.extra[name] = task
+        return dataclasses.replace(task, shard_eval=self.shard_eval)
+
+    def pairs(self, split: str, limit: int | None = None) -> Sequence[tuple[str, str]]:
+        """The training directions' pairs one after another (`limit` per direction)."""
+        return Concat([self.direction(n).pairs(split, limit) for n in self.directions])
+
+    def train_iterator(self, batch_multiple: int) -> TrainIterator:
+        """Global batches mixing the directions, the same on every process."""
+        d = self.data
+        return mixture.make_mixture_train_iterator(
+            {n: t.train_pairs() for n, t in self.directions.items()},
+            [self.probabilities[n] for n in self.directions], self.tokenizer,
+            max_len=d.max_len, tokens_per_batch=d.tokens_per_batch,
+            batch_multiple=batch_multiple, bucket_boundaries=d.bucket_boundaries,
+            packing=d.packing, seed=self.seed, process_index=0, process_count=1,
+            source_prefixes={n: t.source_prefix for n, t in self.directions.items()},
+        )  # fmt: skip
+
+    def eval_batches(self, split: str, batch_multiple: int, limit: int | None = None):
+        """Every training direction's eval batches, one after another (for the loss: their
+        'example_index' counts within each direction)."""
+        parts = [self.direction(n).eval_batches(split, batch_multiple, limit)
+                 for n in self.directions]  # fmt: skip
+        stats = {k: sum(p.stats[k] for p in parts) for k in parts[0].stats}
+        batches = [b for p in parts for b in p.batches]
+        return EvalBatches(batches, sum(p.num_examples for p in parts), stats)
+
+
+def _tokenizer_texts(data: Any, pair_tasks: Sequence[tasks.TranslationTask]) -> Iterator[str]:
+    """Both sides of the first data.tokenizer_pairs train pairs of each language pair, each
+    distinct sentence once (English of en-de and en-fr is the same text in Multi30k)."""
+    seen: set[str] = set()
+    for task in pair_tasks:
+        for pair in tasks.Prefix(task.train_pairs(), data.tokenizer_pairs):
+            for text in pair:
+                if text not in seen:
+                    seen.add(text)
+                    yield text
+
+
+def prepare_multilingual_task(
+    data: Any, workdir: str | epath.Path, *, seed: int, tokenizer: Tokenizer | None = None
+) -> MultilingualTask:
+    """Splits of every direction, the shared tokenizer (trained once with the tags, or
+    `tokenizer` / data.tokenizer_path, checked for the tags) and the mixture."""
+    trained, extra = train_directions(data), extra_directions(data)
+    if not trained:
+        raise ValueError("data.directions is empty: name the directions, e.g. 'en-de,de-en'")
+    workdir = epath.Path(workdir)
+    make = functools.partial(tasks.TranslationTask, tokenizer=None, seed=seed)
+    train_tasks = {direction_name(d): make(direction_data(data, d), tag=lang_tag(d[1]))
+                   for d in trained}  # fmt: skip
+    extra_tasks = {direction_name(d): make(direction_data(data, d), tag=lang_tag(d[1]))
+                   for d in extra}  # fmt: skip
+    by_pair = {}  # one task per unordered language pair: the tokenizer's corpus
+    for task in train_tasks.values():
+        by_pair.setdefault(frozenset((task.data.source_lang, task.data.target_lang)), task)
+    if jax.process_index() == 0:
+        workdir.mkdir(parents=True, exist_ok=True)
+        for task in [*by_pair.values(), *extra_tasks.values()]:
+            task.source("train")  # prepares the TFDS data once, before the others read it
+    tasks._barrier("data")
+    languages = tag_languages(data)
+    tok = tasks.load_or_train_tokenizer(
+        data, workdir, lambda: _tokenizer_texts(data, list(by_pair.values())), given=tokenizer,
+        given_by="train.init_from", symbols=[lang_tag(x) for x in languages],
+    )  # fmt: skip
+    check_tags(tok, languages, str(workdir / tasks.TOKENIZER_FILE))
+    for task in [*train_tasks.values(), *extra_tasks.values()]:
+        task.tokenizer = tok
+    sizes = [len(t.train_pairs()) for t in train_tasks.values()]
+    probs = mixture.mixture_probabilities(
+        sizes, data.get("mixture", "uniform"), data.get("temperature", 1.0)
+    )
+    return MultilingualTask(
+        data, tok, seed, train_tasks, dict(zip(train_tasks, probs)), extra_tasks
+    )
