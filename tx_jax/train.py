@@ -395,6 +395,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         state, metrics = p_train(state, run.strategy.place_global_batch(batch))
         step += 1
         pending.append(metrics)
+        if len(pending) > 1:  # at most one step in flight (see above StopSignal)
+            jax.block_until_ready(pending[-2])
         is_last = step == cfg.num_steps
         if step % cfg.log_every == 0 or is_last:
             scalars = _summarise(run.strategy, pending, time.time() - last_log)
@@ -416,6 +418,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     logger.close()
     _print_summary(run, final)
     return final
+
+
+# Bounded run-ahead: JAX dispatches asynchronously, so without a wait the loop could queue
+# up to log_every steps before the logging device_get; a SIGTERM (TPU preemption notice,
+# ~30 s of grace) then waited for all of them before the save (measured: 44 queued steps,
+# ~7 min, on the CPU Multi30k run). Waiting for step N-1 when N is dispatched keeps the
+# device busy (N is queued, the next batch is prepared meanwhile) and the reply to a stop
+# within about one step.
 
 
 class StopSignal:
