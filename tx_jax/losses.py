@@ -7,6 +7,8 @@ global batch is sum / weight_sum after summing over devices and micro-batches.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,22 +23,56 @@ def smoothed_cross_entropy(
     eps / (V - 1) elsewhere; minus q's entropy, so a perfect prediction has loss 0.
 
     logits [B, L, V] float32, targets [B, L] int, weights [B, L] -> (loss_sum, weight_sum).
-    Never materialises the [B, L, V] one-hot: CE = -(c - u) log p_t - u sum_v log p_v.
+    Never materialises the [B, L, V] one-hot (see `token_cross_entropy`).
     """
     V = logits.shape[-1]
     confidence = 1.0 - label_smoothing
     low = label_smoothing / (V - 1) if V > 1 else 0.0
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    logp_target = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    loss = -(confidence - low) * logp_target
-    if low > 0:
-        loss = loss - low * logp.sum(-1)
+    loss = token_cross_entropy(logits.astype(jnp.float32), targets, float(label_smoothing))
     # the entropy of q, so that the minimum loss is 0 (as fairseq/flax report it)
     entropy = -confidence * np.log(confidence) if confidence > 0 else 0.0
     if low > 0:
         entropy -= (V - 1) * low * np.log(low)
     loss = (loss - entropy) * weights
     return loss.sum(), weights.sum()
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def token_cross_entropy(logits: Array, targets: Array, label_smoothing: float) -> Array:
+    """[B, L, V] float32 logits z, [B, L] targets t -> [B, L] CE(q, softmax(z)).
+
+    With sum_v q_v = 1: CE = -sum_v q_v (z_v - lse(z)) = lse(z) - (c - u) z_t - u sum_v z_v
+    (c = 1 - eps, u = eps / (V - 1)), and dCE/dz = softmax(z) - q. The custom VJP computes
+    that gradient in one elementwise pass over [B, L, V]; autodiff would differentiate the
+    gather of z_t into a scatter over a [B, L, V] array of zeros (BENCHMARKS.md: 'loss').
+    """
+    return _token_ce_fwd(logits, targets, label_smoothing)[0]
+
+
+def _smoothing(V: int, label_smoothing: float) -> tuple[float, float]:
+    low = label_smoothing / (V - 1) if V > 1 else 0.0
+    return 1.0 - label_smoothing, low
+
+
+def _token_ce_fwd(logits, targets, label_smoothing):
+    confidence, low = _smoothing(logits.shape[-1], label_smoothing)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    loss = lse - (confidence - low) * target_logit
+    if low > 0:
+        loss = loss - low * logits.sum(-1)
+    return loss, (logits, targets, lse)
+
+
+def _token_ce_bwd(label_smoothing, residuals, g):
+    logits, targets, lse = residuals
+    confidence, low = _smoothing(logits.shape[-1], label_smoothing)
+    q = jnp.where(jnp.arange(logits.shape[-1]) == targets[..., None], confidence, low)
+    d_logits = (jnp.exp(logits - lse[..., None]) - q) * g[..., None]
+    return d_logits, None
+
+
+token_cross_entropy.defvjp(_token_ce_fwd, _token_ce_bwd)
 
 
 def nll(logits: Array, targets: Array, weights: Array) -> tuple[Array, Array]:
