@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from tx_jax.attention import MultiHeadAttention
+from tx_jax.dropout import Dropout
 
 if TYPE_CHECKING:
     from tx_jax.models import ModelConfig
@@ -75,7 +76,7 @@ class FeedForward(nn.Module):
         else:
             h = nn.silu(h) * self._dense(x, self.d_ff, ("embed", "mlp"), "wi_gate")
         h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))
-        h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
+        h = Dropout(self.dropout_rate)(h, deterministic=deterministic)
         return self._dense(h, M, ("mlp", "embed"), "wo")
 
 
@@ -105,7 +106,7 @@ class _ResidualLayer(nn.Module):
         norm = make_norm(
             cfg.norm, cfg.norm_epsilon, cfg.compute_dtype, cfg.parameter_dtype, f"{name}_norm"
         )
-        drop = nn.Dropout(cfg.dropout_rate, name=f"{name}_dropout")
+        drop = Dropout(cfg.dropout_rate, name=f"{name}_dropout")
         if cfg.norm_position == "pre":
             x = x + drop(fn(norm(x)), deterministic=det)
         else:

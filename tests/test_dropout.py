@@ -1,0 +1,70 @@
+"""tx_jax.dropout: unrolled Threefry bits equal JAX's, and dropout's statistics."""
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tx_jax import dropout as D
+
+
+def test_threefry_known_answers():
+    """Random123's known-answer vectors for Threefry-2x32 with 20 rounds."""
+    cases = [
+        ((0, 0), (0, 0), (0x6B200159, 0x99BA4EFE)),
+        ((0xFFFFFFFF, 0xFFFFFFFF), (0xFFFFFFFF, 0xFFFFFFFF), (0x1CB996FC, 0xBB002BE7)),
+        ((0x13198A2E, 0x03707344), (0x243F6A88, 0x85A308D3), (0xC4923A9C, 0x483DF7A0)),
+    ]
+    for key, count, expected in cases:
+        u = lambda v: jnp.asarray(v, jnp.uint32)  # noqa: E731
+        out = D.threefry2x32(u(key[0]), u(key[1]), u(count[0]), u(count[1]))
+        assert tuple(int(x) for x in out) == expected
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (5,), (3, 7), (2, 3, 5)])
+def test_bits_equal_jax_random_bits(shape):
+    keys = [jax.random.key(3), jax.random.PRNGKey(7), jax.random.fold_in(jax.random.key(1), 9)]
+    for key in keys:
+        ours = jax.jit(lambda k: D.threefry_bits(k, shape))(key)
+        np.testing.assert_array_equal(ours, jax.random.bits(key, shape, jnp.uint32))
+
+
+def test_dropout_rate_and_scale():
+    x = jnp.ones((64, 33, 65))  # odd trailing size: the 16-bit halves are trimmed
+    out = np.asarray(D.dropout(x, 0.1, jax.random.key(0)))
+    kept = out != 0
+    assert abs(1 - kept.mean() - 0.1) < 0.003  # 137k draws: 3 sigma is ~0.0024
+    np.testing.assert_allclose(out[kept], 1 / (1 - D.effective_rate(0.1)), rtol=1e-6)
+    assert abs(out.mean() - 1.0) < 0.01  # unbiased
+    assert D.effective_rate(0.1) == 6554 / 65536
+
+
+def test_dropout_is_a_function_of_the_key():
+    x = jnp.ones((8, 16))
+    a, b = (D.dropout(x, 0.5, jax.random.key(k)) for k in (1, 1))
+    c = D.dropout(x, 0.5, jax.random.key(2))
+    np.testing.assert_array_equal(a, b)
+    assert (np.asarray(a) != np.asarray(c)).any()
+    # neighbouring halves of one 32-bit word are not tied together
+    kept = np.asarray(D.dropout(jnp.ones((4096, 2)), 0.5, jax.random.key(3))) != 0
+    assert abs((kept[:, 0] == kept[:, 1]).mean() - 0.5) < 0.05
+
+
+def test_zero_rate_and_bad_rate():
+    x = jnp.arange(6.0)
+    assert D.dropout(x, 0.0, jax.random.key(0)) is x
+    with pytest.raises(ValueError, match="in \\[0, 1\\)"):
+        D.dropout(x, 1.0, jax.random.key(0))
+
+
+def test_module_is_inactive_when_deterministic():
+    x = jnp.ones((4, 8))
+    module = D.Dropout(0.5)
+    np.testing.assert_array_equal(module.apply({}, x, deterministic=True), x)
+    out = module.apply({}, x, deterministic=False, rngs={"dropout": jax.random.key(0)})
+    assert set(np.unique(np.asarray(out))) <= {0.0, 2.0}
+    with pytest.raises(flax.errors.InvalidRngError):  # no dropout key: an error, as in flax
+        module.apply({}, x, deterministic=False)
+    assert isinstance(module, nn.Module)
