@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from tx_jax.dropout import dropout
+from tx_jax.flash import flash_attention
 from tx_jax.positional import apply_rope
 
 Array = jax.Array
@@ -215,22 +217,35 @@ def _attention_xla(query, key, value, mask, bias, drop, precision):
         weights = jnp.where(mask, weights, 0.0)
     used = weights
     if drop is not None:
-        used = _dropout(weights, *drop)
+        used = dropout(weights, *drop)
     out = jnp.einsum("bkgls,bskd->blkgd", used.astype(value.dtype), value, precision=precision)
     return out.reshape(B, L, H, D), weights.reshape(B, H, L, -1)
 
 
-def _dropout(x: Array, rate: float, rng: Array) -> Array:
-    keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
-    return jnp.where(keep, x / (1.0 - rate), 0.0)
-
-
 def _attention_chunked(query, key, value, mask, bias, is_causal, q_seg, kv_seg, drop, C, prec):
+    """Blockwise attention, memory linear in L and S: flash.py's custom-VJP implementation
+    (query and key blocks; the backward pass recomputes each block from the saved output and
+    log-sum-exp), or with a bias the rematerialised scan below."""
+    if bias is None:
+        rate, rng = drop if drop is not None else (0.0, None)
+        return flash_attention(
+            query, key, value, mask=mask, is_causal=is_causal, q_segment_ids=q_seg,
+            kv_segment_ids=kv_seg, dropout_rate=rate, dropout_rng=rng, chunk_size=C,
+            precision=prec,
+        )  # fmt: skip
+    return _attention_chunked_scan(
+        query, key, value, mask, bias, is_causal, q_seg, kv_seg, drop, C, prec
+    )
+
+
+def _attention_chunked_scan(query, key, value, mask, bias, is_causal, q_seg, kv_seg, drop, C,
+                            prec):  # fmt: skip
     """Online softmax over key blocks (Milakov & Gimelshein 2018; Rabe & Staats 2021).
 
     Keeps a running max m, normaliser l and unnormalised output o per query; each block
     rescales them by exp(m_old - m_new). Peak memory is O(B H L C), not O(B H L S). The scan
-    body is rematerialised, so the backward pass also stores only the per-block carries.
+    body is rematerialised, so the backward pass stores only the per-block carries (and the
+    [B, H, L, S] bias itself, which makes a custom VJP pointless here).
     """
     B, L, H, D = query.shape
     S, K = key.shape[1], key.shape[2]
@@ -291,7 +306,7 @@ def _attention_chunked(query, key, value, mask, bias, is_causal, q_seg, kv_seg, 
         l_new = l * corr + p.sum(-1)
         if drop is not None:
             rate, rng = drop
-            p = _dropout(p, rate, jax.random.fold_in(rng, x["start"]))
+            p = dropout(p, rate, jax.random.fold_in(rng, x["start"]))
         pv = jnp.einsum("bkgls,bskd->blkgd", p.astype(value.dtype), x["v"], precision=prec)
         o_new = o * jnp.moveaxis(corr, 3, 1)[..., None] + pv.astype(jnp.float32)
         return (o_new, m_new, l_new), None
