@@ -232,8 +232,8 @@ class Strategy:
         """
         if self.kind == "pmap":
             fn = jax.pmap(
-                lambda s, b: step_fn(s, b, axis_name="batch"),
-                axis_name="batch",
+                lambda s, b: step_fn(s, b, axis_name=PMAP_AXIS),
+                axis_name=PMAP_AXIS,
                 donate_argnums=(0,) if donate else (),
             )
             return fn
@@ -284,9 +284,17 @@ class _MeshContext:
         return False
 
 
+PMAP_AXIS = "batch"  # the axis name of compile_step's pmap
+
+
 def _pmap_sharding() -> NamedSharding:
-    """Leading axis over the local devices, in the order jax.pmap expects."""
-    return NamedSharding(Mesh(np.asarray(jax.local_devices()), ("_pmap",)), P("_pmap"))
+    """Leading axis over the local devices, in the order jax.pmap expects.
+
+    The mesh axis is named like the pmap's axis: jax.pmap returns arrays sharded over a mesh
+    with that name, and an input whose sharding differs only in the name compiles the step
+    a second time (the state at step 2; ~8 s on a CPU even for a tiny model).
+    """
+    return NamedSharding(Mesh(np.asarray(jax.local_devices()), (PMAP_AXIS,)), P(PMAP_AXIS))
 
 
 def replicate(tree: Any) -> Any:
