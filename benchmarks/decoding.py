@@ -1,18 +1,18 @@
 """Decoding speed: generated tokens/s for greedy and beam search, with and without the KV cache.
 
-    python benchmarks/decoding.py [--lengths 16,32,64,128] [--batch 8] [--out decoding.json]
+    python benchmarks/decoding.py [--lengths 16,32,64,128] [--batch 8] [--repeats 3]
 
 The model is configs/default.py's (d_model 128, 2+2 layers, vocabulary 512) with random
 weights; EOS is disabled (eos_id=-1) so every row decodes exactly T tokens. 'no cache'
 recomputes the whole prefix with the full model at every step (decoding's reference path).
 Times are the median of `--repeats` runs after compilation; tokens/s counts B * T for greedy
 and B * T for beam search (the returned best hypotheses, not the N beams' work).
+Prints a markdown table and writes benchmarks/results/decoding.json (--out to change).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -23,8 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402  (puts this checkout first on sys.path)
 
+sys.path.insert(0, os.path.join(_common.ROOT, "configs"))
 import default  # noqa: E402
 
 from tx_jax import decoding, models  # noqa: E402
@@ -46,8 +48,10 @@ def main():
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--source_len", type=int, default=80)  # T <= S + 50
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default="")
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--out", default="", help="default benchmarks/results/decoding.json")
     args = parser.parse_args()
+    threads = _common.pin_threads(args.threads)
     cfg = models.ModelConfig.from_config(
         default.get_config().model, vocab_size=512, dropout_rate=0.0
     )
@@ -77,9 +81,22 @@ def main():
                 f"{row['nocache_tok_s']:>8,.0f} tok/s   x{row['speedup']:.1f}",
                 flush=True,
             )
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": str(jax.devices()[0]), "rows": rows}, f, indent=1)
+    headers = ["T", "greedy, cache (tok/s)", "greedy, no cache", "speed-up", "beam 4, cache",
+               "beam 4, no cache", "speed-up"]  # fmt: skip
+    by = {(r["T"], r["search"]): r for r in rows}
+    table = []
+    for T in sorted({r["T"] for r in rows}):
+        g, b = by[(T, "greedy")], by[(T, "beam4")]
+        table.append([T, g["cache_tok_s"], g["nocache_tok_s"], f"{g['speedup']:.1f}x",
+                      b["cache_tok_s"], b["nocache_tok_s"], f"{b['speedup']:.1f}x"])  # fmt: skip
+    print(f"\nbatch {B}, source length {args.source_len}, {threads} threads")
+    print(_common.table(headers, table))
+    path = _common.write_json(
+        "decoding", {"device": str(jax.devices()[0]), "threads": threads, "batch": B,
+                     "source_len": args.source_len, "repeats": args.repeats, "rows": rows},
+        path=args.out or None,
+    )  # fmt: skip
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
