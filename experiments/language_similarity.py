@@ -68,6 +68,7 @@ class Size:
     low_steps: int
     eval_limit: int  # test sentences decoded per direction (and encoded for similarity)
     beam_size: int  # test decoding
+    peak_lr: float = 2e-3  # the schedule's peak (after warmup)
     debug_variant: bool = False  # build on configs/multilingual.py:debug
 
 
@@ -76,8 +77,8 @@ SIZES = {
     "default": Size("default", dict(d_model=128, num_heads=4, d_ff=512, num_encoder_layers=2,
                                      num_decoder_layers=2, dropout_rate=0.2,
                                      attention_dropout_rate=0.1),
-                    low_pairs=3000, vocab_size=6000, tokens_per_batch=2048, multi_steps=1200,
-                    pre_steps=800, low_steps=300, eval_limit=500, beam_size=1),
+                    low_pairs=3000, vocab_size=6000, tokens_per_batch=2048, multi_steps=1000,
+                    pre_steps=700, low_steps=250, eval_limit=500, beam_size=1),
     # seconds: the CI test (tests/test_language_similarity.py)
     "debug": Size("debug", {}, low_pairs=40, vocab_size=200, tokens_per_batch=512,
                   multi_steps=6, pre_steps=4, low_steps=4, eval_limit=12, beam_size=1,
@@ -102,7 +103,10 @@ def run_configs(size: Size, root: pathlib.Path, data_overrides: dict) -> dict[st
         c.data.vocab_size = size.vocab_size
         c.data.tokens_per_batch = size.tokens_per_batch
         c.train.num_steps = steps
-        c.train.warmup_steps = max(1, min(c.train.warmup_steps, steps // 4))
+        # the paper's rsqrt schedule with its peak held at size.peak_lr whatever the warmup
+        # (unscaled, d_model 128 with 200 warmup steps would peak at 6.2e-3)
+        c.train.warmup_steps = max(1, min(200, steps // 4))
+        c.train.lr_scale = size.peak_lr * (c.model.d_model * c.train.warmup_steps) ** 0.5
         c.eval.every = steps  # validation once, at the end (the study reads test scores)
         c.eval.test_split = ""  # the study decodes the test split itself
         c.checkpoint.every = steps
@@ -132,8 +136,11 @@ def train_all(configs: dict, root: pathlib.Path, log=print) -> dict[str, float]:
     for name, config in configs.items():
         start = time.time()
         log(f"[{name}] training in {root / name}")
-        train.train_and_evaluate(config, str(root / name))
+        final = train.train_and_evaluate(config, str(root / name))
         walls[name] = round(time.time() - start, 1)
+        if "stopped_at" in final:  # SIGTERM/SIGINT: checkpoint saved; rerun to resume
+            raise SystemExit(f"[{name}] stopped at step {int(final['stopped_at'])}: rerun "
+                             "the same command to resume the study")  # fmt: skip
     return walls
 
 
