@@ -30,6 +30,7 @@ from jax import lax
 
 from tx_jax.dropout import dropout
 from tx_jax.flash import flash_attention
+from tx_jax.matmul import dense
 from tx_jax.positional import apply_rope
 
 Array = jax.Array
@@ -395,11 +396,10 @@ class MultiHeadAttention(nn.Module):
                 self.param_dtype,
             )
 
-        def apply(x: Array) -> Array:  # [B, T, M] -> [B, T, heads, D]
+        def apply(x: Array) -> Array:  # [B, T, M] -> [B, T, heads, D]: 'btm,mhd->bthd'
             dtype = self.dtype or x.dtype
-            y = jnp.einsum(
-                "btm,mhd->bthd", x.astype(dtype), kernel.astype(dtype), precision=self.precision
-            )
+            w = kernel.astype(dtype).reshape(M, heads * head_dim)
+            y = dense(x.astype(dtype), w, self.precision).reshape(*x.shape[:-1], heads, head_dim)
             return y if bias is None else y + bias.astype(dtype)
 
         return apply
@@ -480,7 +480,9 @@ class MultiHeadAttention(nn.Module):
             (H, D, features),
             self.param_dtype,
         )
-        y = jnp.einsum("blhd,hdm->blm", x, kernel.astype(x.dtype), precision=self.precision)
+        B, L = x.shape[:2]  # 'blhd,hdm->blm' as one [B, L, H*D] @ [H*D, features] matmul
+        w = kernel.astype(x.dtype).reshape(H * D, features)
+        y = dense(x.reshape(B, L, H * D), w, self.precision)
         if self.use_bias:
             b = self.param(
                 "out_bias",

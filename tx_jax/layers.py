@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from tx_jax.attention import MultiHeadAttention
 from tx_jax.dropout import Dropout
+from tx_jax.matmul import dense
 
 if TYPE_CHECKING:
     from tx_jax.models import ModelConfig
@@ -52,7 +53,7 @@ class FeedForward(nn.Module):
             self.param_dtype,
         )
         dtype = self.dtype or x.dtype
-        y = jnp.einsum("blm,mf->blf", x.astype(dtype), kernel.astype(dtype))
+        y = dense(x.astype(dtype), kernel.astype(dtype))  # [B, L, M] @ [M, F]
         if self.use_bias:
             b = self.param(
                 f"{name}_bias",

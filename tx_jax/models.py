@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from tx_jax.attention import IMPLEMENTATIONS
 from tx_jax.dropout import Dropout
 from tx_jax.layers import ACTIVATIONS, NORMS, DecoderLayer, EncoderLayer, make_norm
+from tx_jax.matmul import dense, tied_logits
 from tx_jax.positional import LearnedPositionalEmbedding, default_positions, sinusoid
 
 Array = jax.Array
@@ -201,35 +202,6 @@ class Embedding(nn.Module):
         return tied_logits(x, self.embedding.astype(self.dtype))
 
 
-@jax.custom_vjp
-def tied_logits(x: Array, table: Array) -> Array:
-    """x [B, L, M], table E [V, M] -> x E^T [B, L, V], with a layout-aware backward pass.
-
-    Autodiff would compute dE = g^T x as einsum('blv,blm->vm'), for which XLA:CPU transposes
-    the [B*L, V] cotangent g (the largest array of the step) inside the fusion that produces
-    it. Computing dE^T = x^T g ('blm,blv->mv': the transpose falls on the small x) and
-    transposing the [M, V] result is the same arithmetic without that copy (BENCHMARKS.md:
-    'tied output projection').
-    """
-    return jnp.einsum("blm,vm->blv", x, table)
-
-
-def _tied_logits_fwd(x: Array, table: Array):
-    return tied_logits(x, table), (x, table)
-
-
-def _tied_logits_bwd(residuals, g: Array):
-    x, table = residuals
-    dx = jnp.einsum("blv,vm->blm", g, table.astype(g.dtype)).astype(x.dtype)
-    d_table_t = jnp.einsum("blm,blv->mv", x.astype(g.dtype), g)
-    # Without the barrier XLA folds the transpose back into the dot (and the copy returns).
-    d_table_t = jax.lax.optimization_barrier(d_table_t)
-    return dx, d_table_t.T.astype(table.dtype)
-
-
-tied_logits.defvjp(_tied_logits_fwd, _tied_logits_bwd)
-
-
 def _embedding(cfg: ModelConfig, vocab: int, name: str) -> Embedding:
     return Embedding(vocab, cfg.d_model, cfg.compute_dtype, cfg.parameter_dtype, name=name)
 
@@ -342,7 +314,7 @@ class Decoder(_Stack):
                 (cfg.d_model, cfg.output_vocab_size),
                 cfg.parameter_dtype,
             )
-            logits = jnp.einsum("blm,mv->blv", x, kernel.astype(x.dtype))
+            logits = dense(x, kernel.astype(x.dtype))
         logits = nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
         return logits.astype(jnp.float32)
 

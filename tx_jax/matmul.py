@@ -1,0 +1,75 @@
+"""Matmuls whose backward passes suit XLA:CPU's dot kernels (same math as autodiff).
+
+    dense(x, w):           x [..., K] @ w [K, N] -> [..., N]        (projections, FFN)
+    tied_logits(x, table): x [B, L, M] @ table [V, M]^T -> [B, L, V] (tied output layer)
+
+For y = x w over T = prod(...) rows, autodiff's weight gradient is dw = x^T g, a dot that
+contracts the rows of both operands. XLA:CPU's fast (YNNPACK) dot wants the contracted axis
+minor on the left operand and major on the right, and reaches that form by transposing
+whichever operand layout assignment picks: on this CPU it copied the *larger* operand (the
+[T, F] FFN hidden activations, or the [T, V] logits cotangent) into transposed order, in the
+fusion that produced it, and then sometimes ran a slower generic dot. Here the backward
+materialises x^T (the smaller operand in every Transformer projection but the FFN's second
+matrix, and never more than 4x) behind an optimisation barrier, so the weight gradient is one
+canonical dot. BENCHMARKS.md ('layout-aware weight gradients') has the measured effect.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def dense(x: Array, w: Array, precision: Any = None) -> Array:
+    """x [..., K], w [K, N] -> [..., N] (x's dtype; cast w beforehand)."""
+    return jnp.einsum("...k,kn->...n", x, w, precision=precision)
+
+
+def _dense_fwd(x, w, precision):
+    return dense(x, w, precision), (x, w)
+
+
+def _dense_bwd(precision, residuals, g):
+    x, w = residuals
+    K, N = w.shape
+    dx = jnp.einsum("...n,kn->...k", g, w.astype(g.dtype), precision=precision)
+    x_t = jax.lax.optimization_barrier(x.reshape(-1, K).T)  # [K, T], materialised
+    dw = jnp.einsum("kt,tn->kn", x_t.astype(g.dtype), g.reshape(-1, N), precision=precision)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+dense.defvjp(_dense_fwd, _dense_bwd)
+
+
+@jax.custom_vjp
+def tied_logits(x: Array, table: Array) -> Array:
+    """x [B, L, M], table E [V, M] -> x E^T [B, L, V].
+
+    Autodiff computes dE = g^T x as einsum('blv,blm->vm') and XLA:CPU transposes the
+    [B*L, V] cotangent g (the largest array of the step) inside the fusion that produces it.
+    dE^T = x^T g ('blm,blv->mv': the transpose falls on the small x), then transposing the
+    [M, V] result, is the same arithmetic without that copy.
+    """
+    return jnp.einsum("blm,vm->blv", x, table)
+
+
+def _tied_logits_fwd(x: Array, table: Array):
+    return tied_logits(x, table), (x, table)
+
+
+def _tied_logits_bwd(residuals, g: Array):
+    x, table = residuals
+    dx = jnp.einsum("blv,vm->blm", g, table.astype(g.dtype)).astype(x.dtype)
+    d_table_t = jnp.einsum("blm,blv->mv", x.astype(g.dtype), g)
+    # Without the barrier XLA folds the transpose back into the dot (and the copy returns).
+    d_table_t = jax.lax.optimization_barrier(d_table_t)
+    return dx, d_table_t.T.astype(table.dtype)
+
+
+tied_logits.defvjp(_tied_logits_fwd, _tied_logits_bwd)
