@@ -30,6 +30,13 @@ def test_tiny_run_lowers_the_loss_and_writes_a_checkpoint(tmp_path, tfds_dir):
     versions = json.loads((workdir / "versions.json").read_text())
     assert versions["jax"] == jax.__version__
     assert (workdir / "tensorboard").is_dir()
+    # tokens/s is measured over the wall time between log lines (not JAX's dispatch time):
+    # the windows it implies add up to the time that passed between the records.
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    train_records = [r for r in records if r["split"] == "train"]
+    windows = sum(r["tokens"] / r["tokens_per_sec"] for r in train_records[1:])
+    wall = train_records[-1]["elapsed"] - train_records[0]["elapsed"]
+    assert 0.8 * wall - 0.05 <= windows <= wall + 0.05, (windows, wall)
 
 
 def test_exact_resume_and_its_control(tmp_path, tfds_dir):

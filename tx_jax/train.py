@@ -399,6 +399,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             jax.block_until_ready(pending[-2])
         is_last = step == cfg.num_steps
         if step % cfg.log_every == 0 or is_last:
+            jax.block_until_ready(pending[-1])  # the window ends when its last step has run
             scalars = _summarise(run.strategy, pending, time.time() - last_log)
             pending, last_log = [], time.time()
             scalars.update({f"data_{k}": v for k, v in train_iter.stats().items()})
