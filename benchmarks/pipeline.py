@@ -131,6 +131,7 @@ def main(argv=None) -> None:
     threads = _common.pin_threads(args.threads)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import default
+    import jax
 
     config = default.get_config()
     print(f"{threads} threads, load {_common.load_average():.2f}; preparing data in "
@@ -153,6 +154,7 @@ def main(argv=None) -> None:
         for _ in range(2):  # compile every batch shape in the loop first (buckets)
             for _ in range(len(loop_it.batch_shapes) * 8):
                 state, _ = compiled(state, strategy.place_global_batch(next(loop_it)))
+        jax.block_until_ready(state)  # else the timed loop starts by waiting for these steps
         state, loop = time_loop(strategy, compiled, state, loop_it, args.steps)
         print(f"  {label}: train loop {loop['batches_per_s']:.1f} batches/s", flush=True)
         shapes = [list(s) for s in it.batch_shapes]

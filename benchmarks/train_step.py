@@ -28,6 +28,7 @@ the strategies' overhead, not a speed-up.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -87,9 +88,12 @@ def _model_config(name: str, args, vocab: int):
     overrides, *_ = SHAPES[name]
     base = models.VARIANTS["base"] if name == "base" else {}
     extra = {}
+    defaults = {f.name: f.default for f in dataclasses.fields(models.ModelConfig)}
     for item in args.set:
-        key, value = item.split("=", 1)
-        extra[key] = config_utils.convert_text(value)
+        key, sep, value = item.partition("=")
+        if not sep or key not in defaults:
+            raise SystemExit(f"--set {item!r}: expected KEY=VALUE with KEY a ModelConfig field")
+        extra[key] = config_utils.convert_text(value, defaults[key])
     return models.ModelConfig(
         **{**base, **overrides, "vocab_size": vocab, "dropout_rate": args.dropout,
            "attention_dropout_rate": args.dropout, "ffn_dropout_rate": args.dropout, **extra}
@@ -332,6 +336,10 @@ def compare(name: str, args, torch, peak: float) -> dict:
             }
     if times["torch"]:
         result["speedup"] = result["torch"]["step_s"] / result["jax"]["step_s"]
+        # each jax rep against the torch rep right after it: robust to slow load drifts
+        pairs = [t / j for j, t in zip(times["jax"], times["torch"])]
+        result["speedup_paired_median"] = _common.median(pairs)
+        result["speedup_paired_range"] = [min(pairs), max(pairs)]
     return result
 
 
@@ -455,6 +463,12 @@ def main(argv=None) -> None:
     print()
     print(f"peak (best float32 matmul median): {peak['peak'] / 1e9:.1f} GFLOP/s, {threads} threads")
     print(_common.table(headers, rows))
+    for r in results:
+        if "speedup_paired_median" in r:
+            lo, hi = r["speedup_paired_range"]
+            print(f"{r['config']}: tx_jax / torch per interleaved pair of reps: median "
+                  f"{r['speedup_paired_median']:.2f}x, range {lo:.2f}x-{hi:.2f}x "
+                  f"({len(r['step_times']['jax'])} pairs)")  # fmt: skip
     devices = None
     if args.devices:
         devices = run_devices(args)
