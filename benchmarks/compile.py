@@ -18,7 +18,6 @@ call 3 is a plain step. Three cache settings:
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import subprocess
@@ -37,25 +36,10 @@ def worker(strategy_kind: str) -> None:
     sys.path.insert(0, os.path.join(_common.ROOT, "configs"))
     import default
 
-    from tx_jax import models, optim, parallel, train
-
     t0 = time.perf_counter()
     config = default.get_config()
     config.parallel.strategy = strategy_kind
-    cfg = models.ModelConfig.from_config(config.model, vocab_size=512, bos_id=2)
-    model = models.EncoderDecoder(cfg)
-    tx, schedule = optim.make_optimizer(config.train, cfg.d_model)
-    strategy = parallel.make_strategy(config.parallel)
-    init_fn = functools.partial(train.init_state, model, tx, config.seed)
-    shardings = None
-    if strategy.kind == "mesh":
-        shardings = strategy.state_shardings(jax.eval_shape(init_fn))
-    step_fn = functools.partial(
-        train.train_step, model=model, tx=tx, schedule=schedule,
-        label_smoothing=config.train.label_smoothing,
-    )  # fmt: skip
-    step = strategy.compile_step(step_fn, donate=True, state_shardings=shardings)
-    state = strategy.init_state(init_fn)
+    strategy, step, state = _common.config_train_step(config, vocab_size=512, bos_id=2)
     jax.block_until_ready(state)
     setup = time.perf_counter() - t0
     B, L = 32, 64

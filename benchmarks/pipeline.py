@@ -20,7 +20,6 @@ The data (TFDS synthetic builder) and tokenizer are prepared once in --workdir.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 import time
@@ -62,26 +61,7 @@ def time_pipeline(it, n: int) -> dict:
 
 
 def _step(config, task):
-    import jax
-
-    from tx_jax import models, optim, parallel, train
-
-    model_config = models.ModelConfig.from_config(
-        config.model, vocab_size=task.tokenizer.vocab_size, bos_id=task.tokenizer.bos_id
-    )
-    model = models.EncoderDecoder(model_config)
-    tx, schedule = optim.make_optimizer(config.train, model_config.d_model)
-    strategy = parallel.make_strategy(config.parallel)
-    init_fn = functools.partial(train.init_state, model, tx, config.seed)
-    shardings = None
-    if strategy.kind == "mesh":
-        shardings = strategy.state_shardings(jax.eval_shape(init_fn))
-    step_fn = functools.partial(
-        train.train_step, model=model, tx=tx, schedule=schedule,
-        label_smoothing=config.train.label_smoothing,
-    )  # fmt: skip
-    compiled = strategy.compile_step(step_fn, donate=True, state_shardings=shardings)
-    return strategy, compiled, strategy.init_state(init_fn)
+    return _common.config_train_step(config, task.tokenizer.vocab_size, task.tokenizer.bos_id)
 
 
 def time_step(strategy, compiled, state, batch, n: int):
