@@ -1,0 +1,35 @@
+"""The benchmark scripts' own logic (no timing: speed is measured in benchmarks/, not here)."""
+
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+import _common  # noqa: E402
+import train_step  # noqa: E402
+
+
+def test_set_overrides_take_the_model_config_field_types():
+    args = train_step._parse_args(
+        ["--set", "remat=full", "--set", "share_embeddings=false", "--set", "num_heads=8"]
+    )
+    cfg = train_step._model_config("small", args, 8192)
+    assert (cfg.remat, cfg.share_embeddings, cfg.num_heads) == ("full", False, 8)
+    assert (cfg.d_model, cfg.d_ff, cfg.num_encoder_layers, cfg.vocab_size) == (256, 1024, 3, 8192)
+
+
+@pytest.mark.parametrize("item", ["no_such_field=1", "remat"])
+def test_set_names_a_bad_override(item):
+    args = train_step._parse_args(["--set", item])
+    with pytest.raises(SystemExit, match=item):
+        train_step._model_config("small", args, 8192)
+
+
+def test_table_formats_numbers():
+    out = _common.table(["a", "b", "c", "d"], [[1234.5, 12.34, 0.01234, 4096]])
+    assert out.splitlines() == [
+        "| a | b | c | d |",
+        "|---|---|---|---|",
+        "| 1,234 | 12.3 | 0.0123 | 4,096 |",
+    ]
