@@ -10,7 +10,7 @@ whole Threefry block (64 bits) with JAX's partitionable Threefry. Here `threefry
 same Threefry-2x32 written out as 20 unrolled rounds of elementwise ops (one fused loop; its
 bits equal jax.random.bits(key, shape, uint32) exactly, tests/test_dropout.py), and each
 32-bit word feeds two elements through 16-bit thresholds, so the rate is exact to 1.5e-5
-(0.1 becomes 6554 / 65536 = 0.10001). BENCHMARKS.md ('dropout') has the measured effect.
+(0.1 becomes 6554 / 65536 = 0.10001). BENCHMARKS.md ('Optimisations...') has the effect.
 Leading axes keep their shapes (bits are drawn as [..., ceil(N/2)] words from per-element
 counters), so the draw is partitioned like `x` under a sharded jit.
 """

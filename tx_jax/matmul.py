@@ -11,7 +11,7 @@ whichever operand layout assignment picks: on this CPU it copied the *larger* op
 fusion that produced it, and then sometimes ran a slower generic dot. Here the backward
 materialises x^T (the smaller operand in every Transformer projection but the FFN's second
 matrix, and never more than 4x) behind an optimisation barrier, so the weight gradient is one
-canonical dot. BENCHMARKS.md ('layout-aware weight gradients') has the measured effect.
+canonical dot. BENCHMARKS.md ('Optimisations and their measured effect') has the effect.
 """
 
 from __future__ import annotations
