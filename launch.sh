@@ -10,7 +10,7 @@
 #
 # Environment: PYTHON (interpreter for the venv, >= 3.11), TX_JAX_TEST_WORKERS (pytest-xdist),
 # JAX_COMPILATION_CACHE_DIR (train/sweep: JAX's persistent compilation cache; default .jax_cache,
-# which makes a rerun's first step ~6 s faster on the default experiment: 9.9 -> 3.6 s, BENCHMARKS.md).
+# which cuts a rerun's first step from 9.9 to 3.6 s on the default experiment, BENCHMARKS.md).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
