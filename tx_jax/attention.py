@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from tx_jax.dropout import dropout
-from tx_jax.flash import flash_attention
+from tx_jax.flash import flash_attention, to_kg
 from tx_jax.matmul import dense
 from tx_jax.positional import apply_rope
 
@@ -189,18 +189,6 @@ def _split_heads(query: Array, num_kv_heads: int) -> Array:
     return query.reshape(B, L, num_kv_heads, H // num_kv_heads, D)
 
 
-def _to_kg(x: Array | None, num_kv_heads: int) -> Array | None:
-    """A mask/bias broadcastable to [B, H, L, S] -> broadcastable to [B, K, G, L, S]."""
-    if x is None:
-        return None
-    x = jnp.asarray(x)
-    x = x.reshape((1,) * (4 - x.ndim) + x.shape)
-    b, h, l, s = x.shape
-    if h == 1:
-        return x.reshape(b, 1, 1, l, s)
-    return x.reshape(b, num_kv_heads, h // num_kv_heads, l, s)
-
-
 def _attention_xla(query, key, value, mask, bias, drop, precision):
     B, L, H, D = query.shape
     K = key.shape[2]
@@ -209,8 +197,8 @@ def _attention_xla(query, key, value, mask, bias, drop, precision):
     logits = jnp.einsum("blkgd,bskd->bkgls", q, key, precision=precision)
     logits = logits.astype(jnp.float32)
     if bias is not None:
-        logits = logits + _to_kg(bias, K).astype(jnp.float32)
-    mask = _to_kg(mask, K)
+        logits = logits + to_kg(bias, K).astype(jnp.float32)
+    mask = to_kg(mask, K)
     if mask is not None:
         logits = jnp.where(mask, logits, _NEG)
     weights = jax.nn.softmax(logits, axis=-1)
@@ -268,7 +256,7 @@ def _attention_chunked_scan(query, key, value, mask, bias, is_causal, q_seg, kv_
         x = x.reshape(x.shape[:axis] + (n, C) + x.shape[axis + 1 :])
         return jnp.moveaxis(x, axis, 0)
 
-    mask_kg, bias_kg = _to_kg(mask, K), _to_kg(bias, K)
+    mask_kg, bias_kg = to_kg(mask, K), to_kg(bias, K)
     kv_valid = jnp.ones((S,), bool)  # padded to False by blocks(): padding never attends
     xs = {
         "k": blocks(key, 1, 0),

@@ -89,16 +89,16 @@ class _Spec:
 # ------------------------------------------------------------------------- block layout
 
 
-def _kg_mask(mask: Array | None, K: int) -> Array | None:
-    """bool broadcastable to [B, H, L, S] -> [B|1, K|1, G|1, L|1, S|1]."""
-    if mask is None:
+def to_kg(x: Array | None, K: int) -> Array | None:
+    """A mask/bias broadcastable to [B, H, L, S] -> [B|1, K|1, G|1, L|1, S|1] (H = K * G)."""
+    if x is None:
         return None
-    mask = jnp.asarray(mask)
-    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
-    b, h, l, s = mask.shape
+    x = jnp.asarray(x)
+    x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+    b, h, l, s = x.shape
     if h == 1:
-        return mask.reshape(b, 1, 1, l, s)
-    return mask.reshape(b, K, h // K, l, s)
+        return x.reshape(b, 1, 1, l, s)
+    return x.reshape(b, K, h // K, l, s)
 
 
 def _pad_to(x: Array, axis: int, length: int, fill) -> Array:
@@ -134,7 +134,7 @@ class _Problem:
         self.k_valid = _blocks(jnp.ones((S,), bool), 0, self.nk, C, False)  # [nk, C]
         self.q_seg = None if q_seg is None else _blocks(q_seg, 1, self.nq, Q, 0)  # [nq, B, Q]
         self.kv_seg = None if kv_seg is None else _blocks(kv_seg, 1, self.nk, C, 0)
-        mask = _kg_mask(mask, K)
+        mask = to_kg(mask, K)
         if mask is not None:  # sliced per block: pad its non-broadcast L and S axes
             mask = _pad_to(_pad_to(mask, 3, self.nq * Q, False), 4, self.nk * C, False)
         self.mask, self.rng = mask, rng
