@@ -122,6 +122,13 @@ def _jax_step(cfg, train_cfg, donate: bool):
     import flax.linen as nn
     import jax
 
+    step, init_fn = _step_and_init(cfg, train_cfg)
+    init = jax.jit(lambda: nn.meta.unbox(init_fn()))
+    return jax.jit(step, donate_argnums=(0,) if donate else ()), init
+
+
+def _step_and_init(cfg, train_cfg):
+    """(train.train_step bound to the model and optimizer, train.init_state bound likewise)."""
     from tx_jax import models, optim, train
 
     model = models.EncoderDecoder(cfg)
@@ -130,8 +137,7 @@ def _jax_step(cfg, train_cfg, donate: bool):
         train.train_step, model=model, tx=tx, schedule=schedule,
         label_smoothing=train_cfg.label_smoothing,
     )  # fmt: skip
-    init = jax.jit(lambda: nn.meta.unbox(train.init_state(model, tx, 0)))
-    return jax.jit(step, donate_argnums=(0,) if donate else ()), init
+    return step, functools.partial(train.init_state, model, tx, 0)
 
 
 class JaxRunner:
@@ -351,19 +357,13 @@ def device_worker(args) -> None:
     import jax
     import ml_collections
 
-    from tx_jax import models, optim, parallel, train
+    from tx_jax import parallel
 
     _, B, S, L, vocab = SHAPES["small"]
     cfg = _model_config("small", args, vocab)
     train_cfg = _train_config()
     batch = _batch(B, S, L, vocab)
-    model = models.EncoderDecoder(cfg)
-    tx, schedule = optim.make_optimizer(train_cfg, cfg.d_model)
-    step_fn = functools.partial(
-        train.train_step, model=model, tx=tx, schedule=schedule,
-        label_smoothing=train_cfg.label_smoothing,
-    )  # fmt: skip
-    init_fn = functools.partial(train.init_state, model, tx, 0)
+    step_fn, init_fn = _step_and_init(cfg, train_cfg)
     runners = {"1 device (jit)": JaxRunner(cfg, train_cfg, batch)}
     for kind in ("pmap", "mesh"):
         par = ml_collections.ConfigDict(
