@@ -152,14 +152,20 @@ def train_step(
     grads = jax.tree_util.tree_map(lambda g: g / denom, grads)
     grad_norm = optax.global_norm(grads)
     finite = jnp.isfinite(grad_norm) & jnp.isfinite(sums["loss"])
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), new, old)
+
+    def update():
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        return optax.apply_updates(state.params, updates), opt_state
+
+    # A conditional, not a select per leaf: jnp.where(finite, new, old) over the params and
+    # Adam moments made XLA copy every moment (186 copies of the small config, 18 MiB of
+    # temporaries) so that the donated buffers could be written in place (BENCHMARKS.md).
+    params, opt_state = lax.cond(finite, update, lambda: (state.params, state.opt_state))
     skipped = 1 - finite.astype(jnp.int32)
     new_state = state.replace(
         step=state.step + 1,
-        params=keep(params, state.params),
-        opt_state=keep(opt_state, state.opt_state),
+        params=params,
+        opt_state=opt_state,
         nonfinite_total=state.nonfinite_total + skipped,
         nonfinite_run=jnp.where(finite, 0, state.nonfinite_run + 1),
     )
