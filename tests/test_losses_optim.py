@@ -61,6 +61,21 @@ def test_accuracy_counts_weighted_argmax_hits():
     logits = jnp.array([[[0.0, 1.0, 0.0], [2.0, 0.0, 0.0], [0.0, 0.0, 5.0]]])
     correct, w = losses.accuracy(logits, jnp.array([[1, 1, 2]]), jnp.array([[1.0, 1.0, 0.0]]))
     assert (float(correct), float(w)) == (1.0, 2.0)
+    # a tie for the largest logit counts as a hit, whichever index argmax would pick
+    tie = jnp.array([[[3.0, 3.0, 0.0], [3.0, 3.0, 0.0]]])
+    correct, _ = losses.accuracy(tie, jnp.array([[0, 1]]), jnp.ones((1, 2)))
+    assert float(correct) == 2.0
+
+
+def test_accuracy_agrees_with_argmax_without_ties():
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(4, 16, 50)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 50, (4, 16)))
+    targets = targets.at[:, ::3].set(jnp.argmax(logits, -1)[:, ::3])  # some hits
+    weights = jnp.asarray(rng.integers(0, 2, (4, 16)), jnp.float32)
+    expected = float(((jnp.argmax(logits, -1) == targets) * weights).sum())
+    assert expected > 0
+    assert float(losses.accuracy(logits, targets, weights)[0]) == expected
 
 
 def _train_cfg(**kw):
