@@ -15,11 +15,12 @@ def _vjps(fn, ref, *args, cot):
 
 
 @pytest.mark.parametrize("lead", [(6,), (2, 5), (2, 3, 4)])
-def test_dense_equals_autodiff_of_the_einsum(lead):
+@pytest.mark.parametrize("k,n", [(8, 3), (3, 8), (4, 4)])  # both branches of the weight grad
+def test_dense_equals_autodiff_of_the_einsum(lead, k, n):
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.normal(size=(*lead, 8)), jnp.float32)
-    w = jnp.asarray(rng.normal(size=(8, 3)), jnp.float32)
-    g = jnp.asarray(rng.normal(size=(*lead, 3)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(*lead, k)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(k, n)), jnp.float32)
+    g = jnp.asarray(rng.normal(size=(*lead, n)), jnp.float32)
     (out, ref), grads = _vjps(
         matmul.dense, lambda a, b: jnp.einsum("...k,kn->...n", a, b), x, w, cot=g
     )

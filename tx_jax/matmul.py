@@ -9,9 +9,11 @@ minor on the left operand and major on the right, and reaches that form by trans
 whichever operand layout assignment picks: on this CPU it copied the *larger* operand (the
 [T, F] FFN hidden activations, or the [T, V] logits cotangent) into transposed order, in the
 fusion that produced it, and then sometimes ran a slower generic dot. Here the backward
-materialises x^T (the smaller operand in every Transformer projection but the FFN's second
-matrix, and never more than 4x) behind an optimisation barrier, so the weight gradient is one
-canonical dot. BENCHMARKS.md ('Optimisations and their measured effect') has the effect.
+materialises the transpose of the *smaller* operand behind an optimisation barrier, so the
+weight gradient is one canonical dot: x^T [K, T] when K <= N (every projection), and g^T
+[N, T] when K > N (the FFN's second matrix, whose [T, 4d] input would be a 4x larger copy),
+computing dw^T = g^T x and transposing the small [N, K] result. BENCHMARKS.md ('Optimisations
+and their measured effect') has the effect.
 """
 
 from __future__ import annotations
@@ -39,8 +41,14 @@ def _dense_bwd(precision, residuals, g):
     x, w = residuals
     K, N = w.shape
     dx = jnp.einsum("...n,kn->...k", g, w.astype(g.dtype), precision=precision)
-    x_t = jax.lax.optimization_barrier(x.reshape(-1, K).T)  # [K, T], materialised
-    dw = jnp.einsum("kt,tn->kn", x_t.astype(g.dtype), g.reshape(-1, N), precision=precision)
+    x, g = x.reshape(-1, K).astype(g.dtype), g.reshape(-1, N)
+    if K <= N:  # dw = x^T g with x^T [K, T] materialised
+        x_t = jax.lax.optimization_barrier(x.T)
+        dw = jnp.einsum("kt,tn->kn", x_t, g, precision=precision)
+    else:  # the FFN's second matrix: dw^T = g^T x with g^T [N, T], then transpose [N, K]
+        g_t = jax.lax.optimization_barrier(g.T)
+        dw_t = jnp.einsum("nt,tk->nk", g_t, x, precision=precision)
+        dw = jax.lax.optimization_barrier(dw_t).T
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
