@@ -47,9 +47,30 @@ def test_dropout_is_a_function_of_the_key():
     c = D.dropout(x, 0.5, jax.random.key(2))
     np.testing.assert_array_equal(a, b)
     assert (np.asarray(a) != np.asarray(c)).any()
-    # neighbouring halves of one 32-bit word are not tied together
-    kept = np.asarray(D.dropout(jnp.ones((4096, 2)), 0.5, jax.random.key(3))) != 0
-    assert abs((kept[:, 0] == kept[:, 1]).mean() - 0.5) < 0.05
+    # the four elements one Threefry block serves are not tied together
+    kept = np.asarray(D.dropout(jnp.ones((4096, 4)), 0.5, jax.random.key(3))) != 0
+    for i in range(4):
+        for j in range(i + 1, 4):
+            assert abs((kept[:, i] == kept[:, j]).mean() - 0.5) < 0.05, (i, j)
+
+
+def test_keep_mask_layout_four_draws_per_threefry_block():
+    """Element 4j + 2w + h of a row is 16-bit half h (little end first) of output word w of
+    the Threefry block for counter (0, row * blocks + j), compared with the known-answer-
+    tested threefry2x32; a trailing size that is not a multiple of 4 is trimmed."""
+    key = jax.random.key(7)
+    shape, rate = (3, 10), 0.5
+    mask = np.asarray(D.keep_mask(key, rate, shape))
+    k1, k2 = (np.uint32(v) for v in np.asarray(jax.random.key_data(key)))
+    blocks = (shape[1] + 3) // 4
+    threshold = round(rate * 65536)
+    for r in range(shape[0]):
+        for c in range(shape[1]):
+            j, w, h = c // 4, (c % 4) // 2, c % 2
+            counter = np.uint32(r * blocks + j)
+            words = D.threefry2x32(k1, k2, np.uint32(0), counter)
+            half = (int(words[w]) >> (16 * h)) & 0xFFFF
+            assert mask[r, c] == (half >= threshold), (r, c)
 
 
 def test_zero_rate_and_bad_rate():

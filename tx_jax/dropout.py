@@ -8,11 +8,12 @@ Transformer cost more than its attention: (1) JAX lowers Threefry-2x32 on CPU as
 5-iteration loop, each iteration a separate pass over memory; (2) each 32-bit draw costs a
 whole Threefry block (64 bits) with JAX's partitionable Threefry. Here `threefry_bits` is the
 same Threefry-2x32 written out as 20 unrolled rounds of elementwise ops (one fused loop; its
-bits equal jax.random.bits(key, shape, uint32) exactly, tests/test_dropout.py), and each
-32-bit word feeds two elements through 16-bit thresholds, so the rate is exact to 1.5e-5
-(0.1 becomes 6554 / 65536 = 0.10001). BENCHMARKS.md ('Optimisations...') has the effect.
-Leading axes keep their shapes (bits are drawn as [..., ceil(N/2)] words from per-element
-counters), so the draw is partitioned like `x` under a sharded jit.
+bits equal jax.random.bits(key, shape, uint32) exactly, tests/test_dropout.py). The masks
+keep both 32-bit words of each block and split each word into two 16-bit draws, so one
+block serves four elements and the rate is exact to 1.5e-5 (0.1 becomes 6554 / 65536 =
+0.10001). BENCHMARKS.md ('Optimisations...') has the effect. Leading axes keep their shapes
+(blocks are drawn as [..., ceil(N/4)] from per-element counters), so the draw is partitioned
+like `x` under a sharded jit.
 """
 
 from __future__ import annotations
@@ -48,33 +49,53 @@ def threefry2x32(k1: Array, k2: Array, x1: Array, x2: Array) -> tuple[Array, Arr
     return x1, x2
 
 
-def threefry_bits(rng: Array, shape: tuple[int, ...]) -> Array:
-    """uint32 `shape`, equal to jax.random.bits(rng, shape, jnp.uint32) for a Threefry key
-    (JAX's partitionable scheme: element i hashes the counter (0, i) and xors the halves)."""
-    size = math.prod(shape)
+def _threefry_words(rng: Array, shape: tuple[int, ...]) -> tuple[Array, Array] | None:
+    """Both uint32 output words of Threefry-2x32 on the counters (0, i), i the row-major index
+    into `shape` (JAX's partitionable scheme), or None where that scheme does not apply (a
+    non-Threefry key, jax_threefry_partitionable off, 2^32 or more elements)."""
     typed = jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
     impl = str(jax.random.key_impl(rng)) if typed else "threefry2x32"
-    if size >= 2**32 or "threefry" not in impl or not jax.config.jax_threefry_partitionable:
-        return jax.random.bits(rng, shape, jnp.uint32)
+    if math.prod(shape) >= 2**32 or "threefry" not in impl:
+        return None
+    if not jax.config.jax_threefry_partitionable:
+        return None
     data = jax.random.key_data(rng) if typed else rng
     index = jnp.zeros(shape, jnp.uint32)
     stride = 1
     for axis in reversed(range(len(shape))):  # the row-major flat index, axis by axis
         index = index + lax.broadcasted_iota(jnp.uint32, shape, axis) * np.uint32(stride)
         stride *= shape[axis]
-    b1, b2 = threefry2x32(data[0], data[1], jnp.zeros(shape, jnp.uint32), index)
-    return b1 ^ b2
+    return threefry2x32(data[0], data[1], jnp.zeros(shape, jnp.uint32), index)
+
+
+def threefry_bits(rng: Array, shape: tuple[int, ...]) -> Array:
+    """uint32 `shape`, equal to jax.random.bits(rng, shape, jnp.uint32) for a Threefry key
+    (JAX's partitionable scheme: element i hashes the counter (0, i) and xors the halves)."""
+    words = _threefry_words(rng, shape)
+    if words is None:
+        return jax.random.bits(rng, shape, jnp.uint32)
+    return words[0] ^ words[1]
 
 
 def keep_mask(rng: Array, rate: float, shape: tuple[int, ...]) -> Array:
-    """bool `shape`, True with probability 1 - round(rate * 2^16) / 2^16."""
+    """bool `shape`, True with probability 1 - round(rate * 2^16) / 2^16.
+
+    Four elements per Threefry block: both 32-bit output words of the block for counter
+    (0, j) are kept (not xored together as jax.random.bits does), and each word gives two
+    16-bit draws, so elements 4j .. 4j+3 of a row come from block j.
+    """
     threshold = round(rate * _LEVELS)
     if not shape:
         return (threefry_bits(rng, ()) >> np.uint32(16)) >= threshold
     *lead, n = shape
-    words = threefry_bits(rng, (*lead, (n + 1) // 2))
-    halves = jax.lax.bitcast_convert_type(words, jnp.uint16)  # [..., ceil(N/2), 2]
-    halves = halves.reshape(*lead, 2 * ((n + 1) // 2))[..., :n]
+    blocks = (*lead, (n + 3) // 4)
+    words = _threefry_words(rng, blocks)
+    if words is None:
+        words = jax.random.bits(rng, (*blocks, 2), jnp.uint32)
+    else:
+        words = jnp.stack(words, axis=-1)  # [..., ceil(N/4), 2]
+    halves = jax.lax.bitcast_convert_type(words, jnp.uint16)  # [..., ceil(N/4), 2, 2]
+    halves = halves.reshape(*lead, 4 * blocks[-1])[..., :n]
     return halves >= jnp.uint16(threshold)
 
 
