@@ -73,6 +73,38 @@ def test_keep_mask_layout_four_draws_per_threefry_block():
             assert mask[r, c] == (half >= threshold), (r, c)
 
 
+def _reference_mask(words: tuple[np.ndarray, np.ndarray], n: int, rate: float) -> np.ndarray:
+    """NumPy: draws 4j .. 4j+3 of a row are (w0 lo, w0 hi, w1 lo, w1 hi) of block j."""
+    w0, w1 = (np.asarray(w, np.uint32) for w in words)
+    halves = np.stack([w0 & 0xFFFF, w0 >> 16, w1 & 0xFFFF, w1 >> 16], axis=-1)
+    halves = halves.reshape(*w0.shape[:-1], 4 * w0.shape[-1])[..., :n]
+    return halves >= round(rate * 65536)
+
+
+@pytest.mark.parametrize("shape", [(64, 33, 65), (2, 3, 7, 9), (5,), (4, 1), (8, 4, 32, 32)])
+def test_keep_mask_matches_the_layout_at_any_shape(shape):
+    """The vectorised form of the layout test above, over shapes with every trailing size
+    modulo 4 (the stream is fixed: a change would change every run's dropout)."""
+    key, rate = jax.random.fold_in(jax.random.key(11), 5), 0.3
+    *lead, n = shape
+    blocks = (*lead, (n + 3) // 4)
+    k1, k2 = (np.uint32(v) for v in np.asarray(jax.random.key_data(key)))
+    counters = np.arange(np.prod(blocks), dtype=np.uint32).reshape(blocks)
+    words = D.threefry2x32(k1, k2, np.zeros_like(counters), counters)
+    expected = _reference_mask(words, n, rate)
+    np.testing.assert_array_equal(jax.jit(lambda k: D.keep_mask(k, rate, shape))(key), expected)
+
+
+def test_keep_mask_fallback_for_other_key_types():
+    """A non-Threefry key draws its words with jax.random.bits([..., blocks, 2]); the layout
+    is the same."""
+    key, rate, shape = jax.random.key(4, impl="unsafe_rbg"), 0.25, (6, 13)
+    bits = np.asarray(jax.random.bits(key, (6, 4, 2), jnp.uint32))
+    expected = _reference_mask((bits[..., 0], bits[..., 1]), 13, rate)
+    np.testing.assert_array_equal(D.keep_mask(key, rate, shape), expected)
+    assert 0.15 < 1 - expected.mean() < 0.35
+
+
 def test_zero_rate_and_bad_rate():
     x = jnp.arange(6.0)
     assert D.dropout(x, 0.0, jax.random.key(0)) is x
