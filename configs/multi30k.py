@@ -4,8 +4,9 @@
     --config=configs/multi30k.py:pair=fr-en,variant=base
     --config=configs/multi30k.py:debug                   seconds (still reads the Multi30k files)
 
-Variants: `small` (d_model 256, 3+3 layers: ~36-41 test BLEU on test_2016_flickr en->de on
-one GPU, hours on a CPU), `base` (the paper's base model; overfits 29k pairs), `debug`.
+Variants: `small` (d_model 256, 3+3 layers: 38.32 test BLEU on test_2016_flickr en->de with
+beam 4 at step 2,794, 2 h 21 min on 2 CPU cores; README Results), `base` (the paper's base
+model; overfits 29k pairs), `debug`.
 Built on configs/default.py; every key set here is commented, the others are default.py's.
 """
 
