@@ -24,6 +24,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
+from train_step import SHAPES  # noqa: E402
 
 MASK_SHAPES = [(64, 32, 1024), (64, 4, 32, 32), (64, 32, 256)]  # FFN hidden, weights, residual
 
@@ -71,17 +72,19 @@ def main(argv=None) -> None:
 
     variants = {args.old: _load_old(args.old).keep_mask, "this tree": D.keep_mask}
     tc = default.get_config().train
+    overrides, B, S, L, V = SHAPES["small"]  # train_step.py's small config
     cfg = models.ModelConfig(
-        d_model=256, num_heads=4, d_ff=1024, num_encoder_layers=3, num_decoder_layers=3,
-        vocab_size=8192, dropout_rate=0.1, attention_dropout_rate=0.1, ffn_dropout_rate=0.1,
+        **overrides, vocab_size=V, dropout_rate=0.1, attention_dropout_rate=0.1,
+        ffn_dropout_rate=0.1,
     )  # fmt: skip
     model = models.EncoderDecoder(cfg)
     tx, schedule = optim.make_optimizer(tc, cfg.d_model)
     init = jax.jit(lambda: nn.meta.unbox(train.init_state(model, tx, 0)))
     rng = np.random.default_rng(0)
-    batch = jax.device_put(
-        {k: rng.integers(3, 8192, (64, 32)).astype(np.int32) for k in ("inputs", "targets")}
-    )
+    batch = jax.device_put({
+        "inputs": rng.integers(3, V, (B, S)).astype(np.int32),
+        "targets": rng.integers(3, V, (B, L)).astype(np.int32),
+    })  # fmt: skip
     steps, current = {}, D.keep_mask
     for name, keep_mask in variants.items():
         D.keep_mask = keep_mask  # read when the step is traced
