@@ -116,23 +116,27 @@ def write_json(name: str, payload: dict[str, Any], path: str | None = None) -> s
 
 def config_train_step(config, vocab_size: int, bos_id: int):
     """(strategy, compiled step, initial state) for `config` exactly as train.py builds them:
-    tx_jax.parallel's strategy (config.parallel), the real train_step, state donated."""
+    tx_jax.training.parallel's strategy (config.parallel), the real train_step, state donated."""
     import functools
 
     import jax
 
-    from tx_jax import models, optim, parallel, train
+    from tx_jax.model.config import ModelConfig
+    from tx_jax.model.transformer import EncoderDecoder
+    from tx_jax.training import optim, parallel
+    from tx_jax.training.state import init_state
+    from tx_jax.training.step import train_step
 
-    cfg = models.ModelConfig.from_config(config.model, vocab_size=vocab_size, bos_id=bos_id)
-    model = models.EncoderDecoder(cfg)
+    cfg = ModelConfig.from_config(config.model, vocab_size=vocab_size, bos_id=bos_id)
+    model = EncoderDecoder(cfg)
     tx, schedule = optim.make_optimizer(config.train, cfg.d_model)
     strategy = parallel.make_strategy(config.parallel)
-    init_fn = functools.partial(train.init_state, model, tx, config.seed)
+    init_fn = functools.partial(init_state, model, tx, config.seed)
     shardings = None
     if strategy.kind == "mesh":
         shardings = strategy.state_shardings(jax.eval_shape(init_fn))
     step_fn = functools.partial(
-        train.train_step, model=model, tx=tx, schedule=schedule,
+        train_step, model=model, tx=tx, schedule=schedule,
         label_smoothing=config.train.label_smoothing,
     )  # fmt: skip
     step = strategy.compile_step(step_fn, donate=True, state_shardings=shardings)

@@ -2,7 +2,7 @@
 
     python benchmarks/attention.py [--lengths 128,256,512,1024,2048,4096] [--reps 3]
 
-For each implementation of tx_jax.attention.dot_product_attention ('xla', 'chunked'; 'cudnn'
+For each implementation of tx_jax.model.attention.dot_product_attention ('xla', 'chunked'; 'cudnn'
 only on a GPU), forward and forward+backward (the gradient of sum(out * cotangent) with respect
 to q, k and v), causal self-attention with a padding mask given as segment ids, shapes
 [B, L, H, D] = [1, L, 8, 64] (one head group of the paper's base model), float32. Memory is
@@ -36,7 +36,7 @@ def _functions(impl: str, chunk_size: int):
     import jax
     import jax.numpy as jnp
 
-    from tx_jax import attention
+    from tx_jax.model import attention
 
     def forward(q, k, v, cot, seg):
         return attention.dot_product_attention(

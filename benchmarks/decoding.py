@@ -29,7 +29,9 @@ import _common  # noqa: E402  (puts this checkout first on sys.path)
 sys.path.insert(0, os.path.join(_common.ROOT, "configs"))
 import default  # noqa: E402
 
-from tx_jax import decoding, models  # noqa: E402
+from tx_jax.inference import decoding  # noqa: E402
+from tx_jax.model.config import ModelConfig
+from tx_jax.model.transformer import EncoderDecoder
 
 
 def timed(fn, repeats: int) -> float:
@@ -52,10 +54,8 @@ def main():
     parser.add_argument("--out", default="", help="default benchmarks/results/decoding.json")
     args = parser.parse_args()
     threads = _common.pin_threads(args.threads)
-    cfg = models.ModelConfig.from_config(
-        default.get_config().model, vocab_size=512, dropout_rate=0.0
-    )
-    model = models.EncoderDecoder(cfg)
+    cfg = ModelConfig.from_config(default.get_config().model, vocab_size=512, dropout_rate=0.0)
+    model = EncoderDecoder(cfg)
     B = args.batch
     src = jnp.asarray(np.random.default_rng(0).integers(4, 512, (B, args.source_len)), jnp.int32)
     params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(1), src, src)["params"])

@@ -3,7 +3,7 @@
     python benchmarks/dropout_ab.py --old 15234f6 [--reps 11] [--threads 2]
 
 Both versions run in one process: the older tx_jax/dropout.py is loaded from git under
-another module name and swapped into tx_jax.dropout while the step is traced, so the two
+another module name and swapped into tx_jax.ops.dropout while the step is traced, so the two
 compiled steps differ only in how the masks are drawn. Checks first that both give the same
 three losses (the same random stream, bit for bit), then interleaves the two steps (3 steps
 per repetition, medians and per-pair ratios) and the masks alone at the small config's
@@ -30,10 +30,15 @@ MASK_SHAPES = [(64, 32, 1024), (64, 4, 32, 32), (64, 32, 256)]  # FFN hidden, we
 
 
 def _load_old(rev: str):
-    src = subprocess.run(
-        ["git", "show", f"{rev}:tx_jax/dropout.py"], cwd=_common.ROOT, check=True,
-        capture_output=True, text=True,
-    ).stdout  # fmt: skip
+    for where in ("tx_jax/ops/dropout.py", "tx_jax/dropout.py"):  # the layered tree, older ones
+        show = subprocess.run(
+            ["git", "show", f"{rev}:{where}"], cwd=_common.ROOT, capture_output=True, text=True
+        )
+        if show.returncode == 0:
+            break
+    else:
+        raise SystemExit(f"{rev} has no tx_jax/ops/dropout.py nor tx_jax/dropout.py")
+    src = show.stdout
     path = os.path.join(tempfile.mkdtemp(), f"dropout_{rev}.py")
     with open(path, "w") as f:
         f.write(src)
@@ -54,7 +59,7 @@ def _interleave(fns: dict, reps: int, run) -> dict[str, list[float]]:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--old", required=True, help="git revision whose tx_jax/dropout.py to compare")
+    p.add_argument("--old", required=True, help="git revision whose dropout.py to compare")
     p.add_argument("--reps", type=int, default=11)
     p.add_argument("--threads", type=int, default=0)
     args = p.parse_args(argv)
@@ -64,8 +69,12 @@ def main(argv=None) -> None:
     import jax
     import numpy as np
 
-    from tx_jax import dropout as D
-    from tx_jax import models, optim, train
+    from tx_jax.model.config import ModelConfig
+    from tx_jax.model.transformer import EncoderDecoder
+    from tx_jax.ops import dropout as D
+    from tx_jax.training import optim
+    from tx_jax.training.state import init_state
+    from tx_jax.training.step import train_step
 
     sys.path.insert(0, os.path.join(_common.ROOT, "configs"))
     import default
@@ -73,13 +82,13 @@ def main(argv=None) -> None:
     variants = {args.old: _load_old(args.old).keep_mask, "this tree": D.keep_mask}
     tc = default.get_config().train
     overrides, B, S, L, V = SHAPES["small"]  # train_step.py's small config
-    cfg = models.ModelConfig(
+    cfg = ModelConfig(
         **overrides, vocab_size=V, dropout_rate=0.1, attention_dropout_rate=0.1,
         ffn_dropout_rate=0.1,
     )  # fmt: skip
-    model = models.EncoderDecoder(cfg)
+    model = EncoderDecoder(cfg)
     tx, schedule = optim.make_optimizer(tc, cfg.d_model)
-    init = jax.jit(lambda: nn.meta.unbox(train.init_state(model, tx, 0)))
+    init = jax.jit(lambda: nn.meta.unbox(init_state(model, tx, 0)))
     rng = np.random.default_rng(0)
     batch = jax.device_put({
         "inputs": rng.integers(3, V, (B, S)).astype(np.int32),
@@ -89,7 +98,7 @@ def main(argv=None) -> None:
     for name, keep_mask in variants.items():
         D.keep_mask = keep_mask  # read when the step is traced
         step = functools.partial(  # a new function object: jit caches traces by identity
-            train.train_step, model=model, tx=tx, schedule=schedule,
+            train_step, model=model, tx=tx, schedule=schedule,
             label_smoothing=tc.label_smoothing,
         )  # fmt: skip
         steps[name] = jax.jit(step, donate_argnums=(0,)).lower(init(), batch).compile()

@@ -9,10 +9,11 @@ tokens/s (real, non-padding target tokens):
   pipeline, cold   the first --batches batches of a fresh iterator (SentencePiece encodes each
                    pair on first read; grain shuffling, filtering, packing)
   pipeline, warm   --batches batches after a whole epoch (tokens cached in memory)
-  train step       the jitted step alone on one placed batch (tx_jax.parallel, the config's
+  train step       the jitted step alone on one placed batch (tx_jax.training.parallel, the config's
                    strategy, state donated), i.e. what the model can consume
   train loop       next(iterator) + placement + step with at most one step in flight, as in
-                   train.train_and_evaluate (the pipeline and the step share the CPU cores)
+                   experiment.loop.train_and_evaluate (the pipeline and the step share
+                   the CPU cores)
 
 The data (TFDS synthetic builder) and tokenizer are prepared once in --workdir.
 """

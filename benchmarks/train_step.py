@@ -8,7 +8,7 @@ output projection (logits = x E^T), sinusoidal positions scaled by sqrt(d_model)
 layers, label-smoothed (0.1) cross-entropy, Adam (0.9, 0.98, 1e-9) with the paper's rsqrt
 schedule and global-norm clipping at 1.0, dropout at the same sites (embeddings, residuals,
 attention weights and FFN hidden units, the sites torch.nn.Transformer has). tx_jax runs its
-real `train.train_step` (jit, state donated) and `optim.make_optimizer`; PyTorch runs an eager
+real `train_step` (jit, state donated) and `optim.make_optimizer`; PyTorch runs an eager
 loop (zero_grad, forward, backward, clip, step). Repetitions are interleaved (jax rep, torch
 rep, jax rep, ...) and each rep times `--steps` steps; the table gives medians over reps.
 
@@ -16,13 +16,13 @@ Threads: the process is pinned to `--threads` CPUs (XLA sizes its CPU thread poo
 affinity mask) and torch.set_num_threads gets the same number.
 
 tokens/s counts target tokens (B x L, what the training log reports); source tokens are as
-many again. MFU = tx_jax.flops train FLOPs per step / step time / peak, where the peak is the
-best median of large float32 matmuls (2048^2 and 4096^2, JAX and torch) measured here.
+many again. MFU = tx_jax.analysis.flops train FLOPs per step / step time / peak, where the
+peak is the best median of large float32 matmuls (2048^2 and 4096^2, JAX and torch) measured here.
 
 `--devices` also runs the small config on 8 forced CPU devices (a subprocess with
 XLA_FLAGS=--xla_force_host_platform_device_count=8): one device (jit), 'pmap' and 'mesh'
-(data=8) through tx_jax.parallel, tokens/s each. These share the same 2 cores, so they measure
-the strategies' overhead, not a speed-up.
+(data=8) through tx_jax.training.parallel, tokens/s each. These share the same 2 cores, so
+they measure the strategies' overhead, not a speed-up.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ SHAPES = {
     # name: model overrides, batch rows, source length, target length, vocabulary
     "small": (dict(d_model=256, num_heads=4, d_ff=1024, num_encoder_layers=3,
                    num_decoder_layers=3), 64, 32, 32, 8192),
-    "base": (dict(), 32, 32, 32, 8192),  # tx_jax.models.VARIANTS['base']; batch 32 on CPU
+    "base": (dict(), 32, 32, 32, 8192),  # tx_jax.VARIANTS['base']; batch 32 on CPU
 }  # fmt: skip
 
 
@@ -83,18 +83,19 @@ def _parse_args(argv=None):
 
 
 def _model_config(name: str, args, vocab: int):
-    from tx_jax import config_utils, models
+    from tx_jax import config as config_utils
+    from tx_jax.model.config import VARIANTS, ModelConfig
 
     overrides, *_ = SHAPES[name]
-    base = models.VARIANTS["base"] if name == "base" else {}
+    base = VARIANTS["base"] if name == "base" else {}
     extra = {}
-    defaults = {f.name: f.default for f in dataclasses.fields(models.ModelConfig)}
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep or key not in defaults:
             raise SystemExit(f"--set {item!r}: expected KEY=VALUE with KEY a ModelConfig field")
         extra[key] = config_utils.convert_text(value, defaults[key])
-    return models.ModelConfig(
+    return ModelConfig(
         **{**base, **overrides, "vocab_size": vocab, "dropout_rate": args.dropout,
            "attention_dropout_rate": args.dropout, "ffn_dropout_rate": args.dropout, **extra}
     )  # fmt: skip
@@ -128,16 +129,19 @@ def _jax_step(cfg, train_cfg, donate: bool):
 
 
 def _step_and_init(cfg, train_cfg):
-    """(train.train_step bound to the model and optimizer, train.init_state bound likewise)."""
-    from tx_jax import models, optim, train
+    """(train_step bound to the model and optimizer, init_state bound likewise)."""
+    from tx_jax.model.transformer import EncoderDecoder
+    from tx_jax.training import optim
+    from tx_jax.training.state import init_state
+    from tx_jax.training.step import train_step
 
-    model = models.EncoderDecoder(cfg)
+    model = EncoderDecoder(cfg)
     tx, schedule = optim.make_optimizer(train_cfg, cfg.d_model)
     step = functools.partial(
-        train.train_step, model=model, tx=tx, schedule=schedule,
+        train_step, model=model, tx=tx, schedule=schedule,
         label_smoothing=train_cfg.label_smoothing,
     )  # fmt: skip
-    return step, functools.partial(train.init_state, model, tx, 0)
+    return step, functools.partial(init_state, model, tx, 0)
 
 
 class JaxRunner:
@@ -304,7 +308,7 @@ def measure_peak(torch, sizes=(2048, 4096), reps=5) -> dict[str, float]:
 
 
 def compare(name: str, args, torch, peak: float) -> dict:
-    from tx_jax import flops
+    from tx_jax.analysis import flops
 
     overrides, B, S, L, vocab = SHAPES[name]
     if name == "base":
@@ -357,7 +361,7 @@ def device_worker(args) -> None:
     import jax
     import ml_collections
 
-    from tx_jax import parallel
+    from tx_jax.training import parallel
 
     _, B, S, L, vocab = SHAPES["small"]
     cfg = _model_config("small", args, vocab)

@@ -4,13 +4,13 @@
                                                --workdir=runs/default)
     --config=configs/default.py:debug       shrinks everything to seconds (tests, smoke runs)
 
-Sections: model (-> tx_jax.models.ModelConfig), data, train, eval, checkpoint, parallel.
+Sections: model (-> tx_jax.model.ModelConfig), data, train, eval, checkpoint, parallel.
 """
 
 import ml_collections
 
-from tx_jax.config_utils import parse_arg
-from tx_jax.parallel import DEFAULT_RULES
+from tx_jax.config import parse_arg
+from tx_jax.training.parallel import DEFAULT_RULES
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -104,6 +104,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.alpha = 0.6  # GNMT length penalty for beam search
     c.eval.test_beam_size = 0  # beam for the final test-split score; 0: eval.beam_size
     c.eval.test_split = "test"  # scored at the end of training ('' to skip)
+    c.eval.average_last = 0  # > 0: the test score (and `evaluate`) use the last K checkpoints' mean
 
     # Checkpoints (Orbax).
     c.checkpoint = ml_collections.ConfigDict()

@@ -12,7 +12,7 @@ Built on configs/default.py; every key set here is commented, the others are def
 
 import ml_collections
 
-from tx_jax.config_utils import parse_arg, repo_path, sibling_config
+from tx_jax.config import parse_arg, repo_path, sibling_config
 
 VARIANTS = ("default", "multi30k", "debug")
 

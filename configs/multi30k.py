@@ -12,9 +12,9 @@ Built on configs/default.py; every key set here is commented, the others are def
 
 import ml_collections
 
-from tx_jax import models
-from tx_jax.config_utils import parse_arg, repo_path, sibling_config
+from tx_jax.config import parse_arg, repo_path, sibling_config
 from tx_jax.data.multi30k import LANGUAGES
+from tx_jax.model.config import VARIANTS as MODEL_VARIANTS
 
 VARIANTS = ("small", "base", "debug")
 
@@ -40,8 +40,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c = sibling_config(__file__, "default")
     c.task = "translation"  # EncoderDecoder
 
-    # Model: 'small' (base: models.VARIANTS['base'], the paper's Table 3 base row).
-    c.model.update(models.VARIANTS["small"])  # M 256, H 4, d_ff 1024, 3 + 3 layers
+    # Model: 'small' (base: MODEL_VARIANTS['base'], the paper's Table 3 base row).
+    c.model.update(MODEL_VARIANTS["small"])  # M 256, H 4, d_ff 1024, 3 + 3 layers
     c.model.dropout_rate = 0.3  # 29k pairs overfit quickly: heavy dropout helps most
     c.model.attention_dropout_rate = 0.1
     c.model.norm_position = "post"  # the paper's post-LN (3 layers train fine without pre-LN)
@@ -89,23 +89,28 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.checkpoint.best_mode = "max"
 
     if args.variant == "base":
-        c.model.update(models.VARIANTS["base"])  # M 512, H 8, d_ff 2048, 6 + 6 layers
+        c.model.update(MODEL_VARIANTS["base"])  # M 512, H 8, d_ff 2048, 6 + 6 layers
         c.model.dropout_rate = 0.3  # the paper's 0.1 overfits Multi30k within a few epochs
         c.train.warmup_steps = 4000  # the paper's warmup
         c.train.lr_scale = 1.0  # peak 512^-0.5 * 4000^-0.5 = 7.0e-4
         c.train.num_steps = 20_000
     elif args.variant == "debug":
-        c.model.update(d_model=32, num_heads=2, d_ff=64, num_encoder_layers=1,
-                       num_decoder_layers=1, dropout_rate=0.0,
-                       attention_dropout_rate=0.0)  # fmt: skip
-        c.data.vocab_size = 200  # small enough for a few hundred fixture lines
-        c.data.tokenizer_pairs = 500
-        c.data.max_len = 32
-        c.data.max_eval_len = 32
-        c.data.bucket_boundaries = [32]
-        c.data.tokens_per_batch = 512  # 16 rows of 32
-        c.data.eval_batch_size = 16
-        c.train.update(num_steps=8, warmup_steps=4, lr_scale=0.5, log_every=2)
-        c.eval.update(every=4, bleu_examples=16, test_beam_size=2)
-        c.checkpoint.every = 4
+        shrink_to_debug(c, bleu_examples=16)
     return c
+
+
+def shrink_to_debug(c: ml_collections.ConfigDict, bleu_examples: int) -> None:
+    """The `debug` variant over the real Multi30k files (also configs/multilingual.py's):
+    a one-layer model and one batch shape, so that a run takes seconds."""
+    c.model.update(d_model=32, num_heads=2, d_ff=64, num_encoder_layers=1,
+                   num_decoder_layers=1, dropout_rate=0.0, attention_dropout_rate=0.0)  # fmt: skip
+    c.data.vocab_size = 200  # small enough for a few hundred fixture lines per language
+    c.data.tokenizer_pairs = 500
+    c.data.max_len = 32
+    c.data.max_eval_len = 32
+    c.data.bucket_boundaries = [32]
+    c.data.tokens_per_batch = 512  # 16 rows of 32
+    c.data.eval_batch_size = 16
+    c.train.update(num_steps=8, warmup_steps=4, lr_scale=0.5, log_every=2)
+    c.eval.update(every=4, bleu_examples=bleu_examples, test_beam_size=2)
+    c.checkpoint.every = 4

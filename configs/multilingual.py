@@ -25,7 +25,7 @@ Built on configs/default.py; every key set here is commented, the others are def
 
 import ml_collections
 
-from tx_jax.config_utils import parse_arg, repo_path, sibling_config
+from tx_jax.config import parse_arg, repo_path, sibling_config, sibling_module
 from tx_jax.data import directions as directions_lib
 from tx_jax.data.mixture import MIXTURES
 from tx_jax.data.multi30k import LANGUAGES
@@ -124,17 +124,5 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.checkpoint.best_mode = "max"
 
     if args.variant == "debug":
-        c.model.update(d_model=32, num_heads=2, d_ff=64, num_encoder_layers=1,
-                       num_decoder_layers=1, dropout_rate=0.0,
-                       attention_dropout_rate=0.0)  # fmt: skip
-        c.data.vocab_size = 200  # small enough for a few hundred lines per language
-        c.data.tokenizer_pairs = 500
-        c.data.max_len = 32
-        c.data.max_eval_len = 32
-        c.data.bucket_boundaries = [32]
-        c.data.tokens_per_batch = 512  # 16 rows of 32
-        c.data.eval_batch_size = 16
-        c.train.update(num_steps=8, warmup_steps=4, lr_scale=0.5, log_every=2)
-        c.eval.update(every=4, bleu_examples=8, test_beam_size=2)
-        c.checkpoint.every = 4
+        sibling_module(__file__, "multi30k").shrink_to_debug(c, bleu_examples=8)
     return c

@@ -13,8 +13,8 @@ Built on configs/default.py; every key set here is commented, the others are def
 
 import ml_collections
 
-from tx_jax import models
-from tx_jax.config_utils import parse_arg, sibling_config
+from tx_jax.config import parse_arg, sibling_config
+from tx_jax.model.config import VARIANTS as MODEL_VARIANTS
 
 VARIANTS = ("base", "big", "debug")
 DIRECTIONS = ("en-de", "de-en")
@@ -36,7 +36,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.task = "translation"  # EncoderDecoder
 
     # Model: Table 3's base row (big below); post-LN, sinusoidal positions, tied embeddings.
-    c.model.update(models.VARIANTS["base"])  # M 512, H 8, d_ff 2048, 6 + 6 layers, P_drop 0.1
+    c.model.update(MODEL_VARIANTS["base"])  # M 512, H 8, d_ff 2048, 6 + 6 layers, P_drop 0.1
     c.model.attention_dropout_rate = 0.0  # the paper drops residuals and embeddings only
     c.model.norm_position = "post"  # the paper's post-LN
     c.model.positional = "sinusoidal"  # section 3.5
@@ -100,7 +100,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.parallel.strategy = "mesh"
 
     if args.variant == "big":
-        c.model.update(models.VARIANTS["big"])  # M 1024, H 16, d_ff 4096, 6 + 6 layers
+        c.model.update(MODEL_VARIANTS["big"])  # M 1024, H 16, d_ff 4096, 6 + 6 layers
         c.model.dropout_rate = 0.3  # P_drop 0.3 for EN-DE big (Table 3; 0.1 for EN-FR)
         c.train.num_steps = 300_000  # 3.5 days on 8 P100s
         c.eval.average_last = 20  # section 6.1: the last 20 checkpoints

@@ -9,7 +9,7 @@ argues that transfer follows similarity (English and German: both Germanic); her
 the high-resource language, French (Romance, many English loanwords) and Czech (Slavic) are
 the low-resource ones, and the question is which of them gains more from German.
 
-Runs (every one through tx_jax.train.train_and_evaluate, configs/multilingual.py, the same
+Runs (every one through tx_jax.experiment.loop.train_and_evaluate, configs/multilingual.py, the same
 model size and one shared SentencePiece vocabulary with the tags <2cs> <2de> <2en> <2fr>):
 
     multi     one model for en<->de (all 29k pairs) and en<->fr, en<->cs (LOW_PAIRS pairs
@@ -44,9 +44,11 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `python experiments/language_similarity.py` from anywhere
     sys.path.insert(0, str(REPO))
 
-from tx_jax import multilingual, restore, similarity, train  # noqa: E402
-from tx_jax.config_utils import apply_overrides, sibling_config  # noqa: E402
+from tx_jax.analysis import similarity  # noqa: E402
+from tx_jax.config import apply_overrides, sibling_config  # noqa: E402
 from tx_jax.data import directions as directions_lib  # noqa: E402
+from tx_jax.experiment.loop import train_and_evaluate  # noqa: E402
+from tx_jax.inference import multilingual, restore  # noqa: E402
 
 LANGS = ("en", "de", "fr", "cs")
 HIGH = "de"  # the high-resource language
@@ -136,7 +138,7 @@ def train_all(configs: dict, root: pathlib.Path, log=print) -> dict[str, float]:
     for name, config in configs.items():
         start = time.time()
         log(f"[{name}] training in {root / name}")
-        final = train.train_and_evaluate(config, str(root / name))
+        final = train_and_evaluate(config, str(root / name))
         walls[name] = round(time.time() - start, 1)
         if "stopped_at" in final:  # SIGTERM/SIGINT: checkpoint saved; rerun to resume
             raise SystemExit(f"[{name}] stopped at step {int(final['stopped_at'])}: rerun "

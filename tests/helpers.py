@@ -15,6 +15,8 @@ sys.path.insert(0, str(ROOT / "configs"))
 
 import default as default_config  # noqa: E402
 
+from tx_jax.config import apply_overrides  # noqa: E402
+
 
 def tiny_config(data_dir: str | os.PathLike, **overrides) -> ml_collections.ConfigDict:
     """configs/default.py:debug with one bucket shape, no BLEU, and `overrides` (dotted)."""
@@ -30,12 +32,7 @@ def tiny_config(data_dir: str | os.PathLike, **overrides) -> ml_collections.Conf
     c.eval.every = 1000
     c.checkpoint.async_save = False
     c.train.log_every = 1
-    for key, value in overrides.items():
-        node = c
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
+    apply_overrides(c, overrides)
     return c
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from conftest import reference_attention
 
-from tx_jax import attention as A
+from tx_jax.model import attention as A
 
 IMPLS = ["xla", "chunked"]
 
@@ -162,7 +162,7 @@ def test_chunked_gradients_equal_xla(rng, masking, shape):
 def test_chunked_gradients_with_dropout_equal_autodiff_of_the_same_forward(rng):
     """With dropout the masks differ from 'xla''s, so the custom VJP is checked against
     autodiff through flash.py's own forward pass (the same per-block dropout draws)."""
-    from tx_jax import flash
+    from tx_jax.model import flash
 
     q, k, v, q_seg, kv_seg = _random_problem(rng, L=17, S=23)
     cot = rng.normal(size=q.shape).astype(np.float32)

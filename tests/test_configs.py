@@ -8,8 +8,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from tx_jax import models, restore, train
-from tx_jax.config_utils import apply_overrides, parse_arg
+from tx_jax.config import apply_overrides, parse_arg
+from tx_jax.experiment.validation import validate_config
+from tx_jax.inference import restore
+from tx_jax.model import TASKS
+from tx_jax.model.config import ModelConfig
+from tx_jax.model.transformer import DecoderOnly, EncoderDecoder, count_params
 
 CONFIG_DIR = pathlib.Path(__file__).parent.parent / "configs"
 CONFIGS = sorted(CONFIG_DIR.glob("*.py"))
@@ -38,16 +42,16 @@ def load(path: pathlib.Path):
 @pytest.mark.parametrize("path,arg", CASES, ids=[f"{p.stem}:{a}" for p, a in CASES])
 def test_config_builds_and_model_eval_shapes(path, arg):
     config = load(path).get_config(arg)
-    train.validate_config(config)
+    validate_config(config)
     task = restore.task_of(config)
-    assert task in train.TASKS
-    cfg = models.ModelConfig.from_config(config.model)
+    assert task in TASKS
+    cfg = ModelConfig.from_config(config.model)
     model = restore.make_model(cfg, task)
-    assert isinstance(model, models.DecoderOnly if task == "lm" else models.EncoderDecoder)
+    assert isinstance(model, DecoderOnly if task == "lm" else EncoderDecoder)
     tokens = jnp.ones((2, 8), jnp.int32)
     inputs = (tokens,) if task == "lm" else (tokens, tokens)
     shapes = jax.eval_shape(model.init, jax.random.key(0), *inputs)
-    assert models.count_params(shapes["params"]) > 0
+    assert count_params(shapes["params"]) > 0
 
 
 def test_config_values():
@@ -121,14 +125,14 @@ def test_lm_config_validation_errors():
     config = load(CONFIG_DIR / "lm.py").get_config("debug")
     config.checkpoint.best_metric = "bleu"
     with pytest.raises(ValueError, match="checkpoint.best_metric='bleu': a language model"):
-        train.validate_config(config)
+        validate_config(config)
     config = load(CONFIG_DIR / "lm.py").get_config("debug")
     config.data.lm_side = "middle"
     with pytest.raises(ValueError, match="data.lm_side='middle'"):
-        train.validate_config(config)
+        validate_config(config)
     config.task = "classification"
     with pytest.raises(ValueError, match="task='classification'"):
-        train.validate_config(config)
+        validate_config(config)
 
 
 def test_parse_arg_types_and_errors():

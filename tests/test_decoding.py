@@ -9,14 +9,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tx_jax import decoding, models
+from tx_jax.inference import decoding
+from tx_jax.model.config import variant
+from tx_jax.model.transformer import DecoderOnly, EncoderDecoder, shift_right
 
 V = 11  # pad 0, 1, bos 2, eos 3, 4..10
 BOS, EOS = 2, 3
 
 
 def _cfg(vocab=V, **kw):
-    return models.variant("tiny", vocab_size=vocab, dropout_rate=0.0, **kw)
+    return variant("tiny", vocab_size=vocab, dropout_rate=0.0, **kw)
 
 
 def _params(model, *args, seed=0):
@@ -32,7 +34,7 @@ T_OUT = 8  # one output length for the translation tests: they share compiled fu
 @pytest.fixture(scope="module")
 def translation():
     cfg = _cfg()
-    return cfg, _params(models.EncoderDecoder(cfg), SRC, TGT)
+    return cfg, _params(EncoderDecoder(cfg), SRC, TGT)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -52,7 +54,7 @@ def _stepwise(build, params, decoder_inputs):
 @pytest.fixture(scope="module")
 def language_model():
     cfg = _cfg(positional="learned", norm_position="pre", num_kv_heads=1)
-    return cfg, _params(models.DecoderOnly(cfg), TGT)
+    return cfg, _params(DecoderOnly(cfg), TGT)
 
 
 def _check_ends(tokens, eos=EOS):
@@ -75,14 +77,14 @@ def test_cached_logits_equal_full_forward_encoder_decoder(translation, variant):
     cfg, params = translation
     if variant == "rope":  # with grouped-query attention and pre-LN
         cfg = _cfg(positional="rope", num_kv_heads=2, norm_position="pre")
-        params = _params(models.EncoderDecoder(cfg), SRC, TGT)
-    model = models.EncoderDecoder(cfg)
+        params = _params(EncoderDecoder(cfg), SRC, TGT)
+    model = EncoderDecoder(cfg)
     want = jax.jit(model.apply)({"params": params}, SRC, TGT)  # teacher forcing: [B, L, V]
     for use_cache in (True, False):
         build = lambda p, use_cache=use_cache: decoding.encoder_decoder_logits_fn(
             cfg, p, SRC, max_decode_len=TGT.shape[1], use_cache=use_cache
         )
-        got, cache = _stepwise(build, params, models.shift_right(TGT, BOS))
+        got, cache = _stepwise(build, params, shift_right(TGT, BOS))
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{use_cache=}")
         if use_cache:
             layer = cache["decoder"]["layer_0"]
@@ -92,12 +94,12 @@ def test_cached_logits_equal_full_forward_encoder_decoder(translation, variant):
 
 def test_cached_logits_equal_full_forward_language_model(language_model):
     cfg, params = language_model
-    want = jax.jit(models.DecoderOnly(cfg).apply)({"params": params}, TGT)
+    want = jax.jit(DecoderOnly(cfg).apply)({"params": params}, TGT)
     for use_cache in (True, False):
         build = lambda p, use_cache=use_cache: decoding.decoder_only_logits_fn(
             cfg, p, TGT.shape[0], max_decode_len=TGT.shape[1], use_cache=use_cache
         )
-        got, _ = _stepwise(build, params, models.shift_right(TGT, BOS))
+        got, _ = _stepwise(build, params, shift_right(TGT, BOS))
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{use_cache=}")
 
 
@@ -130,7 +132,7 @@ def test_decode_length_is_source_plus_50_capped():
 def test_greedy_is_argmax_of_the_full_model(translation):
     cfg, params = translation
     T = T_OUT
-    model = models.EncoderDecoder(cfg)
+    model = EncoderDecoder(cfg)
     full = jax.jit(
         lambda y: model.apply({"params": params}, SRC, y, targets_segmentation=jnp.ones_like(y))
     )
@@ -190,7 +192,7 @@ def _all_hypotheses():
 def small():
     """The model, and log p(y | x) of every hypothesis y [H, T] in float64: [B, H]."""
     cfg = _cfg(vocab=SMALL_V)
-    model = models.EncoderDecoder(cfg)
+    model = EncoderDecoder(cfg)
     params = _params(model, SMALL_SRC, SMALL_SRC, seed=2)
     hyps, lengths = _all_hypotheses()
     B, H = SMALL_SRC.shape[0], len(hyps)

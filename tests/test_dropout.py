@@ -1,4 +1,4 @@
-"""tx_jax.dropout: unrolled Threefry bits equal JAX's, and dropout's statistics."""
+"""tx_jax.ops.dropout: unrolled Threefry bits equal JAX's, and dropout's statistics."""
 
 import flax
 import flax.linen as nn
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tx_jax import dropout as D
+from tx_jax.ops import dropout as D
 
 
 def test_threefry_known_answers():

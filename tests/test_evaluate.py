@@ -17,9 +17,11 @@ import pytest
 import sacrebleu
 from helpers import ROOT, run_python, tiny_config
 
-from tx_jax import averaging, evaluate, restore, train, translate
-from tx_jax.checkpoint import Checkpointer
 from tx_jax.data import tasks
+from tx_jax.experiment.loop import train_and_evaluate
+from tx_jax.experiment.validation import validate_config
+from tx_jax.inference import averaging, evaluation, restore, translation
+from tx_jax.training.checkpoint import Checkpointer
 
 STEPS, EVERY = 90, 30  # checkpoints at 30, 60, 90: enough to translate lines differently
 
@@ -30,14 +32,14 @@ def workdir(tmp_path_factory, tfds_dir):
     config = tiny_config(
         tfds_dir, **{"train.num_steps": STEPS, "train.warmup_steps": 10, "checkpoint.every": EVERY}
     )
-    train.train_and_evaluate(config, path)
+    train_and_evaluate(config, path)
     return path
 
 
 @pytest.fixture(scope="module")
 def greedy_validation(workdir):
     """The greedy evaluation of the validation split, with its hypotheses and sources."""
-    record = evaluate.evaluate(workdir, split="validation", beam_size=1)
+    record = evaluation.evaluate(workdir, split="validation", beam_size=1)
     loaded = restore.load(workdir)
     sources = [s for s, _ in tasks.load_split(loaded.config.data, "validation")]
     hyps = pathlib.Path(record["hypotheses"]).read_text().split("\n")
@@ -53,7 +55,7 @@ def _cli(module: str, *args: str, stdin: bytes = b"") -> subprocess.CompletedPro
 
 
 def test_evaluate_writes_bleu_with_signature_and_one_line_per_example(workdir):
-    record = evaluate.evaluate(workdir, split="test", beam_size=4, alpha=0.6)
+    record = evaluation.evaluate(workdir, split="test", beam_size=4, alpha=0.6)
     saved = json.loads((workdir / "eval_results.jsonl").read_text().splitlines()[-1])
     assert saved == json.loads(json.dumps(record))
     assert saved["signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:")
@@ -88,7 +90,7 @@ def test_translate_keeps_line_count_and_alignment(workdir, greedy_validation):
         sources[3], "", "   \t", sources[0], "ЖЖЖ 中文 ☃ ∮ 𝄞",
         b"\xff\xfe invalid \xc3 utf-8 " + sources[5].encode(), sources[7], "",
     ]  # fmt: skip
-    out = translate.translate(lines, workdir, beam_size=1, batch_size=16)
+    out = translation.translate(lines, workdir, beam_size=1, batch_size=16)
     assert len(out) == len(lines)
     assert (out[0], out[3], out[6]) == (hyps[3], hyps[0], hyps[7])  # really aligned:
     assert len({hyps[3], hyps[0], hyps[7]}) == 3  # the three translations differ
@@ -152,10 +154,33 @@ def test_averaging_different_checkpoints_gives_their_mean(workdir):
     np.testing.assert_array_equal(got[key], ((a + b + c) / 3).astype(np.float32))
     assert not np.array_equal(each[0][key], each[2][key])  # the steps really differ
     # evaluate --average_last=3 picks it up and says so
-    record = evaluate.evaluate(workdir, average_last=3, split="validation", beam_size=1, limit=8)
+    record = evaluation.evaluate(workdir, average_last=3, split="validation", beam_size=1, limit=8)
     assert (record["averaged"], record["averaged_steps"], record["step"]) == (3, steps, STEPS)
     assert record["hypotheses"].endswith(f"validation_step{STEPS}_avg3_beam1_first8.txt")
     assert averaging.average_checkpoints(workdir, 2, until=60).steps == [30, 60]
+
+
+def test_average_last_in_the_config_drives_the_test_score_and_evaluate(tmp_path, tfds_dir):
+    """eval.average_last: the end-of-training test BLEU and `evaluate` (by default) score the
+    mean of the last K checkpoints; average_last=0 scores the latest checkpoint itself."""
+    config = tiny_config(tfds_dir, **{
+        "train.num_steps": 40, "train.warmup_steps": 10, "checkpoint.every": 20,
+        "eval.test_split": "test", "eval.test_beam_size": 1, "eval.average_last": 2,
+    })  # fmt: skip
+    final = train_and_evaluate(config, tmp_path / "run")
+    assert final["test_average_last"] == 2
+    record = evaluation.evaluate(tmp_path / "run", split="test", beam_size=1)
+    assert record["averaged"] == 2 and record["averaged_steps"] == [20, 40]
+    assert record["bleu"] == pytest.approx(final["test_bleu"])
+    single = evaluation.evaluate(tmp_path / "run", split="test", beam_size=1, average_last=0)
+    assert single["averaged"] is None and single["step"] == 40
+    assert single["loss"] != pytest.approx(record["loss"])
+
+    config.eval.average_last = 4  # more than checkpoint.keep=3 could keep
+    with pytest.raises(
+        ValueError, match=r"eval.average_last=4 must be in \[0, checkpoint.keep=3\]"
+    ):
+        validate_config(config)
 
 
 def test_eight_device_checkpoint_evaluates_on_one_device(tmp_path, tfds_dir):
@@ -169,15 +194,16 @@ def test_eight_device_checkpoint_evaluates_on_one_device(tmp_path, tfds_dir):
 import json, jax
 jax.config.update("jax_disable_most_optimizations", True)  # as conftest.py: same numerics
 from helpers import tiny_config
-from tx_jax import evaluate, train
+from tx_jax.experiment.loop import train_and_evaluate
+from tx_jax.inference import evaluation
 assert jax.device_count() == 8
-train.train_and_evaluate(tiny_config({str(tfds_dir)!r}, **{overrides!r}), {str(workdir)!r})
-print(json.dumps(evaluate.evaluate({str(workdir)!r}, split="validation", beam_size=4)))
+train_and_evaluate(tiny_config({str(tfds_dir)!r}, **{overrides!r}), {str(workdir)!r})
+print(json.dumps(evaluation.evaluate({str(workdir)!r}, split="validation", beam_size=4)))
 """
     eight = json.loads(run_python(code, devices=8).strip().splitlines()[-1])
     eight_hyps = pathlib.Path(eight["hypotheses"]).read_text()
     assert jax.device_count() == 1
-    one = evaluate.evaluate(workdir, split="validation", beam_size=4)
+    one = evaluation.evaluate(workdir, split="validation", beam_size=4)
     assert one["bleu"] == eight["bleu"] and one["loss"] == pytest.approx(eight["loss"], rel=1e-5)
     assert pathlib.Path(one["hypotheses"]).read_text() == eight_hyps
     assert len(eight_hyps.splitlines()) == 40 and len(set(eight_hyps.splitlines())) >= 5
@@ -185,24 +211,24 @@ print(json.dumps(evaluate.evaluate({str(workdir)!r}, split="validation", beam_si
 
 def test_clear_errors(workdir, tmp_path):
     with pytest.raises(restore.CheckpointError, match=r"no checkpoint: .*/nothing.* not exist"):
-        evaluate.evaluate(tmp_path / "nothing")
+        evaluation.evaluate(tmp_path / "nothing")
     (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
     with pytest.raises(restore.CheckpointError, match=r"no checkpoint in .*empty/checkpoints"):
-        evaluate.evaluate(tmp_path / "empty")
+        evaluation.evaluate(tmp_path / "empty")
     with pytest.raises(
         restore.CheckpointError, match=r"no checkpoint for step 5 .*available steps: \[30, 60, 90\]"
     ):
-        evaluate.evaluate(workdir, step=5)
+        evaluation.evaluate(workdir, step=5)
     with pytest.raises(restore.CheckpointError, match=r"model\.d_model \(32 in the checkpoint, 64"):
-        evaluate.evaluate(workdir, overrides={"model.d_model": "64"})
+        evaluation.evaluate(workdir, overrides={"model.d_model": "64"})
     with pytest.raises(restore.CheckpointError, match=r"model\.d_ff \(64 in the checkpoint, 128 n"):
-        translate.translate(["a"], workdir, overrides={"model.d_ff": 128})
+        translation.translate(["a"], workdir, overrides={"model.d_ff": 128})
     with pytest.raises(restore.CheckpointError, match=r"model\.d_model \(32 in the checkpoint, 99"):
-        evaluate.evaluate(workdir, overrides={"model.d_model": "999"})  # not even valid
+        evaluation.evaluate(workdir, overrides={"model.d_model": "999"})  # not even valid
     with pytest.raises(restore.CheckpointError, match=r"no key 'model\.colour'"):
-        evaluate.evaluate(workdir, overrides={"model.colour": "blue"})
+        evaluation.evaluate(workdir, overrides={"model.colour": "blue"})
     with pytest.raises(restore.CheckpointError, match=r"average the last 5 .*only 3"):
-        evaluate.evaluate(workdir, average_last=5)
+        evaluation.evaluate(workdir, average_last=5)
     # the command line says it in one line, without a traceback
     proc = _cli("tx_jax.evaluate", f"--workdir={workdir}", "--step=7", "--config.data.max_len=9")
     err = proc.stderr.decode()

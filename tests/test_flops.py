@@ -8,7 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tx_jax import flops, losses, models
+from tx_jax.analysis import flops
+from tx_jax.model.config import ModelConfig, variant
+from tx_jax.model.transformer import DecoderOnly, EncoderDecoder, count_params
+from tx_jax.training import losses
 
 
 def _dot_flops(jaxpr) -> int:
@@ -27,7 +30,7 @@ def _dot_flops(jaxpr) -> int:
 
 def test_hand_count_of_a_one_layer_model():
     """B=2, S=3, L=5, M=8, H=2 (D=4), F=16, V=11, one layer each, counted term by term."""
-    cfg = models.ModelConfig(
+    cfg = ModelConfig(
         vocab_size=11, d_model=8, num_heads=2, d_ff=16, num_encoder_layers=1,
         num_decoder_layers=1,
     )  # fmt: skip
@@ -46,11 +49,11 @@ def test_hand_count_of_a_one_layer_model():
 
 def test_six_n_d_for_a_paper_shaped_layer():
     """With H D = M, K = H: non-attention FLOPs per token = 2 x non-embedding parameters."""
-    cfg = models.variant("base", vocab_size=100)
+    cfg = variant("base", vocab_size=100)
     f = flops.encoder_decoder_flops(cfg, batch=1, source_len=1, target_len=1)
-    params = models.count_params(
+    params = count_params(
         jax.eval_shape(
-            models.EncoderDecoder(cfg).init, jax.random.key(0), jnp.ones((1, 1), jnp.int32),
+            EncoderDecoder(cfg).init, jax.random.key(0), jnp.ones((1, 1), jnp.int32),
             jnp.ones((1, 1), jnp.int32),
         )["params"]
     )  # fmt: skip
@@ -83,9 +86,9 @@ def test_formula_equals_the_matmuls_xla_runs(name):
         vocab_size=29, d_model=16, num_heads=2, d_ff=24, num_encoder_layers=2,
         num_decoder_layers=1, dropout_rate=0.0, attention_impl="xla",
     )  # fmt: skip
-    cfg = models.ModelConfig(**{**base, **CONFIGS[name]})
+    cfg = ModelConfig(**{**base, **CONFIGS[name]})
     B, S, L = 3, 7, 5
-    model = models.EncoderDecoder(cfg)
+    model = EncoderDecoder(cfg)
     rng = np.random.default_rng(0)
     src = jnp.asarray(rng.integers(1, 29, (B, S)), jnp.int32)
     tgt = jnp.asarray(rng.integers(1, cfg.output_vocab_size, (B, L)), jnp.int32)
@@ -110,11 +113,11 @@ def test_formula_equals_the_matmuls_xla_runs(name):
 
 
 def test_decoder_only_matches_its_matmuls():
-    cfg = models.ModelConfig(
+    cfg = ModelConfig(
         vocab_size=31, d_model=16, num_heads=4, num_kv_heads=1, d_ff=32,
         num_decoder_layers=2, dropout_rate=0.0, attention_impl="xla",
     )  # fmt: skip
-    model = models.DecoderOnly(cfg)
+    model = DecoderOnly(cfg)
     tokens = jnp.asarray(np.random.default_rng(1).integers(1, 31, (2, 9)), jnp.int32)
     params = nn.meta.unbox(model.init(jax.random.key(0), tokens)["params"])
     forward = jax.make_jaxpr(lambda p: model.apply({"params": p}, tokens))(params)

@@ -11,21 +11,26 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tx_jax import decoding, generate, models, optim, restore, train
-from tx_jax.checkpoint import Checkpointer
+from tx_jax.cli import generate
 from tx_jax.data import synthetic
 from tx_jax.data.tokenizer import train_tokenizer
+from tx_jax.inference import decoding, generation, restore
+from tx_jax.model.config import ModelConfig
+from tx_jax.model.transformer import DecoderOnly
+from tx_jax.training import optim
+from tx_jax.training.checkpoint import Checkpointer
+from tx_jax.training.state import TrainState
 
 STEP = 7
 PROMPTS = ["the red cat", "three small dogs that"]
 
 
-def init_lm_state(model: nn.Module, tx, seed: int) -> train.TrainState:
-    """train.init_state for a DecoderOnly model (it takes one token array, not two)."""
+def init_lm_state(model: nn.Module, tx, seed: int) -> TrainState:
+    """init_state for a DecoderOnly model (it takes one token array, not two)."""
     init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(seed))
     params = model.init(init_rng, jnp.ones((1, 8), jnp.int32))["params"]
     zero = jnp.zeros((), jnp.int32)
-    return train.TrainState(zero, params, tx.init(params), dropout_rng, zero, zero)
+    return TrainState(zero, params, tx.init(params), dropout_rng, zero, zero)
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +42,11 @@ def lm(tmp_path_factory):
     tokenizer = train_tokenizer(texts, 160, workdir / "tokenizer.model")
     config = helpers.default_config.get_config("debug")
     config.task = "lm"
-    model_config = models.ModelConfig.from_config(
+    model_config = ModelConfig.from_config(
         config.model, vocab_size=tokenizer.vocab_size, bos_id=tokenizer.bos_id
     )
     tx, _ = optim.make_optimizer(config.train, model_config.d_model)
-    model = models.DecoderOnly(model_config)
+    model = DecoderOnly(model_config)
     state = jax.jit(lambda: nn.meta.unbox(init_lm_state(model, tx, config.seed)))()
     checkpointer = Checkpointer(workdir / "checkpoints", async_save=False)
     checkpointer.save(
@@ -72,7 +77,7 @@ def test_load_checkpoint_restores_the_saved_lm(lm, tmp_path):
 def test_sample_rows_force_the_prompt_and_follow_the_seed(lm):
     _, cfg, params, tok = lm
     ids = [tok.encode(p) for p in PROMPTS]
-    run = lambda seed, **kw: generate.sample_rows(
+    run = lambda seed, **kw: generation.sample_rows(
         cfg, params, ids, jax.random.key(seed), num_samples=3, max_new_tokens=10, **kw
     )  # fmt: skip
     rows = run(0)
@@ -91,7 +96,7 @@ def test_sample_rows_force_the_prompt_and_follow_the_seed(lm):
 def test_temperature_zero_is_greedy_decoding(lm):
     _, cfg, params, tok = lm
     ids = [tok.encode(p) for p in PROMPTS]
-    rows = generate.sample_rows(
+    rows = generation.sample_rows(
         cfg, params, ids, jax.random.key(5), num_samples=2, max_new_tokens=12, temperature=0.0
     )
     prompt = np.zeros((4, 16), np.int32)
@@ -110,12 +115,12 @@ def test_temperature_zero_is_greedy_decoding(lm):
 
 def test_generate_returns_the_continuation_only(lm):
     _, cfg, params, tok = lm
-    samples = generate.generate(
+    samples = generation.generate(
         cfg, params, tok, [*PROMPTS, ""], num_samples=2, max_new_tokens=5, seed=3,
         temperature=1.0, top_p=1.0,
     )  # fmt: skip
     ids = [tok.encode(p) for p in [*PROMPTS, ""]]
-    rows = generate.sample_rows(
+    rows = generation.sample_rows(
         cfg, params, ids, jax.random.key(3), num_samples=2, max_new_tokens=5, temperature=1.0
     )
     assert [len(s) for s in samples] == [2, 2, 2]
@@ -126,15 +131,15 @@ def test_generate_returns_the_continuation_only(lm):
             if sample.finished:
                 new = new[: new.index(tok.eos_id)]
             assert sample.tokens == new and len(new) <= 5 and tok.eos_id not in new
-            assert sample.text == generate.continuation_text(tok, ids[i], new)
+            assert sample.text == generation.continuation_text(tok, ids[i], new)
 
 
 def test_continuation_text_keeps_the_word_boundary(lm):
     tok = lm[3]
     prompt, new = tok.encode("the red cat"), tok.encode("sees a dog")
-    assert generate.continuation_text(tok, prompt, new) == " sees a dog"
-    assert generate.continuation_text(tok, [], new) == "sees a dog"
-    assert generate.continuation_text(tok, prompt, []) == ""
+    assert generation.continuation_text(tok, prompt, new) == " sees a dog"
+    assert generation.continuation_text(tok, [], new) == "sees a dog"
+    assert generation.continuation_text(tok, prompt, []) == ""
 
 
 def _cli(argv, capsys, stdin=None, monkeypatch=None):
@@ -150,7 +155,7 @@ def test_cli_prints_num_samples_lines_per_prompt(lm, capsys, monkeypatch):
     lines = _cli([*common, "--prompt=the red cat", "--num_samples=3"], capsys)
     assert len(lines) == 3
     # the first prompt of a run uses fold_in(key(seed), 0)
-    (want,) = generate.generate(
+    (want,) = generation.generate(
         cfg, params, tok, ["the red cat"], rng=jax.random.fold_in(jax.random.key(4), 0),
         num_samples=3, max_new_tokens=6,
     )  # fmt: skip

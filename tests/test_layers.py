@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tx_jax import layers, models
+from tx_jax.model import layers
+from tx_jax.model.config import variant
 
 
 def _x(shape=(2, 5, 16), seed=0):
@@ -54,7 +55,7 @@ def test_rmsnorm_and_layernorm_formulas():
 @pytest.mark.parametrize("position", ["post", "pre"])
 def test_encoder_layer_residual_order(position):
     """Post-LN outputs are normalised per token; pre-LN outputs are x + sublayer (not)."""
-    cfg = models.variant("tiny", vocab_size=10, norm_position=position)
+    cfg = variant("tiny", vocab_size=10, norm_position=position)
     x = 3.0 + 2.0 * _x()
     seg = jnp.ones(x.shape[:2], jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
@@ -75,7 +76,7 @@ def test_encoder_layer_residual_order(position):
 
 
 def test_residual_dropout_active_only_in_training():
-    cfg = models.variant("tiny", vocab_size=10, dropout_rate=0.5)
+    cfg = variant("tiny", vocab_size=10, dropout_rate=0.5)
     x = _x()
     seg = jnp.ones(x.shape[:2], jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(5), (2, 5))

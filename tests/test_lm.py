@@ -2,14 +2,18 @@
 
 import json
 
+import jax
 import numpy as np
 import pytest
 from helpers import ROOT, train_losses
 
-from tx_jax import generate, restore, train
-from tx_jax.checkpoint import Checkpointer
-from tx_jax.config_utils import sibling_config
+from tx_jax.cli import generate
+from tx_jax.config import sibling_config
 from tx_jax.data.tasks import SideTexts
+from tx_jax.experiment.loop import train_and_evaluate
+from tx_jax.experiment.setup import build_run
+from tx_jax.inference import evaluation, generation, restore
+from tx_jax.training.checkpoint import Checkpointer
 
 PAIRS = [("a b", "x y"), ("c", "z")]
 
@@ -32,7 +36,7 @@ def test_tiny_lm_trains_checkpoints_and_generates(tmp_path, tfds_dir, capsys):
     config.train.update(num_steps=30, log_every=1)
     config.eval.every = 15
     config.checkpoint.update(every=15, async_save=False)
-    final = train.train_and_evaluate(config, workdir)
+    final = train_and_evaluate(config, workdir)
 
     losses = train_losses(workdir)
     first = np.mean([losses[s] for s in (1, 2, 3)])
@@ -52,7 +56,7 @@ def test_tiny_lm_trains_checkpoints_and_generates(tmp_path, tfds_dir, capsys):
     assert (loaded.step, loaded.task, type(loaded.model).__name__) == (30, "lm", "DecoderOnly")
     with pytest.raises(restore.CheckpointError, match="holds a 'lm' model"):
         restore.load(workdir, task="translation")
-    (samples,) = generate.generate(
+    (samples,) = generation.generate(
         loaded.model_config, loaded.params, loaded.tokenizer, ["ko"], num_samples=2,
         max_new_tokens=8, temperature=0.0,
     )  # fmt: skip
@@ -65,3 +69,32 @@ def test_tiny_lm_trains_checkpoints_and_generates(tmp_path, tfds_dir, capsys):
     assert generate.main(argv) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert [x["sample"] for x in lines] == [0, 1, 2] and all(x["prompt"] == "ko" for x in lines)
+
+
+def test_language_model_test_score_averages_the_last_checkpoints(tmp_path, tfds_dir):
+    """eval.average_last for a DecoderOnly run: averaging builds the LM's own state (it was
+    hard-wired to EncoderDecoder), and the final test loss is the averaged model's."""
+    workdir = tmp_path / "lm_avg"
+    config = sibling_config(str(ROOT / "configs" / "lm.py"), "lm", "debug")
+    config.data.data_dir = str(tfds_dir)
+    config.train.update(num_steps=8, log_every=4)
+    config.eval.update(every=4, average_last=2)
+    config.checkpoint.update(every=4, async_save=False)
+    final = train_and_evaluate(config, workdir)
+    assert final["test_average_last"] == 2
+    assert (workdir / "averaged" / "last2" / "8").is_dir()
+
+    averaged = restore.load(workdir, average_last=2, task="lm")
+    assert averaged.averaged_steps == [4, 8]
+    four, eight = (restore.load(workdir, step=s, task="lm").params for s in (4, 8))
+    mean = jax.tree_util.tree_map(
+        lambda a, b: ((np.float64(a) + np.float64(b)) / 2).astype(np.float32), four, eight
+    )
+    jax.tree_util.tree_map(np.testing.assert_array_equal, averaged.params, mean)
+
+    batches = build_run(config, workdir).task.eval_batches("test", 1)
+    assert evaluation.loss_metrics(averaged, batches)["loss"] == pytest.approx(
+        final["test_loss"], rel=1e-5
+    )
+    last = restore.load(workdir, task="lm")
+    assert evaluation.loss_metrics(last, batches)["loss"] != pytest.approx(final["test_loss"])

@@ -6,7 +6,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from tx_jax import losses, optim
+from tx_jax.training import losses, optim
 
 
 def _ref_smoothed_ce(logits, targets, weights, eps):

@@ -1,11 +1,11 @@
-"""tx_jax.matmul: the layout-aware VJPs give autodiff's gradients."""
+"""tx_jax.ops.matmul: the layout-aware VJPs give autodiff's gradients."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tx_jax import matmul
+from tx_jax.ops import matmul
 
 
 def _vjps(fn, ref, *args, cot):

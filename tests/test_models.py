@@ -6,13 +6,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tx_jax import models
+from tx_jax.model.config import ModelConfig, variant
+from tx_jax.model.transformer import (
+    DecoderOnly,
+    EncoderDecoder,
+    EncoderOnly,
+    count_params,
+    shift_right,
+)
 
 V = 23
 
 
 def _cfg(**kw):
-    return models.variant("tiny", vocab_size=V, **kw)
+    return variant("tiny", vocab_size=V, **kw)
 
 
 def _tokens(shape, seed=0, low=4):
@@ -28,12 +35,12 @@ def _init(model, *args):
     [("base", 65e6), ("big", 213e6)],
 )
 def test_parameter_counts_match_the_paper(name, paper):
-    cfg = models.variant(name, vocab_size=37_000)
-    model = models.EncoderDecoder(cfg)
+    cfg = variant(name, vocab_size=37_000)
+    model = EncoderDecoder(cfg)
     shapes = jax.eval_shape(
         model.init, jax.random.key(0), jnp.ones((1, 8), jnp.int32), jnp.ones((1, 8), jnp.int32)
     )
-    n = models.count_params(shapes["params"])
+    n = count_params(shapes["params"])
     print(f"{name}: {n:,} parameters (paper: {paper / 1e6:.0f}M)")
     assert abs(n - paper) / paper < 0.04, n
 
@@ -42,7 +49,7 @@ def test_parameter_counts_match_the_paper(name, paper):
 def test_decoder_is_causal(positional):
     cfg = _cfg(positional=positional)
     src, tgt = _tokens((2, 6)), _tokens((2, 7), seed=1)
-    model = models.EncoderDecoder(cfg)
+    model = EncoderDecoder(cfg)
     v = _init(model, src, tgt)
     base = model.apply(v, src, tgt)
     t = 3
@@ -54,7 +61,7 @@ def test_decoder_is_causal(positional):
 
 
 def test_language_model_is_causal():
-    model = models.DecoderOnly(_cfg(positional="rope"))
+    model = DecoderOnly(_cfg(positional="rope"))
     tgt = _tokens((2, 8))
     v = _init(model, tgt)
     base = model.apply(v, tgt)
@@ -68,7 +75,7 @@ def test_language_model_is_causal():
 def test_padding_invariance(norm_position):
     """Appending padding changes no output at real positions (encoder, cross-attn, logits)."""
     cfg = _cfg(norm_position=norm_position)
-    model = models.EncoderDecoder(cfg)
+    model = EncoderDecoder(cfg)
     src, tgt = _tokens((2, 5)), _tokens((2, 4), seed=1)
     v = _init(model, src, tgt)
     src_pad = jnp.pad(src, ((0, 0), (0, 6)))
@@ -81,7 +88,7 @@ def test_padding_invariance(norm_position):
     np.testing.assert_allclose(
         model.apply(v, src_pad, tgt_pad)[:, :4], logits, rtol=1e-5, atol=1e-5
     )
-    pooled_model = models.EncoderOnly(cfg)
+    pooled_model = EncoderOnly(cfg)
     pv = _init(pooled_model, src)
     np.testing.assert_allclose(
         pooled_model.apply(pv, src_pad), pooled_model.apply(pv, src), rtol=1e-5, atol=1e-5
@@ -91,7 +98,7 @@ def test_padding_invariance(norm_position):
 def test_packed_examples_equal_separate_examples():
     """Two examples packed into one row (segment ids, restarting positions) give the logits
     each gives alone: masks, shift_right and positions all respect the packing."""
-    model = models.EncoderDecoder(_cfg())
+    model = EncoderDecoder(_cfg())
     s1, s2 = _tokens((1, 4), 1), _tokens((1, 3), 2)
     t1, t2 = _tokens((1, 3), 3), _tokens((1, 5), 4)
     v = _init(model, s1, t1)
@@ -110,16 +117,16 @@ def test_packed_examples_equal_separate_examples():
 
 def test_shift_right():
     t = jnp.array([[5, 6, 7, 8, 9, 0]])
-    np.testing.assert_array_equal(models.shift_right(t, 2), [[2, 5, 6, 7, 8, 9]])
+    np.testing.assert_array_equal(shift_right(t, 2), [[2, 5, 6, 7, 8, 9]])
     seg = jnp.array([[1, 1, 2, 2, 2, 0]])
-    np.testing.assert_array_equal(models.shift_right(t, 2, seg), [[2, 5, 2, 7, 8, 0]])
+    np.testing.assert_array_equal(shift_right(t, 2, seg), [[2, 5, 2, 7, 8, 0]])
 
 
 def test_jit_and_bf16_agrees_with_fp32():
     src, tgt = _tokens((2, 6)), _tokens((2, 5), seed=1)
-    m32 = models.EncoderDecoder(_cfg())
+    m32 = EncoderDecoder(_cfg())
     v = _init(m32, src, tgt)
-    m16 = models.EncoderDecoder(_cfg(dtype="bfloat16"))
+    m16 = EncoderDecoder(_cfg(dtype="bfloat16"))
     f32 = jax.jit(m32.apply)(v, src, tgt)
     f16 = jax.jit(m16.apply)(v, src, tgt)
     assert f16.dtype == jnp.float32  # logits are returned in float32 for the loss
@@ -131,11 +138,11 @@ def test_jit_and_bf16_agrees_with_fp32():
 
 def test_embedding_sharing_and_tying():
     src, tgt = _tokens((1, 4)), _tokens((1, 4))
-    shared = _init(models.EncoderDecoder(_cfg()), src, tgt)["params"]
+    shared = _init(EncoderDecoder(_cfg()), src, tgt)["params"]
     assert "source_embed" in shared and "target_embed" not in shared
     assert "logits_kernel" not in shared["decoder"]
     untied = _init(
-        models.EncoderDecoder(
+        EncoderDecoder(
             _cfg(share_embeddings=False, tie_output=False, target_vocab_size=V + 7)
         ),
         src, tgt,
@@ -143,7 +150,7 @@ def test_embedding_sharing_and_tying():
     assert untied["target_embed"]["embedding"].value.shape == (V + 7, 64)
     assert untied["decoder"]["logits_kernel"].value.shape == (64, V + 7)
     # tied logits are x E^T: E's scale enters both the input and the output
-    m = models.EncoderDecoder(_cfg())
+    m = EncoderDecoder(_cfg())
     v = _init(m, src, tgt)
     doubled = jax.tree_util.tree_map(lambda x: x, nn.meta.unbox(v["params"]))
     doubled["source_embed"]["embedding"] = 2 * doubled["source_embed"]["embedding"]
@@ -152,9 +159,9 @@ def test_embedding_sharing_and_tying():
 
 def test_every_parameter_has_logical_axis_names():
     for model, args in [
-        (models.EncoderDecoder(_cfg(attention_bias=True)), (_tokens((1, 3)), _tokens((1, 3)))),
-        (models.DecoderOnly(_cfg(positional="learned")), (_tokens((1, 3)),)),
-        (models.EncoderOnly(_cfg(num_classes=3, norm="rmsnorm")), (_tokens((1, 3)),)),
+        (EncoderDecoder(_cfg(attention_bias=True)), (_tokens((1, 3)), _tokens((1, 3)))),
+        (DecoderOnly(_cfg(positional="learned")), (_tokens((1, 3)),)),
+        (EncoderOnly(_cfg(num_classes=3, norm="rmsnorm")), (_tokens((1, 3)),)),
     ]:
         params = jax.eval_shape(model.init, jax.random.key(0), *args)["params"]
         for path, leaf in jax.tree_util.tree_leaves_with_path(
@@ -166,23 +173,23 @@ def test_every_parameter_has_logical_axis_names():
 
 def test_model_config_validation_names_the_key():
     with pytest.raises(ValueError, match="unknown model config key.*'d_modle'"):
-        models.ModelConfig.from_config({"d_modle": 512})
+        ModelConfig.from_config({"d_modle": 512})
     with pytest.raises(ValueError, match="d_model=100 is not divisible by model.num_heads=8"):
-        models.ModelConfig(d_model=100)
+        ModelConfig(d_model=100)
     with pytest.raises(ValueError, match="norm_position='middle'"):
-        models.ModelConfig(norm_position="middle")
+        ModelConfig(norm_position="middle")
     with pytest.raises(ValueError, match="num_kv_heads"):
-        models.ModelConfig(num_kv_heads=3)
+        ModelConfig(num_kv_heads=3)
     with pytest.raises(ValueError, match="bos_id=0"):
-        models.ModelConfig(bos_id=0)
+        ModelConfig(bos_id=0)
     with pytest.raises(ValueError, match="variant"):
-        models.variant("huge")
-    cfg = models.ModelConfig.from_config({"d_model": 128, "num_heads": 4}, dropout_rate=0.0)
+        variant("huge")
+    cfg = ModelConfig.from_config({"d_model": 128, "num_heads": 4}, dropout_rate=0.0)
     assert (cfg.d_model, cfg.dropout_rate, cfg.replace(decode=True).decode) == (128, 0.0, True)
 
 
 def test_encoder_only_classifier_shapes():
-    model = models.EncoderOnly(_cfg(num_classes=5, pooling="first"))
+    model = EncoderOnly(_cfg(num_classes=5, pooling="first"))
     tokens = _tokens((3, 6))
     v = _init(model, tokens)
     assert model.apply(v, tokens).shape == (3, 5)

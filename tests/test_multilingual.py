@@ -19,10 +19,13 @@ import numpy as np
 import pytest
 from helpers import ROOT, train_losses
 
-from tx_jax import evaluate, multilingual, restore, train
-from tx_jax.checkpoint import Checkpointer
 from tx_jax.data import directions
 from tx_jax.data.tokenizer import Tokenizer, train_tokenizer
+from tx_jax.experiment.loop import train_and_evaluate
+from tx_jax.experiment.setup import build_run, restore_or_init
+from tx_jax.experiment.validation import validate_config
+from tx_jax.inference import evaluation, multilingual, restore
+from tx_jax.training.checkpoint import Checkpointer
 
 sys.path.insert(0, str(ROOT / "configs"))
 import multilingual as multilingual_config  # noqa: E402
@@ -101,7 +104,7 @@ def workdir(tmp_path_factory, data_dir, raw_dir):
     path = tmp_path_factory.mktemp("multilingual") / "run"
     c = config(data_dir, raw_dir, **{"train.num_steps": STEPS, "eval.every": STEPS,
                                      "data.extra_eval_directions": "de-fr"})  # fmt: skip
-    train.train_and_evaluate(c, path)
+    train_and_evaluate(c, path)
     return path
 
 
@@ -134,7 +137,7 @@ def test_directions_and_tags():
         bad = multilingual_config.get_config("debug")
         bad.data[key] = value
         with pytest.raises(ValueError, match=match):
-            train.validate_config(bad)
+            validate_config(bad)
 
 
 # ---------------------------------------------------------------------- the trained model
@@ -180,17 +183,17 @@ def test_zero_shot_direct_and_through_a_pivot(loaded, workdir):
     assert french >= 0.9 * len(pivot.hypotheses)  # two supervised legs
     assert 0 <= direct.bleu <= 100 and pivot.bleu > 10, (direct.bleu, pivot.bleu)
     # the evaluate library and CLI path: the same hypotheses, a record per direction
-    record = evaluate.evaluate(workdir, direction="de-fr", pivot="en", beam_size=1)
+    record = evaluation.evaluate(workdir, direction="de-fr", pivot="en", beam_size=1)
     assert (record["direction"], record["pivot"], record["bleu"]) == ("de-fr", "en", pivot.bleu)
     assert record["hypotheses"].endswith(f"test_de-fr_via-en_step{STEPS}_beam1.txt")
     assert pathlib.Path(record["hypotheses"]).read_text().splitlines() == pivot.hypotheses
-    direct_record = evaluate.evaluate(workdir, direction="de-fr", beam_size=1, write=False)
+    direct_record = evaluation.evaluate(workdir, direction="de-fr", beam_size=1, write=False)
     assert direct_record["bleu"] == pytest.approx(direct.bleu)
-    records = evaluate.evaluate_directions(workdir, split="validation", beam_size=1, limit=8,
+    records = evaluation.evaluate_directions(workdir, split="validation", beam_size=1, limit=8,
                                            write=False)  # fmt: skip
     assert [r["direction"] for r in records] == ["en-de", "de-en", "en-fr", "fr-en"]
     with pytest.raises(restore.CheckpointError, match="is multilingual .*give a direction"):
-        evaluate.evaluate(workdir, write=False)
+        evaluation.evaluate(workdir, write=False)
     with pytest.raises(ValueError, match="no piece <2cs>"):
         multilingual.translate_to(loaded, ["mann"], "cs")
 
@@ -208,11 +211,11 @@ def test_init_from_loads_the_same_parameters(workdir, loaded, data_dir, raw_dir,
     are the checkpoint's, bit for bit; optimizer fresh; its tokenizer is the checkpoint's."""
     c = config(data_dir, raw_dir, **{"data.directions": "en-fr", "train.init_from": str(workdir),
                                      "data.max_train_pairs": 50, "train.num_steps": 4})  # fmt: skip
-    run = train.build_run(c, tmp_path / "ft")
+    run = build_run(c, tmp_path / "ft")
     assert run.task.tokenizer == loaded.tokenizer  # reused, not trained on de-fr
     assert len(run.task.direction("en-fr").train_pairs()) == 50
     checkpointer = Checkpointer(tmp_path / "ft" / "checkpoints", best_metric=None)
-    state, data_state = train.restore_or_init(run, checkpointer)
+    state, data_state = restore_or_init(run, checkpointer)
     checkpointer.close()
     assert data_state == {} and int(run.strategy.for_checkpoint(state).step) == 0
     want, got = _params(loaded.params), _params(run.strategy.for_checkpoint(state).params)
@@ -222,9 +225,9 @@ def test_init_from_loads_the_same_parameters(workdir, loaded, data_dir, raw_dir,
     mu = jax.tree_util.tree_leaves(run.strategy.for_checkpoint(state).opt_state)
     assert all(not np.any(np.asarray(x)) for x in mu if np.asarray(x).ndim > 0)  # Adam zeros
     # and it trains from there: the first loss is that of a trained model, not of a fresh one
-    final = train.train_and_evaluate(c, tmp_path / "ft")
+    final = train_and_evaluate(c, tmp_path / "ft")
     scratch = tmp_path / "scratch"
-    train.train_and_evaluate(
+    train_and_evaluate(
         config(data_dir, raw_dir, **{"data.directions": "en-fr", "data.tokenizer_path":
                                      str(workdir), "train.num_steps": 2}), scratch,
     )  # fmt: skip
@@ -239,19 +242,19 @@ def test_init_from_errors_name_the_key(workdir, data_dir, raw_dir, tmp_path):
         restore.CheckpointError,
         match=r"train.init_from=.*model\.d_model \(64 in the checkpoint, 32 now",
     ):
-        train.train_and_evaluate(c, tmp_path / "wide")  # fmt: skip
+        train_and_evaluate(c, tmp_path / "wide")  # fmt: skip
     other = tmp_path / "other.model"  # another vocabulary, with one tag only
     train_tokenizer(["a b c <2de>"] * 10, 40, other, user_defined_symbols=("<2de>",))
     c = config(data_dir, raw_dir, **{"train.init_from": str(workdir),
                                      "data.tokenizer_path": str(other)})  # fmt: skip
     with pytest.raises(ValueError, match="data.tokenizer_path=.* and train.init_from name"):
-        train.train_and_evaluate(c, tmp_path / "vocab")
+        train_and_evaluate(c, tmp_path / "vocab")
     c = config(data_dir, raw_dir, **{"data.tokenizer_path": str(other)})
     with pytest.raises(ValueError, match=r"has no piece <2en>, <2fr>"):
-        train.train_and_evaluate(c, tmp_path / "untagged")
+        train_and_evaluate(c, tmp_path / "untagged")
     with pytest.raises(restore.CheckpointError, match="train.init_from=.*no checkpoint"):
         c = config(data_dir, raw_dir, **{"train.init_from": str(tmp_path / "nothing")})
-        train.train_and_evaluate(c, tmp_path / "missing")
+        train_and_evaluate(c, tmp_path / "missing")
 
 
 def test_max_train_pairs_keeps_the_first_pairs(data_dir, raw_dir, tmp_path):
@@ -284,7 +287,7 @@ def test_max_train_pairs_keeps_the_first_pairs(data_dir, raw_dir, tmp_path):
     ]:
         c.data.max_train_pairs = spec
         with pytest.raises(ValueError, match=match):
-            train.validate_config(c)
+            validate_config(c)
 
 
 def test_debug_config_trains_and_resumes_exactly(data_dir, raw_dir, tmp_path):
@@ -297,7 +300,7 @@ def test_debug_config_trains_and_resumes_exactly(data_dir, raw_dir, tmp_path):
         section, name = key.split(".")
         c[section][name] = value
     c.data.directions = "en-de,fr-en"
-    final = train.train_and_evaluate(c, tmp_path / "straight")
+    final = train_and_evaluate(c, tmp_path / "straight")
     assert {"bleu/en-de", "bleu/fr-en", "test_bleu/en-de", "test_bleu/fr-en"} <= set(final)
     assert final["test_bleu"] == pytest.approx(
         (final["test_bleu/en-de"] + final["test_bleu/fr-en"]) / 2
@@ -305,8 +308,8 @@ def test_debug_config_trains_and_resumes_exactly(data_dir, raw_dir, tmp_path):
     c.eval.update(test_split="", bleu_examples=0)  # the same batches and losses, no decoding
     half = c.copy_and_resolve_references()
     half.train.num_steps = 4
-    train.train_and_evaluate(half, tmp_path / "resumed")
-    train.train_and_evaluate(c, tmp_path / "resumed")
+    train_and_evaluate(half, tmp_path / "resumed")
+    train_and_evaluate(c, tmp_path / "resumed")
     a, b = train_losses(tmp_path / "straight"), train_losses(tmp_path / "resumed")
     assert sorted(a) == sorted(b) == [2, 4, 6, 8]  # the debug config logs every 2 steps
     assert [a[s] for s in a] == [b[s] for s in a]

@@ -18,8 +18,10 @@ import portpicker
 import pytest
 from helpers import ROOT, run_python, tiny_config, train_losses
 
-from tx_jax import train
-from tx_jax.checkpoint import Checkpointer
+from tx_jax.experiment.evaluator import Evaluator
+from tx_jax.experiment.loop import train_and_evaluate
+from tx_jax.experiment.setup import build_run
+from tx_jax.training.checkpoint import Checkpointer
 
 NUM_PROCESSES, LOCAL_DEVICES = 2, 4
 OVERRIDES = {
@@ -35,8 +37,8 @@ TIMEOUT = 240  # seconds for any one launch; a hung collective fails the test, n
 
 def _code(tfds_dir, workdir, overrides: dict) -> str:
     return (
-        "from helpers import tiny_config; from tx_jax import train;"
-        f"train.train_and_evaluate(tiny_config({str(tfds_dir)!r}, **{overrides!r}), "
+        "from helpers import tiny_config; from tx_jax.experiment.loop import train_and_evaluate;"
+        f"train_and_evaluate(tiny_config({str(tfds_dir)!r}, **{overrides!r}), "
         f"{str(workdir)!r})"
     )
 
@@ -164,8 +166,8 @@ def test_two_processes_train_resume_and_match_one_process(tmp_path, tfds_dir):
     # 3. the same steps in 1 process with 8 devices and the same mesh: the same losses
     reference = tmp_path / "reference"
     run_python(
-        "from helpers import tiny_config; from tx_jax import train;"
-        f"train.train_and_evaluate(tiny_config({str(tfds_dir)!r}, "
+        "from helpers import tiny_config; from tx_jax.experiment.loop import train_and_evaluate;"
+        f"train_and_evaluate(tiny_config({str(tfds_dir)!r}, "
         f"**{ {**OVERRIDES, 'train.num_steps': target}!r}), {str(reference)!r})",
         devices=NUM_PROCESSES * LOCAL_DEVICES,
         timeout=TIMEOUT,
@@ -188,7 +190,7 @@ def test_two_processes_train_resume_and_match_one_process(tmp_path, tfds_dir):
 
     # 4. the 2-process checkpoint restores and evaluates here, on 1 device
     config = tiny_config(tfds_dir, **{**OVERRIDES, "train.num_steps": target})
-    run = train.build_run(config, workdir)
+    run = build_run(config, workdir)
     assert jax.process_count() == 1  # this process, with its own device(s)
     checkpointer = Checkpointer(workdir / "checkpoints", read_only=True)
     assert checkpointer.latest_step() == target
@@ -198,7 +200,7 @@ def test_two_processes_train_resume_and_match_one_process(tmp_path, tfds_dir):
     # one global stream: the iterator state is the 1-process one (resumable there too)
     assert data_state["fingerprint"]["process_count"] == 1
     shardings = run.strategy.state_shardings(jax.eval_shape(run.init_fn))
-    evaluator = train.Evaluator(run, shardings)
+    evaluator = Evaluator(run, shardings)
     metrics = evaluator._loss_metrics(state, run.task.eval_batches("validation", 1))
     np.testing.assert_allclose(metrics["loss"], got_eval[target]["loss"], rtol=1e-5)
     np.testing.assert_allclose(metrics["accuracy"], got_eval[target]["accuracy"], rtol=1e-5)
@@ -219,7 +221,7 @@ def test_two_processes_with_pmap_save_resume_and_match_one_device(tmp_path, tfds
     finally:
         _kill(procs)
     assert [r["step"] for r in _records(workdir) if r["split"] == "train"] == [1, 2, 3, 4]
-    train.train_and_evaluate(
+    train_and_evaluate(
         tiny_config(tfds_dir, **overrides, **{"train.num_steps": 4}), tmp_path / "one_device"
     )
     got, want = train_losses(workdir), train_losses(tmp_path / "one_device")

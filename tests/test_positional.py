@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tx_jax import positional as P
+from tx_jax.model import positional as P
 
 
 def test_sinusoidal_table_equals_the_formula():

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from helpers import ROOT, tiny_config, train_losses
 
-from tx_jax import train
-from tx_jax.checkpoint import Checkpointer
+from tx_jax.experiment.loop import train_and_evaluate
+from tx_jax.experiment.setup import build_run
+from tx_jax.training.checkpoint import Checkpointer
 
 
 @pytest.mark.parametrize(
@@ -32,7 +33,7 @@ from tx_jax.checkpoint import Checkpointer
 def test_config_errors_name_the_key_before_anything_compiles(tmp_path, key, value, message):
     config = tiny_config(tmp_path / "tfds_never_made", **{key: value})
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
-        train.train_and_evaluate(config, tmp_path / "run")
+        train_and_evaluate(config, tmp_path / "run")
     assert not (tmp_path / "tfds_never_made").exists()  # failed before touching data
 
 
@@ -40,7 +41,7 @@ def test_unknown_config_key_is_named(tmp_path):
     config = tiny_config(tmp_path)
     config.model.d_modle = 3  # an unlocked ConfigDict accepts it; the model config does not
     with pytest.raises(ValueError, match=r"unknown model config key\(s\) \['d_modle'\]"):
-        train.train_and_evaluate(config, tmp_path / "run")
+        train_and_evaluate(config, tmp_path / "run")
     # the CLI locks the config: an unknown override is refused by name
     cli = subprocess.run(
         [sys.executable, "-m", "tx_jax.main", "--config=configs/default.py:debug",
@@ -54,15 +55,15 @@ def test_unwritable_workdir_is_a_clear_error(tmp_path, tfds_dir):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
     with pytest.raises(OSError, match=f"workdir {blocker}/run is not writable"):
-        train.train_and_evaluate(tiny_config(tfds_dir), blocker / "run")
+        train_and_evaluate(tiny_config(tfds_dir), blocker / "run")
 
 
 def _launch(workdir, tfds_dir, steps, **extra):
     overrides = {"train.num_steps": steps, "checkpoint.every": 1000, **extra}
     code = (
         "import sys; sys.path.insert(0, 'tests');"
-        "from helpers import tiny_config; from tx_jax import train;"
-        f"train.train_and_evaluate(tiny_config({str(tfds_dir)!r}, **{overrides!r}), "
+        "from helpers import tiny_config; from tx_jax.experiment.loop import train_and_evaluate;"
+        f"train_and_evaluate(tiny_config({str(tfds_dir)!r}, **{overrides!r}), "
         f"{str(workdir)!r})"
     )
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
@@ -108,7 +109,7 @@ def test_signal_saves_a_checkpoint_and_exits_zero(tmp_path, tfds_dir, sig):
 def test_too_many_nonfinite_steps_stop_with_a_clear_error(tmp_path, tfds_dir, monkeypatch):
     """A NaN loss skips the update; after train.max_nonfinite_steps in a row training stops
     with FloatingPointError (non-zero exit from the CLI), keeping the last good checkpoint."""
-    from tx_jax import losses
+    from tx_jax.training import losses
 
     real = losses.smoothed_cross_entropy
 
@@ -119,18 +120,18 @@ def test_too_many_nonfinite_steps_stop_with_a_clear_error(tmp_path, tfds_dir, mo
     config = tiny_config(
         tfds_dir, **{"train.num_steps": 20, "checkpoint.every": 2, "train.max_nonfinite_steps": 3}
     )
-    train.train_and_evaluate(config.copy_and_resolve_references(), tmp_path / "good")
+    train_and_evaluate(config.copy_and_resolve_references(), tmp_path / "good")
     good_steps = Checkpointer(tmp_path / "good" / "checkpoints", read_only=True).all_steps()
     assert good_steps[-1] == 20
     monkeypatch.setattr(losses, "smoothed_cross_entropy", poisoned)
     config.train.num_steps = 40
     with pytest.raises(FloatingPointError, match="3 consecutive non-finite"):
-        train.train_and_evaluate(config, tmp_path / "good")
+        train_and_evaluate(config, tmp_path / "good")
     # steps 21-23 were skipped (the check at step 23 stopped the run); the step-22 checkpoint
     # holds exactly the step-20 parameters and counts two skipped updates
     ckpt = Checkpointer(tmp_path / "good" / "checkpoints", read_only=True)
     assert ckpt.latest_step() == 22
-    run = train.build_run(config, tmp_path / "good")
+    run = build_run(config, tmp_path / "good")
     abstract = run.strategy.abstract_state(run.init_fn)
     state, _, _ = ckpt.restore(22, abstract)
     before, _, _ = ckpt.restore(20, abstract)
@@ -162,14 +163,14 @@ def test_damaged_checkpoints_are_detected_and_skipped(tmp_path, tfds_dir, capsys
     import random
     import shutil
 
-    from tx_jax import restore
-    from tx_jax.checkpoint import MANIFEST, CorruptCheckpointError
+    from tx_jax.inference import restore
+    from tx_jax.training.checkpoint import MANIFEST, CorruptCheckpointError
 
     workdir = tmp_path / "run"
     config = tiny_config(
         tfds_dir, **{"train.num_steps": 6, "checkpoint.every": 2, "checkpoint.async_save": True}
     )
-    train.train_and_evaluate(config, workdir)
+    train_and_evaluate(config, workdir)
     ckpt = Checkpointer(workdir / "checkpoints", read_only=True)
     assert ckpt.all_steps() == [2, 4, 6] and all(ckpt.verify(s) for s in (2, 4, 6))
     step6 = workdir / "checkpoints" / "6"
@@ -200,7 +201,7 @@ def test_damaged_checkpoints_are_detected_and_skipped(tmp_path, tfds_dir, capsys
     assert "step 6 is damaged" in capsys.readouterr().err
     # training resumes from step 4 and finishes
     config.train.num_steps = 8
-    train.train_and_evaluate(config, workdir)
+    train_and_evaluate(config, workdir)
     assert "step 6 is damaged" in capsys.readouterr().out
     assert max(train_losses(workdir)) == 8
     assert (tmp_path / "run" / "checkpoints.damaged" / "6-0").is_dir()  # kept, not deleted
@@ -236,7 +237,7 @@ def test_full_disk_is_a_clear_error_and_keeps_complete_checkpoints(tiny_disk, tf
            "checkpoint.async_save": True},
     )  # fmt: skip
     with pytest.raises(OSError, match=r"No space left on device") as info:
-        train.train_and_evaluate(config, workdir)
+        train_and_evaluate(config, workdir)
     message = str(info.value)
     assert str(workdir) in message and ("checkpoint step" in message or "logs" in message)
     print(f"full disk: {message[:300]}")
@@ -286,7 +287,7 @@ def test_dirty_corpus_trains_with_counts_per_category(tmp_path, caplog):
            "test_2016_flickr"},
     )  # fmt: skip
     with caplog.at_level(std_logging.WARNING):
-        train.train_and_evaluate(config, tmp_path / "run")
+        train_and_evaluate(config, tmp_path / "run")
     logs = caplog.text
     assert "skipped 2 of 300 line pairs with an empty side" in logs
     assert "1 line(s) with invalid UTF-8" in logs and "lines [10]" in logs  # 1-based

@@ -10,10 +10,12 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from tx_jax import models, similarity
+from tx_jax.analysis import similarity
 from tx_jax.data import synthetic
 from tx_jax.data.tokenizer import train_tokenizer
-from tx_jax.positional import sinusoid
+from tx_jax.model.config import variant
+from tx_jax.model.positional import sinusoid
+from tx_jax.model.transformer import EncoderDecoder
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -183,8 +185,8 @@ def _init_encoder(model, key):
 
 @pytest.fixture(scope="module")
 def model(tokenizer):
-    cfg = models.variant("tiny", vocab_size=tokenizer.vocab_size, bos_id=tokenizer.bos_id)
-    model = models.EncoderDecoder(cfg)
+    cfg = variant("tiny", vocab_size=tokenizer.vocab_size, bos_id=tokenizer.bos_id)
+    model = EncoderDecoder(cfg)
     # Only the encoder's parameters (and the embedding): all that encoding needs.
     return model, _init_encoder(model, jax.random.key(0))
 
@@ -243,10 +245,10 @@ def test_encoder_layer_representations_shapes_and_padding_invariance(model, toke
 
 
 def test_encoder_layer_representations_pre_ln_final_norm(tokenizer):
-    cfg = models.variant(
+    cfg = variant(
         "tiny", vocab_size=tokenizer.vocab_size, num_encoder_layers=1, norm_position="pre"
     )
-    net = models.EncoderDecoder(cfg)
+    net = EncoderDecoder(cfg)
     params = _init_encoder(net, jax.random.key(1))
     raw = similarity.encoder_layer_representations(net, params, tokenizer, SENTENCES[:2])
     normed = similarity.encoder_layer_representations(

@@ -1,4 +1,4 @@
-"""tx_jax.sweep: sweep files expand to the expected overrides, typos fail before anything
+"""tx_jax.experiment.sweep: sweep files expand to the expected overrides, typos fail before anything
 runs, and the runner trains every point, tabulates them and skips finished points on rerun."""
 
 import csv
@@ -9,7 +9,9 @@ import pathlib
 import pytest
 from helpers import ROOT
 
-from tx_jax import sweep
+from tx_jax.cli import sweep as sweep_cli
+from tx_jax.config import load_module
+from tx_jax.experiment import sweep
 
 TABLE3 = ROOT / "experiments" / "table3.py"
 SMOKE = ROOT / "experiments" / "default_smoke.py"
@@ -19,7 +21,7 @@ DEBUG = "configs/default.py:debug"
 def test_table3_rows_and_points():
     table3 = sweep.load_sweep(TABLE3)
     assert table3.name == "table3" and table3.config == "configs/multi30k.py:variant=small"
-    rows = sweep._load_module(TABLE3, "table3_rows").ROWS
+    rows = load_module(TABLE3, "table3_rows").ROWS
     assert {k: len(v) for k, v in rows.items()} == {"A": 4, "B": 2, "C": 7, "D": 4, "E": 1}
     assert len(table3.points) == 1 + 18 and table3.points[0] == {}  # the base, then the rows
     assert rows["A"][3] == {"model.num_heads": 32}  # d_k = 256 / 32 = 8 (paper: 512 / 32)
@@ -55,7 +57,7 @@ def test_unknown_key_is_an_error_naming_it_and_the_point(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"point 1 \(model.num_hedas=2\).*'model.num_hedas'"):
         sweep.expand(bad, tmp_path)
     assert not list(tmp_path.iterdir())  # nothing ran, nothing written
-    assert sweep.main([str(SMOKE), f"--root={tmp_path}", "--override=train.num_stpes=2"]) == 2
+    assert sweep_cli.main([str(SMOKE), f"--root={tmp_path}", "--override=train.num_stpes=2"]) == 2
 
 
 def test_command_quotes_values_and_routes_lists_through_a_config_file(tmp_path):
@@ -77,7 +79,7 @@ def test_runner_trains_both_points_tabulates_and_skips_them_on_rerun(tmp_path, t
             "checkpoint.async_save": False}  # fmt: skip
     args = [str(SMOKE), f"--root={root}", "--parallel=2", "--test_split_eval", "--beam_size=2"]
     args += [f"--override={k}={v}" for k, v in tiny.items()]
-    assert sweep.main(args) == 0
+    assert sweep_cli.main(args) == 0
     with open(root / "results.csv") as f:
         rows = list(csv.DictReader(f))
     assert [r["name"] for r in rows] == ["model.dropout_rate=0.0", "model.dropout_rate=0.1"]

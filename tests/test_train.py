@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from helpers import run_python, tiny_config, train_losses
 
-from tx_jax import train
-from tx_jax.checkpoint import Checkpointer
+from tx_jax.experiment.loop import train_and_evaluate
+from tx_jax.experiment.setup import build_run
+from tx_jax.training.checkpoint import Checkpointer
 
 
 def test_tiny_run_lowers_the_loss_and_writes_a_checkpoint(tmp_path, tfds_dir):
@@ -16,7 +17,7 @@ def test_tiny_run_lowers_the_loss_and_writes_a_checkpoint(tmp_path, tfds_dir):
     config = tiny_config(
         tfds_dir, **{"train.num_steps": 30, "train.warmup_steps": 10, "data.packing": True}
     )
-    final = train.train_and_evaluate(config, workdir)
+    final = train_and_evaluate(config, workdir)
     losses = train_losses(workdir)
     first, last = (
         np.mean([losses[s] for s in (1, 2, 3)]),
@@ -46,13 +47,11 @@ def test_exact_resume_and_its_control(tmp_path, tfds_dir):
         tfds_dir, **{"train.num_steps": steps, "checkpoint.every": n, "model.dropout_rate": 0.1,
                      **kw},
     )  # fmt: skip
-    train.train_and_evaluate(cfg(2 * n), tmp_path / "straight")
-    train.train_and_evaluate(cfg(n), tmp_path / "resumed")
-    train.train_and_evaluate(cfg(2 * n), tmp_path / "resumed")
-    train.train_and_evaluate(cfg(n), tmp_path / "control")
-    train.train_and_evaluate(
-        cfg(2 * n, **{"train.restore_data_iterator": False}), tmp_path / "control"
-    )
+    train_and_evaluate(cfg(2 * n), tmp_path / "straight")
+    train_and_evaluate(cfg(n), tmp_path / "resumed")
+    train_and_evaluate(cfg(2 * n), tmp_path / "resumed")
+    train_and_evaluate(cfg(n), tmp_path / "control")
+    train_and_evaluate(cfg(2 * n, **{"train.restore_data_iterator": False}), tmp_path / "control")
     straight = train_losses(tmp_path / "straight")
     resumed = train_losses(tmp_path / "resumed")
     control = train_losses(tmp_path / "control")
@@ -65,8 +64,8 @@ def test_exact_resume_and_its_control(tmp_path, tfds_dir):
 def test_gradient_accumulation_equals_the_full_batch(tmp_path, tfds_dir):
     one = tiny_config(tfds_dir, **{"train.num_steps": 3})
     four = tiny_config(tfds_dir, **{"train.num_steps": 3, "train.grad_accum_steps": 4})
-    train.train_and_evaluate(one, tmp_path / "one")
-    train.train_and_evaluate(four, tmp_path / "four")
+    train_and_evaluate(one, tmp_path / "one")
+    train_and_evaluate(four, tmp_path / "four")
     a, b = train_losses(tmp_path / "one"), train_losses(tmp_path / "four")
     np.testing.assert_allclose([a[s] for s in (1, 2, 3)], [b[s] for s in (1, 2, 3)], rtol=1e-5)
 
@@ -83,7 +82,7 @@ def test_bf16_training_and_best_checkpoint_retention(tmp_path, tfds_dir):
             "checkpoint.best_mode": "max",
         },
     )  # fmt: skip
-    train.train_and_evaluate(config, tmp_path)
+    train_and_evaluate(config, tmp_path)
     losses = train_losses(tmp_path)
     assert all(np.isfinite(v) for v in losses.values()) and losses[8] < losses[1]
     validation = [
@@ -94,7 +93,7 @@ def test_bf16_training_and_best_checkpoint_retention(tmp_path, tfds_dir):
     assert worst != 8
     ckpt = Checkpointer(tmp_path / "checkpoints", read_only=True)
     assert ckpt.all_steps() == [worst, 8]
-    run = train.build_run(config, tmp_path)
+    run = build_run(config, tmp_path)
     state, _, _ = ckpt.restore(8, run.strategy.abstract_state(run.init_fn))
     dtypes = {x.dtype for x in jax.tree_util.tree_leaves(state.params)}
     assert dtypes == {np.dtype("float32")}  # bf16 is the compute dtype only
@@ -104,11 +103,12 @@ def test_bf16_training_and_best_checkpoint_retention(tmp_path, tfds_dir):
 def test_pmap_and_mesh_on_8_devices_match_one_device(tmp_path, tfds_dir):
     steps = 5
     base = {"train.num_steps": steps, "checkpoint.every": steps}
-    train.train_and_evaluate(tiny_config(tfds_dir, **base), tmp_path / "one")
+    train_and_evaluate(tiny_config(tfds_dir, **base), tmp_path / "one")
     code = f"""
 import jax, numpy as np
 from helpers import tiny_config
-from tx_jax import train
+from tx_jax.experiment.loop import train_and_evaluate
+from tx_jax.experiment.setup import build_run
 assert jax.device_count() == 8
 base = {base!r}
 layouts = {{
@@ -118,11 +118,11 @@ layouts = {{
                   "parallel.mesh": {{"data": 2, "fsdp": 2, "tensor": 2}}}},
 }}
 for name, overrides in layouts.items():
-    train.train_and_evaluate(tiny_config({str(tfds_dir)!r}, **base, **overrides),
-                             {str(tmp_path)!r} + "/" + name)
+    train_and_evaluate(tiny_config({str(tfds_dir)!r}, **base, **overrides),
+                       {str(tmp_path)!r} + "/" + name)
 # what the 8 devices hold at the end, to compare with a 1-device restore
-from tx_jax.checkpoint import Checkpointer
-run = train.build_run(tiny_config({str(tfds_dir)!r}, **base, **layouts["mesh_222"]),
+from tx_jax.training.checkpoint import Checkpointer
+run = build_run(tiny_config({str(tfds_dir)!r}, **base, **layouts["mesh_222"]),
                       {str(tmp_path)!r} + "/mesh_222")
 ckpt = Checkpointer({str(tmp_path)!r} + "/mesh_222/checkpoints", read_only=True)
 state, _, _ = ckpt.restore({steps}, run.strategy.abstract_state(run.init_fn))
@@ -141,7 +141,7 @@ np.savez({str(tmp_path)!r} + "/mesh_222_params.npz", **{{
         )  # fmt: skip
     # the (data, fsdp, tensor) = (2, 2, 2) checkpoint restores on 1 device, bit for bit
     saved = np.load(tmp_path / "mesh_222_params.npz")
-    run = train.build_run(tiny_config(tfds_dir, **base), tmp_path / "mesh_222")
+    run = build_run(tiny_config(tfds_dir, **base), tmp_path / "mesh_222")
     ckpt = Checkpointer(tmp_path / "mesh_222" / "checkpoints", read_only=True)
     state, data_state, _ = ckpt.restore(steps, run.strategy.abstract_state(run.init_fn))
     assert int(state.step) == steps and data_state["version"] == 1

@@ -14,10 +14,15 @@ import numpy as np
 import pytest
 from helpers import ROOT, tiny_config
 
-from tx_jax import decoding, models, train, visualize
+from tx_jax.analysis import visualize
+from tx_jax.cli import visualize as visualize_cli
 from tx_jax.data import synthetic
 from tx_jax.data.tokenizer import train_tokenizer
-from tx_jax.positional import sinusoid
+from tx_jax.experiment.loop import train_and_evaluate
+from tx_jax.inference import decoding
+from tx_jax.model.config import variant
+from tx_jax.model.positional import sinusoid
+from tx_jax.model.transformer import EncoderDecoder
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SOURCE, TARGET = synthetic.generate_corpus(1, seed=5, split="validation")[0]
@@ -33,11 +38,9 @@ def tokenizer(tmp_path_factory):
 def model(tokenizer):
     """A random-init tiny EncoderDecoder (M=64, H=4 with 2 K/V heads, 2 + 2 layers); its
     params stay boxed (logical axis names), which every visualize function accepts."""
-    cfg = models.variant(
-        "tiny", vocab_size=tokenizer.vocab_size, bos_id=tokenizer.bos_id, num_kv_heads=2
-    )
+    cfg = variant("tiny", vocab_size=tokenizer.vocab_size, bos_id=tokenizer.bos_id, num_kv_heads=2)
     dummy = jnp.ones((1, 8), jnp.int32)
-    params = models.EncoderDecoder(cfg).init(jax.random.key(0), dummy, dummy)["params"]
+    params = EncoderDecoder(cfg).init(jax.random.key(0), dummy, dummy)["params"]
     return cfg, params
 
 
@@ -242,12 +245,12 @@ def test_plot_curves_writes_a_png(tmp_path):
 
 def test_cli_on_a_trained_checkpoint(tmp_path, tfds_dir, capsys):
     workdir = tmp_path / "run"
-    train.train_and_evaluate(tiny_config(tfds_dir, **{"train.num_steps": 4}), workdir)
+    train_and_evaluate(tiny_config(tfds_dir, **{"train.num_steps": 4}), workdir)
     capsys.readouterr()
     out = tmp_path / "png"
     argv = ["visualize", "attention", f"--workdir={workdir}", f"--source={SOURCE}",
             f"--target={TARGET}", f"--out={out}"]  # fmt: skip
-    assert visualize.main(argv) == 0
+    assert visualize_cli.main(argv) == 0
     printed = capsys.readouterr().out.splitlines()
     names = [f"{k}_{s}.png" for k in visualize.KINDS for s in ("layer0", "mean")]  # 1 layer
     assert printed[-len(names) :] == [str(out / n) for n in names]
@@ -258,10 +261,10 @@ def test_cli_on_a_trained_checkpoint(tmp_path, tfds_dir, capsys):
     argv = ["visualize", "attention", f"--workdir={workdir}", "--step=4", f"--source={SOURCE}",
             f"--target={TARGET}", f"--out={tmp_path / 'cross'}", "--kinds=cross",
             "--noaverage_heads"]  # fmt: skip
-    assert visualize.main(argv) == 0
+    assert visualize_cli.main(argv) == 0
     assert sorted(p.name for p in (tmp_path / "cross").iterdir()) == ["cross_layer0.png"]
-    assert visualize.main(["visualize", "attention", f"--out={out}"]) == 2  # no --workdir
-    assert visualize.main(["visualize", "plot", f"--out={out}"]) == 2  # unknown command
+    assert visualize_cli.main(["visualize", "attention", f"--out={out}"]) == 2  # no --workdir
+    assert visualize_cli.main(["visualize", "plot", f"--out={out}"]) == 2  # unknown command
     # curves, through the module's entry point
     png = tmp_path / "curves.png"
     proc = subprocess.run(

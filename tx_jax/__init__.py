@@ -1,20 +1,21 @@
 """tx_jax: the Transformer ("Attention Is All You Need") and its descendants in JAX/Flax.
 
-The public model API; data, training and decoding live in their own modules
-(tx_jax.data, tx_jax.train, tx_jax.decoding) and are imported from there.
+The package is layered (README, Architecture); this module re-exports the model API and
+gives short names to the modules researchers use most:
+
+    tx_jax.EncoderDecoder, tx_jax.variant("base"), ...       the model (tx_jax.model)
+    tx_jax.train_and_evaluate(config, workdir)               a run (tx_jax.experiment.loop)
+    tx_jax.restore.load(workdir), tx_jax.averaging, tx_jax.evaluation, tx_jax.multilingual,
+    tx_jax.decoding, tx_jax.translation, tx_jax.generation   (tx_jax.inference.*)
+    tx_jax.similarity, tx_jax.flops                           (tx_jax.analysis.*)
+
+The modules are imported on first use, so `import tx_jax` loads the model code alone.
 """
 
-from tx_jax.attention import (
-    MultiHeadAttention,
-    causal_mask,
-    combine_masks,
-    dense_mask,
-    dot_product_attention,
-    padding_mask,
-    segment_mask,
-)
-from tx_jax.layers import DecoderLayer, EncoderLayer, FeedForward, make_norm
-from tx_jax.models import (
+import importlib
+from typing import Any
+
+from tx_jax.model import (
     VARIANTS,
     Decoder,
     DecoderOnly,
@@ -23,10 +24,21 @@ from tx_jax.models import (
     EncoderOnly,
     ModelConfig,
     count_params,
+    make_model,
     shift_right,
     variant,
 )
-from tx_jax.positional import (
+from tx_jax.model.attention import (
+    MultiHeadAttention,
+    causal_mask,
+    combine_masks,
+    dense_mask,
+    dot_product_attention,
+    padding_mask,
+    segment_mask,
+)
+from tx_jax.model.layers import DecoderLayer, EncoderLayer, FeedForward, make_norm
+from tx_jax.model.positional import (
     LearnedPositionalEmbedding,
     SinusoidalPositionalEncoding,
     apply_rope,
@@ -35,6 +47,27 @@ from tx_jax.positional import (
 )
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "restore": "tx_jax.inference.restore",
+    "averaging": "tx_jax.inference.averaging",
+    "decoding": "tx_jax.inference.decoding",
+    "evaluation": "tx_jax.inference.evaluation",
+    "multilingual": "tx_jax.inference.multilingual",
+    "translation": "tx_jax.inference.translation",
+    "generation": "tx_jax.inference.generation",
+    "similarity": "tx_jax.analysis.similarity",
+    "flops": "tx_jax.analysis.flops",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return importlib.import_module(_LAZY[name])
+    if name == "train_and_evaluate":
+        return importlib.import_module("tx_jax.experiment.loop").train_and_evaluate
+    raise AttributeError(f"module 'tx_jax' has no attribute {name!r}")
+
 
 __all__ = [
     "VARIANTS",
@@ -56,6 +89,7 @@ __all__ = [
     "count_params",
     "dense_mask",
     "dot_product_attention",
+    "make_model",
     "make_norm",
     "padding_mask",
     "segment_mask",

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tx_jax.dropout import effective_rate, keep_mask
+from tx_jax.ops.dropout import effective_rate, keep_mask
 
 Array = jax.Array
 _NEG = -1e30  # finite "minus infinity" (attention.py)

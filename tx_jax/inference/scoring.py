@@ -14,9 +14,9 @@ import jax
 import numpy as np
 import sacrebleu
 
-from tx_jax import decoding
 from tx_jax.data.tokenizer import Tokenizer
-from tx_jax.models import ModelConfig
+from tx_jax.inference import decoding
+from tx_jax.model.config import ModelConfig
 
 
 @dataclasses.dataclass

@@ -19,9 +19,9 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from tx_jax import evaluation, restore, translate
 from tx_jax.data import directions
 from tx_jax.data.tokenizer import Tokenizer
+from tx_jax.inference import restore, scoring, translation
 
 
 def tag_prefix(tokenizer: Tokenizer, lang: str) -> list[int]:
@@ -49,14 +49,14 @@ def translate_to(
       sources: sentences in any language the model reads (the tag names only the target).
       target_lang: 'fr' -> the sources are tagged '<2fr>'.
       pivot: translate into this language first ('en'), then that output into target_lang.
-      beam_size, alpha, batch_size, **kwargs: translate.translate_lines' (beam 1: greedy;
+      beam_size, alpha, batch_size, **kwargs: translation.translate_lines' (beam 1: greedy;
         max_len, sort_by_length, warn, progress).
     """
     kw = dict(beam_size=beam_size, alpha=alpha, batch_size=batch_size, **kwargs)
     if pivot:
         sources = translate_to(loaded, sources, pivot, **kw)
     prefix = tag_prefix(loaded.tokenizer, target_lang)
-    return translate.translate_lines(loaded, sources, source_prefix=prefix, **kw)
+    return translation.translate_lines(loaded, sources, source_prefix=prefix, **kw)
 
 
 @dataclasses.dataclass
@@ -110,11 +110,11 @@ def score_direction(
             warn=lambda message: None,
         )  # fmt: skip  (long sources are truncated, as in evaluation: no warning)
     else:
-        hyps = evaluation.translate_batches(
+        hyps = scoring.translate_batches(
             loaded.model_config, loaded.params, task.eval_batches(split, 1, limit),
             loaded.tokenizer, len(pairs), beam_size=beam_size, alpha=alpha,
         )  # fmt: skip
-    bleu, chrf, sig, chrf_sig = evaluation.score(hyps, references)
+    bleu, chrf, sig, chrf_sig = scoring.score(hyps, references)
     return DirectionScore(
         f"{src}-{tgt}", pivot, bleu, chrf, sig, chrf_sig, sources, hyps, references
     )

@@ -12,22 +12,18 @@ Pre-LN stacks end with one more Norm (Encoder/Decoder in models.py add it).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from tx_jax.attention import MultiHeadAttention
-from tx_jax.dropout import Dropout
-from tx_jax.matmul import dense
-
-if TYPE_CHECKING:
-    from tx_jax.models import ModelConfig
+from tx_jax.model.attention import MultiHeadAttention
+from tx_jax.model.config import ACTIVATIONS, NORMS, ModelConfig
+from tx_jax.ops.dropout import Dropout
+from tx_jax.ops.matmul import dense
 
 Array = jax.Array
-ACTIVATIONS = ("relu", "gelu", "swiglu")
-NORMS = ("layernorm", "rmsnorm")
 
 
 def _dense_init() -> Callable:
@@ -131,6 +127,31 @@ class _ResidualLayer(nn.Module):
             name=name,
         )
 
+    def self_attention(
+        self,
+        x: Array,
+        segment_ids: Array | None,
+        positions: Array | None,
+        det: bool,
+        *,
+        causal: bool,
+    ) -> Array:
+        """The self-attention sub-layer: x [B, T, M] -> [B, T, M] (causal in the decoder)."""
+        attn = self.attention("self_attention", cross=False)
+
+        def call(y: Array) -> Array:
+            return attn(
+                y,
+                is_causal=causal,
+                q_segment_ids=segment_ids,
+                kv_segment_ids=segment_ids,
+                q_positions=positions,
+                kv_positions=positions,
+                deterministic=det,
+            )
+
+        return self.residual(x, call, "self_attention", det)
+
     def feed_forward(self) -> FeedForward:
         cfg = self.config
         return FeedForward(
@@ -155,20 +176,7 @@ class EncoderLayer(_ResidualLayer):
     def __call__(
         self, x: Array, segment_ids: Array, positions: Array, deterministic: bool = True
     ) -> Array:
-        attn = self.attention("self_attention", cross=False)
-        x = self.residual(
-            x,
-            lambda y: attn(
-                y,
-                q_segment_ids=segment_ids,
-                kv_segment_ids=segment_ids,
-                q_positions=positions,
-                kv_positions=positions,
-                deterministic=deterministic,
-            ),  # fmt: skip
-            "self_attention",
-            deterministic,
-        )
+        x = self.self_attention(x, segment_ids, positions, deterministic, causal=False)
         ffn = self.feed_forward()
         return self.residual(x, lambda y: ffn(y, deterministic), "ffn", deterministic)
 
@@ -192,21 +200,7 @@ class DecoderLayer(_ResidualLayer):
         positions: Array | None,
         deterministic: bool = True,
     ) -> Array:
-        self_attn = self.attention("self_attention", cross=False)
-        x = self.residual(
-            x,
-            lambda y: self_attn(
-                y,
-                is_causal=True,
-                q_segment_ids=segment_ids,
-                kv_segment_ids=segment_ids,
-                q_positions=positions,
-                kv_positions=positions,
-                deterministic=deterministic,
-            ),  # fmt: skip
-            "self_attention",
-            deterministic,
-        )
+        x = self.self_attention(x, segment_ids, positions, deterministic, causal=True)
         if self.cross_attention:
             cross = self.attention("cross_attention", cross=True)
             q_seg = segment_ids

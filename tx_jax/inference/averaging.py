@@ -32,8 +32,12 @@ import jax
 import numpy as np
 from etils import epath
 
-from tx_jax import models, optim, restore, train
-from tx_jax.checkpoint import Checkpointer, absolute
+from tx_jax.config import task_of
+from tx_jax.inference import locate
+from tx_jax.model import make_model
+from tx_jax.training import optim
+from tx_jax.training.checkpoint import Checkpointer, absolute
+from tx_jax.training.state import init_state
 
 
 class Averaged(NamedTuple):
@@ -53,20 +57,20 @@ def choose_steps(
     if steps is not None:
         missing = sorted(set(steps) - set(available))
         if missing:
-            raise restore.CheckpointError(
+            raise locate.CheckpointError(
                 f"no checkpoint for step(s) {missing}; available steps: {available}"
             )
         return sorted(set(steps))
     if k is None or k < 1:
-        raise restore.CheckpointError(f"average_last={k}: give K >= 1 (or explicit steps)")
+        raise locate.CheckpointError(f"average_last={k}: give K >= 1 (or explicit steps)")
     if until is not None:
         if until not in available:
-            raise restore.CheckpointError(
+            raise locate.CheckpointError(
                 f"no checkpoint for step {until}; available steps: {available}"
             )
         available = [s for s in available if s <= until]
     if len(available) < k:
-        raise restore.CheckpointError(
+        raise locate.CheckpointError(
             f"cannot average the last {k} checkpoints: only {len(available)} (steps {available})"
         )
     return available[-k:]
@@ -88,12 +92,12 @@ def average_params(ckpt: Checkpointer, steps: Sequence[int], abstract: Any) -> A
     )
 
 
-def _abstract_state(opened: restore.Opened) -> Any:
+def _abstract_state(opened: locate.Opened) -> Any:
     """The full TrainState of the run as ShapeDtypeStructs on the params' device."""
     config, model_config = opened.config, opened.model_config
     tx, _ = optim.make_optimizer(config.train, model_config.d_model)
-    init_fn = functools.partial(train.init_state, models.EncoderDecoder(model_config), tx,
-                                config.seed)  # fmt: skip
+    model = make_model(model_config, task_of(config))
+    init_fn = functools.partial(init_state, model, tx, config.seed)
     sharding = jax.tree_util.tree_leaves(opened.abstract_params)[0].sharding
     return jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
@@ -126,13 +130,13 @@ def average_checkpoints(
     """Average the last `k` checkpoints of WORKDIR/checkpoints (those <= `until` if given),
     or the given `steps`, and save the result (module docstring); reuse it if saved."""
     workdir = absolute(workdir)
-    ckpt = restore.open_checkpoints(workdir / restore.CHECKPOINTS_DIR)
+    ckpt = locate.open_checkpoints(workdir / locate.CHECKPOINTS_DIR)
     chosen = choose_steps(ckpt.all_steps(), k, steps, until)
     name = f"last{k}" if steps is None else "steps_" + "_".join(map(str, chosen))
-    out_dir, last = workdir / restore.AVERAGED_DIR / name, chosen[-1]
+    out_dir, last = workdir / locate.AVERAGED_DIR / name, chosen[-1]
     if reuse and _reusable(out_dir, last, chosen):
         return Averaged(out_dir / str(last), last, chosen)
-    opened = restore.open_step(ckpt, last)
+    opened = locate.open_step(ckpt, last)
     params = average_params(ckpt, chosen, opened.abstract_params)
     state, data_state, meta = ckpt.restore(last, _abstract_state(opened))
     ckpt.close()

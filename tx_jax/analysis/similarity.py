@@ -45,9 +45,9 @@ import sacrebleu
 import scipy.stats
 from matplotlib.figure import Figure
 
-from tx_jax import models
 from tx_jax.data.tokenizer import PAD_ID, Tokenizer
-from tx_jax.layers import EncoderLayer
+from tx_jax.model.layers import EncoderLayer
+from tx_jax.model.transformer import Encoder, EncoderDecoder, EncoderOnly
 
 PathLike = str | pathlib.Path
 POOLS = ("text", "all")
@@ -310,7 +310,7 @@ def _capture(module: nn.Module, method_name: str) -> bool:
     # EncoderLayer's output; not the layer's helper methods, which return sub-modules.
     if isinstance(module, EncoderLayer):
         return method_name == "__call__"
-    return isinstance(module, models.Encoder) and method_name == "embed_tokens"
+    return isinstance(module, Encoder) and method_name == "embed_tokens"
 
 
 @functools.partial(jax.jit, static_argnames=("model", "final_norm"))
@@ -372,7 +372,7 @@ def encoder_layer_representations(
     """
     if pool not in POOLS:
         raise ValueError(f"pool={pool!r}; expected one of {POOLS}")
-    if not isinstance(model, models.EncoderDecoder | models.EncoderOnly):
+    if not isinstance(model, EncoderDecoder | EncoderOnly):
         raise TypeError(f"expected an EncoderDecoder or EncoderOnly model, got {type(model)}")
     cfg = model.config.replace(decode=False, remat="none", sow_attention_weights=False)
     model = type(model)(cfg)

@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tx_jax.models import DecoderOnly, EncoderDecoder, ModelConfig
+from tx_jax.model.config import ModelConfig
+from tx_jax.model.transformer import DecoderOnly, EncoderDecoder
 
 Array = jax.Array
 Cache = Any

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tx_jax.models import ModelConfig
+from tx_jax.model.config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tx_jax.dropout import dropout
-from tx_jax.flash import flash_attention, to_kg
-from tx_jax.matmul import dense
-from tx_jax.positional import apply_rope
+from tx_jax.model.flash import flash_attention, to_kg
+from tx_jax.model.positional import apply_rope
+from tx_jax.ops.dropout import dropout
+from tx_jax.ops.matmul import dense
 
 Array = jax.Array
 Implementation = Literal["auto", "xla", "chunked", "cudnn"]

@@ -1,0 +1,1 @@
+"""Analysis of models and runs: representation similarity, plots, FLOP counts."""

@@ -1,0 +1,361 @@
+r"""Attention maps and training curves as PNG files (matplotlib, drawn off-screen).
+
+    attention_weights(cfg, params, inputs, targets)  padded batch -> per-kind weight arrays
+    attention_maps(cfg, params, tokenizer, source, target=None)   one pair -> maps + pieces
+    plot_attention(maps, out_dir)                     one PNG per kind and layer, a panel per head
+    plot_curves(metrics_jsonl_paths, out_png)         loss / BLEU / ... against step or time
+
+Command line:
+
+    python -m tx_jax.visualize attention --workdir=DIR [--step=N] --source="..." \
+        [--target="..."] --out=DIR_PNG [--kinds=cross,encoder,decoder] [--noaverage_heads]
+    python -m tx_jax.visualize curves --metrics=a/metrics.jsonl,b/metrics.jsonl --out=x.png \
+        [--keys=loss,bleu] [--labels=a,b] [--x=step|elapsed]
+
+Three kinds of attention, each stored as [N, H, Q, K] (layers, heads, queries, keys):
+    encoder   encoder self-attention          [N_enc, H, S, S]
+    decoder   masked decoder self-attention   [N_dec, H, L, L]
+    cross     decoder-encoder attention       [N_dec, H, L, S]
+S counts the source pieces and EOS; L the decoder inputs (BOS, then the target pieces:
+teacher forcing, so row t is the position that predicts target piece t). Figures are built
+on `matplotlib.figure.Figure` with the Agg canvas: no pyplot, no display, no global backend.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from matplotlib.figure import Figure
+
+from tx_jax.data.tokenizer import Tokenizer
+from tx_jax.inference import decoding
+from tx_jax.model.config import ModelConfig
+from tx_jax.model.transformer import EncoderDecoder
+
+Array = jax.Array
+PathLike = str | pathlib.Path
+KINDS = ("cross", "encoder", "decoder")
+# kind -> (stack, attention module) in the 'intermediates' tree of EncoderDecoder
+_SOWN = {
+    "encoder": ("encoder", "self_attention"),
+    "decoder": ("decoder", "self_attention"),
+    "cross": ("decoder", "cross_attention"),
+}
+_TITLES = {
+    "cross": "cross-attention",
+    "encoder": "encoder self-attention",
+    "decoder": "decoder self-attention",
+}
+_AXES = {  # kind -> (y label: queries, x label: keys)
+    "cross": ("target (decoder input)", "source"),
+    "encoder": ("source (query)", "source (key)"),
+    "decoder": ("target (query)", "target (key)"),
+}
+
+
+# ---------------------------------------------------------------- attention weights
+
+
+@functools.partial(jax.jit, static_argnames=("model_config",))
+def attention_weights(
+    model_config: ModelConfig, params: Any, inputs: Array, targets: Array
+) -> dict[str, Array]:
+    """Teacher-forced EncoderDecoder pass over inputs [B, S] and targets [B, L] (0-padded)
+    -> {'encoder': [N, B, H, S, S], 'decoder': [N, B, H, L, L], 'cross': [N, B, H, L, S]}.
+
+    Rows are softmax weights over the keys a query may see (they sum to 1); padded keys,
+    future positions (decoder) and padded query rows hold exactly 0.
+    """
+    cfg = model_config.replace(
+        sow_attention_weights=True, attention_impl="xla", decode=False, remat="none"
+    )
+    _, state = EncoderDecoder(cfg).apply(
+        {"params": nn.meta.unbox(params)}, inputs, targets, mutable=["intermediates"]
+    )
+    sown = state["intermediates"]
+    out = {}
+    for kind, (stack, module) in _SOWN.items():
+        n = cfg.num_encoder_layers if stack == "encoder" else cfg.num_decoder_layers
+        layers = [sown[stack][f"layer_{i}"][module]["attention_weights"][0] for i in range(n)]
+        out[kind] = jnp.stack(layers)
+    return out
+
+
+def attention_maps(
+    model_config: ModelConfig,
+    params: Any,
+    tokenizer: Tokenizer,
+    source: str,
+    target: str | None = None,
+    *,
+    max_decode_len: int | None = None,
+) -> dict[str, Any]:
+    """The attention of one sentence pair, for plotting.
+
+    target=None translates `source` greedily first (decoding.translate_greedy) and uses its
+    output ids as they are. Returns a dict:
+      'source', 'target': the texts.
+      'source_pieces': S pieces, the source's and '</s>' (key axis of encoder and cross).
+      'target_pieces': L pieces, the decoder inputs '<s>', t_1 .. t_{L-1} (query axis of
+        decoder and cross; key axis of decoder).
+      'output_pieces': L pieces, t_1 .. t_L: what each decoder position predicts.
+      'encoder' [N_enc, H, S, S], 'decoder' [N_dec, H, L, L], 'cross' [N_dec, H, L, S]:
+        float32 NumPy weights (rows sum to 1).
+    """
+    eos, bos = tokenizer.eos_id, model_config.bos_id  # BOS: what shift_right feeds
+    source_ids = tokenizer.encode(source) + [eos]
+    if target is None:
+        target_ids = _greedy_ids(model_config, params, source_ids, eos, max_decode_len)
+        target = tokenizer.decode(target_ids)
+    else:
+        target_ids = tokenizer.encode(target) + [eos]
+    weights = attention_weights(
+        model_config, params, jnp.asarray([source_ids]), jnp.asarray([target_ids])
+    )
+    weights = {k: np.asarray(jax.device_get(v))[:, 0] for k, v in weights.items()}
+    piece = tokenizer.id_to_piece
+    return {
+        "source": source,
+        "target": target,
+        "source_pieces": [piece(i) for i in source_ids],
+        "target_pieces": [piece(i) for i in [bos, *target_ids[:-1]]],
+        "output_pieces": [piece(i) for i in target_ids],
+        **weights,
+    }
+
+
+def _greedy_ids(cfg, params, source_ids: list[int], eos: int, max_len: int | None) -> list[int]:
+    """Greedy translation of one source -> its ids up to and including EOS (all of them
+    when the length limit came first); never empty."""
+    tokens = decoding.translate_greedy(
+        cfg, params, jnp.asarray([source_ids]), max_decode_len=max_len, eos_id=eos
+    )
+    ids = [int(t) for t in np.asarray(tokens)[0] if t != decoding.PAD_ID]
+    if eos in ids:
+        ids = ids[: ids.index(eos) + 1]
+    return ids or [eos]
+
+
+# ----------------------------------------------------------------- attention figures
+
+
+def plot_attention(
+    maps: dict[str, Any],
+    out_dir: PathLike,
+    *,
+    kinds: Sequence[str] = KINDS,
+    average_heads: bool = True,
+    dpi: int = 110,
+) -> list[pathlib.Path]:
+    """Write one PNG per kind and layer, OUT_DIR/{kind}_layer{i}.png, with a panel per head
+    (and, with average_heads, OUT_DIR/{kind}_mean.png: a panel per layer, mean over heads).
+    `maps` is what `attention_maps` returns. Returns the paths written, in that order."""
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        raise ValueError(f"unknown attention kind(s) {unknown}; expected some of {KINDS}")
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for kind in kinds:
+        weights = np.asarray(maps[kind])  # [N, H, Q, K]
+        rows = maps["source_pieces"] if kind == "encoder" else maps["target_pieces"]
+        cols = maps["target_pieces"] if kind == "decoder" else maps["source_pieces"]
+        for layer, heads in enumerate(weights):
+            fig = heatmap_grid(
+                heads, rows, cols, [f"layer {layer}, head {h}" for h in range(len(heads))],
+                title=f"{_TITLES[kind]}, layer {layer}", axis_labels=_AXES[kind],
+            )  # fmt: skip
+            paths.append(_save(fig, out_dir / f"{kind}_layer{layer}.png", dpi))
+        if average_heads:
+            fig = heatmap_grid(
+                weights.mean(axis=1), rows, cols,
+                [f"layer {i}, mean of {weights.shape[1]} heads" for i in range(len(weights))],
+                title=f"{_TITLES[kind]}, mean over heads", axis_labels=_AXES[kind],
+            )  # fmt: skip
+            paths.append(_save(fig, out_dir / f"{kind}_mean.png", dpi))
+    return paths
+
+
+def heatmap_grid(
+    weights: np.ndarray,
+    row_labels: Sequence[str],
+    col_labels: Sequence[str],
+    panel_titles: Sequence[str],
+    *,
+    title: str,
+    axis_labels: tuple[str, str] = ("query", "key"),
+    max_cols: int = 4,
+) -> Figure:
+    """Panels of weights [G, Q, K] (G panels, at most `max_cols` a row) on one colour scale
+    [0, max], labelled with Q row and K column pieces (columns rotated), one colorbar."""
+    G, Q, K = weights.shape
+    if len(row_labels) != Q or len(col_labels) != K:
+        raise ValueError(f"{len(row_labels)} x {len(col_labels)} labels for [{Q}, {K}] maps")
+    ncols = min(G, max_cols if K <= 30 else 2)
+    nrows = math.ceil(G / ncols)
+    # Inches per token and label size: 7-point labels on 0.24-inch cells, smaller when long.
+    (x_cell, x_font), (y_cell, y_font) = (_cell(K), _cell(Q))
+    x_label = 0.3 + x_font / 72 * 0.6 * max(map(len, col_labels), default=1)  # rotated text
+    y_label = 0.3 + y_font / 72 * 0.6 * max(map(len, row_labels), default=1)
+    width = ncols * (max(2.0, x_cell * K) + 0.3) + y_label + 1.2
+    height = nrows * (max(2.0, y_cell * Q) + x_label + 0.4) + 0.5
+    fig = Figure(figsize=(width, height), layout="constrained")
+    # Shared rows: y labels on the first column only; every panel keeps its x labels.
+    axes = fig.subplots(nrows, ncols, squeeze=False, sharey=True)
+    vmax = max(float(weights.max()), 1e-6)
+    image = None
+    for g, ax in enumerate(axes.flat):
+        if g >= G:
+            ax.set_axis_off()
+            continue
+        image = ax.imshow(weights[g], cmap="viridis", vmin=0.0, vmax=vmax, aspect="auto")
+        ax.set_title(panel_titles[g], fontsize=9)
+        ax.set_xticks(range(K), col_labels, rotation=90, fontsize=x_font)
+        ax.set_yticks(range(Q), row_labels, fontsize=y_font)
+        ax.tick_params(length=0)
+        ax.set_xlabel(axis_labels[1], fontsize=8)
+        if g % ncols == 0:
+            ax.set_ylabel(axis_labels[0], fontsize=8)
+    # Colorbar space and gap in inches, whatever the figure's width (fraction, pad: relative).
+    fig.colorbar(
+        image, ax=axes, shrink=0.9 if height < 7 else 0.5, fraction=min(0.15, 0.6 / width),
+        pad=min(0.05, 0.15 / width), aspect=25, label="attention weight",
+    )  # fmt: skip
+    fig.suptitle(title, fontsize=11)
+    return fig
+
+
+def _cell(tokens: int) -> tuple[float, int]:
+    """(inches per token, label font size) for an axis of `tokens` labels."""
+    return (0.24, 7) if tokens <= 40 else (0.16, 5)
+
+
+def _save(fig: Figure, path: pathlib.Path, dpi: int) -> pathlib.Path:
+    fig.savefig(path, dpi=dpi, format="png")  # Figure() draws with the Agg canvas
+    return path
+
+
+# ------------------------------------------------------------------ training curves
+
+
+def read_metrics(path: PathLike) -> list[dict[str, Any]]:
+    """The records of one metrics.jsonl, sorted by (step, file order).
+
+    A resumed run logs the steps after its last checkpoint again: for each (split, step)
+    the last record wins. 'elapsed' restarts at 0 with every process; it is made
+    cumulative over restarts (a record whose elapsed falls below the previous one starts a
+    new segment offset by the previous segment's end).
+    """
+    records: dict[tuple[str, int], dict] = {}
+    offset, last = 0.0, 0.0
+    for i, line in enumerate(pathlib.Path(path).read_text().splitlines()):
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        if "elapsed" in record:
+            if record["elapsed"] < last:
+                offset += last
+            last = record["elapsed"]
+            record["elapsed"] = record["elapsed"] + offset
+        records[(record.get("split", "train"), int(record["step"]))] = {**record, "_order": i}
+    ordered = sorted(records.values(), key=lambda r: (r["step"], r["_order"]))
+    return [{k: v for k, v in r.items() if k != "_order"} for r in ordered]
+
+
+def _series(records: list[dict], split: str, key: str, x: str) -> tuple[np.ndarray, np.ndarray]:
+    """(x values, key values) of one split, finite numbers only."""
+    pairs = [
+        (r[x], r[key])
+        for r in records
+        if r.get("split", "train") == split
+        and isinstance(r.get(key), (int, float))
+        and math.isfinite(r[key])
+    ]
+    return np.asarray([p[0] for p in pairs], float), np.asarray([p[1] for p in pairs], float)
+
+
+def _split_style(split: str) -> dict[str, Any]:
+    if split == "train":
+        return dict(linestyle="-", linewidth=1.2, alpha=0.85)
+    if split == "validation":
+        return dict(linestyle="--", marker="o", markersize=3.5, linewidth=1.2)
+    return dict(linestyle="none", marker="*", markersize=9)  # test splits: final points
+
+
+def curves_figure(
+    runs: dict[str, list[dict]], *, keys: Sequence[str] = ("loss", "bleu"), x: str = "step"
+) -> Figure:
+    """One panel per key; in each, every run (a colour) and split (train: line, validation:
+    dashed with dots, test: stars). runs: label -> records (`read_metrics`)."""
+    if x not in ("step", "elapsed"):
+        raise ValueError(f"x={x!r}; expected 'step' or 'elapsed'")
+    scale, unit = 1.0, ""
+    if x == "elapsed":
+        longest = max((r.get("elapsed", 0.0) for rs in runs.values() for r in rs), default=0.0)
+        scale, unit = (1.0, "s") if longest < 600 else (60.0, "min")
+        scale, unit = (3600.0, "h") if longest >= 36_000 else (scale, unit)
+    fig = Figure(figsize=(4.8 * len(keys), 3.8), layout="constrained")
+    axes = fig.subplots(1, len(keys), squeeze=False)[0]
+    for ax, key in zip(axes, keys, strict=True):
+        drawn = 0
+        for color, (label, records) in enumerate(runs.items()):
+            splits = sorted({r.get("split", "train") for r in records}, key=_split_rank)
+            for split in splits:
+                xs, ys = _series(records, split, key, x)
+                if len(xs):
+                    name = split if len(runs) == 1 else f"{label} ({split})"
+                    ax.plot(xs / scale, ys, color=f"C{color % 10}", label=name,
+                            **_split_style(split))  # fmt: skip
+                    drawn += 1
+        ax.set_title(key)
+        ax.set_xlabel("step" if x == "step" else f"elapsed ({unit})")
+        ax.grid(alpha=0.3)
+        if drawn:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, f"no {key!r} records", ha="center", va="center",
+                    transform=ax.transAxes)  # fmt: skip
+    return fig
+
+
+def _split_rank(split: str) -> tuple[int, str]:
+    return ({"train": 0, "validation": 1}.get(split, 2), split)
+
+
+def plot_curves(
+    metrics: PathLike | Sequence[PathLike],
+    out_png: PathLike,
+    *,
+    keys: Sequence[str] = ("loss", "bleu"),
+    labels: Sequence[str] | None = None,
+    x: str = "step",
+    dpi: int = 110,
+) -> pathlib.Path:
+    """Training curves of one or more runs (their metrics.jsonl files) -> out_png.
+
+    labels default to each file's directory name (the workdir; its path if names repeat).
+    x: 'step' or 'elapsed' (wall-clock, cumulative over restarts)."""
+    paths = [metrics] if isinstance(metrics, (str, pathlib.Path)) else list(metrics)
+    paths = [pathlib.Path(p) for p in paths]
+    if labels is None:
+        labels = [p.parent.name or str(p) for p in paths]
+        if len(set(labels)) < len(labels):
+            labels = [str(p.parent) for p in paths]
+    if len(labels) != len(paths) or len(set(labels)) < len(labels):
+        raise ValueError(f"need one distinct label per metrics file: {labels} for {paths}")
+    runs = {label: read_metrics(p) for label, p in zip(labels, paths, strict=True)}
+    out_png = pathlib.Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    return _save(curves_figure(runs, keys=keys, x=x), out_png, dpi)
+
+
+# ---------------------------------------------------------------------------- CLI

@@ -1,0 +1,1 @@
+"""Command lines: flags only; each forwards to a library function."""

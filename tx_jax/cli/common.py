@@ -1,0 +1,68 @@
+"""What the checkpoint CLIs (evaluate, translate) share: checkpoint flags, `--config.key=value`
+overrides of the stored config, and one-line error messages for user errors."""
+
+from __future__ import annotations
+
+import sys
+
+from absl import app, flags, logging
+
+from tx_jax.config import parse_assignments
+from tx_jax.inference import restore
+
+
+def define_checkpoint_flags() -> None:
+    """--workdir, --checkpoint, --step, --average_last (evaluate and translate)."""
+    flags.DEFINE_string(
+        "workdir", None, "Training run directory (checkpoints in WORKDIR/checkpoints)."
+    )
+    flags.DEFINE_string(
+        "checkpoint",
+        None,
+        "A checkpoint directory instead: WORKDIR/averaged/last5, or one step of it.",
+    )
+    flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+    flags.DEFINE_integer("average_last", None,
+                         "Average the last K checkpoints (up to --step); saved under "
+                         "WORKDIR/averaged and reused. evaluate's default: the run's "
+                         "eval.average_last; 0: the checkpoint itself.")  # fmt: skip
+
+
+def split_config_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Separate '--config.key=value' arguments (stored-config overrides) from absl's."""
+    rest = [a for a in argv if not a.startswith("--config.")]
+    items = [a for a in argv if a.startswith("--config.")]
+    return rest, parse_assignments(items, what="config override", prefix="--config.")
+
+
+def run_cli(main, argv: list[str] | None = None) -> None:
+    """absl's app.run with '--config.*' overrides taken out first; user errors (no such
+    checkpoint, step or split, unfit config) exit with a one-line message."""
+    argv = list(sys.argv if argv is None else argv)
+    try:
+        argv, overrides = split_config_args(argv)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+
+    def guarded(args):
+        logging.set_verbosity(logging.ERROR)  # Orbax's read-only notices are noise here
+        try:
+            main(args, overrides)
+        except (restore.CheckpointError, FileNotFoundError, KeyError, ValueError) as e:
+            message = str(e.args[0] if isinstance(e, KeyError) and e.args else e)
+            if len(message) > 2000:  # e.g. a pytree printed whole by a library
+                message = message[:2000] + " ..."
+            sys.exit(f"error: {message}")
+
+    app.run(guarded, argv=argv)
+
+
+def checkpoint_args(argv: list[str], what: str = "") -> dict:
+    """The checkpoint flags as restore.load's arguments; a UsageError for stray arguments or
+    when neither --workdir nor --checkpoint is given."""
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}{what}")
+    f = flags.FLAGS
+    if f.workdir is None and f.checkpoint is None:
+        raise app.UsageError("give --workdir (or --checkpoint)")
+    return dict(checkpoint=f.checkpoint, step=f.step, average_last=f.average_last)

@@ -1,0 +1,81 @@
+"""`python -m tx_jax.evaluate`: flags -> inference.evaluation (its docstring has the details).
+
+python -m tx_jax.evaluate --workdir=runs/default                  test split, beam 4, alpha 0.6
+python -m tx_jax.evaluate --workdir=runs/default --average_last=3
+python -m tx_jax.evaluate --workdir=runs/default --sweep --beams=1,4 --alphas=0.6,1.0
+python -m tx_jax.evaluate --workdir=runs/multi --direction=de-fr [--pivot=en]
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from absl import app, flags
+
+from tx_jax.cli import common as common_flags
+from tx_jax.inference.evaluation import (
+    SWEEP_ALPHAS,
+    SWEEP_BEAMS,
+    evaluate,
+    evaluate_directions,
+    result_line,
+    sweep,
+    sweep_table,
+)
+
+
+def _main(argv: list[str], overrides: dict[str, str]) -> None:
+    common = common_flags.checkpoint_args(argv)
+    f = flags.FLAGS
+    common.update(limit=f.limit, overrides=overrides)
+    if f.pivot and not f.direction:
+        raise app.UsageError("--pivot needs --direction (a multilingual checkpoint)")
+    if f.direction == "all":
+        if f.sweep:
+            raise app.UsageError("--sweep takes one --direction")
+        records = evaluate_directions(f.workdir, pivot=f.pivot, split=f.split,
+                                      beam_size=f.beam_size, alpha=f.alpha, **common)  # fmt: skip
+        for record in records:
+            print(result_line(record))
+        print(f"mean BLEU over {len(records)} directions: "
+              f"{np.mean([r['bleu'] for r in records]):.2f}")  # fmt: skip
+        return
+    common["direction"] = f.direction
+    if f.sweep:
+        if f.pivot:
+            raise app.UsageError("--sweep decodes directly: no --pivot")
+        split = f.split if f["split"].present else "validation"
+        out = sweep(f.workdir, split=split, beams=[int(b) for b in f.beams],
+                    alphas=[float(a) for a in f.alphas], **common)  # fmt: skip
+        for point in out["points"]:
+            print(result_line(point))
+        print(sweep_table(out["points"]))
+        best = out["best"]
+        search = (
+            "greedy" if best["alpha"] is None else f"beam {best['beam']} alpha {best['alpha']:g}"
+        )
+        print(f"best: {search}, BLEU {best['bleu']:.2f}")
+        return
+    record = evaluate(f.workdir, split=f.split, beam_size=f.beam_size, alpha=f.alpha,
+                      pivot=f.pivot, **common)  # fmt: skip
+    print(result_line(record))
+    print(f"hypotheses: {record['hypotheses']}")
+
+
+def main() -> None:
+    common_flags.define_checkpoint_flags()
+    flags.DEFINE_string("split", "test", "validation | test | any split name of the dataset.")
+    flags.DEFINE_integer("beam_size", 4, "Beam size; 1 is greedy (paper: 4).")
+    flags.DEFINE_float("alpha", 0.6, "GNMT length penalty alpha (paper: 0.6).")
+    flags.DEFINE_integer("limit", None, "Evaluate only the first N examples.")
+    flags.DEFINE_bool("sweep", False, "Decode the validation split over --beams x --alphas.")
+    flags.DEFINE_list("beams", [str(b) for b in SWEEP_BEAMS], "Sweep: beam sizes.")
+    flags.DEFINE_list("alphas", [str(a) for a in SWEEP_ALPHAS], "Sweep: length penalties.")
+    flags.DEFINE_string("direction", None, "Multilingual checkpoints: SRC-TGT (trained or "
+                        "zero-shot, e.g. de-fr) or 'all' (every trained direction).")  # fmt: skip
+    flags.DEFINE_string("pivot", None, "With --direction: translate through this language "
+                        "(e.g. en): SRC -> pivot -> TGT with the same model.")  # fmt: skip
+    common_flags.run_cli(_main)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""`python -m tx_jax.sweep`: flags -> experiment.sweep.run_sweep (its docstring has the details).
+
+python -m tx_jax.sweep experiments/table3.py --root=runs/sweeps/table3 [--parallel=2]
+    [--dry_run] [--only=0,3] [--test_split_eval] [--override=train.num_steps=100 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from tx_jax.experiment import sweep
+from tx_jax.experiment.sweep import LOG_FILE, parse_overrides, run_sweep
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tx_jax.sweep",
+        description=sweep.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("sweep_file", help="experiments/<file>.py")
+    parser.add_argument("--root", help="output root (default runs/sweeps/<NAME>)")
+    parser.add_argument("--parallel", type=int, default=1, help="points run at a time")
+    parser.add_argument(
+        "--dry_run",
+        "--dry-run",
+        action="store_true",
+        help="print every point's command; run nothing",
+    )
+    parser.add_argument("--only", help="comma-separated point indices, e.g. 0,3")
+    parser.add_argument(
+        "--test_split_eval",
+        "--test-split-eval",
+        action="store_true",
+        help="score the test split with tx_jax.evaluate after each run",
+    )
+    parser.add_argument("--beam_size", type=int, default=4, help="--test_split_eval's beam")
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a dotted override added to every point (repeatable)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        only = [int(i) for i in args.only.split(",") if i.strip()] if args.only else None
+        rows = run_sweep(
+            args.sweep_file,
+            args.root,
+            parallel=args.parallel,
+            only=only,
+            dry_run=args.dry_run,
+            test_split_eval=args.test_split_eval,
+            beam_size=args.beam_size,
+            overrides=parse_overrides(args.override),
+        )
+    except ValueError as e:
+        print(f"tx_jax.sweep: {e}", file=sys.stderr)
+        return 2
+    failed = [r for r in rows if r["status"].startswith("failed")]
+    if failed:
+        print(
+            f"tx_jax.sweep: {len(failed)} point(s) failed: "
+            + ", ".join(f"[{r['index']}] {r['name']} ({r['workdir']}/{LOG_FILE})" for r in failed),
+            file=sys.stderr,
+        )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

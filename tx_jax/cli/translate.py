@@ -1,0 +1,88 @@
+"""Translate stdin to stdout with a checkpoint: output line i translates input line i.
+
+    python -m tx_jax.translate --workdir=runs/default < source.txt > hypotheses.txt
+    python -m tx_jax.translate --workdir=runs/default --average_last=5 --beam_size=4 \
+        --alpha=0.6 --batch_size=64 < source.txt
+    python -m tx_jax.translate --checkpoint=runs/default/averaged/last5/600 < source.txt
+    python -m tx_jax.translate --workdir=runs/multi --target_lang=fr [--pivot=en] < de.txt
+
+Parameters, tokenizer and model config come from the checkpoint (restore.py); no dataset
+is read or prepared. Lines are split on '\\n' (a trailing '\\r' is dropped), decoded as UTF-8
+with invalid bytes replaced (U+FFFD), and translated in batches of --batch_size sources,
+each padded to the checkpoint's data.max_eval_len tokens as evaluate.py pads them (so the
+same line gets the same translation). An empty or whitespace-only line gives an empty line;
+a line longer than that (EOS included) is truncated, with a warning on stderr. Progress and
+warnings go to stderr, translations alone to stdout.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import BinaryIO
+
+from absl import app, flags
+
+from tx_jax.cli import common
+from tx_jax.inference import restore
+from tx_jax.inference.translation import translate_lines
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def read_lines(stream: BinaryIO) -> list[str]:
+    """Lines of a byte stream as text: split on b'\\n', '\\r' before it dropped, invalid
+    UTF-8 replaced; a final newline does not start another line."""
+    data = stream.read()
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    return [line.removesuffix(b"\r").decode("utf-8", errors="replace") for line in lines]
+
+
+def _main(argv: list[str], overrides: dict[str, str]) -> None:
+    where = common.checkpoint_args(argv, " (sources come on stdin)")
+    f = flags.FLAGS
+    start = time.time()
+    loaded = restore.load(f.workdir, **where, overrides=overrides)
+    _stderr(f"translate: {loaded.path} (step {loaded.step}), beam {f.beam_size}")
+    lines = read_lines(sys.stdin.buffer)
+
+    def progress(done: int, total: int) -> None:
+        _stderr(f"translate: {done}/{total} lines, {time.time() - start:.1f} s")
+
+    kwargs = dict(beam_size=f.beam_size, alpha=f.alpha, batch_size=f.batch_size,
+                  max_len=f.max_len, progress=progress)  # fmt: skip
+    if f.target_lang:  # a multilingual model: tag the sources (through a pivot if asked)
+        from tx_jax.inference import multilingual
+
+        out = multilingual.translate_to(loaded, lines, f.target_lang, pivot=f.pivot, **kwargs)
+    elif f.pivot:
+        raise app.UsageError("--pivot needs --target_lang (a multilingual checkpoint)")
+    elif loaded.config.data.get("directions"):
+        raise app.UsageError(f"{loaded.path} is multilingual: give --target_lang (e.g. "
+                             f"{loaded.config.data.target_lang})")  # fmt: skip
+    else:
+        out = translate_lines(loaded, lines, **kwargs)
+    sys.stdout.buffer.write("".join(line + "\n" for line in out).encode("utf-8"))
+    sys.stdout.flush()
+
+
+def main() -> None:
+    common.define_checkpoint_flags()
+    flags.DEFINE_integer("beam_size", 4, "Beam size; 1 is greedy (paper: 4).")
+    flags.DEFINE_float("alpha", 0.6, "GNMT length penalty alpha (paper: 0.6).")
+    flags.DEFINE_integer("batch_size", 64, "Source lines per decoding batch.")
+    flags.DEFINE_integer("max_len", None, "Truncate sources to this many tokens "
+                         "(default: the checkpoint's data.max_eval_len).")  # fmt: skip
+    flags.DEFINE_string("target_lang", None, "Multilingual checkpoints: translate into this "
+                        "language (its <2xx> tag goes before each source).")  # fmt: skip
+    flags.DEFINE_string("pivot", None, "With --target_lang: translate into this language "
+                        "first, then from it (e.g. en).")  # fmt: skip
+    common.run_cli(_main)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""What a person sees of a training run on the console (logs.MetricLogger prints progress)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from etils import epath
+
+from tx_jax.config import task_of
+
+
+def evaluation(step: int, metrics: dict[str, Any]) -> None:
+    """One line per validation: loss, accuracy, perplexity, BLEU (and BLEU per direction)."""
+    if jax.process_index() != 0:
+        return
+    print(
+        f"eval  {step:>6}  loss {metrics['loss']:.4f}  acc {metrics['accuracy']:.3f}  "
+        f"ppl {metrics['perplexity']:.2f}"
+        + (f"  bleu {metrics['bleu']:.2f}" if "bleu" in metrics else "")
+        + "".join(f"  {k} {v:.2f}" for k, v in metrics.items() if k.startswith("bleu/")),
+        flush=True,
+    )
+
+
+def language_model_test(step: int, result: dict[str, float]) -> None:
+    if jax.process_index() == 0:
+        print(f"test  {step:>6}  loss {result['loss']:.4f}  ppl {result['perplexity']:.2f}",
+              flush=True)  # fmt: skip
+
+
+def stopped(signal_name: str, step: int, directory: epath.Path) -> None:
+    print(f"{signal_name} at step {step}: checkpoint saved in {directory}; "
+          "rerun the same command to resume", flush=True)  # fmt: skip
+
+
+def summary(run: Any, final: dict[str, Any]) -> None:
+    """Where the checkpoints and logs are, and the final scores."""
+    if jax.process_index() != 0:
+        return
+    print(f"checkpoints: {run.workdir / 'checkpoints'}")
+    print(
+        f"logs:        {run.workdir / 'metrics.jsonl'} (TensorBoard: {run.workdir / 'tensorboard'})"
+    )
+    for key in ("perplexity", "test_perplexity"):
+        if key in final and task_of(run.config) == "lm":
+            print(f"{key}: {final[key]:.2f}")
+    for key in ("bleu", "test_bleu"):
+        if key in final:
+            print(f"{key}: {final[key]:.2f}  {final.get(key + '_signature', '')}")

@@ -1,0 +1,144 @@
+"""The training loop: `train_and_evaluate(config, workdir)`, the library entry point
+(cli/train.py parses flags and calls it; tests and notebooks call it directly).
+
+Each step runs `training.step.train_step` on one global batch; every `eval.every` steps the
+run is evaluated (loss, accuracy, perplexity and, for translation, BLEU) and checkpointed,
+and at the end the test split is scored (with the average of the last `eval.average_last`
+checkpoints when that is set). SIGTERM / SIGINT save and stop at the next step boundary.
+With data.directions set, BLEU is logged per direction (bleu/en-de, ...) and 'bleu' is their
+mean, so checkpoint.best_metric='bleu' works unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import ml_collections
+import numpy as np
+
+from tx_jax.experiment import console
+from tx_jax.experiment.evaluator import Evaluator
+from tx_jax.experiment.setup import Run, build_run, restore_or_init
+from tx_jax.experiment.signals import StopSignal
+from tx_jax.inference import averaging, restore
+from tx_jax.training import checkpoint as ckpt_lib
+from tx_jax.training import logs, parallel
+from tx_jax.training.step import train_step
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+    """Train `config` in `workdir` (resuming if it holds checkpoints); return final metrics."""
+    run = build_run(config, workdir)
+    cfg = config.train
+    logs.write_json(run.workdir / "config.json", config.to_dict())
+    logs.write_json(run.workdir / "versions.json", logs.versions())
+    checkpointer = ckpt_lib.Checkpointer(
+        run.workdir / "checkpoints", keep=config.checkpoint.keep,
+        best_metric=config.checkpoint.best_metric, best_mode=config.checkpoint.best_mode,
+        async_save=config.checkpoint.async_save,
+    )  # fmt: skip
+    state, data_state = restore_or_init(run, checkpointer)
+    train_iter = run.task.train_iterator(  # global batches, the same on every process
+        batch_multiple=run.strategy.global_batch_multiple * cfg.grad_accum_steps
+    )
+    if data_state and cfg.restore_data_iterator:
+        train_iter.set_state(data_state)
+    shardings = None
+    if run.strategy.kind == "mesh":
+        shardings = run.strategy.state_shardings(jax.eval_shape(run.init_fn))
+    step_fn = functools.partial(
+        train_step, model=run.model, tx=run.tx, schedule=run.schedule,
+        label_smoothing=cfg.label_smoothing, grad_accum_steps=cfg.grad_accum_steps,
+    )  # fmt: skip
+    p_train = run.strategy.compile_step(step_fn, donate=True, state_shardings=shardings)
+    evaluator = Evaluator(run, shardings)
+    logger = logs.MetricLogger(run.workdir, cfg.num_steps)
+    step = int(jax.device_get(run.strategy.for_checkpoint(state).step))
+    save = functools.partial(_save, run, checkpointer, train_iter)
+    pending: list[dict] = []
+    last_log, final = time.time(), {}
+    stop = StopSignal(checkpointer)
+    while step < cfg.num_steps:
+        if stop.requested(step):
+            save(step, state)
+            checkpointer.close()
+            stop.restore()
+            logger.close()
+            console.stopped(stop.name, step, checkpointer.directory)
+            return {"stopped_at": float(step)}
+        batch = next(train_iter)
+        state, metrics = p_train(state, run.strategy.place_global_batch(batch))
+        step += 1
+        pending.append(metrics)
+        if len(pending) > 1:  # at most one step in flight (see above StopSignal)
+            jax.block_until_ready(pending[-2])
+        is_last = step == cfg.num_steps
+        if step % cfg.log_every == 0 or is_last:
+            jax.block_until_ready(pending[-1])  # the window ends when its last step has run
+            scalars = _summarise(run.strategy, pending, time.time() - last_log)
+            pending, last_log = [], time.time()
+            scalars.update({f"data_{k}": v for k, v in train_iter.stats().items()})
+            logger.write(step, "train", scalars)
+            logger.progress(step, scalars)
+            _check_finite(scalars, cfg.max_nonfinite_steps, step)
+        if step % config.eval.every == 0 or is_last:
+            final = evaluator.evaluate(state, step, logger, bleu=True)
+            save(step, state, metrics=final)
+        elif step % config.checkpoint.every == 0:
+            save(step, state)
+    stop.restore()
+    checkpointer.wait()
+    checkpointer.close()
+    if config.eval.test_split and step == cfg.num_steps:  # every process decodes (SPMD)
+        k = config.eval.get("average_last", 0)
+        test_state = _averaged(run, state, k) if k else state
+        final.update(evaluator.test_metrics(test_state, step, logger))
+        if k:
+            final["test_average_last"] = float(k)
+    logger.close()
+    console.summary(run, final)
+    return final
+
+
+def _averaged(run: Run, state, k: int):
+    """`state` holding the mean parameters of the run's last `k` checkpoints (saved under
+    WORKDIR/averaged/last<k>, as `evaluate --average_last` does), placed like `state`."""
+    averaged = averaging.average_checkpoints(run.workdir, k)
+    ckpt = restore.open_checkpoints(averaged.path.parent)
+    abstract = run.strategy.abstract_state(run.init_fn).params
+    params = ckpt.restore_params(averaged.step, abstract)
+    ckpt.close()
+    return state.replace(params=run.strategy.place_restored(params))
+
+
+def _save(run: Run, checkpointer, train_iter, step: int, state, *, metrics=None) -> None:
+    metrics = {k: v for k, v in (metrics or {}).items() if k == run.config.checkpoint.best_metric}
+    checkpointer.save(
+        step, run.strategy.for_checkpoint(state), data_state=train_iter.get_state(),
+        config=run.config.to_dict(), tokenizer_bytes=run.task.tokenizer.to_bytes(),
+        versions=logs.versions(), metrics=metrics or None,
+    )  # fmt: skip
+
+
+def _summarise(strategy: parallel.Strategy, pending: list, seconds: float) -> dict[str, float]:
+    fetched = [strategy.fetch_metrics(m) for m in pending]
+    tokens = sum(m["tokens"] for m in fetched)
+    out = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[-1]}
+    out.update(
+        tokens_per_sec=tokens / max(seconds, 1e-9),
+        lr=fetched[-1]["lr"],
+        nonfinite_run=fetched[-1]["nonfinite_run"],
+        nonfinite_total=fetched[-1]["nonfinite_total"],
+    )
+    return out
+
+
+def _check_finite(scalars: dict[str, float], limit: int, step: int) -> None:
+    if scalars["nonfinite_run"] >= limit:
+        raise FloatingPointError(
+            f"step {step}: {int(scalars['nonfinite_run'])} consecutive non-finite losses or "
+            f"gradients (train.max_nonfinite_steps={limit}); updates were skipped and the "
+            "last good checkpoint is kept. Lower the learning rate or check the data."
+        )

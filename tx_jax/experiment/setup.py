@@ -1,0 +1,120 @@
+"""Everything a run builds before its first step: devices, data, tokenizer, model, optimizer,
+and the state it starts from (a checkpoint of its own, train.init_from's parameters, or fresh).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import ml_collections
+import optax
+from etils import epath
+
+from tx_jax.config import task_of
+from tx_jax.data import directions, tasks
+from tx_jax.experiment.validation import check_batch_divides, validate_config
+from tx_jax.inference import restore
+from tx_jax.model import ModelConfig, make_model
+from tx_jax.training import checkpoint as ckpt_lib
+from tx_jax.training import optim, parallel
+from tx_jax.training.state import TrainState, init_state
+
+
+@dataclasses.dataclass
+class Run:
+    """What train_and_evaluate builds before the first step."""
+
+    config: ml_collections.ConfigDict
+    workdir: epath.Path
+    strategy: parallel.Strategy
+    task: tasks.TranslationTask | tasks.LMTask | directions.MultilingualTask
+    model_config: ModelConfig
+    model: nn.Module
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    init_fn: Callable[[], TrainState]
+    # train.init_from's checkpoint when this run starts from it (None when resuming)
+    init_source: restore.InitSource | None = None
+
+
+def build_run(config: ml_collections.ConfigDict, workdir: str | epath.Path) -> Run:
+    """Devices, data, tokenizer, model and optimizer for `config` in `workdir`."""
+    workdir = ckpt_lib.absolute(workdir)
+    validate_config(config)
+    parallel.maybe_initialize_distributed(config.parallel)
+    strategy = parallel.make_strategy(config.parallel)
+    check_batch_divides(config, strategy)
+    check_writable(workdir)
+    is_lm = task_of(config) == "lm"
+    prepare = tasks.prepare_lm_task if is_lm else tasks.prepare_translation_task
+    if directions.is_multilingual(config.data):
+        prepare = directions.prepare_multilingual_task
+    source = _init_source(config, workdir)
+    tokenizer = source.tokenizer if source is not None else None
+    task = prepare(config.data, workdir, seed=config.seed, tokenizer=tokenizer)
+    model_config = ModelConfig.from_config(
+        config.model, vocab_size=task.tokenizer.vocab_size, bos_id=task.tokenizer.bos_id
+    )
+    model = make_model(model_config, task_of(config))
+    tx, schedule = optim.make_optimizer(config.train, model_config.d_model)
+    init_fn = functools.partial(init_state, model, tx, config.seed)
+    return Run(config, workdir, strategy, task, model_config, model, tx, schedule, init_fn,
+               source)  # fmt: skip
+
+
+def _init_source(config: ml_collections.ConfigDict, workdir: epath.Path):
+    """train.init_from's checkpoint, opened (meta only), unless the workdir has checkpoints
+    of its own: then the run resumes from those and init_from is not read again."""
+    path = config.train.get("init_from")
+    if not path:
+        return None
+    own = workdir / "checkpoints"
+    if own.exists() and any(p.name.isdigit() for p in own.iterdir()):
+        return None
+    return restore.open_init_source(path)
+
+
+def check_writable(workdir: epath.Path) -> None:
+    """Fail at start, not at the first save, when the workdir cannot be written."""
+    if jax.process_index() != 0:
+        return
+    probe = workdir / f".write_test_{os.getpid()}"
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise OSError(f"workdir {workdir} is not writable: {e}") from e
+
+
+def restore_or_init(run: Run, checkpointer: ckpt_lib.Checkpointer) -> tuple[TrainState, dict]:
+    """The newest good checkpoint placed for this run's devices (damaged ones are reported
+    and skipped), or a fresh state."""
+    if checkpointer.latest_step() is None and run.init_source is not None:
+        return _init_from(run), {}
+    if checkpointer.latest_step() is None:
+        return run.strategy.init_state(run.init_fn), {}
+    abstract = run.strategy.abstract_state(run.init_fn)
+    step, state, data_state, _ = checkpointer.restore_latest(abstract)
+    logging.info("resuming from step %d", step)
+    return run.strategy.place_restored(state), data_state
+
+
+def _init_from(run: Run) -> TrainState:
+    """A fresh state (step 0, new optimizer moments, the config's dropout key) holding the
+    parameters of train.init_from's checkpoint, placed for this run's devices."""
+    source = run.init_source
+    abstract = run.strategy.abstract_state(run.init_fn).params
+    params = source.load_params(abstract, run.config, run.task.tokenizer.vocab_size)
+    source.checkpointer.close()
+    logging.info("parameters from %s (train.init_from)", source.path)
+    if jax.process_index() == 0:
+        print(f"init_from: parameters of {source.path} (step {source.step})", flush=True)
+    state = run.strategy.init_state(run.init_fn)
+    return state.replace(params=run.strategy.place_restored(params))

@@ -1,0 +1,58 @@
+"""Stopping cleanly: SIGTERM / SIGINT save a checkpoint at the next step boundary."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import jax
+
+from tx_jax.training import checkpoint as ckpt_lib
+
+# Bounded run-ahead: JAX dispatches asynchronously, so without a wait the loop could queue
+# up to log_every steps before the logging device_get; a SIGTERM (TPU preemption notice,
+# ~30 s of grace) then waited for all of them before the save (measured: 44 queued steps,
+# ~7 min, on the CPU Multi30k run). Waiting for step N-1 when N is dispatched keeps the
+# device busy (N is queued, the next batch is prepared meanwhile) and the reply to a stop
+# within about one step.
+
+
+class StopSignal:
+    """SIGTERM / SIGINT ask the loop to save and exit cleanly at the next step boundary.
+
+    A single process needs its own handler (Orbax's preemption sync only acts under
+    jax.distributed). With several processes JAX's coordination service watches SIGTERM and
+    Orbax's `reached_preemption` makes all of them agree on the step to save at; installing
+    a Python handler there would replace that watcher. A second SIGINT interrupts at once.
+    """
+
+    def __init__(self, checkpointer: ckpt_lib.Checkpointer):
+        self.checkpointer = checkpointer
+        self.signum: int | None = None
+        self._previous = {}
+        if threading_is_main() and jax.process_count() == 1:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.signum == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else "preemption"
+
+    def requested(self, step: int) -> bool:
+        if jax.process_count() > 1:
+            return bool(self.checkpointer.manager.reached_preemption(step))
+        return self.signum is not None
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+
+def threading_is_main() -> bool:
+    return threading.current_thread() is threading.main_thread()

@@ -1,0 +1,82 @@
+"""Config checks that need no device and no data: run before anything compiles, each error
+naming the key (unknown keys are caught by the locked ConfigDict and ModelConfig.from_config).
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from tx_jax.config import task_of
+from tx_jax.data import directions, tasks
+from tx_jax.model import TASKS, ModelConfig
+from tx_jax.training import optim, parallel
+
+
+def validate_config(config: ml_collections.ConfigDict) -> None:
+    """Every check that needs no device and no data, before anything compiles. Raises
+    ValueError naming the key (unknown keys are caught by the locked ConfigDict / from_config).
+    """
+    ModelConfig.from_config(config.model)  # unknown keys, enums, divisibility
+    if task_of(config) not in TASKS:
+        raise ValueError(f"task={config.task!r}; expected one of {TASKS}")
+    if task_of(config) == "lm":
+        if config.data.get("lm_side", "target") not in tasks.LM_SIDES:
+            raise ValueError(f"data.lm_side={config.data.lm_side!r}; expected one of "
+                             f"{tasks.LM_SIDES}")  # fmt: skip
+        if config.checkpoint.best_metric in ("bleu", "chrf"):
+            raise ValueError(
+                f"checkpoint.best_metric={config.checkpoint.best_metric!r}: a language model "
+                "has no BLEU; use loss, accuracy or perplexity"
+            )
+    directions.validate_config(config.data, task_of(config))
+    enums = {
+        "train.schedule": optim.SCHEDULES,
+        "parallel.strategy": parallel.STRATEGIES,
+        "checkpoint.best_mode": ("min", "max"),
+    }
+    for key, allowed in enums.items():
+        section, name = key.split(".")
+        if config[section][name] not in allowed:
+            raise ValueError(f"{key}={config[section][name]!r}; expected one of {allowed}")
+    positive = (
+        "train.num_steps", "train.warmup_steps", "train.grad_accum_steps", "train.log_every",
+        "eval.every", "eval.beam_size", "checkpoint.every", "checkpoint.keep",
+        "data.max_len", "data.tokens_per_batch", "data.vocab_size", "data.eval_batch_size",
+    )  # fmt: skip
+    for key in positive:
+        section, name = key.split(".")
+        if config[section][name] <= 0:
+            raise ValueError(f"{key}={config[section][name]} must be positive")
+    k = config.eval.get("average_last", 0)
+    if not 0 <= k <= config.checkpoint.keep:
+        raise ValueError(
+            f"eval.average_last={k} must be in [0, checkpoint.keep={config.checkpoint.keep}] "
+            "(the checkpoints it averages must be kept)"
+        )
+    if config.data.max_len > config.data.tokens_per_batch:
+        raise ValueError(
+            f"data.tokens_per_batch={config.data.tokens_per_batch} is smaller than one row of "
+            f"data.max_len={config.data.max_len} tokens"
+        )
+    if config.checkpoint.best_metric and config.checkpoint.best_metric not in (
+        "bleu", "chrf", "loss", "accuracy", "perplexity",
+    ):  # fmt: skip
+        raise ValueError(
+            f"checkpoint.best_metric={config.checkpoint.best_metric!r}; expected a validation "
+            "metric: bleu, chrf, loss, accuracy or perplexity"
+        )
+
+
+def check_batch_divides(config: ml_collections.ConfigDict, strategy: parallel.Strategy) -> None:
+    """The smallest batch (rows at the longest bucket) must split over devices and micro-batches."""
+    d = config.data
+    longest = max(d.bucket_boundaries or [d.max_len]) if not d.packing else d.max_len
+    rows = d.tokens_per_batch // longest  # the global batch (tasks.py)
+    need = strategy.global_batch_multiple * config.train.grad_accum_steps
+    if rows < need:
+        raise ValueError(
+            f"data.tokens_per_batch={d.tokens_per_batch} gives {rows} rows of {longest} tokens, "
+            f"fewer than the {need} needed ({strategy.global_batch_multiple} "
+            f"devices x train.grad_accum_steps={config.train.grad_accum_steps}); raise "
+            "data.tokens_per_batch"
+        )

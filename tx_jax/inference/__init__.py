@@ -1,0 +1,1 @@
+"""Inference on a trained checkpoint: restore, average, decode, evaluate, translate."""

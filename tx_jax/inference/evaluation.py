@@ -1,0 +1,330 @@
+"""Evaluate a checkpoint: decode a split, score it with sacreBLEU, log the result.
+
+    python -m tx_jax.evaluate --workdir=runs/default                  test split, beam 4, alpha 0.6
+    python -m tx_jax.evaluate --workdir=runs/default --step=400 --split=validation --beam_size=1
+    python -m tx_jax.evaluate --workdir=runs/default --average_last=3     (saved, then reused)
+    python -m tx_jax.evaluate --checkpoint=runs/default/averaged/last3/600
+    python -m tx_jax.evaluate --workdir=runs/default --sweep --beams=1,4 --alphas=0.6,1.0
+    python -m tx_jax.evaluate --workdir=runs/default --config.data.data_dir=/data/tfds
+    python -m tx_jax.evaluate --workdir=runs/multi --direction=de-fr [--pivot=en]   multilingual
+    python -m tx_jax.evaluate --workdir=runs/multi --direction=all      every trained direction
+
+The model, tokenizer and config come from the checkpoint (restore.py), restored onto one
+local device whatever layout trained it; `--config.key=value` overrides the stored config
+(data paths, eval batch size). Beam search defaults to the paper's beam 4, alpha 0.6
+(section 6.1); beam 1 is greedy. Outputs, WORKDIR being the run directory:
+
+    WORKDIR/eval/<split>[_<src>-<tgt>[_via-<pivot>]]_step<N>[_avg<K>]_beam<b>[_alpha<a>][_first<n>].txt
+        detokenized hypotheses, one line per example, in corpus order (no alpha for greedy)
+    WORKDIR/eval_results.jsonl
+        one JSON record appended per evaluation: step, split, beam, alpha, bleu, signature
+        (sacreBLEU's), chrf, chrf_signature, loss, accuracy, perplexity (teacher-forced on
+        the split), examples, averaged (K or null), averaged_steps, seconds (wall, all of
+        it), decode_seconds, hypotheses (path), checkpoint, limit, sweep, time, direction
+        and pivot (multilingual; else null)
+    stdout: one result line per evaluation (and the grid for --sweep)
+
+A multilingual checkpoint (trained with data.directions) needs --direction: any SRC-TGT whose
+target language has a tag, trained or not (zero-shot, e.g. de-fr of a model trained on en<->de
+and en<->fr), or 'all' (the trained directions, then their mean BLEU). Sources get the target's
+'<2xx>' tag id; --pivot=en translates into English first, then into the target (multilingual.py).
+The loss, accuracy and perplexity are teacher-forced on the direction itself (tagged).
+
+`--sweep` decodes the validation split (or --split) over --beams x --alphas, appends every
+point to eval_results.jsonl, prints the grid and the best pair.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from etils import epath
+
+from tx_jax.data import directions, tasks
+from tx_jax.inference import multilingual, restore, scoring
+from tx_jax.training.step import eval_sums, model_inputs
+from tx_jax.training.step import loss_metrics as reduce_loss_metrics
+
+RESULTS_FILE = "eval_results.jsonl"
+EVAL_DIR = "eval"
+SWEEP_BEAMS = (1, 2, 4, 6)
+SWEEP_ALPHAS = (0.0, 0.6, 1.0)
+
+
+# ---------------------------------------------------------------------- pieces
+
+
+def loss_metrics(loaded: restore.Loaded, batches: Sequence[dict]) -> dict[str, float]:
+    """Teacher-forced NLL per target token, accuracy and perplexity over eval batches."""
+    sums = jax.jit(functools.partial(eval_sums, model=loaded.model))
+    return reduce_loss_metrics(
+        jax.device_get(sums(loaded.params, model_inputs(batch))) for batch in batches
+    )
+
+
+def load(
+    workdir: str | epath.Path | None,
+    checkpoint: str | epath.Path | None,
+    step: int | None,
+    average_last: int | None,
+    overrides: Mapping[str, Any] | None,
+) -> restore.Loaded:
+    """restore.load for evaluation: with `average_last` None, a workdir's run is scored as
+    its config says (the average of its last `eval.average_last` checkpoints, when set);
+    `average_last=0` scores the checkpoint itself."""
+    configured = average_last is None and checkpoint is None and workdir is not None
+    if configured:
+        average_last = restore.stored_config(workdir).get("eval", {}).get("average_last")
+    try:
+        return restore.load(workdir, checkpoint=checkpoint, step=step,
+                            average_last=average_last or None, overrides=overrides)  # fmt: skip
+    except restore.CheckpointError as e:
+        if not (configured and average_last):
+            raise
+        raise restore.CheckpointError(
+            f"{e} (the run's config sets eval.average_last={average_last}; give "
+            "average_last=0 to score a single checkpoint)"
+        ) from None
+
+
+def hypotheses_path(
+    workdir: epath.Path,
+    split: str,
+    step: int,
+    beam_size: int,
+    alpha: float,
+    *,
+    averaged: int | None = None,
+    limit: int | None = None,
+    direction: str | None = None,
+    pivot: str | None = None,
+) -> epath.Path:
+    """WORKDIR/eval/<split>[_<dir>[_via-<pivot>]]_step<N>[_avg<K>]_beam<b>[_alpha<a>][_first<n>].txt"""
+    name = split + (f"_{direction}" if direction else "") + (f"_via-{pivot}" if pivot else "")
+    name += f"_step{step}"
+    name += f"_avg{averaged}" if averaged else ""
+    name += f"_beam{beam_size}" + (f"_alpha{alpha:g}" if beam_size > 1 else "")
+    name += f"_first{limit}" if limit is not None else ""
+    return workdir / EVAL_DIR / (re.sub(r"[^\w.+-]", "_", name) + ".txt")  # 'train[:8]'...
+
+
+def write_lines(path: epath.Path, lines: Sequence[str]) -> None:
+    """One line per item; newlines inside an item become spaces (line i = example i)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(" ".join(line.splitlines()) + "\n" for line in lines))
+
+
+def append_record(workdir: epath.Path, record: Mapping[str, Any]) -> None:
+    with (workdir / RESULTS_FILE).open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+class _Split:
+    """One split of a loaded checkpoint's dataset: pairs, eval batches and loss metrics
+    (of one direction of a multilingual checkpoint: its sources tagged)."""
+
+    def __init__(
+        self, loaded: restore.Loaded, split: str, limit: int | None, direction: str | None = None
+    ):
+        data, seed = loaded.config.data, loaded.config.seed
+        if directions.is_multilingual(data) and not direction:
+            trained = ", ".join(map(directions.direction_name, directions.train_directions(data)))
+            raise restore.CheckpointError(
+                f"{loaded.path} is multilingual ({trained}): give a direction (--direction="
+                "SRC-TGT, trained or zero-shot, or all)"
+            )
+        if direction:
+            task = directions.direction_task(data, loaded.tokenizer, seed, direction)
+            self.direction = directions.direction_name(
+                (task.data.source_lang, task.data.target_lang)
+            )
+        else:
+            task = tasks.TranslationTask(data, loaded.tokenizer, seed)
+            self.direction = None
+        self.name, self.limit = split, limit
+        self.dataset_split = task.split_name(split)
+        self.pairs = task.pairs(split, limit)
+        self.batches = task.eval_batches(split, 1, limit)
+        self.references = [self.pairs[i][1] for i in range(len(self.pairs))]
+        self.metrics = loss_metrics(loaded, self.batches)
+
+
+def _decode(
+    loaded: restore.Loaded,
+    data: _Split,
+    beam_size: int,
+    alpha: float,
+    *,
+    write: bool,
+    pivot: str | None = None,
+) -> dict[str, Any]:
+    """Translate and score one split; write the hypotheses -> the record (no totals yet)."""
+    start = time.time()
+    if pivot:
+        if not data.direction:
+            raise restore.CheckpointError("a pivot needs a direction of a multilingual model")
+        sources = [data.pairs[i][0] for i in range(len(data.pairs))]
+        hyps = multilingual.translate_to(
+            loaded, sources, data.direction.split("-")[1], pivot=pivot, beam_size=beam_size,
+            alpha=alpha, batch_size=loaded.config.data.eval_batch_size, warn=lambda m: None,
+        )  # fmt: skip
+    else:
+        hyps = scoring.translate_batches(
+            loaded.model_config, loaded.params, data.batches, loaded.tokenizer, len(data.pairs),
+            beam_size=beam_size, alpha=alpha,
+        )  # fmt: skip
+    seconds = time.time() - start
+    bleu, chrf, sig, chrf_sig = scoring.score(hyps, data.references)
+    averaged = len(loaded.averaged_steps) if loaded.averaged_steps else None
+    path = hypotheses_path(loaded.workdir, data.name, loaded.step, beam_size, alpha,
+                           averaged=averaged, limit=data.limit, direction=data.direction,
+                           pivot=pivot)  # fmt: skip
+    if write:
+        write_lines(path, hyps)
+    return {
+        "step": loaded.step, "split": data.name, "dataset_split": data.dataset_split,
+        "beam": beam_size, "alpha": alpha if beam_size > 1 else None,
+        "bleu": bleu, "signature": sig, "chrf": chrf, "chrf_signature": chrf_sig,
+        **data.metrics, "examples": len(hyps), "averaged": averaged,
+        "averaged_steps": loaded.averaged_steps, "decode_seconds": round(seconds, 3),
+        "hypotheses": str(path) if write else None, "checkpoint": str(loaded.path),
+        "limit": data.limit, "direction": data.direction, "pivot": pivot,
+    }  # fmt: skip
+
+
+def _finish(record: dict, start: float, *, write: bool, sweep: bool, workdir) -> dict:
+    record.update(seconds=round(time.time() - start, 3), sweep=sweep,
+                  time=time.strftime("%Y-%m-%dT%H:%M:%S"))  # fmt: skip
+    if write and jax.process_index() == 0:
+        append_record(workdir, record)
+    return record
+
+
+def result_line(r: Mapping[str, Any]) -> str:
+    search = f"beam {r['beam']}" + (f" alpha {r['alpha']:g}" if r["alpha"] is not None else "")
+    avg = f" (average of {r['averaged']})" if r["averaged"] else ""
+    way = f" {r['direction']}" if r.get("direction") else ""
+    way += f" via {r['pivot']}" if r.get("pivot") else ""
+    return (
+        f"{r['split']}{way} step {r['step']}{avg} {search}: BLEU {r['bleu']:.2f} chrF "
+        f"{r['chrf']:.2f} loss {r['loss']:.4f} ppl {r['perplexity']:.2f} "
+        f"[{r['examples']} examples, {r['seconds']:.1f} s]  {r['signature']}"
+    )
+
+
+# ---------------------------------------------------------------------- library API
+
+
+def evaluate(
+    workdir: str | epath.Path | None = None,
+    *,
+    checkpoint: str | epath.Path | None = None,
+    step: int | None = None,
+    average_last: int | None = None,
+    split: str = "test",
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    limit: int | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    write: bool = True,
+    direction: str | None = None,
+    pivot: str | None = None,
+) -> dict[str, Any]:
+    """Decode `split` of a checkpoint (restore.load's arguments) and score it -> the record
+    appended to WORKDIR/eval_results.jsonl (module docstring); `write=False` writes nothing.
+    `split` is 'validation', 'test' (the config's eval/test splits) or any split name;
+    `limit` keeps the first N examples. A multilingual checkpoint needs `direction`
+    ('de-fr', trained or zero-shot); `pivot` ('en') translates through that language."""
+    start = time.time()
+    loaded = load(workdir, checkpoint, step, average_last, overrides)
+    return evaluate_loaded(loaded, split=split, beam_size=beam_size, alpha=alpha, limit=limit,
+                           write=write, direction=direction, pivot=pivot, start=start)  # fmt: skip
+
+
+def evaluate_loaded(
+    loaded: restore.Loaded,
+    *,
+    split: str = "test",
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    limit: int | None = None,
+    write: bool = True,
+    direction: str | None = None,
+    pivot: str | None = None,
+    start: float | None = None,
+) -> dict[str, Any]:
+    """`evaluate` of an already loaded checkpoint (load once, evaluate many directions)."""
+    start = time.time() if start is None else start
+    data = _Split(loaded, split, limit, direction)
+    record = _decode(loaded, data, beam_size, alpha, write=write, pivot=pivot)
+    return _finish(record, start, write=write, sweep=False, workdir=loaded.workdir)
+
+
+def evaluate_directions(
+    workdir: str | epath.Path | None = None,
+    *,
+    names: Sequence[str] | None = None,
+    pivot: str | None = None,
+    checkpoint: str | epath.Path | None = None,
+    step: int | None = None,
+    average_last: int | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    **kwargs: Any,
+) -> list[dict[str, Any]]:
+    """One `evaluate` record per direction of a multilingual checkpoint (default: its trained
+    directions, in config order); `kwargs` are evaluate_loaded's (split, beam_size, ...)."""
+    loaded = load(workdir, checkpoint, step, average_last, overrides)
+    if not directions.is_multilingual(loaded.config.data):
+        raise restore.CheckpointError(f"{loaded.path} is not multilingual (no data.directions)")
+    trained = directions.train_directions(loaded.config.data)
+    names = names or [directions.direction_name(d) for d in trained]
+    return [evaluate_loaded(loaded, direction=n, pivot=pivot, **kwargs) for n in names]
+
+
+def sweep(
+    workdir: str | epath.Path | None = None,
+    *,
+    checkpoint: str | epath.Path | None = None,
+    step: int | None = None,
+    average_last: int | None = None,
+    split: str = "validation",
+    beams: Sequence[int] = SWEEP_BEAMS,
+    alphas: Sequence[float] = SWEEP_ALPHAS,
+    limit: int | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    write: bool = True,
+    direction: str | None = None,
+) -> dict[str, Any]:
+    """Decode `split` for every beam size x alpha (greedy once: alpha does not apply) ->
+    {'best': record, 'points': [record, ...]}; the best is the highest BLEU, ties going to
+    the smaller beam, then the smaller alpha. `direction`: as for `evaluate`."""
+    start = time.time()
+    loaded = load(workdir, checkpoint, step, average_last, overrides)
+    data = _Split(loaded, split, limit, direction)
+    points = []
+    for beam in sorted(set(beams)):
+        for alpha in sorted(set(alphas)) if beam > 1 else [None]:
+            record = _decode(loaded, data, beam, alpha or 0.0, write=write)
+            points.append(_finish(record, start, write=write, sweep=True,
+                                  workdir=loaded.workdir))  # fmt: skip
+    best = points[int(np.argmax([p["bleu"] for p in points]))]
+    return {"best": best, "points": points}
+
+
+def sweep_table(points: Sequence[Mapping[str, Any]]) -> str:
+    """BLEU as a grid: one row per beam size, one column per alpha (greedy: every column)."""
+    alphas = sorted({p["alpha"] for p in points if p["alpha"] is not None}) or [None]
+    lines = ["beam \\ alpha " + "".join(f"{a:>8g}" if a is not None else "       -"
+                                        for a in alphas)]  # fmt: skip
+    for beam in sorted({p["beam"] for p in points}):
+        row = {p["alpha"]: p["bleu"] for p in points if p["beam"] == beam}
+        cells = [row.get(a, row.get(None, float("nan"))) for a in alphas]
+        lines.append(f"{beam:>12} " + "".join(f"{c:>8.2f}" for c in cells))
+    return "\n".join(lines)

@@ -1,0 +1,194 @@
+"""Loading a checkpoint for inference: its config, tokenizer and parameters, on this machine.
+
+    loaded = restore.load("runs/default")                       the latest checkpoint
+    loaded = restore.load("runs/default", step=400)             a given step
+    loaded = restore.load("runs/default", average_last=5)       the average of the last 5
+    loaded = restore.load(checkpoint="runs/default/averaged/last5/600")   any checkpoint path
+    loaded.params, loaded.model_config, loaded.tokenizer, loaded.config, loaded.step
+    source = restore.open_init_source("runs/multi")              train.init_from: another
+    source.load_params(abstract, config, vocab_size)              run's parameters, checked
+
+Only what decoding needs is read: the `meta` item (config, SentencePiece model) and the
+parameters of the `state` item (an Orbax partial restore: no optimizer moments, no iterator
+state). Parameters are restored onto one local device whatever layout saved them (a pmap
+replica, or a (data, fsdp, tensor) mesh of 8 devices), so any checkpoint evaluates on one CPU.
+
+The config is the checkpoint's own, never a config file. `overrides` change it, e.g. the data
+paths on another machine ({'data.data_dir': '/data/tfds'}; text values are converted to the
+stored value's type). An override under which the stored parameters no longer fit the model
+is a `CheckpointError` naming the config keys that differ from the checkpoint's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import ml_collections
+from etils import epath
+
+from tx_jax.config import task_of
+from tx_jax.data.tokenizer import Tokenizer
+from tx_jax.inference import averaging
+from tx_jax.inference.locate import (
+    CHECKPOINTS_DIR,
+    CheckpointError,
+    check_params_fit,
+    config_differences,
+    latest_verified,
+    locate,
+    open_checkpoints,
+    open_step,
+    select_step,
+)
+from tx_jax.model import DecoderOnly, EncoderDecoder, ModelConfig, make_model
+from tx_jax.training.checkpoint import Checkpointer, CorruptCheckpointError, absolute
+
+
+@dataclasses.dataclass
+class Loaded:
+    """A checkpoint ready for decoding."""
+
+    config: ml_collections.ConfigDict  # the checkpoint's config with the overrides applied
+    tokenizer: Tokenizer  # the SentencePiece model stored in the checkpoint
+    model_config: ModelConfig
+    params: Any  # the 'params' collection, unboxed, on one local device
+    step: int
+    directory: epath.Path  # the checkpoint manager's directory (holds N/ subdirectories)
+    workdir: epath.Path  # the run directory: evaluation outputs go here
+    averaged_steps: list[int] | None = None  # the steps an averaged checkpoint holds
+
+    @property
+    def path(self) -> epath.Path:
+        return self.directory / str(self.step)
+
+    @property
+    def task(self) -> str:
+        return task_of(self.config)
+
+    @property
+    def model(self) -> EncoderDecoder | DecoderOnly:
+        return make_model(self.model_config, self.task)
+
+
+def stored_config(workdir: str | epath.Path) -> ml_collections.ConfigDict:
+    """The config of a run's latest checkpoint, as stored (no array is read)."""
+    directory, _, _ = locate(workdir)
+    ckpt = open_checkpoints(directory)
+    try:
+        return ml_collections.ConfigDict(ckpt.restore_meta(ckpt.all_steps()[-1])["config"])
+    finally:
+        ckpt.close()
+
+
+def load(
+    workdir: str | epath.Path | None = None,
+    *,
+    checkpoint: str | epath.Path | None = None,
+    step: int | None = None,
+    average_last: int | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    device: jax.Device | None = None,
+    task: str | None = None,
+) -> Loaded:
+    """Config, tokenizer, model config and parameters of one checkpoint.
+
+    Args:
+      workdir: a training run directory (its checkpoints are WORKDIR/checkpoints).
+      checkpoint: instead, a checkpoint manager directory or one step directory of it.
+      step: which step (default: the latest, or the one `checkpoint` names).
+      average_last: average the last K checkpoints (up to `step` if given): computed once
+        with averaging.average_checkpoints, saved under WORKDIR/averaged and reused.
+      overrides: dotted config keys -> values (text is converted to the stored type).
+      device: where the parameters go (default: the first local device).
+      task: 'translation' or 'lm' to insist on (the stored config's `task` decides the model).
+    """
+    if average_last is not None:
+        if checkpoint is not None or workdir is None:
+            raise CheckpointError("average_last averages a workdir's checkpoints: give workdir")
+        averaged = averaging.average_checkpoints(workdir, average_last, until=step)
+        checkpoint, step = averaged.path, None
+    directory, named_step, workdir = locate(workdir, checkpoint)
+    if named_step is not None and step is not None and step != named_step:
+        raise CheckpointError(f"{directory / str(named_step)} is step {named_step}, not {step}")
+    ckpt = open_checkpoints(directory)
+    wanted = named_step if step is None else step
+    if wanted is None:  # the latest good one: damaged checkpoints are reported and skipped
+        wanted = latest_verified(ckpt)
+    opened = open_step(ckpt, wanted, overrides, device)
+    stored_task = task_of(opened.config)
+    if task is not None and stored_task != task:
+        ckpt.close()
+        raise CheckpointError(
+            f"{directory / str(opened.step)} holds a {stored_task!r} model (config.task), "
+            f"not {task!r}"
+        )
+    try:
+        params = ckpt.restore_params(opened.step, opened.abstract_params)
+    except CorruptCheckpointError as e:
+        ckpt.close()
+        raise CheckpointError(str(e)) from None
+    ckpt.close()
+    averaged_steps = (opened.meta.get("averaged") or {}).get("steps")
+    return Loaded(
+        opened.config, opened.tokenizer, opened.model_config, params, opened.step, directory,
+        workdir, averaged_steps,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------- init_from
+
+
+@dataclasses.dataclass
+class InitSource:
+    """Another run's checkpoint whose parameters start a new run (`train.init_from`)."""
+
+    checkpointer: Checkpointer
+    step: int
+    config: dict  # the checkpoint's config, as stored
+    tokenizer: Tokenizer  # its SentencePiece model: the new run must use the same vocabulary
+
+    @property
+    def path(self) -> epath.Path:
+        return self.checkpointer.directory / str(self.step)
+
+    def load_params(self, abstract: Any, config: ml_collections.ConfigDict, vocab_size: int):
+        """The checkpoint's parameters restored into `abstract` (this run's unboxed parameter
+        ShapeDtypeStructs, with its shardings). A CheckpointError names the config keys when
+        the vocabulary or a parameter shape differs."""
+        where = f"train.init_from={str(self.path)!r}"
+        if vocab_size != self.tokenizer.vocab_size:
+            raise CheckpointError(
+                f"{where}: its vocabulary has {self.tokenizer.vocab_size} pieces, this run's "
+                f"{vocab_size} (data.vocab_size / data.tokenizer_path): use its tokenizer"
+            )
+        stored = {"model": self.config.get("model", {})}
+        differences = config_differences(stored, {"model": config.model.to_dict()})
+        try:
+            check_params_fit(abstract, self.checkpointer.state_metadata(self.step)["params"],
+                             differences, self.path)  # fmt: skip
+        except CheckpointError as e:
+            raise CheckpointError(f"{where}: {e}") from None
+        try:
+            return self.checkpointer.restore_params(self.step, abstract)
+        except CorruptCheckpointError as e:
+            raise CheckpointError(f"{where}: {e}") from None
+
+
+def open_init_source(path: str | epath.Path) -> InitSource:
+    """`train.init_from`: a run directory (its latest good checkpoint), a checkpoint manager
+    directory (WORKDIR/checkpoints, WORKDIR/averaged/last5) or one step of it (.../600)."""
+    p = absolute(path)
+    if (p / CHECKPOINTS_DIR).is_dir():
+        directory, step, _ = locate(workdir=p)
+    else:
+        directory, step, _ = locate(checkpoint=p)
+    try:
+        ckpt = open_checkpoints(directory)
+    except CheckpointError as e:
+        raise CheckpointError(f"train.init_from={str(path)!r}: {e}") from None
+    step = latest_verified(ckpt) if step is None else select_step(ckpt, step)
+    meta = ckpt.restore_meta(step)
+    return InitSource(ckpt, step, meta["config"], Tokenizer.from_bytes(meta["tokenizer"]))

@@ -1,0 +1,98 @@
+"""Translating lines of text with a loaded checkpoint, in batches, aligned line for line.
+
+Sources are encoded as the evaluation pipeline encodes them (padded to the checkpoint's
+data.max_eval_len tokens), so the same line gets the same translation here and in
+evaluation; a line longer than that (EOS included) is truncated, with a warning.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+
+from tx_jax.data import eval_pipeline
+from tx_jax.inference import restore, scoring
+
+CHUNK_BATCHES = 8  # batches encoded and decoded between progress reports
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def max_source_len(loaded: restore.Loaded) -> int:
+    """Source tokens per line (EOS included): the eval length, capped by a learned
+    position table."""
+    n = loaded.config.data.max_eval_len
+    if loaded.model_config.positional == "learned":
+        n = min(n, loaded.model_config.max_len)
+    return n
+
+
+def _warn_truncated(loaded, lines, indices, max_len, warn, extra: int = 0) -> None:
+    cap = max_len * loaded.tokenizer.max_piece_chars * 4  # the pipeline's character bound
+    n = lambda i: len(loaded.tokenizer.encode(lines[i][:cap])) + 1 + extra  # EOS, prefix
+    long = [i for i in indices if n(i) > max_len]
+    for i in long[:5]:
+        warn(f"warning: line {i + 1} is longer than {max_len} tokens; truncated")
+    if len(long) > 5:
+        warn(f"warning: {len(long)} lines in all were truncated to {max_len} tokens")
+
+
+def translate_lines(
+    loaded: restore.Loaded,
+    lines: Sequence[str | bytes],
+    *,
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    batch_size: int = 64,
+    max_len: int | None = None,
+    sort_by_length: bool = True,
+    warn: Callable[[str], None] = _stderr,
+    progress: Callable[[int, int], None] | None = None,
+    source_prefix: Sequence[int] = (),
+) -> list[str]:
+    """Translations of `lines`, aligned: one output per input, '' for blank inputs.
+
+    Sources are truncated to `max_len` tokens (default `max_source_len`); `progress(done,
+    total)` is called after every chunk of CHUNK_BATCHES batches. `source_prefix`: ids before
+    every source, e.g. a multilingual model's target-language tag (multilingual.py)."""
+    max_len = max_len or max_source_len(loaded)
+    texts = [x.decode("utf-8", errors="replace") if isinstance(x, bytes) else x for x in lines]
+    todo = [i for i, t in enumerate(texts) if t.strip()]
+    _warn_truncated(loaded, texts, todo, max_len, warn, len(source_prefix))
+    out = [""] * len(texts)
+    chunk = batch_size * CHUNK_BATCHES
+    for start in range(0, len(todo), chunk):
+        part = todo[start : start + chunk]
+        batches = eval_pipeline.encode_sources(
+            [texts[i] for i in part], loaded.tokenizer, max_len=max_len, batch_size=batch_size,
+            bucket_boundaries=[max_len], sort_by_length=sort_by_length,
+            source_prefix=source_prefix,
+        )  # fmt: skip
+        hyps = scoring.translate_batches(
+            loaded.model_config, loaded.params, batches, loaded.tokenizer, len(part),
+            beam_size=beam_size, alpha=alpha,
+        )  # fmt: skip
+        for i, hyp in zip(part, hyps):
+            out[i] = " ".join(hyp.splitlines())
+        if progress is not None:
+            progress(min(start + chunk, len(todo)), len(todo))
+    return out
+
+
+def translate(
+    lines: Sequence[str | bytes],
+    workdir: str | None = None,
+    *,
+    checkpoint: str | None = None,
+    step: int | None = None,
+    average_last: int | None = None,
+    overrides: dict | None = None,
+    **kwargs,
+) -> list[str]:
+    """Load a checkpoint (restore.load's arguments) and translate `lines` (translate_lines'
+    keyword arguments)."""
+    loaded = restore.load(workdir, checkpoint=checkpoint, step=step, average_last=average_last,
+                          overrides=overrides)  # fmt: skip
+    return translate_lines(loaded, lines, **kwargs)

@@ -1,0 +1,147 @@
+"""`ModelConfig`: every architectural choice of the Transformer, one validated field each.
+
+`ModelConfig.from_config` is the one place a ConfigDict (or dict) becomes one, and it
+validates every key. Decode and eval variants come from `config.replace(decode=True, ...)`.
+`VARIANTS` holds the paper's Table 3 models (and CPU-sized ones); `variant(name)` builds one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+
+from tx_jax.model.attention import IMPLEMENTATIONS
+
+ACTIVATIONS = ("relu", "gelu", "swiglu")
+NORMS = ("layernorm", "rmsnorm")
+POSITIONALS = ("sinusoidal", "learned", "rope", "none")
+NORM_POSITIONS = ("post", "pre")
+POOLINGS = ("mean", "first")
+REMATS = ("none", "full")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Every architectural choice, one field each (defaults: the paper's base model)."""
+
+    vocab_size: int = 32_000  # source vocabulary (and target, when shared)
+    target_vocab_size: int | None = None  # None: same as vocab_size
+    d_model: int = 512  # M
+    num_heads: int = 8  # H
+    num_kv_heads: int | None = None  # K < H: grouped-query attention; None: K = H
+    head_dim: int | None = None  # D; None: d_model // num_heads (the paper's d_k = d_v)
+    d_ff: int = 2048  # F, the FFN's inner width
+    num_encoder_layers: int = 6
+    num_decoder_layers: int = 6
+    dropout_rate: float = 0.1  # residual and embedding dropout, P_drop (section 5.4)
+    attention_dropout_rate: float = 0.0  # on the attention weights
+    ffn_dropout_rate: float = 0.0  # on the FFN's hidden activations
+    activation: str = "relu"  # relu | gelu | swiglu
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    norm_position: str = "post"  # post (paper) | pre
+    norm_epsilon: float = 1e-6
+    positional: str = "sinusoidal"  # sinusoidal | learned | rope | none
+    max_len: int = 512  # size of the learned position table
+    rope_base: float = 10_000.0
+    share_embeddings: bool = True  # one source/target embedding (needs a shared vocabulary)
+    tie_output: bool = True  # output logits = x E^T with the target embedding E (3.4)
+    scale_embeddings: bool = True  # multiply embeddings by sqrt(d_model) (3.4)
+    attention_bias: bool = False  # biases in the Q/K/V/O projections
+    ffn_bias: bool = True  # biases in the FFN (eq. 2 has b1, b2)
+    attention_impl: str = "auto"  # auto | xla | chunked | cudnn
+    dtype: str = "float32"  # compute dtype (activations, matmuls)
+    param_dtype: str = "float32"  # storage dtype of the parameters
+    remat: str = "none"  # none | full: recompute each layer in the backward pass
+    bos_id: int = 2  # first decoder input (never 0: that is padding)
+    num_classes: int = 0  # EncoderOnly: > 0 adds a classification head
+    pooling: str = "mean"  # EncoderOnly: mean (over real tokens) | first
+    decode: bool = False  # incremental decoding with a KV cache
+    sow_attention_weights: bool = False  # store attention maps in 'intermediates'
+
+    def __post_init__(self):
+        self.validate()
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any] | Any, **overrides: Any) -> ModelConfig:
+        """ConfigDict / dict (e.g. `config.model`) -> ModelConfig, naming any unknown key."""
+        items = dict(config.items() if hasattr(config, "items") else config)
+        items.update(overrides)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(items) - known)
+        if unknown:
+            raise ValueError(f"unknown model config key(s) {unknown}; valid keys: {sorted(known)}")
+        return cls(**items)
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        enums = {
+            "activation": ACTIVATIONS, "norm": NORMS, "norm_position": NORM_POSITIONS,
+            "positional": POSITIONALS, "attention_impl": IMPLEMENTATIONS, "pooling": POOLINGS,
+            "remat": REMATS, "dtype": DTYPES, "param_dtype": DTYPES,
+        }  # fmt: skip
+        for key, allowed in enums.items():
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"model.{key}={getattr(self, key)!r}; expected one of {allowed}")
+        for key in ("vocab_size", "d_model", "num_heads", "d_ff", "max_len"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"model.{key}={getattr(self, key)} must be positive")
+        if self.head_dim is None and self.d_model % self.num_heads:
+            raise ValueError(
+                f"model.d_model={self.d_model} is not divisible by model.num_heads="
+                f"{self.num_heads} (or set model.head_dim)"
+            )
+        if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model.num_heads={self.num_heads} is not divisible by "
+                f"model.num_kv_heads={self.num_kv_heads}"
+            )
+        if self.share_embeddings and self.target_vocab_size not in (None, self.vocab_size):
+            raise ValueError(
+                "model.share_embeddings=True needs model.target_vocab_size == vocab_size"
+            )
+        if self.bos_id == 0:
+            raise ValueError("model.bos_id=0 collides with padding (id 0)")
+        for key in ("dropout_rate", "attention_dropout_rate", "ffn_dropout_rate"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ValueError(f"model.{key}={getattr(self, key)} must be in [0, 1)")
+        if self.positional == "rope" and (self.head_dim or self.d_model // self.num_heads) % 2:
+            raise ValueError("model.positional='rope' needs an even head dimension")
+
+    @property
+    def compute_dtype(self) -> Any:
+        return jnp.dtype(self.dtype)
+
+    @property
+    def parameter_dtype(self) -> Any:
+        return jnp.dtype(self.param_dtype)
+
+    @property
+    def output_vocab_size(self) -> int:
+        return self.target_vocab_size or self.vocab_size
+
+
+# The paper's Table 3: base and big (plus CPU-sized variants for tests and the default task).
+VARIANTS: dict[str, dict[str, Any]] = {
+    "base": dict(d_model=512, d_ff=2048, num_heads=8, num_encoder_layers=6,
+                 num_decoder_layers=6, dropout_rate=0.1),
+    "big": dict(d_model=1024, d_ff=4096, num_heads=16, num_encoder_layers=6,
+                num_decoder_layers=6, dropout_rate=0.3),
+    "small": dict(d_model=256, d_ff=1024, num_heads=4, num_encoder_layers=3,
+                  num_decoder_layers=3, dropout_rate=0.1),
+    "tiny": dict(d_model=64, d_ff=128, num_heads=4, num_encoder_layers=2,
+                 num_decoder_layers=2, dropout_rate=0.0),
+}  # fmt: skip
+
+
+def variant(name: str, **overrides: Any) -> ModelConfig:
+    """ModelConfig of a named variant, e.g. variant('base', vocab_size=37_000)."""
+    if name not in VARIANTS:
+        raise ValueError(f"unknown model variant {name!r}; expected one of {sorted(VARIANTS)}")
+    return ModelConfig(**{**VARIANTS[name], **overrides})

@@ -1,0 +1,1 @@
+"""Backend-specific kernels behind the model's projections and dropout (tuned for XLA:CPU)."""

@@ -1,0 +1,1 @@
+"""Training: state, step, losses, optimizer, devices, checkpoints, logs."""

@@ -1,0 +1,35 @@
+"""The train state: everything that changes during training, saved whole by Orbax."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from tx_jax.model import init_params
+
+Array = jax.Array
+
+
+@struct.dataclass
+class TrainState:
+    """Everything that changes during training; all arrays, so Orbax saves it whole."""
+
+    step: Array  # int32 scalar: number of train steps taken (skipped ones included)
+    params: Any
+    opt_state: Any
+    rng: Array  # uint32[2] base dropout key; step s uses fold_in(rng, s)
+    nonfinite_total: Array  # int32: updates skipped for a non-finite loss or gradient
+    nonfinite_run: Array  # int32: consecutive skipped updates
+
+
+def init_state(model: nn.Module, tx: optax.GradientTransformation, seed: int) -> TrainState:
+    """A fresh state with parameters boxed by logical axis names (parallel.py unboxes)."""
+    init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(seed))
+    params = init_params(model, init_rng)
+    zero = jnp.zeros((), jnp.int32)
+    return TrainState(zero, params, tx.init(params), dropout_rng, zero, zero)
