@@ -46,9 +46,13 @@ def pairs() -> list[tuple[str, str]]:
     return _pairs(240, seed=2, hi=9)
 
 
-def _train(pairs, tok, **kw) -> pl.TrainIterator:
+def _options(**kw) -> pl.TrainOptions:
     args = dict(max_len=MAX_LEN, tokens_per_batch=96, process_index=0, process_count=1)
-    return pl.make_train_iterator(pairs, tok, **(args | kw))
+    return pl.TrainOptions(**(args | kw))
+
+
+def _train(pairs, tok, source_prefix=(), **kw) -> pl.TrainIterator:
+    return pl.make_train_iterator(pairs, tok, _options(**kw), source_prefix=source_prefix)
 
 
 def _rows(batch, key="inputs"):
@@ -212,11 +216,12 @@ def test_exact_resume(pairs, tok, kind, packing, prefetch):
     data = pairs[:70]  # several epochs within 12 batches
 
     def make():
-        kw = dict(max_len=MAX_LEN, tokens_per_batch=128, packing=packing, prefetch=prefetch, seed=5)
-        kw |= dict(process_index=0, process_count=1, batch_multiple=2)
+        options = _options(
+            tokens_per_batch=128, packing=packing, prefetch=prefetch, seed=5, batch_multiple=2
+        )
         if kind == "lm":
-            return pl.make_lm_train_iterator([s for s, _ in data], tok, **kw)
-        return pl.make_train_iterator(data, tok, **kw)
+            return pl.make_lm_train_iterator([s for s, _ in data], tok, options)
+        return pl.make_train_iterator(data, tok, options)
 
     it = make()
     _take(it, 7)
@@ -282,7 +287,7 @@ def test_process_shards_disjoint_and_covering(pairs, tok):
 
 
 def test_default_process_is_jax_process(pairs, tok):
-    it = pl.make_train_iterator(pairs, tok, max_len=MAX_LEN, tokens_per_batch=64)
+    it = pl.make_train_iterator(pairs, tok, pl.TrainOptions(max_len=MAX_LEN, tokens_per_batch=64))
     fp = it.get_state()["fingerprint"]
     assert (fp["process_index"], fp["process_count"]) == (0, 1)
 
@@ -329,9 +334,7 @@ def test_packing_segments_consistent_and_no_token_lost(pairs, tok):
 
 def test_lm_iterator(pairs, tok):
     texts = [s for s, _ in pairs]
-    it = pl.make_lm_train_iterator(
-        texts, tok, max_len=MAX_LEN, tokens_per_batch=64, process_index=0, process_count=1
-    )
+    it = pl.make_lm_train_iterator(texts, tok, _options(tokens_per_batch=64))
     b = next(it)
     assert set(b) == {"targets"} and b["targets"].shape in it.batch_shapes
     assert it.keys == ("targets",)
@@ -362,15 +365,14 @@ def test_source_prefix_counts_toward_max_len(pairs, tok):
 
 
 def test_nothing_fits_is_an_error_not_a_hang(tok):
-    it = pl.make_train_iterator(
-        [("the " * 40, "a")] * 5, tok, max_len=MAX_LEN, tokens_per_batch=64, process_index=0,
-        process_count=1,
-    )  # fmt: skip
+    it = _train([("the " * 40, "a")] * 5, tok, tokens_per_batch=64)
     with pytest.raises(ValueError, match="no example of 5 fits"):
         next(it)
-    rare = pl.make_train_iterator(  # one pair in 40 fits: rare across epochs, never an error
-        [("the cat", "a dog")] + [("the " * 40, "a")] * 39, tok, max_len=MAX_LEN,
-        tokens_per_batch=8 * MAX_LEN, bucket_boundaries=[MAX_LEN], process_index=0,
-        process_count=1,
-    )  # fmt: skip
+    # one pair in 40 fits: rare across epochs, never an error
+    rare = _train(
+        [("the cat", "a dog")] + [("the " * 40, "a")] * 39,
+        tok,
+        tokens_per_batch=8 * MAX_LEN,
+        bucket_boundaries=[MAX_LEN],
+    )
     assert [tok.decode(r) for r in next(rare)["inputs"]] == ["the cat"] * 8

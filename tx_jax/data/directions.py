@@ -207,15 +207,13 @@ class MultilingualTask:
 
     def train_iterator(self, batch_multiple: int) -> TrainIterator:
         """Global batches mixing the directions, the same on every process."""
-        d = self.data
         return mixture.make_mixture_train_iterator(
             {n: t.train_pairs() for n, t in self.directions.items()},
-            [self.probabilities[n] for n in self.directions], self.tokenizer,
-            max_len=d.max_len, tokens_per_batch=d.tokens_per_batch,
-            batch_multiple=batch_multiple, bucket_boundaries=d.bucket_boundaries,
-            packing=d.packing, seed=self.seed, process_index=0, process_count=1,
+            [self.probabilities[n] for n in self.directions],
+            self.tokenizer,
+            tasks.train_options(self.data, seed=self.seed, batch_multiple=batch_multiple),
             source_prefixes={n: t.source_prefix for n, t in self.directions.items()},
-        )  # fmt: skip
+        )
 
     def eval_batches(self, split: str, batch_multiple: int, limit: int | None = None):
         """Every training direction's eval batches, one after another (for the loss: their

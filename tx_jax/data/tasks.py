@@ -24,7 +24,7 @@ counts), every process holds the same iterator state (the checkpoint stores one 
 process can restore it), and length buckets stay in step across processes. The price: every
 process tokenizes (and caches) every train example instead of 1/N of them, small next to a
 step for translation corpora; a corpus too big for that would use per-process shards
-(pipeline.make_train_iterator's process_index/process_count) and accept other batches.
+(`pipeline.TrainOptions`' process_index/process_count) and accept other batches.
 Validation loss batches stay per-process shards (their sums are reduced over all devices);
 decoding for BLEU runs the same examples on every process (`shard_eval=False`), since the
 parameters it reads are spread over all of them.
@@ -101,6 +101,21 @@ def max_train_pairs(data: Any, direction: str | None = None) -> int | None:
     return spec
 
 
+def train_options(data: Any, *, seed: int, batch_multiple: int) -> pipeline.TrainOptions:
+    """The train batching of config.data: one global stream, the whole of it on every process
+    (process 0 of 1; module docstring), rows a multiple of `batch_multiple`."""
+    return pipeline.TrainOptions(
+        max_len=data.max_len,
+        tokens_per_batch=data.tokens_per_batch,
+        batch_multiple=batch_multiple,
+        bucket_boundaries=data.bucket_boundaries,
+        packing=data.packing,
+        seed=seed,
+        process_index=0,
+        process_count=1,
+    )
+
+
 @dataclasses.dataclass
 class TranslationTask:
     data: Any  # config.data
@@ -140,14 +155,10 @@ class TranslationTask:
 
     def train_iterator(self, batch_multiple: int) -> pipeline.TrainIterator:
         """Global batches (rows a multiple of `batch_multiple`), the same on every process."""
-        d = self.data
+        options = train_options(self.data, seed=self.seed, batch_multiple=batch_multiple)
         return pipeline.make_train_iterator(
-            self.train_pairs(), self.tokenizer, max_len=d.max_len,
-            tokens_per_batch=d.tokens_per_batch, batch_multiple=batch_multiple,
-            bucket_boundaries=d.bucket_boundaries, packing=d.packing, seed=self.seed,
-            process_index=0, process_count=1,  # the whole stream on every process
-            source_prefix=self.source_prefix,
-        )  # fmt: skip
+            self.train_pairs(), self.tokenizer, options, source_prefix=self.source_prefix
+        )
 
     def eval_batches(self, split: str, batch_multiple: int, limit: int | None = None):
         """This process's share of the examples (every example when `shard_eval` is False)."""
@@ -313,13 +324,8 @@ class LMTask:
 
     def train_iterator(self, batch_multiple: int) -> pipeline.TrainIterator:
         """Global batches of 'targets' (texts + EOS), the same on every process."""
-        d = self.data
-        return pipeline.make_lm_train_iterator(
-            self.texts("train"), self.tokenizer, max_len=d.max_len,
-            tokens_per_batch=d.tokens_per_batch, batch_multiple=batch_multiple,
-            bucket_boundaries=d.bucket_boundaries, packing=d.packing, seed=self.seed,
-            process_index=0, process_count=1,
-        )  # fmt: skip
+        options = train_options(self.data, seed=self.seed, batch_multiple=batch_multiple)
+        return pipeline.make_lm_train_iterator(self.texts("train"), self.tokenizer, options)
 
     def eval_batches(self, split: str, batch_multiple: int, limit: int | None = None):
         """This process's share of the texts (all of them when `shard_eval` is False)."""
