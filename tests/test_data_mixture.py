@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from test_data_pipeline import _pairs, make_tokenizer
+from test_data_pipeline import make_pairs, make_tokenizer
 
 from tx_jax.data import mixture
 from tx_jax.data import pipeline as pl
@@ -23,7 +23,7 @@ def tok(tmp_path_factory) -> tk.Tokenizer:
 
 @pytest.fixture(scope="module")
 def corpora() -> dict[str, list[tuple[str, str]]]:
-    return {name: _pairs(n, seed=10 + i, hi=6) for i, (name, n) in enumerate(SIZES.items())}
+    return {name: make_pairs(n, seed=10 + i, hi=6) for i, (name, n) in enumerate(SIZES.items())}
 
 
 def _iterator(corpora, tok, probs, **kw):

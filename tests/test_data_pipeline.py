@@ -24,14 +24,14 @@ def _sentence(rng: random.Random, lo: int, hi: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
 
 
-def _pairs(n: int, seed: int = 0, hi: int = 10) -> list[tuple[str, str]]:
+def make_pairs(n: int, seed: int = 0, hi: int = 10) -> list[tuple[str, str]]:
     rng = random.Random(seed)
     return [(f"{i} " + _sentence(rng, 1, hi), _sentence(rng, 1, hi)) for i in range(n)]
 
 
 def make_tokenizer(directory) -> tk.Tokenizer:
     """The tests' 120-piece model over generated pairs (and digits)."""
-    texts = list(tk.iter_pair_texts(_pairs(300, seed=1)))
+    texts = list(tk.iter_pair_texts(make_pairs(300, seed=1)))
     texts.append(" ".join(str(i) for i in range(400)))  # digits, so numbered pairs stay short
     return tk.train_tokenizer(texts, 120, directory / "spm.model")
 
@@ -43,7 +43,7 @@ def tok(tmp_path_factory) -> tk.Tokenizer:
 
 @pytest.fixture(scope="module")
 def pairs() -> list[tuple[str, str]]:
-    return _pairs(240, seed=2, hi=9)
+    return make_pairs(240, seed=2, hi=9)
 
 
 def _options(**kw) -> pl.TrainOptions:
@@ -76,7 +76,7 @@ def _decode_pairs(batches, tok) -> list[tuple[str, str]]:
     return out
 
 
-def _fits(pair, tok) -> bool:
+def pair_fits(pair, tok) -> bool:
     return all(len(tok.encode(s)) + 1 <= MAX_LEN for s in pair)
 
 
@@ -125,7 +125,7 @@ def test_batches_static_shapes_budget_and_multiple(pairs, tok):
     assert len(set(decoded)) == len(decoded)
     stats = it.stats()
     assert stats["kept"] == len(decoded) + stats["dropped_remainder"]
-    assert stats["kept"] == sum(_fits(p, tok) for p in pairs)
+    assert stats["kept"] == sum(pair_fits(p, tok) for p in pairs)
     assert stats["epoch"] == 1
 
 
@@ -156,7 +156,7 @@ def test_filter_counts_are_exact(pairs, tok, monkeypatch):
     it = _train(data, tok, num_epochs=1, bucket_boundaries=[MAX_LEN], tokens_per_batch=MAX_LEN)
     emitted = _decode_pairs(list(it), tok)  # B = 1: nothing is left in a bucket
     stats = it.stats()
-    fitting = sum(_fits(p, tok) for p in pairs[:50])
+    fitting = sum(pair_fits(p, tok) for p in pairs[:50])
     assert stats == {
         "examples": len(data),
         "kept": fitting + 2,
@@ -264,12 +264,12 @@ def test_epochs_reshuffled_like_grain(pairs, tok):
         data, tok, num_epochs=2, seed=9, bucket_boundaries=[MAX_LEN], tokens_per_batch=MAX_LEN
     )
     order = _decode_pairs(list(it), tok)
-    kept = [p for p in data if _fits(p, tok)]
+    kept = [p for p in data if pair_fits(p, tok)]
     first, second = order[: len(kept)], order[len(kept) :]
     assert sorted(first) == sorted(kept) and sorted(second) == sorted(kept)
     assert first != second
     grain_order = list(grain.MapDataset.source(data).shuffle(seed=9).repeat(2))
-    assert order == [p for p in grain_order if _fits(p, tok)]
+    assert order == [p for p in grain_order if pair_fits(p, tok)]
 
 
 # ---------------------------------------------------------------------- sharding
@@ -281,7 +281,7 @@ def test_process_shards_disjoint_and_covering(pairs, tok):
         set(_decode_pairs(list(_train(pairs, tok, process_index=i, **kw)), tok)) for i in (0, 1)
     ]
     assert not shards[0] & shards[1]
-    assert shards[0] | shards[1] == {p for p in pairs if _fits(p, tok)}
+    assert shards[0] | shards[1] == {p for p in pairs if pair_fits(p, tok)}
     with pytest.raises(ValueError, match="process_index"):
         _train(pairs, tok, process_index=2, process_count=2)
 
@@ -328,8 +328,10 @@ def test_packing_segments_consistent_and_no_token_lost(pairs, tok):
             emitted += [(tok.decode(s), tok.decode(t)) for s, t in zip(src, tgt)]
     stats = it.stats()
     assert len(emitted) + stats["dropped_remainder"] == stats["kept"]
-    assert collections.Counter(emitted) <= collections.Counter(p for p in pairs if _fits(p, tok))
-    assert stats["kept"] == sum(_fits(p, tok) for p in pairs)
+    assert collections.Counter(emitted) <= collections.Counter(
+        p for p in pairs if pair_fits(p, tok)
+    )
+    assert stats["kept"] == sum(pair_fits(p, tok) for p in pairs)
 
 
 def test_lm_iterator(pairs, tok):

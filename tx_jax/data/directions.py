@@ -258,7 +258,7 @@ def prepare_multilingual_task(
         workdir.mkdir(parents=True, exist_ok=True)
         for task in [*by_pair.values(), *extra_tasks.values()]:
             task.source("train")  # prepares the TFDS data once, before the others read it
-    tasks._barrier("data")
+    tasks.barrier("data")
     languages = tag_languages(data)
     tok = tasks.load_or_train_tokenizer(
         data, workdir, lambda: _tokenizer_texts(data, list(by_pair.values())), given=tokenizer,

@@ -254,7 +254,7 @@ def load_or_train_tokenizer(
             )  # fmt: skip
             if str(path).startswith("gs://"):
                 path.write_bytes(local.to_bytes())
-    _barrier("tokenizer")
+    barrier("tokenizer")
     tokenizer = Tokenizer.from_bytes(path.read_bytes())
     if given is not None and tokenizer != given:
         raise ValueError(f"{path} differs from the tokenizer of {given_by}; use a new workdir")
@@ -270,7 +270,7 @@ def prepare_translation_task(
     if jax.process_index() == 0:
         workdir.mkdir(parents=True, exist_ok=True)
         load_split(data, "train")  # prepares the TFDS data once, before the others read it
-    _barrier("data")
+    barrier("data")
     task = TranslationTask(data, None, seed)  # type: ignore[arg-type]  (set below)
     task._splits["train"] = load_split(data, "train")
     pairs = Prefix(task.train_pairs(), data.tokenizer_pairs)
@@ -349,7 +349,7 @@ def prepare_lm_task(
     if jax.process_index() == 0:
         workdir.mkdir(parents=True, exist_ok=True)
         load_split(data, "train")
-    _barrier("data")
+    barrier("data")
     pair_task = TranslationTask(data, None, seed)  # type: ignore[arg-type]  (set below)
     pair_task._splits["train"] = load_split(data, "train")
     pairs = Prefix(pair_task.train_pairs(), data.tokenizer_pairs)
@@ -360,6 +360,8 @@ def prepare_lm_task(
     return LMTask(data, pair_task.tokenizer, seed, pair_task)
 
 
-def _barrier(name: str) -> None:
+def barrier(name: str) -> None:
+    """Waits until every process reaches the barrier `name` (nothing in a one-process run):
+    what process 0 prepares (data, tokenizer) is complete before the others read it."""
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(f"tx_jax:{name}")
