@@ -133,8 +133,19 @@ def make_eval_batches(
         the same number of batches.
       source_prefix: ids before every source's pieces (a target-language tag), as in training.
     """
-    kwargs = {k: v for k, v in locals().items() if k not in ("pairs", "tokenizer")}
-    return _eval_batches(pairs, ("inputs", "targets"), tokenizer, **kwargs)
+    return _eval_batches(
+        pairs,
+        ("inputs", "targets"),
+        tokenizer,
+        max_len=max_len,
+        batch_size=batch_size,
+        batch_multiple=batch_multiple,
+        bucket_boundaries=bucket_boundaries,
+        sort_by_length=sort_by_length,
+        process_index=process_index,
+        process_count=process_count,
+        source_prefix=source_prefix,
+    )
 
 
 def make_lm_eval_batches(
@@ -148,9 +159,17 @@ def make_lm_eval_batches(
     process_count: int | None = None,
 ) -> EvalBatches:
     """LM eval batches: 'targets' [B, max_len], 'example_index', 'example_mask'."""
-    kwargs = {k: v for k, v in locals().items() if k not in ("texts", "tokenizer")}
     return _eval_batches(
-        texts, ("targets",), tokenizer, **kwargs, bucket_boundaries=None, sort_by_length=False
+        texts,
+        ("targets",),
+        tokenizer,
+        max_len=max_len,
+        batch_size=batch_size,
+        batch_multiple=batch_multiple,
+        bucket_boundaries=None,
+        sort_by_length=False,
+        process_index=process_index,
+        process_count=process_count,
     )
 
 
@@ -171,5 +190,16 @@ def encode_sources(
     truncated). Write hypothesis `r` of a batch to output line `example_index[r]` when
     `example_mask[r]` is 1. `source_prefix`: ids before every source (a language tag).
     """
-    kwargs = {k: v for k, v in locals().items() if k not in ("texts", "tokenizer")}
-    return _eval_batches(texts, ("inputs",), tokenizer, **kwargs, process_index=0, process_count=1)
+    return _eval_batches(
+        texts,
+        ("inputs",),
+        tokenizer,
+        max_len=max_len,
+        batch_size=batch_size,
+        batch_multiple=batch_multiple,
+        bucket_boundaries=bucket_boundaries,
+        sort_by_length=sort_by_length,
+        process_index=0,
+        process_count=1,
+        source_prefix=source_prefix,
+    )
