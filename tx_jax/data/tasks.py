@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -247,18 +249,28 @@ def load_or_train_tokenizer(
             given.save(path)
         else:
             logging.info("training a %d-piece SentencePiece model", data.vocab_size)
-            local = train_tokenizer(
-                texts(), data.vocab_size,
-                str(path) if not str(path).startswith("gs://") else "/tmp/tx_jax_tokenizer.model",
-                user_defined_symbols=(*symbols, *(data.get("user_defined_symbols") or ())),
-            )  # fmt: skip
-            if str(path).startswith("gs://"):
-                path.write_bytes(local.to_bytes())
+            symbols = (*symbols, *(data.get("user_defined_symbols") or ()))
+            _train_tokenizer_to(path, texts(), data.vocab_size, symbols)
     barrier("tokenizer")
     tokenizer = Tokenizer.from_bytes(path.read_bytes())
     if given is not None and tokenizer != given:
         raise ValueError(f"{path} differs from the tokenizer of {given_by}; use a new workdir")
     return tokenizer
+
+
+def _train_tokenizer_to(
+    path: epath.Path, texts: Iterable[str], vocab_size: int, symbols: Sequence[str]
+) -> None:
+    """Trains a tokenizer on `texts` and writes it to `path`. For a gs:// path it is trained
+    into a temporary directory of this run (train_tokenizer writes a local file and renames
+    it), so concurrent runs never share the file; the directory is removed afterwards."""
+    if not str(path).startswith("gs://"):
+        train_tokenizer(texts, vocab_size, str(path), user_defined_symbols=symbols)
+        return
+    with tempfile.TemporaryDirectory(prefix="tx_jax_tokenizer_") as local:
+        model = os.path.join(local, TOKENIZER_FILE)
+        trained = train_tokenizer(texts, vocab_size, model, user_defined_symbols=symbols)
+    path.write_bytes(trained.to_bytes())
 
 
 def prepare_translation_task(
