@@ -92,8 +92,9 @@ def test_encode_sources_and_lm_eval(tok):
 
 def test_source_prefix_before_every_source(pairs, tok):
     ev = ep.make_eval_batches(pairs[:5], tok, max_len=MAX_LEN, batch_size=8, source_prefix=[7])
-    src = ep.encode_sources(["the cat", "the " * 40], tok, max_len=MAX_LEN, batch_size=2,
-                            source_prefix=[7])  # fmt: skip
+    src = ep.encode_sources(
+        ["the cat", "the " * 40], tok, max_len=MAX_LEN, batch_size=2, source_prefix=[7]
+    )
     for r in range(5):
         row = ev[0]["inputs"][r]
         assert row[0] == 7 and tok.decode(row[1:]) == pairs[r][0]

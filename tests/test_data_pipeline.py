@@ -84,21 +84,8 @@ def pair_fits(pair, tok) -> bool:
 
 
 def test_default_bucket_boundaries_and_batch_sizes():
-    assert batching.default_bucket_boundaries(256) == [
-        8,
-        16,
-        24,
-        32,
-        40,
-        56,
-        72,
-        96,
-        120,
-        152,
-        192,
-        240,
-        256,
-    ]
+    geometric = [8, 16, 24, 32, 40, 56, 72, 96, 120, 152, 192, 240, 256]
+    assert batching.default_bucket_boundaries(256) == geometric
     assert batching.default_bucket_boundaries(16) == [8, 16]
     assert batching.default_bucket_boundaries(20) == [8, 16, 20]
     assert batching.bucket_batch_sizes([8, 16, 24], 100, 4) == [12, 4, 4]
@@ -357,8 +344,9 @@ def test_source_prefix_counts_toward_max_len(pairs, tok):
             assert row[0] == 5 and tok.decode(row[1:]) in sources
     list(plain)
     long = [("the " * 14 + "cat", "a")]  # 15 pieces + EOS fit; + the tag do not
-    fits = sum(len(tok.encode(s)) + 2 <= MAX_LEN and len(tok.encode(t)) + 1 <= MAX_LEN
-               for s, t in pairs)  # fmt: skip
+    fits = sum(
+        len(tok.encode(s)) + 2 <= MAX_LEN and len(tok.encode(t)) + 1 <= MAX_LEN for s, t in pairs
+    )
     assert it.stats()["kept"] == fits <= plain.stats()["kept"]
     assert len(tok.encode(long[0][0])) + 1 == MAX_LEN
     assert next(_train(long * 40, tok))["inputs"].shape == (6, MAX_LEN)

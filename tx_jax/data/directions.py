@@ -126,8 +126,11 @@ def validate_config(data: Any, task: str = "translation") -> None:
 
 def check_tags(tokenizer: Tokenizer, languages: Sequence[str], where: str) -> None:
     """Every `lang_tag` must be one piece of the tokenizer (a user-defined symbol)."""
-    missing = [lang_tag(x) for x in languages if tokenizer.piece_to_id(lang_tag(x)) in
-               (tokenizer.unk_id, tokenizer.pad_id)]  # fmt: skip
+    missing = [
+        lang_tag(x)
+        for x in languages
+        if tokenizer.piece_to_id(lang_tag(x)) in (tokenizer.unk_id, tokenizer.pad_id)
+    ]
     if missing:
         raise ValueError(
             f"the tokenizer of {where} has no piece {', '.join(missing)}: a multilingual model "
@@ -218,8 +221,9 @@ class MultilingualTask:
     def eval_batches(self, split: str, batch_multiple: int, limit: int | None = None):
         """Every training direction's eval batches, one after another (for the loss: their
         'example_index' counts within each direction)."""
-        parts = [self.direction(n).eval_batches(split, batch_multiple, limit)
-                 for n in self.directions]  # fmt: skip
+        parts = [
+            self.direction(n).eval_batches(split, batch_multiple, limit) for n in self.directions
+        ]
         stats = {k: sum(p.stats[k] for p in parts) for k in parts[0].stats}
         batches = [b for p in parts for b in p.batches]
         return EvalBatches(batches, sum(p.num_examples for p in parts), stats)
@@ -247,10 +251,12 @@ def prepare_multilingual_task(
         raise ValueError("data.directions is empty: name the directions, e.g. 'en-de,de-en'")
     workdir = epath.Path(workdir)
     make = functools.partial(tasks.TranslationTask, tokenizer=None, seed=seed)
-    train_tasks = {direction_name(d): make(direction_data(data, d), tag=lang_tag(d[1]))
-                   for d in trained}  # fmt: skip
-    extra_tasks = {direction_name(d): make(direction_data(data, d), tag=lang_tag(d[1]))
-                   for d in extra}  # fmt: skip
+    train_tasks = {
+        direction_name(d): make(direction_data(data, d), tag=lang_tag(d[1])) for d in trained
+    }
+    extra_tasks = {
+        direction_name(d): make(direction_data(data, d), tag=lang_tag(d[1])) for d in extra
+    }
     by_pair = {}  # one task per unordered language pair: the tokenizer's corpus
     for task in train_tasks.values():
         by_pair.setdefault(frozenset((task.data.source_lang, task.data.target_lang)), task)
@@ -261,9 +267,13 @@ def prepare_multilingual_task(
     tasks.barrier("data")
     languages = tag_languages(data)
     tok = tasks.load_or_train_tokenizer(
-        data, workdir, lambda: _tokenizer_texts(data, list(by_pair.values())), given=tokenizer,
-        given_by="train.init_from", symbols=[lang_tag(x) for x in languages],
-    )  # fmt: skip
+        data,
+        workdir,
+        lambda: _tokenizer_texts(data, list(by_pair.values())),
+        given=tokenizer,
+        given_by="train.init_from",
+        symbols=[lang_tag(x) for x in languages],
+    )
     check_tags(tok, languages, str(workdir / tasks.TOKENIZER_FILE))
     for task in [*train_tasks.values(), *extra_tasks.values()]:
         task.tokenizer = tok

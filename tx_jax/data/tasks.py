@@ -167,10 +167,15 @@ class TranslationTask:
         d = self.data
         every = {} if self.shard_eval else {"process_index": 0, "process_count": 1}
         return eval_pipeline.make_eval_batches(
-            self.pairs(split, limit), self.tokenizer, max_len=d.max_eval_len,
-            batch_size=d.eval_batch_size, batch_multiple=batch_multiple,
-            bucket_boundaries=[d.max_eval_len], source_prefix=self.source_prefix, **every,
-        )  # fmt: skip
+            self.pairs(split, limit),
+            self.tokenizer,
+            max_len=d.max_eval_len,
+            batch_size=d.eval_batch_size,
+            batch_multiple=batch_multiple,
+            bucket_boundaries=[d.max_eval_len],
+            source_prefix=self.source_prefix,
+            **every,
+        )
 
 
 def builder_kwargs(data: Any) -> dict:
@@ -185,17 +190,22 @@ def builder_kwargs(data: Any) -> dict:
                 num_validation=s.num_validation,
                 num_test=s.num_test,
                 seed=s.seed,
-            )  # fmt: skip
+            )
         }
     return dict(data.get("builder_kwargs") or {})
 
 
 def load_split(data: Any, split: str) -> datasets.TranslationSource:
     return datasets.load_translation_split(
-        data.dataset, split, source_lang=data.source_lang, target_lang=data.target_lang,
-        data_dir=data.data_dir, manual_dir=data.manual_dir, download=data.download,
+        data.dataset,
+        split,
+        source_lang=data.source_lang,
+        target_lang=data.target_lang,
+        data_dir=data.data_dir,
+        manual_dir=data.manual_dir,
+        download=data.download,
         builder_kwargs=builder_kwargs(data),
-    )  # fmt: skip
+    )
 
 
 def given_tokenizer(data: Any) -> Tokenizer | None:
@@ -344,9 +354,13 @@ class LMTask:
         d = self.data
         every = {} if self.shard_eval else {"process_index": 0, "process_count": 1}
         return eval_pipeline.make_lm_eval_batches(
-            self.texts(split, limit), self.tokenizer, max_len=d.max_eval_len,
-            batch_size=d.eval_batch_size, batch_multiple=batch_multiple, **every,
-        )  # fmt: skip
+            self.texts(split, limit),
+            self.tokenizer,
+            max_len=d.max_eval_len,
+            batch_size=d.eval_batch_size,
+            batch_multiple=batch_multiple,
+            **every,
+        )
 
 
 def prepare_lm_task(
@@ -366,9 +380,12 @@ def prepare_lm_task(
     pair_task._splits["train"] = load_split(data, "train")
     pairs = Prefix(pair_task.train_pairs(), data.tokenizer_pairs)
     pair_task.tokenizer = load_or_train_tokenizer(
-        data, workdir, lambda: iter(SideTexts(pairs, side)), given=tokenizer,
+        data,
+        workdir,
+        lambda: iter(SideTexts(pairs, side)),
+        given=tokenizer,
         given_by="train.init_from",
-    )  # fmt: skip
+    )
     return LMTask(data, pair_task.tokenizer, seed, pair_task)
 
 
