@@ -156,7 +156,7 @@ def direction_task(data: Any, tokenizer: Tokenizer, seed: int, direction: Direct
     )
 
 
-class Concat(Sequence):
+class Concat(tasks.LazySequence):
     """Sequences one after another, without copying them."""
 
     def __init__(self, parts: Sequence[Sequence]):
@@ -166,12 +166,7 @@ class Concat(Sequence):
     def __len__(self) -> int:
         return self._starts[-1]
 
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        if not -len(self) <= i < len(self):
-            raise IndexError(i)
-        i %= len(self)
+    def item_at(self, i: int):
         k = next(k for k in range(len(self._parts)) if i < self._starts[k + 1])
         return self._parts[k][i - self._starts[k]]
 

@@ -49,7 +49,24 @@ from tx_jax.data.tokenizer import Tokenizer, iter_pair_texts, train_tokenizer
 TOKENIZER_FILE = "tokenizer.model"
 
 
-class Prefix(Sequence):
+class LazySequence(Sequence):
+    """A read-only view that copies nothing: a subclass gives `__len__` and `item_at`, this
+    adds negative indices, slices (as lists) and IndexError."""
+
+    def item_at(self, i: int) -> Any:
+        """The item at 0 <= i < len(self)."""
+        raise NotImplementedError
+
+    def __getitem__(self, i):
+        n = len(self)
+        if isinstance(i, slice):
+            return [self.item_at(j) for j in range(*i.indices(n))]
+        if not -n <= i < n:
+            raise IndexError(i)
+        return self.item_at(i % n)
+
+
+class Prefix(LazySequence):
     """The first `n` items of a sequence, without copying it."""
 
     def __init__(self, seq: Sequence, n: int | None):
@@ -58,12 +75,8 @@ class Prefix(Sequence):
     def __len__(self) -> int:
         return self._n
 
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(self._n))]
-        if not -self._n <= i < self._n:
-            raise IndexError(i)
-        return self._seq[i % self._n]
+    def item_at(self, i: int):
+        return self._seq[i]
 
 
 def parse_max_train_pairs(spec: Any) -> int | dict[str, int] | None:
@@ -307,7 +320,7 @@ def prepare_translation_task(
 LM_SIDES = ("target", "source", "both")
 
 
-class SideTexts(Sequence):
+class SideTexts(LazySequence):
     """One side of a sequence of pairs as a sequence of texts ('both': source, target of
     pair 0, then of pair 1, ...), read lazily."""
 
@@ -319,12 +332,7 @@ class SideTexts(Sequence):
     def __len__(self) -> int:
         return len(self._pairs) * (2 if self._side == "both" else 1)
 
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        if not -len(self) <= i < len(self):
-            raise IndexError(i)
-        i %= len(self)
+    def item_at(self, i: int) -> str:
         if self._side == "both":
             return self._pairs[i // 2][i % 2]
         return self._pairs[i][0 if self._side == "source" else 1]
