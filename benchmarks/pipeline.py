@@ -21,6 +21,7 @@ The data (TFDS synthetic builder) and tokenizer are prepared once in --workdir.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -38,14 +39,11 @@ def _task(config, workdir: str):
 
 
 def _iterator(config, task, packing: bool):
-    from tx_jax.data import pipeline
+    from tx_jax.data import pipeline, tasks
 
-    d = config.data
-    return pipeline.make_train_iterator(
-        task.train_pairs(), task.tokenizer, max_len=d.max_len,
-        tokens_per_batch=d.tokens_per_batch, bucket_boundaries=d.bucket_boundaries,
-        packing=packing, seed=config.seed, process_index=0, process_count=1,
-    )  # fmt: skip
+    options = tasks.train_options(config.data, seed=config.seed, batch_multiple=1)
+    options = dataclasses.replace(options, packing=packing)
+    return pipeline.make_train_iterator(task.train_pairs(), task.tokenizer, options)
 
 
 def _tokens(batch) -> int:

@@ -19,7 +19,7 @@ import tensorflow_datasets as tfds
 from tensorflow_datasets.core import naming
 from tensorflow_datasets.core import splits as splits_lib
 
-from tx_jax.data import datasets
+from tx_jax.data import datasets, synthetic
 
 WMT = "wmt14_translate/de-en"
 
@@ -211,11 +211,10 @@ def test_wmt_real_builder_prepared_from_fixtures(tmp_path):
     assert list(test) == [("Ja", "Yes")]
 
 
-# Synthetic (tx_jax/data/synthetic.py, written separately)
+# Synthetic (tx_jax/data/synthetic.py)
 
 
 def test_synthetic_is_prepared_on_first_use_in_both_directions(tmp_path):
-    synthetic = pytest.importorskip("tx_jax.data.synthetic", reason="not written yet")
     kwargs = {"config": synthetic.make_config(num_train=8, num_validation=4, num_test=4)}
 
     def load(split: str, source_lang: str, target_lang: str) -> datasets.TranslationSource:

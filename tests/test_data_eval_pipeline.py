@@ -3,7 +3,7 @@ process shards, sources-only and LM batches (fixtures shared with test_data_pipe
 
 import numpy as np
 import pytest
-from test_data_pipeline import MAX_LEN, _fits, _pairs, make_tokenizer
+from test_data_pipeline import MAX_LEN, make_pairs, make_tokenizer, pair_fits
 
 from tx_jax.data import eval_pipeline as ep
 from tx_jax.data import tokenizer as tk
@@ -16,7 +16,7 @@ def tok(tmp_path_factory) -> tk.Tokenizer:
 
 @pytest.fixture(scope="module")
 def pairs() -> list[tuple[str, str]]:
-    return _pairs(240, seed=2, hi=9)
+    return make_pairs(240, seed=2, hi=9)
 
 
 def test_eval_covers_each_example_once_in_order(pairs, tok):
@@ -27,7 +27,7 @@ def test_eval_covers_each_example_once_in_order(pairs, tok):
     mask = np.concatenate([b["example_mask"] for b in ev])
     np.testing.assert_array_equal(index[mask == 1], np.arange(21))
     assert (index[mask == 0] == -1).all() and mask.sum() == 21
-    truncated = sum(not _fits(p, tok) for p in data)
+    truncated = sum(not pair_fits(p, tok) for p in data)
     assert ev.stats == {"examples": 21, "empty": 1, "truncated": truncated, "invalid_utf8": 0}
     for b in ev:
         assert b["inputs"].shape == b["targets"].shape == (8, MAX_LEN)
@@ -37,7 +37,7 @@ def test_eval_covers_each_example_once_in_order(pairs, tok):
             src, tgt = data[b["example_index"][r]]
             row = b["inputs"][r]
             assert row[(row > 0).sum() - 1] == tk.EOS_ID
-            if _fits((src, tgt), tok):
+            if pair_fits((src, tgt), tok):
                 assert tok.decode(row) == src and tok.decode(b["targets"][r]) == tgt
             elif src.strip():  # truncated: the first max_len - 1 pieces, then EOS
                 assert row.tolist() == tok.encode(src)[: MAX_LEN - 1] + [tk.EOS_ID]
@@ -92,8 +92,9 @@ def test_encode_sources_and_lm_eval(tok):
 
 def test_source_prefix_before_every_source(pairs, tok):
     ev = ep.make_eval_batches(pairs[:5], tok, max_len=MAX_LEN, batch_size=8, source_prefix=[7])
-    src = ep.encode_sources(["the cat", "the " * 40], tok, max_len=MAX_LEN, batch_size=2,
-                            source_prefix=[7])  # fmt: skip
+    src = ep.encode_sources(
+        ["the cat", "the " * 40], tok, max_len=MAX_LEN, batch_size=2, source_prefix=[7]
+    )
     for r in range(5):
         row = ev[0]["inputs"][r]
         assert row[0] == 7 and tok.decode(row[1:]) == pairs[r][0]

@@ -6,9 +6,10 @@ import math
 
 import numpy as np
 import pytest
-from test_data_pipeline import _pairs, make_tokenizer
+from test_data_pipeline import make_pairs, make_tokenizer
 
 from tx_jax.data import mixture
+from tx_jax.data import pipeline as pl
 from tx_jax.data import tokenizer as tk
 
 SIZES = {"a": 300, "b": 60, "c": 15}
@@ -22,13 +23,13 @@ def tok(tmp_path_factory) -> tk.Tokenizer:
 
 @pytest.fixture(scope="module")
 def corpora() -> dict[str, list[tuple[str, str]]]:
-    return {name: _pairs(n, seed=10 + i, hi=6) for i, (name, n) in enumerate(SIZES.items())}
+    return {name: make_pairs(n, seed=10 + i, hi=6) for i, (name, n) in enumerate(SIZES.items())}
 
 
 def _iterator(corpora, tok, probs, **kw):
-    args = dict(max_len=16, tokens_per_batch=128, process_index=0, process_count=1, seed=3,
-                source_prefixes=PREFIX)  # fmt: skip
-    return mixture.make_mixture_train_iterator(corpora, probs, tok, **(args | kw))
+    args = dict(max_len=16, tokens_per_batch=128, process_index=0, process_count=1, seed=3)
+    options = pl.TrainOptions(**(args | kw))
+    return mixture.make_mixture_train_iterator(corpora, probs, tok, options, source_prefixes=PREFIX)
 
 
 def test_mixture_probabilities():
@@ -115,3 +116,5 @@ def test_process_shards_draw_the_same_corpora_from_disjoint_examples(corpora, to
 def test_bad_probabilities(corpora, tok):
     with pytest.raises(ValueError, match="summing to 1"):
         _iterator(corpora, tok, [0.5, 0.5])
+    with pytest.raises(ValueError, match="num_epochs=1: a mixture repeats"):
+        _iterator(corpora, tok, [0.5, 0.25, 0.25], num_epochs=1)

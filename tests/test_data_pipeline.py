@@ -24,14 +24,14 @@ def _sentence(rng: random.Random, lo: int, hi: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
 
 
-def _pairs(n: int, seed: int = 0, hi: int = 10) -> list[tuple[str, str]]:
+def make_pairs(n: int, seed: int = 0, hi: int = 10) -> list[tuple[str, str]]:
     rng = random.Random(seed)
     return [(f"{i} " + _sentence(rng, 1, hi), _sentence(rng, 1, hi)) for i in range(n)]
 
 
 def make_tokenizer(directory) -> tk.Tokenizer:
     """The tests' 120-piece model over generated pairs (and digits)."""
-    texts = list(tk.iter_pair_texts(_pairs(300, seed=1)))
+    texts = list(tk.iter_pair_texts(make_pairs(300, seed=1)))
     texts.append(" ".join(str(i) for i in range(400)))  # digits, so numbered pairs stay short
     return tk.train_tokenizer(texts, 120, directory / "spm.model")
 
@@ -43,12 +43,16 @@ def tok(tmp_path_factory) -> tk.Tokenizer:
 
 @pytest.fixture(scope="module")
 def pairs() -> list[tuple[str, str]]:
-    return _pairs(240, seed=2, hi=9)
+    return make_pairs(240, seed=2, hi=9)
 
 
-def _train(pairs, tok, **kw) -> pl.TrainIterator:
+def _options(**kw) -> pl.TrainOptions:
     args = dict(max_len=MAX_LEN, tokens_per_batch=96, process_index=0, process_count=1)
-    return pl.make_train_iterator(pairs, tok, **(args | kw))
+    return pl.TrainOptions(**(args | kw))
+
+
+def _train(pairs, tok, source_prefix=(), **kw) -> pl.TrainIterator:
+    return pl.make_train_iterator(pairs, tok, _options(**kw), source_prefix=source_prefix)
 
 
 def _rows(batch, key="inputs"):
@@ -72,7 +76,7 @@ def _decode_pairs(batches, tok) -> list[tuple[str, str]]:
     return out
 
 
-def _fits(pair, tok) -> bool:
+def pair_fits(pair, tok) -> bool:
     return all(len(tok.encode(s)) + 1 <= MAX_LEN for s in pair)
 
 
@@ -80,21 +84,8 @@ def _fits(pair, tok) -> bool:
 
 
 def test_default_bucket_boundaries_and_batch_sizes():
-    assert batching.default_bucket_boundaries(256) == [
-        8,
-        16,
-        24,
-        32,
-        40,
-        56,
-        72,
-        96,
-        120,
-        152,
-        192,
-        240,
-        256,
-    ]
+    geometric = [8, 16, 24, 32, 40, 56, 72, 96, 120, 152, 192, 240, 256]
+    assert batching.default_bucket_boundaries(256) == geometric
     assert batching.default_bucket_boundaries(16) == [8, 16]
     assert batching.default_bucket_boundaries(20) == [8, 16, 20]
     assert batching.bucket_batch_sizes([8, 16, 24], 100, 4) == [12, 4, 4]
@@ -121,7 +112,7 @@ def test_batches_static_shapes_budget_and_multiple(pairs, tok):
     assert len(set(decoded)) == len(decoded)
     stats = it.stats()
     assert stats["kept"] == len(decoded) + stats["dropped_remainder"]
-    assert stats["kept"] == sum(_fits(p, tok) for p in pairs)
+    assert stats["kept"] == sum(pair_fits(p, tok) for p in pairs)
     assert stats["epoch"] == 1
 
 
@@ -152,7 +143,7 @@ def test_filter_counts_are_exact(pairs, tok, monkeypatch):
     it = _train(data, tok, num_epochs=1, bucket_boundaries=[MAX_LEN], tokens_per_batch=MAX_LEN)
     emitted = _decode_pairs(list(it), tok)  # B = 1: nothing is left in a bucket
     stats = it.stats()
-    fitting = sum(_fits(p, tok) for p in pairs[:50])
+    fitting = sum(pair_fits(p, tok) for p in pairs[:50])
     assert stats == {
         "examples": len(data),
         "kept": fitting + 2,
@@ -212,11 +203,12 @@ def test_exact_resume(pairs, tok, kind, packing, prefetch):
     data = pairs[:70]  # several epochs within 12 batches
 
     def make():
-        kw = dict(max_len=MAX_LEN, tokens_per_batch=128, packing=packing, prefetch=prefetch, seed=5)
-        kw |= dict(process_index=0, process_count=1, batch_multiple=2)
+        options = _options(
+            tokens_per_batch=128, packing=packing, prefetch=prefetch, seed=5, batch_multiple=2
+        )
         if kind == "lm":
-            return pl.make_lm_train_iterator([s for s, _ in data], tok, **kw)
-        return pl.make_train_iterator(data, tok, **kw)
+            return pl.make_lm_train_iterator([s for s, _ in data], tok, options)
+        return pl.make_train_iterator(data, tok, options)
 
     it = make()
     _take(it, 7)
@@ -259,12 +251,12 @@ def test_epochs_reshuffled_like_grain(pairs, tok):
         data, tok, num_epochs=2, seed=9, bucket_boundaries=[MAX_LEN], tokens_per_batch=MAX_LEN
     )
     order = _decode_pairs(list(it), tok)
-    kept = [p for p in data if _fits(p, tok)]
+    kept = [p for p in data if pair_fits(p, tok)]
     first, second = order[: len(kept)], order[len(kept) :]
     assert sorted(first) == sorted(kept) and sorted(second) == sorted(kept)
     assert first != second
     grain_order = list(grain.MapDataset.source(data).shuffle(seed=9).repeat(2))
-    assert order == [p for p in grain_order if _fits(p, tok)]
+    assert order == [p for p in grain_order if pair_fits(p, tok)]
 
 
 # ---------------------------------------------------------------------- sharding
@@ -276,13 +268,13 @@ def test_process_shards_disjoint_and_covering(pairs, tok):
         set(_decode_pairs(list(_train(pairs, tok, process_index=i, **kw)), tok)) for i in (0, 1)
     ]
     assert not shards[0] & shards[1]
-    assert shards[0] | shards[1] == {p for p in pairs if _fits(p, tok)}
+    assert shards[0] | shards[1] == {p for p in pairs if pair_fits(p, tok)}
     with pytest.raises(ValueError, match="process_index"):
         _train(pairs, tok, process_index=2, process_count=2)
 
 
 def test_default_process_is_jax_process(pairs, tok):
-    it = pl.make_train_iterator(pairs, tok, max_len=MAX_LEN, tokens_per_batch=64)
+    it = pl.make_train_iterator(pairs, tok, pl.TrainOptions(max_len=MAX_LEN, tokens_per_batch=64))
     fp = it.get_state()["fingerprint"]
     assert (fp["process_index"], fp["process_count"]) == (0, 1)
 
@@ -323,15 +315,15 @@ def test_packing_segments_consistent_and_no_token_lost(pairs, tok):
             emitted += [(tok.decode(s), tok.decode(t)) for s, t in zip(src, tgt)]
     stats = it.stats()
     assert len(emitted) + stats["dropped_remainder"] == stats["kept"]
-    assert collections.Counter(emitted) <= collections.Counter(p for p in pairs if _fits(p, tok))
-    assert stats["kept"] == sum(_fits(p, tok) for p in pairs)
+    assert collections.Counter(emitted) <= collections.Counter(
+        p for p in pairs if pair_fits(p, tok)
+    )
+    assert stats["kept"] == sum(pair_fits(p, tok) for p in pairs)
 
 
 def test_lm_iterator(pairs, tok):
     texts = [s for s, _ in pairs]
-    it = pl.make_lm_train_iterator(
-        texts, tok, max_len=MAX_LEN, tokens_per_batch=64, process_index=0, process_count=1
-    )
+    it = pl.make_lm_train_iterator(texts, tok, _options(tokens_per_batch=64))
     b = next(it)
     assert set(b) == {"targets"} and b["targets"].shape in it.batch_shapes
     assert it.keys == ("targets",)
@@ -352,8 +344,9 @@ def test_source_prefix_counts_toward_max_len(pairs, tok):
             assert row[0] == 5 and tok.decode(row[1:]) in sources
     list(plain)
     long = [("the " * 14 + "cat", "a")]  # 15 pieces + EOS fit; + the tag do not
-    fits = sum(len(tok.encode(s)) + 2 <= MAX_LEN and len(tok.encode(t)) + 1 <= MAX_LEN
-               for s, t in pairs)  # fmt: skip
+    fits = sum(
+        len(tok.encode(s)) + 2 <= MAX_LEN and len(tok.encode(t)) + 1 <= MAX_LEN for s, t in pairs
+    )
     assert it.stats()["kept"] == fits <= plain.stats()["kept"]
     assert len(tok.encode(long[0][0])) + 1 == MAX_LEN
     assert next(_train(long * 40, tok))["inputs"].shape == (6, MAX_LEN)
@@ -362,15 +355,14 @@ def test_source_prefix_counts_toward_max_len(pairs, tok):
 
 
 def test_nothing_fits_is_an_error_not_a_hang(tok):
-    it = pl.make_train_iterator(
-        [("the " * 40, "a")] * 5, tok, max_len=MAX_LEN, tokens_per_batch=64, process_index=0,
-        process_count=1,
-    )  # fmt: skip
+    it = _train([("the " * 40, "a")] * 5, tok, tokens_per_batch=64)
     with pytest.raises(ValueError, match="no example of 5 fits"):
         next(it)
-    rare = pl.make_train_iterator(  # one pair in 40 fits: rare across epochs, never an error
-        [("the cat", "a dog")] + [("the " * 40, "a")] * 39, tok, max_len=MAX_LEN,
-        tokens_per_batch=8 * MAX_LEN, bucket_boundaries=[MAX_LEN], process_index=0,
-        process_count=1,
-    )  # fmt: skip
+    # one pair in 40 fits: rare across epochs, never an error
+    rare = _train(
+        [("the cat", "a dog")] + [("the " * 40, "a")] * 39,
+        tok,
+        tokens_per_batch=8 * MAX_LEN,
+        bucket_boundaries=[MAX_LEN],
+    )
     assert [tok.decode(r) for r in next(rare)["inputs"]] == ["the cat"] * 8

@@ -131,10 +131,10 @@ def test_max_sentences_subsample_is_seeded(tmp_path):
     a = tk.train_tokenizer(texts, 60, tmp_path / "a.model", max_sentences=100, seed=7)
     b = tk.train_tokenizer(iter(texts), 60, tmp_path / "b.model", max_sentences=100, seed=7)
     assert a == b
-    assert tk._sample_sentences(texts, 100, seed=7) == tk._sample_sentences(texts, 100, seed=7)
-    assert len(tk._sample_sentences(texts, 100, seed=7)) == 100
-    assert tk._sample_sentences(texts, 100, seed=8) != tk._sample_sentences(texts, 100, seed=7)
-    assert tk._sample_sentences(texts, 1000, seed=7) == texts  # nothing dropped: corpus order
+    assert tk.sample_sentences(texts, 100, seed=7) == tk.sample_sentences(texts, 100, seed=7)
+    assert len(tk.sample_sentences(texts, 100, seed=7)) == 100
+    assert tk.sample_sentences(texts, 100, seed=8) != tk.sample_sentences(texts, 100, seed=7)
+    assert tk.sample_sentences(texts, 1000, seed=7) == texts  # nothing dropped: corpus order
 
 
 def test_pair_texts_interleaves():

@@ -126,8 +126,11 @@ def validate_config(data: Any, task: str = "translation") -> None:
 
 def check_tags(tokenizer: Tokenizer, languages: Sequence[str], where: str) -> None:
     """Every `lang_tag` must be one piece of the tokenizer (a user-defined symbol)."""
-    missing = [lang_tag(x) for x in languages if tokenizer.piece_to_id(lang_tag(x)) in
-               (tokenizer.unk_id, tokenizer.pad_id)]  # fmt: skip
+    missing = [
+        lang_tag(x)
+        for x in languages
+        if tokenizer.piece_to_id(lang_tag(x)) in (tokenizer.unk_id, tokenizer.pad_id)
+    ]
     if missing:
         raise ValueError(
             f"the tokenizer of {where} has no piece {', '.join(missing)}: a multilingual model "
@@ -153,7 +156,7 @@ def direction_task(data: Any, tokenizer: Tokenizer, seed: int, direction: Direct
     )
 
 
-class Concat(Sequence):
+class Concat(tasks.LazySequence):
     """Sequences one after another, without copying them."""
 
     def __init__(self, parts: Sequence[Sequence]):
@@ -163,12 +166,7 @@ class Concat(Sequence):
     def __len__(self) -> int:
         return self._starts[-1]
 
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        if not -len(self) <= i < len(self):
-            raise IndexError(i)
-        i %= len(self)
+    def item_at(self, i: int):
         k = next(k for k in range(len(self._parts)) if i < self._starts[k + 1])
         return self._parts[k][i - self._starts[k]]
 
@@ -207,21 +205,20 @@ class MultilingualTask:
 
     def train_iterator(self, batch_multiple: int) -> TrainIterator:
         """Global batches mixing the directions, the same on every process."""
-        d = self.data
         return mixture.make_mixture_train_iterator(
             {n: t.train_pairs() for n, t in self.directions.items()},
-            [self.probabilities[n] for n in self.directions], self.tokenizer,
-            max_len=d.max_len, tokens_per_batch=d.tokens_per_batch,
-            batch_multiple=batch_multiple, bucket_boundaries=d.bucket_boundaries,
-            packing=d.packing, seed=self.seed, process_index=0, process_count=1,
+            [self.probabilities[n] for n in self.directions],
+            self.tokenizer,
+            tasks.train_options(self.data, seed=self.seed, batch_multiple=batch_multiple),
             source_prefixes={n: t.source_prefix for n, t in self.directions.items()},
-        )  # fmt: skip
+        )
 
     def eval_batches(self, split: str, batch_multiple: int, limit: int | None = None):
         """Every training direction's eval batches, one after another (for the loss: their
         'example_index' counts within each direction)."""
-        parts = [self.direction(n).eval_batches(split, batch_multiple, limit)
-                 for n in self.directions]  # fmt: skip
+        parts = [
+            self.direction(n).eval_batches(split, batch_multiple, limit) for n in self.directions
+        ]
         stats = {k: sum(p.stats[k] for p in parts) for k in parts[0].stats}
         batches = [b for p in parts for b in p.batches]
         return EvalBatches(batches, sum(p.num_examples for p in parts), stats)
@@ -249,10 +246,12 @@ def prepare_multilingual_task(
         raise ValueError("data.directions is empty: name the directions, e.g. 'en-de,de-en'")
     workdir = epath.Path(workdir)
     make = functools.partial(tasks.TranslationTask, tokenizer=None, seed=seed)
-    train_tasks = {direction_name(d): make(direction_data(data, d), tag=lang_tag(d[1]))
-                   for d in trained}  # fmt: skip
-    extra_tasks = {direction_name(d): make(direction_data(data, d), tag=lang_tag(d[1]))
-                   for d in extra}  # fmt: skip
+    train_tasks = {
+        direction_name(d): make(direction_data(data, d), tag=lang_tag(d[1])) for d in trained
+    }
+    extra_tasks = {
+        direction_name(d): make(direction_data(data, d), tag=lang_tag(d[1])) for d in extra
+    }
     by_pair = {}  # one task per unordered language pair: the tokenizer's corpus
     for task in train_tasks.values():
         by_pair.setdefault(frozenset((task.data.source_lang, task.data.target_lang)), task)
@@ -260,12 +259,16 @@ def prepare_multilingual_task(
         workdir.mkdir(parents=True, exist_ok=True)
         for task in [*by_pair.values(), *extra_tasks.values()]:
             task.source("train")  # prepares the TFDS data once, before the others read it
-    tasks._barrier("data")
+    tasks.barrier("data")
     languages = tag_languages(data)
     tok = tasks.load_or_train_tokenizer(
-        data, workdir, lambda: _tokenizer_texts(data, list(by_pair.values())), given=tokenizer,
-        given_by="train.init_from", symbols=[lang_tag(x) for x in languages],
-    )  # fmt: skip
+        data,
+        workdir,
+        lambda: _tokenizer_texts(data, list(by_pair.values())),
+        given=tokenizer,
+        given_by="train.init_from",
+        symbols=[lang_tag(x) for x in languages],
+    )
     check_tags(tok, languages, str(workdir / tasks.TOKENIZER_FILE))
     for task in [*train_tasks.values(), *extra_tasks.values()]:
         task.tokenizer = tok

@@ -12,7 +12,7 @@ B = batch_size:
       'example_index'      [B]     position in `pairs` (global, not per process); -1 = pad row
       'example_mask'       [B]     1 for a real example, 0 for a padding row (all-zero row)
 
-Text is turned into ids exactly as for training (pipeline.py's featurizer, in truncating mode),
+Text is turned into ids exactly as for training (pipeline.py's `Featurizer`, truncating),
 so a pair that trains fits the same way here. Process shards are [process_index::process_count]
 with the same number of batches on every process.
 """
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from tx_jax.data.batching import Batch, check_boundaries, pad_rows
-from tx_jax.data.pipeline import Text, _Featurizer, _process_shard
+from tx_jax.data.pipeline import Featurizer, Text, process_shard
 from tx_jax.data.tokenizer import Tokenizer
 
 
@@ -75,11 +75,11 @@ def _eval_batches(
         raise ValueError(
             f"batch_size={batch_size} must be a positive multiple of {batch_multiple}."
         )
-    pi, pc = _process_shard(process_index, process_count)
+    pi, pc = process_shard(process_index, process_count)
     boundaries = (
         [max_len] if bucket_boundaries is None else check_boundaries(bucket_boundaries, max_len)
     )
-    featurize = _Featurizer(tokenizer, keys, max_len, True, tuple(source_prefix))
+    featurize = Featurizer(tokenizer, keys, max_len, True, tuple(source_prefix))
     indices = range(pi, len(items), pc)
     feats = [featurize(items[i]) for i in indices]
     stats = dict.fromkeys(("examples", "empty", "truncated", "invalid_utf8"), 0)
@@ -133,8 +133,19 @@ def make_eval_batches(
         the same number of batches.
       source_prefix: ids before every source's pieces (a target-language tag), as in training.
     """
-    kwargs = {k: v for k, v in locals().items() if k not in ("pairs", "tokenizer")}
-    return _eval_batches(pairs, ("inputs", "targets"), tokenizer, **kwargs)
+    return _eval_batches(
+        pairs,
+        ("inputs", "targets"),
+        tokenizer,
+        max_len=max_len,
+        batch_size=batch_size,
+        batch_multiple=batch_multiple,
+        bucket_boundaries=bucket_boundaries,
+        sort_by_length=sort_by_length,
+        process_index=process_index,
+        process_count=process_count,
+        source_prefix=source_prefix,
+    )
 
 
 def make_lm_eval_batches(
@@ -148,9 +159,17 @@ def make_lm_eval_batches(
     process_count: int | None = None,
 ) -> EvalBatches:
     """LM eval batches: 'targets' [B, max_len], 'example_index', 'example_mask'."""
-    kwargs = {k: v for k, v in locals().items() if k not in ("texts", "tokenizer")}
     return _eval_batches(
-        texts, ("targets",), tokenizer, **kwargs, bucket_boundaries=None, sort_by_length=False
+        texts,
+        ("targets",),
+        tokenizer,
+        max_len=max_len,
+        batch_size=batch_size,
+        batch_multiple=batch_multiple,
+        bucket_boundaries=None,
+        sort_by_length=False,
+        process_index=process_index,
+        process_count=process_count,
     )
 
 
@@ -171,5 +190,16 @@ def encode_sources(
     truncated). Write hypothesis `r` of a batch to output line `example_index[r]` when
     `example_mask[r]` is 1. `source_prefix`: ids before every source (a language tag).
     """
-    kwargs = {k: v for k, v in locals().items() if k not in ("texts", "tokenizer")}
-    return _eval_batches(texts, ("inputs",), tokenizer, **kwargs, process_index=0, process_count=1)
+    return _eval_batches(
+        texts,
+        ("inputs",),
+        tokenizer,
+        max_len=max_len,
+        batch_size=batch_size,
+        batch_multiple=batch_multiple,
+        bucket_boundaries=bucket_boundaries,
+        sort_by_length=sort_by_length,
+        process_index=0,
+        process_count=1,
+        source_prefix=source_prefix,
+    )

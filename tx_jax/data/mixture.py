@@ -1,8 +1,9 @@
 """Several corpora sampled into one train stream: the data side of multilingual training.
 
     probs = mixture_probabilities([29000, 1000], "temperature", temperature=5.0)
+    options = TrainOptions(max_len=64, tokens_per_batch=4096, packing=True)
     it = make_mixture_train_iterator({"en-de": pairs_de, "en-fr": pairs_fr}, probs, tokenizer,
-                                     max_len=64, tokens_per_batch=4096, packing=True)
+                                     options)
 
 Each kept example of the stream comes from corpus i with probability p_i, and batches mix the
 corpora (as in Johnson et al., 2017). Probabilities (`mixture_probabilities`), n_i the number
@@ -27,7 +28,7 @@ position), re-read on restore: `TrainIterator.set_state` resumes the identical b
 `stats()` adds 'kept/<name>' (examples drawn per corpus); 'epoch' counts passes over the
 combined size.
 
-Multi-process: with process_index/process_count each corpus is sharded
+Multi-process: with the options' process_index/process_count each corpus is sharded
 [process_index::process_count] and every process draws the same corpus sequence.
 """
 
@@ -41,14 +42,13 @@ import grain
 import numpy as np
 
 from tx_jax.data.pipeline import (
-    _TRAIN_ARGS,
+    ExampleIterator,
     Text,
     TrainIterator,
-    _batch_iterator,
-    _ExampleIterator,
-    _process_shard,
-    _shard_records,
-    _TrainArgs,
+    TrainOptions,
+    batch_iterator,
+    process_shard,
+    shard_records,
 )
 from tx_jax.data.tokenizer import Tokenizer
 
@@ -94,7 +94,7 @@ class _MixtureIterator(grain.DatasetIterator):
     def __init__(self, records, probs, seed: int, names: Sequence[str]):
         super().__init__()
         self._corpora = [
-            _ExampleIterator(r, _corpus_seed(seed, i), None) for i, r in enumerate(records)
+            ExampleIterator(r, _corpus_seed(seed, i), None) for i, r in enumerate(records)
         ]
         self._cdf = np.cumsum(np.asarray(probs, np.float64))
         self._cdf[-1] = 1.0
@@ -143,17 +143,8 @@ def make_mixture_train_iterator(
     corpora: Mapping[str, Sequence[tuple[Text, Text]]],
     probabilities: Sequence[float],
     tokenizer: Tokenizer,
+    options: TrainOptions,
     *,
-    max_len: int,
-    tokens_per_batch: int,
-    batch_multiple: int = 1,
-    bucket_boundaries: Sequence[int] | None = None,
-    packing: bool = False,
-    seed: int = 0,
-    process_index: int | None = None,
-    process_count: int | None = None,
-    cache_tokens: bool = True,
-    prefetch: int = 0,
     source_prefixes: Mapping[str, Sequence[int]] | None = None,
 ) -> TrainIterator:
     """Translation train batches drawn from several corpora; never ends.
@@ -162,30 +153,39 @@ def make_mixture_train_iterator(
       corpora: name -> random-access (source, target) pairs, in a fixed order (the state and
         the stream depend on it); e.g. {'en-de': ..., 'de-en': ...}.
       probabilities: one per corpus, in `corpora`'s order (`mixture_probabilities`).
+      tokenizer: as for `pipeline.make_train_iterator`.
+      options: as for `pipeline.make_train_iterator`, with `num_epochs` None (a mixture
+        repeats every corpus forever).
       source_prefixes: name -> ids put before each source of that corpus (the target-language
         tag: {'en-de': [id of '<2de>'], ...}); none for a corpus not named.
-      The other arguments are `pipeline.make_train_iterator`'s (no `num_epochs`: a mixture
-      repeats every corpus forever).
     """
     names = list(corpora)
     probs = [float(p) for p in probabilities]
     if len(probs) != len(names) or min(probs) < 0 or not math.isclose(sum(probs), 1.0):
         raise ValueError(f"probabilities {probs} must be {len(names)} numbers summing to 1")
-    local = {k: v for k, v in locals().items() if k in _TRAIN_ARGS}
-    a = _TrainArgs(**local, num_epochs=None)
-    pi, pc = _process_shard(a.process_index, a.process_count)
+    if options.num_epochs is not None:
+        raise ValueError(
+            f"num_epochs={options.num_epochs}: a mixture repeats every corpus forever; use None"
+        )
+    shard = process_shard(options.process_index, options.process_count)
     keys = ("inputs", "targets")
     prefixes = [[int(i) for i in (source_prefixes or {}).get(n, ())] for n in names]
     records = [
-        _shard_records(corpora[n], keys, tokenizer, a, pi, pc, prefix)
+        shard_records(corpora[n], keys, tokenizer, options, shard, prefix)
         for n, prefix in zip(names, prefixes)
     ]
-    kept = _MixtureIterDataset(records, probs, a.seed, names)
+    kept = _MixtureIterDataset(records, probs, options.seed, names)
     sizes = [len(corpora[n]) for n in names]
     extra = {
         "mixture": {"names": names, "probabilities": probs, "sizes": sizes, "prefixes": prefixes}
     }
-    return _batch_iterator(
-        kept, keys, tokenizer, a, (pi, pc), num_examples=sum(sizes),
-        shard_size=sum(len(r) for r in records), fingerprint_extra=extra,
-    )  # fmt: skip
+    return batch_iterator(
+        kept,
+        keys,
+        tokenizer,
+        options,
+        shard,
+        num_examples=sum(sizes),
+        shard_size=sum(len(r) for r in records),
+        fingerprint_extra=extra,
+    )

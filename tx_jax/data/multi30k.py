@@ -174,8 +174,11 @@ def _read_lines(path: epath.PathLike) -> list[str]:
     if bad:
         logging.warning(
             "%s: %d line(s) with invalid UTF-8 (replaced by U+FFFD): lines %s%s",
-            path, len(bad), bad[:10], " ..." if len(bad) > 10 else "",
-        )  # fmt: skip
+            path,
+            len(bad),
+            bad[:10],
+            " ..." if len(bad) > 10 else "",
+        )
     return lines
 
 

@@ -6,7 +6,8 @@ L (the bucket boundary that holds the longer side), so each bucket is a single j
 Input is any random-access `Sequence` of (source, target) pairs of `str` or UTF-8 `bytes`
 (TFDS-backed sequences or plain lists); the LM variants take a `Sequence` of texts.
 
-Train batches (`make_train_iterator`, `make_lm_train_iterator`): dicts of numpy int32.
+Train batches (`make_train_iterator`, `make_lm_train_iterator`, both configured by one
+`TrainOptions`): dicts of numpy int32.
 
     bucketed (packing=False)
       'inputs'   [B, L]  source ids + EOS, then 0 (padding)      (absent for LM)
@@ -21,8 +22,8 @@ Train batches (`make_train_iterator`, `make_lm_train_iterator`): dicts of numpy 
       Rows are filled first-fit in stream order; an example never spans two rows.
 
 Eval batches (every example once, fixed shapes, nothing dropped) are in eval_pipeline.py;
-a sampled mixture of several corpora (multilingual training) in mixture.py. Both reuse the
-featurizer below, so text becomes the same ids everywhere.
+a sampled mixture of several corpora (multilingual training) in mixture.py. Both reuse
+`Featurizer`, so text becomes the same ids everywhere.
 
 Train records are sharded per process ([process_index::process_count]), shuffled with `seed`
 (a new permutation each epoch, the order of grain's `MapDataset.shuffle(seed).repeat()`),
@@ -47,7 +48,7 @@ Iterator state (`TrainIterator.get_state()`) is a small JSON-serializable dict, 
                   'held': [[3, 4, 8], []], 'dropped_remainder': 0}}
 'next_index' is the position in this process's shuffled, repeated stream; 'held' lists the
 stream positions of examples waiting in each bucket (or in the open packed batch), which
-`set_state` re-reads and re-adds. A fresh iterator built with the same data and arguments
+`set_state` re-reads and re-adds. A fresh iterator built with the same data and options
 then continues with identical batches; a state whose fingerprint differs raises ValueError.
 `TrainIterator` is a grain `DatasetIterator`, so Orbax saves it with
 `grain.checkpoint.CheckpointSave(it)` / `CheckpointRestore(it)` (one JSON file per process).
@@ -123,17 +124,30 @@ def _nonspace_len(text: str) -> int:
     return len(text) - text.count(" ")
 
 
-class _Record(NamedTuple):
-    """One featurized example: features (None if dropped), drop reason, notes to count."""
+class Record(NamedTuple):
+    """One featurized example, as `Featurizer` returns it.
+
+    Attributes:
+      features: key -> int32 [n] ids ending in EOS (n <= max_len), one per featurizer key;
+        None when the example is dropped.
+      drop: '' when kept, else why it is dropped: 'empty' | 'too_long_chars' | 'too_long'.
+      notes: what to count about it, a subset of ('invalid_utf8', 'empty', 'truncated').
+    """
 
     features: dict[str, np.ndarray] | None
-    drop: str  # '' kept, else 'empty' | 'too_long_chars' | 'too_long'
-    notes: tuple[str, ...]  # subset of ('invalid_utf8', 'empty', 'truncated')
+    drop: str
+    notes: tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True)
-class _Featurizer:
-    """Raw item -> `_Record` with ids + EOS per key; drops (train) or truncates (eval)."""
+class Featurizer:
+    """Raw item -> `Record`: ids + EOS per key; drops (train) or truncates (eval).
+
+    An item is one text (str or UTF-8 bytes) when there is one key, else a tuple of texts in
+    `keys` order, e.g. (source, target). Train and eval both use it, so text becomes the same
+    ids everywhere. With `truncate`, a side longer than max_len keeps its first max_len - 1
+    ids and EOS, an empty side becomes just EOS, and nothing is dropped.
+    """
 
     tokenizer: Tokenizer
     keys: tuple[str, ...]  # ('inputs', 'targets') for pairs, ('targets',) for LM
@@ -152,7 +166,7 @@ class _Featurizer:
         ids.append(self.tokenizer.eos_id)
         return ids
 
-    def __call__(self, item: Any) -> _Record:
+    def __call__(self, item: Any) -> Record:
         raw = (item,) if len(self.keys) == 1 else tuple(item)
         if len(raw) != len(self.keys):
             raise ValueError(f"expected {len(self.keys)} texts per example, got {len(raw)}")
@@ -161,42 +175,42 @@ class _Featurizer:
         notes = ("invalid_utf8",) if any(bad for _, bad in cleaned) else ()
         if any(not t or t.isspace() for t in texts):
             if not self.truncate:
-                return _Record(None, "empty", notes)
+                return Record(None, "empty", notes)
             notes += ("empty",)
         if not self.truncate and any(_nonspace_len(t) > self.char_limit for t in texts):
-            return _Record(None, "too_long_chars", notes)
+            return Record(None, "too_long_chars", notes)
         features = {}
         truncated = False
         for key, text in zip(self.keys, texts):
             ids = self._ids(text)
             if len(ids) == 1 and "empty" not in notes:  # e.g. only characters NFKC deletes
                 if not self.truncate:
-                    return _Record(None, "empty", notes)
+                    return Record(None, "empty", notes)
                 notes += ("empty",)
             if key == "inputs" and self.source_prefix:
                 ids = [*self.source_prefix, *ids]
             if len(ids) > self.max_len:
                 if not self.truncate:
-                    return _Record(None, "too_long", notes)
+                    return Record(None, "too_long", notes)
                 ids = ids[: self.max_len - 1] + ids[-1:]
                 truncated = True
             features[key] = np.asarray(ids, np.int32)
-        return _Record(features, "", notes + (("truncated",) if truncated else ()))
+        return Record(features, "", notes + (("truncated",) if truncated else ()))
 
 
 class _ShardRecords(grain.MapDataset):
     """Featurized records of shard items[process_index::process_count], memoized.
 
-    One MapDataset in place of grain's source -> slice -> map chain: those layers spend ~80 us
-    per element on monitoring (measured, grain 0.2.18), more than tokenizing a pair.
+    One MapDataset in place of grain's source -> slice -> map chain, whose per-element
+    monitoring in every layer costs more than tokenizing a pair.
     """
 
-    def __init__(self, items: Sequence[Any], shard: slice, featurize: _Featurizer, cache: bool):
+    def __init__(self, items: Sequence[Any], shard: slice, featurize: Featurizer, cache: bool):
         super().__init__()
         self._items = items
         self._indices = range(len(items))[shard]
         self._featurize = featurize
-        self._cache: dict[int, _Record] | None = {} if cache else None
+        self._cache: dict[int, Record] | None = {} if cache else None
 
     def __len__(self) -> int:
         return len(self._indices)
@@ -219,11 +233,11 @@ class _ShardRecords(grain.MapDataset):
 # ------------------------------------------------------------------------ train iterators
 
 
-def _record_at(records: grain.MapDataset, n: int, seed: int, position: int) -> _Record:
+def _record_at(records: grain.MapDataset, n: int, seed: int, position: int) -> Record:
     """Record at stream `position`: epoch e = position // n is shuffled with seed + e.
 
     Same order as `records.shuffle(seed).repeat()` (grain's index_shuffle with its per-epoch
-    seed), without grain's ~35 us per-element overhead of two more MapDataset layers.
+    seed), without the per-element overhead of two more grain MapDataset layers.
     """
     epoch, i = divmod(position, n)  # n = len(records)
     if n > 1:
@@ -232,7 +246,7 @@ def _record_at(records: grain.MapDataset, n: int, seed: int, position: int) -> _
 
 
 class _ExampleIterDataset(grain.IterDataset):
-    """Shuffled, repeated stream of (position, features) for kept records; counts the rest."""
+    """Shuffled, repeated stream of (position, features) for kept records (`ExampleIterator`)."""
 
     def __init__(self, records: grain.MapDataset, seed: int, num_epochs: int | None):
         super().__init__()
@@ -240,11 +254,21 @@ class _ExampleIterDataset(grain.IterDataset):
         self._seed = seed
         self._num_epochs = num_epochs
 
-    def __iter__(self) -> _ExampleIterator:
-        return _ExampleIterator(self._records, self._seed, self._num_epochs)
+    def __iter__(self) -> ExampleIterator:
+        return ExampleIterator(self._records, self._seed, self._num_epochs)
 
 
-class _ExampleIterator(grain.DatasetIterator):
+class ExampleIterator(grain.DatasetIterator):
+    """Kept examples of one corpus shard, shuffled per epoch: (position, features) pairs.
+
+    `records` is `shard_records`'s dataset of n `Record`s. Stream position p reads record
+    shuffle_{seed + p // n}(p % n), so an epoch is a permutation and each epoch differs;
+    dropped records are skipped and counted. `features` is key -> int32 [<= max_len] ids.
+    State: {'next_index': the next stream position, 'tx_counts': the counts of
+    `TrainIterator.stats`}; `reread(p)` gives the features at position p again (a restore
+    re-reads the examples that the batching layer held).
+    """
+
     def __init__(self, records: grain.MapDataset, seed: int, num_epochs: int | None):
         super().__init__()
         self._records = records
@@ -387,7 +411,12 @@ class TrainIterator(grain.DatasetIterator):
         return counts
 
 
-def _process_shard(process_index: int | None, process_count: int | None) -> tuple[int, int]:
+def process_shard(process_index: int | None, process_count: int | None) -> tuple[int, int]:
+    """(process_index, process_count) of the shard [process_index::process_count] to read.
+
+    A None is filled in from jax.process_index() / jax.process_count(); ValueError unless
+    0 <= process_index < process_count.
+    """
     if process_index is None or process_count is None:
         import jax  # only needed for the defaults
 
@@ -399,45 +428,78 @@ def _process_shard(process_index: int | None, process_count: int | None) -> tupl
 
 
 @dataclasses.dataclass(frozen=True)
-class _TrainArgs:
+class TrainOptions:
+    """How a train iterator filters, shuffles, shards and batches (module docstring).
+
+    Built once and passed to `make_train_iterator`, `make_lm_train_iterator` or
+    `mixture.make_mixture_train_iterator`. Every field but `cache_tokens` and `prefetch` goes
+    into the iterator state's fingerprint: a state restores only with the same options.
+    """
+
+    # Most ids per side, EOS (and a source prefix) included; longer examples are dropped.
     max_len: int
+    # Padded positions per side that a batch may hold: B * L <= tokens_per_batch.
     tokens_per_batch: int
-    batch_multiple: int
-    bucket_boundaries: Sequence[int] | None
-    packing: bool
-    seed: int
-    process_index: int | None
-    process_count: int | None
-    num_epochs: int | None
-    cache_tokens: bool
-    prefetch: int
+    # B is a multiple of this (the number of local devices), so batches split evenly.
+    batch_multiple: int = 1
+    # Sorted bucket lengths ending at max_len; None: `batching.default_bucket_boundaries`.
+    bucket_boundaries: Sequence[int] | None = None
+    # Pack several examples per row of length max_len instead of bucketing them by length.
+    packing: bool = False
+    # Shuffle seed; epoch e is shuffled with seed + e, so every epoch has another order.
+    seed: int = 0
+    # This process's shard is [process_index::process_count]; None: jax.process_index().
+    process_index: int | None = None
+    # How many shards the examples are split into; None: jax.process_count().
+    process_count: int | None = None
+    # None repeats forever; else the iterator ends after that many passes over the shard.
+    num_epochs: int | None = None
+    # Keep each tokenized example in memory after its first read; off for corpora too big.
+    cache_tokens: bool = True
+    # Batches prepared ahead in a background thread (0: none); async dispatch usually hides
+    # building a batch behind the device step already, and prefetch copies the state per batch.
+    prefetch: int = 0
 
 
-_TRAIN_ARGS = frozenset(f.name for f in dataclasses.fields(_TrainArgs))
+# Options that do not change the batches, so a state restores whatever they are.
+_NOT_IN_FINGERPRINT = ("cache_tokens", "prefetch")
 
 
-def _shard_records(
+def shard_records(
     items: Sequence[Any],
     keys: tuple[str, ...],
     tokenizer: Tokenizer,
-    a: _TrainArgs,
-    pi: int,
-    pc: int,
+    options: TrainOptions,
+    shard: tuple[int, int],
     source_prefix: Sequence[int] = (),
-) -> _ShardRecords:
-    """The featurized records of this process's shard of `items` (an error if it is empty)."""
-    featurize = _Featurizer(tokenizer, keys, a.max_len, source_prefix=tuple(source_prefix))
-    records = _ShardRecords(items, slice(pi, None, pc), featurize, a.cache_tokens)
+) -> grain.MapDataset:
+    """The featurized records of this process's shard of `items` (an error if it is empty).
+
+    Args:
+      items: random-access examples for `Featurizer` (texts, or tuples of texts per `keys`).
+      keys: the feature keys, ('inputs', 'targets') or ('targets',).
+      tokenizer: turns text into ids.
+      options: max_len and cache_tokens are read.
+      shard: (process_index, process_count) from `process_shard`.
+      source_prefix: ids put before every 'inputs' (a language tag).
+
+    Returns:
+      A MapDataset of len(items[process_index::process_count]) `Record`s, memoized when
+      `options.cache_tokens`; index it modulo its length.
+    """
+    pi, pc = shard
+    featurize = Featurizer(tokenizer, keys, options.max_len, source_prefix=tuple(source_prefix))
+    records = _ShardRecords(items, slice(pi, None, pc), featurize, options.cache_tokens)
     if len(records) == 0:
         raise ValueError(f"Process {pi} of {pc} has no examples ({len(items)} in total).")
     return records
 
 
-def _batch_iterator(
+def batch_iterator(
     kept: grain.IterDataset,
     keys: tuple[str, ...],
     tokenizer: Tokenizer,
-    a: _TrainArgs,
+    options: TrainOptions,
     shard: tuple[int, int],
     *,
     num_examples: int,
@@ -446,16 +508,29 @@ def _batch_iterator(
 ) -> TrainIterator:
     """A stream of kept (position, features) examples -> a TrainIterator of batches.
 
-    `kept` yields what `_ExampleIterator` yields and can `reread(position)` (mixture.py's
-    sampler too); `shard_size` is what one epoch of `stats()['epoch']` counts."""
+    Args:
+      kept: iterates like `ExampleIterator` (features: key -> int32 [<= max_len]) and can
+        `reread(position)`; mixture.py's sampler does too.
+      keys: the feature keys of every example and batch.
+      tokenizer: its bytes' sha1 goes into the state's fingerprint.
+      options: the batching options (`TrainOptions`); the shard is `shard`, not theirs.
+      shard: (process_index, process_count) that `kept` reads.
+      num_examples: the examples over all shards (in the fingerprint).
+      shard_size: what one epoch of `stats()['epoch']` counts.
+      fingerprint_extra: more fingerprint entries (a source prefix, a mixture).
+
+    Returns:
+      A TrainIterator of [B, L] int32 batches (module docstring).
+    """
     pi, pc = shard
-    boundaries = [a.max_len] if a.packing else check_boundaries(a.bucket_boundaries, a.max_len)
-    sizes = bucket_batch_sizes(boundaries, a.tokens_per_batch, a.batch_multiple)
+    o = options
+    boundaries = [o.max_len] if o.packing else check_boundaries(o.bucket_boundaries, o.max_len)
+    sizes = bucket_batch_sizes(boundaries, o.tokens_per_batch, o.batch_multiple)
     if pc > 1 and len(boundaries) > 1:
         logging.warning("Length buckets differ across %d processes; see pipeline.py.", pc)
-    spec = BatchSpec(keys, tuple(boundaries), tuple(sizes), a.packing)
+    spec = BatchSpec(keys, tuple(boundaries), tuple(sizes), o.packing)
     ds = GroupIterDataset(kept, spec)
-    fingerprint = dataclasses.asdict(a) | {
+    fingerprint = dataclasses.asdict(o) | {
         "bucket_boundaries": boundaries,
         "process_index": pi,
         "process_count": pc,
@@ -464,16 +539,16 @@ def _batch_iterator(
         "tokenizer_sha1": hashlib.sha1(tokenizer.to_bytes()).hexdigest(),
         **(fingerprint_extra or {}),
     }
-    for k in ("cache_tokens", "prefetch"):  # do not change the batches
+    for k in _NOT_IN_FINGERPRINT:
         fingerprint.pop(k)
     shapes = tuple(zip(sizes, boundaries))
     return TrainIterator(
         ds,
-        prefetch=a.prefetch,
+        prefetch=o.prefetch,
         fingerprint=fingerprint,
         keys=keys,
         batch_shapes=shapes,
-        packing=a.packing,
+        packing=o.packing,
         shard_size=shard_size,
     )
 
@@ -482,36 +557,32 @@ def _train_iterator(
     items: Sequence[Any],
     keys: tuple[str, ...],
     tokenizer: Tokenizer,
-    a: _TrainArgs,
+    options: TrainOptions,
     source_prefix: Sequence[int] = (),
 ) -> TrainIterator:
     """Shared builder for the translation and LM train iterators."""
-    pi, pc = _process_shard(a.process_index, a.process_count)
-    records = _shard_records(items, keys, tokenizer, a, pi, pc, source_prefix)
-    kept = _ExampleIterDataset(records, a.seed, a.num_epochs)
+    shard = process_shard(options.process_index, options.process_count)
+    records = shard_records(items, keys, tokenizer, options, shard, source_prefix)
+    kept = _ExampleIterDataset(records, options.seed, options.num_epochs)
     # Only when set: the fingerprints of untagged runs stay what their checkpoints hold.
     extra = {"source_prefix": [int(i) for i in source_prefix]} if source_prefix else None
-    return _batch_iterator(
-        kept, keys, tokenizer, a, (pi, pc), num_examples=len(items), shard_size=len(records),
+    return batch_iterator(
+        kept,
+        keys,
+        tokenizer,
+        options,
+        shard,
+        num_examples=len(items),
+        shard_size=len(records),
         fingerprint_extra=extra,
-    )  # fmt: skip
+    )
 
 
 def make_train_iterator(
     pairs: Sequence[tuple[Text, Text]],
     tokenizer: Tokenizer,
+    options: TrainOptions,
     *,
-    max_len: int,
-    tokens_per_batch: int,
-    batch_multiple: int = 1,
-    bucket_boundaries: Sequence[int] | None = None,
-    packing: bool = False,
-    seed: int = 0,
-    process_index: int | None = None,
-    process_count: int | None = None,
-    num_epochs: int | None = None,
-    cache_tokens: bool = True,
-    prefetch: int = 0,
     source_prefix: Sequence[int] = (),
 ) -> TrainIterator:
     """Translation train batches ('inputs', 'targets'; see the module docstring).
@@ -519,45 +590,18 @@ def make_train_iterator(
     Args:
       pairs: random-access (source, target) texts, str or UTF-8 bytes.
       tokenizer: joint-vocabulary tokenizer (pad 0, EOS appended to both sides).
-      max_len: max ids per side, EOS included; longer pairs are dropped and counted.
-      tokens_per_batch: budget of padded positions per side: B * L <= tokens_per_batch.
-      batch_multiple: B is a multiple of this (the number of local devices).
-      bucket_boundaries: sorted bucket lengths ending at max_len; None: geometric default.
-      packing: pack several pairs per row of length max_len instead of bucketing.
-      seed: shuffle seed (folded with the epoch by grain, so every epoch differs).
-      process_index, process_count: this process's shard; default jax.process_index/count.
-      num_epochs: None repeats forever; else stop after that many passes over the shard.
-      cache_tokens: keep every tokenized example in memory after its first read (about
-        0.5 kB per pair); turn off for corpora that do not fit.
-      prefetch: batches prepared ahead in a background thread (0: none). Building a batch
-        takes ~1 ms, which async dispatch already hides behind the device step; prefetch
-        adds a state deep-copy per batch.
+      options: batching, shuffling and sharding (`TrainOptions`).
       source_prefix: ids put before every source's pieces (e.g. the target-language tag of a
         multilingual model, `[tokenizer.piece_to_id('<2de>')]`); they count toward max_len.
     """
-    args = _TrainArgs(**{k: v for k, v in locals().items() if k in _TRAIN_ARGS})
-    return _train_iterator(pairs, ("inputs", "targets"), tokenizer, args, source_prefix)
+    return _train_iterator(pairs, ("inputs", "targets"), tokenizer, options, source_prefix)
 
 
 def make_lm_train_iterator(
-    texts: Sequence[Text],
-    tokenizer: Tokenizer,
-    *,
-    max_len: int,
-    tokens_per_batch: int,
-    batch_multiple: int = 1,
-    bucket_boundaries: Sequence[int] | None = None,
-    packing: bool = False,
-    seed: int = 0,
-    process_index: int | None = None,
-    process_count: int | None = None,
-    num_epochs: int | None = None,
-    cache_tokens: bool = True,
-    prefetch: int = 0,
+    texts: Sequence[Text], tokenizer: Tokenizer, options: TrainOptions
 ) -> TrainIterator:
     """Language-model train batches: 'targets' [B, L] (text ids + EOS) only.
 
-    Same arguments, filtering, state and packing keys as `make_train_iterator`.
+    Same options, filtering, state and packing keys as `make_train_iterator`.
     """
-    args = _TrainArgs(**{k: v for k, v in locals().items() if k in _TRAIN_ARGS})
-    return _train_iterator(texts, ("targets",), tokenizer, args)
+    return _train_iterator(texts, ("targets",), tokenizer, options)

@@ -24,7 +24,7 @@ counts), every process holds the same iterator state (the checkpoint stores one 
 process can restore it), and length buckets stay in step across processes. The price: every
 process tokenizes (and caches) every train example instead of 1/N of them, small next to a
 step for translation corpora; a corpus too big for that would use per-process shards
-(pipeline.make_train_iterator's process_index/process_count) and accept other batches.
+(`pipeline.TrainOptions`' process_index/process_count) and accept other batches.
 Validation loss batches stay per-process shards (their sums are reduced over all devices);
 decoding for BLEU runs the same examples on every process (`shard_eval=False`), since the
 parameters it reads are spread over all of them.
@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -47,7 +49,24 @@ from tx_jax.data.tokenizer import Tokenizer, iter_pair_texts, train_tokenizer
 TOKENIZER_FILE = "tokenizer.model"
 
 
-class Prefix(Sequence):
+class LazySequence(Sequence):
+    """A read-only view that copies nothing: a subclass gives `__len__` and `item_at`, this
+    adds negative indices, slices (as lists) and IndexError."""
+
+    def item_at(self, i: int) -> Any:
+        """The item at 0 <= i < len(self)."""
+        raise NotImplementedError
+
+    def __getitem__(self, i):
+        n = len(self)
+        if isinstance(i, slice):
+            return [self.item_at(j) for j in range(*i.indices(n))]
+        if not -n <= i < n:
+            raise IndexError(i)
+        return self.item_at(i % n)
+
+
+class Prefix(LazySequence):
     """The first `n` items of a sequence, without copying it."""
 
     def __init__(self, seq: Sequence, n: int | None):
@@ -56,12 +75,8 @@ class Prefix(Sequence):
     def __len__(self) -> int:
         return self._n
 
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(self._n))]
-        if not -self._n <= i < self._n:
-            raise IndexError(i)
-        return self._seq[i % self._n]
+    def item_at(self, i: int):
+        return self._seq[i]
 
 
 def parse_max_train_pairs(spec: Any) -> int | dict[str, int] | None:
@@ -99,6 +114,21 @@ def max_train_pairs(data: Any, direction: str | None = None) -> int | None:
         direction = direction or f"{data.source_lang}-{data.target_lang}"
         return spec.get(direction) or None
     return spec
+
+
+def train_options(data: Any, *, seed: int, batch_multiple: int) -> pipeline.TrainOptions:
+    """The train batching of config.data: one global stream, the whole of it on every process
+    (process 0 of 1; module docstring), rows a multiple of `batch_multiple`."""
+    return pipeline.TrainOptions(
+        max_len=data.max_len,
+        tokens_per_batch=data.tokens_per_batch,
+        batch_multiple=batch_multiple,
+        bucket_boundaries=data.bucket_boundaries,
+        packing=data.packing,
+        seed=seed,
+        process_index=0,
+        process_count=1,
+    )
 
 
 @dataclasses.dataclass
@@ -140,24 +170,25 @@ class TranslationTask:
 
     def train_iterator(self, batch_multiple: int) -> pipeline.TrainIterator:
         """Global batches (rows a multiple of `batch_multiple`), the same on every process."""
-        d = self.data
+        options = train_options(self.data, seed=self.seed, batch_multiple=batch_multiple)
         return pipeline.make_train_iterator(
-            self.train_pairs(), self.tokenizer, max_len=d.max_len,
-            tokens_per_batch=d.tokens_per_batch, batch_multiple=batch_multiple,
-            bucket_boundaries=d.bucket_boundaries, packing=d.packing, seed=self.seed,
-            process_index=0, process_count=1,  # the whole stream on every process
-            source_prefix=self.source_prefix,
-        )  # fmt: skip
+            self.train_pairs(), self.tokenizer, options, source_prefix=self.source_prefix
+        )
 
     def eval_batches(self, split: str, batch_multiple: int, limit: int | None = None):
         """This process's share of the examples (every example when `shard_eval` is False)."""
         d = self.data
         every = {} if self.shard_eval else {"process_index": 0, "process_count": 1}
         return eval_pipeline.make_eval_batches(
-            self.pairs(split, limit), self.tokenizer, max_len=d.max_eval_len,
-            batch_size=d.eval_batch_size, batch_multiple=batch_multiple,
-            bucket_boundaries=[d.max_eval_len], source_prefix=self.source_prefix, **every,
-        )  # fmt: skip
+            self.pairs(split, limit),
+            self.tokenizer,
+            max_len=d.max_eval_len,
+            batch_size=d.eval_batch_size,
+            batch_multiple=batch_multiple,
+            bucket_boundaries=[d.max_eval_len],
+            source_prefix=self.source_prefix,
+            **every,
+        )
 
 
 def builder_kwargs(data: Any) -> dict:
@@ -172,17 +203,22 @@ def builder_kwargs(data: Any) -> dict:
                 num_validation=s.num_validation,
                 num_test=s.num_test,
                 seed=s.seed,
-            )  # fmt: skip
+            )
         }
     return dict(data.get("builder_kwargs") or {})
 
 
 def load_split(data: Any, split: str) -> datasets.TranslationSource:
     return datasets.load_translation_split(
-        data.dataset, split, source_lang=data.source_lang, target_lang=data.target_lang,
-        data_dir=data.data_dir, manual_dir=data.manual_dir, download=data.download,
+        data.dataset,
+        split,
+        source_lang=data.source_lang,
+        target_lang=data.target_lang,
+        data_dir=data.data_dir,
+        manual_dir=data.manual_dir,
+        download=data.download,
         builder_kwargs=builder_kwargs(data),
-    )  # fmt: skip
+    )
 
 
 def given_tokenizer(data: Any) -> Tokenizer | None:
@@ -236,18 +272,28 @@ def load_or_train_tokenizer(
             given.save(path)
         else:
             logging.info("training a %d-piece SentencePiece model", data.vocab_size)
-            local = train_tokenizer(
-                texts(), data.vocab_size,
-                str(path) if not str(path).startswith("gs://") else "/tmp/tx_jax_tokenizer.model",
-                user_defined_symbols=(*symbols, *(data.get("user_defined_symbols") or ())),
-            )  # fmt: skip
-            if str(path).startswith("gs://"):
-                path.write_bytes(local.to_bytes())
-    _barrier("tokenizer")
+            symbols = (*symbols, *(data.get("user_defined_symbols") or ()))
+            _train_tokenizer_to(path, texts(), data.vocab_size, symbols)
+    barrier("tokenizer")
     tokenizer = Tokenizer.from_bytes(path.read_bytes())
     if given is not None and tokenizer != given:
         raise ValueError(f"{path} differs from the tokenizer of {given_by}; use a new workdir")
     return tokenizer
+
+
+def _train_tokenizer_to(
+    path: epath.Path, texts: Iterable[str], vocab_size: int, symbols: Sequence[str]
+) -> None:
+    """Trains a tokenizer on `texts` and writes it to `path`. For a gs:// path it is trained
+    into a temporary directory of this run (train_tokenizer writes a local file and renames
+    it), so concurrent runs never share the file; the directory is removed afterwards."""
+    if not str(path).startswith("gs://"):
+        train_tokenizer(texts, vocab_size, str(path), user_defined_symbols=symbols)
+        return
+    with tempfile.TemporaryDirectory(prefix="tx_jax_tokenizer_") as local:
+        model = os.path.join(local, TOKENIZER_FILE)
+        trained = train_tokenizer(texts, vocab_size, model, user_defined_symbols=symbols)
+    path.write_bytes(trained.to_bytes())
 
 
 def prepare_translation_task(
@@ -259,7 +305,7 @@ def prepare_translation_task(
     if jax.process_index() == 0:
         workdir.mkdir(parents=True, exist_ok=True)
         load_split(data, "train")  # prepares the TFDS data once, before the others read it
-    _barrier("data")
+    barrier("data")
     task = TranslationTask(data, None, seed)  # type: ignore[arg-type]  (set below)
     task._splits["train"] = load_split(data, "train")
     pairs = Prefix(task.train_pairs(), data.tokenizer_pairs)
@@ -274,7 +320,7 @@ def prepare_translation_task(
 LM_SIDES = ("target", "source", "both")
 
 
-class SideTexts(Sequence):
+class SideTexts(LazySequence):
     """One side of a sequence of pairs as a sequence of texts ('both': source, target of
     pair 0, then of pair 1, ...), read lazily."""
 
@@ -286,12 +332,7 @@ class SideTexts(Sequence):
     def __len__(self) -> int:
         return len(self._pairs) * (2 if self._side == "both" else 1)
 
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        if not -len(self) <= i < len(self):
-            raise IndexError(i)
-        i %= len(self)
+    def item_at(self, i: int) -> str:
         if self._side == "both":
             return self._pairs[i // 2][i % 2]
         return self._pairs[i][0 if self._side == "source" else 1]
@@ -313,22 +354,21 @@ class LMTask:
 
     def train_iterator(self, batch_multiple: int) -> pipeline.TrainIterator:
         """Global batches of 'targets' (texts + EOS), the same on every process."""
-        d = self.data
-        return pipeline.make_lm_train_iterator(
-            self.texts("train"), self.tokenizer, max_len=d.max_len,
-            tokens_per_batch=d.tokens_per_batch, batch_multiple=batch_multiple,
-            bucket_boundaries=d.bucket_boundaries, packing=d.packing, seed=self.seed,
-            process_index=0, process_count=1,
-        )  # fmt: skip
+        options = train_options(self.data, seed=self.seed, batch_multiple=batch_multiple)
+        return pipeline.make_lm_train_iterator(self.texts("train"), self.tokenizer, options)
 
     def eval_batches(self, split: str, batch_multiple: int, limit: int | None = None):
         """This process's share of the texts (all of them when `shard_eval` is False)."""
         d = self.data
         every = {} if self.shard_eval else {"process_index": 0, "process_count": 1}
         return eval_pipeline.make_lm_eval_batches(
-            self.texts(split, limit), self.tokenizer, max_len=d.max_eval_len,
-            batch_size=d.eval_batch_size, batch_multiple=batch_multiple, **every,
-        )  # fmt: skip
+            self.texts(split, limit),
+            self.tokenizer,
+            max_len=d.max_eval_len,
+            batch_size=d.eval_batch_size,
+            batch_multiple=batch_multiple,
+            **every,
+        )
 
 
 def prepare_lm_task(
@@ -343,17 +383,22 @@ def prepare_lm_task(
     if jax.process_index() == 0:
         workdir.mkdir(parents=True, exist_ok=True)
         load_split(data, "train")
-    _barrier("data")
+    barrier("data")
     pair_task = TranslationTask(data, None, seed)  # type: ignore[arg-type]  (set below)
     pair_task._splits["train"] = load_split(data, "train")
     pairs = Prefix(pair_task.train_pairs(), data.tokenizer_pairs)
     pair_task.tokenizer = load_or_train_tokenizer(
-        data, workdir, lambda: iter(SideTexts(pairs, side)), given=tokenizer,
+        data,
+        workdir,
+        lambda: iter(SideTexts(pairs, side)),
+        given=tokenizer,
         given_by="train.init_from",
-    )  # fmt: skip
+    )
     return LMTask(data, pair_task.tokenizer, seed, pair_task)
 
 
-def _barrier(name: str) -> None:
+def barrier(name: str) -> None:
+    """Waits until every process reaches the barrier `name` (nothing in a one-process run):
+    what process 0 prepares (data, tokenizer) is complete before the others read it."""
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(f"tx_jax:{name}")

@@ -43,7 +43,7 @@ def _as_text(line: str | bytes) -> str:
     return line
 
 
-def _sample_sentences(texts: Iterable[str | bytes], max_sentences: int, seed: int) -> list[str]:
+def sample_sentences(texts: Iterable[str | bytes], max_sentences: int, seed: int) -> list[str]:
     """Non-empty lines of `texts`, reservoir-sampled down to `max_sentences` (seeded).
 
     Deterministic for the same input and seed; keeps corpus order when nothing is dropped.
@@ -111,7 +111,7 @@ def train_tokenizer(
     Raises:
       ValueError: no usable text, or `vocab_size` below the number of required characters.
     """
-    sentences = _sample_sentences(texts, max_sentences, seed)
+    sentences = sample_sentences(texts, max_sentences, seed)
     if not sentences:
         raise ValueError("train_tokenizer: no non-empty sentence in `texts`.")
     spm.set_random_generator_seed(seed)
