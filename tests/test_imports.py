@@ -159,9 +159,7 @@ def test_no_library_module_imports_cli():
 def test_checker_names_both_files_of_an_upward_import():
     graph = {"tx_jax.model.layers": {"tx_jax.training.step"}, "tx_jax.training.step": set()}
     (message,) = layer_violations(graph)
-    assert message == (
-        "tx_jax/model/layers.py (model) imports tx_jax/training/step.py (training)"
-    )
+    assert message == ("tx_jax/model/layers.py (model) imports tx_jax/training/step.py (training)")
     assert layer_violations({"tx_jax.model.layers": {"tx_jax.ops.matmul"}}) == []
 
 
