@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 
 from tx_jax.data.batching import Batch, check_boundaries, pad_rows
-from tx_jax.data.pipeline import Featurizer, Text, process_shard
+from tx_jax.data.featurize import Featurizer, Text
+from tx_jax.data.pipeline import process_shard
 from tx_jax.data.tokenizer import Tokenizer
 
 

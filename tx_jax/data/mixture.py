@@ -41,9 +41,9 @@ from typing import Any
 import grain
 import numpy as np
 
+from tx_jax.data.featurize import Text
 from tx_jax.data.pipeline import (
     ExampleIterator,
-    Text,
     TrainIterator,
     TrainOptions,
     batch_iterator,

@@ -1,0 +1,116 @@
+"""Text -> ids, the same way for training and evaluation: `Featurizer` turns one raw item (a
+text, or a tuple of texts) into int32 SentencePiece ids ending in EOS, and says why an
+example is dropped (train) or how it was truncated (eval). pipeline.py (train), mixture.py
+and eval_pipeline.py all featurize through it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from tx_jax.data.tokenizer import Tokenizer
+
+Text = str | bytes
+PRECHECK_SLACK = 4  # NFKC can merge a few characters into one; stay conservative.
+
+
+def _clean_text(x: Text) -> tuple[str, bool]:
+    """Returns (text, was_invalid): bytes/surrogates that are not UTF-8 become U+FFFD."""
+    if isinstance(x, bytes | bytearray):
+        try:
+            return bytes(x).decode("utf-8"), False
+        except UnicodeDecodeError:
+            return bytes(x).decode("utf-8", errors="replace"), True
+    x = str(x)
+    if x.isascii():
+        return x, False
+    try:
+        x.encode("utf-8")
+        return x, False
+    except UnicodeEncodeError:  # lone surrogates, e.g. from errors='surrogateescape'
+        try:
+            raw = x.encode("utf-8", errors="surrogateescape")
+        except UnicodeEncodeError:
+            raw = x.encode("utf-8", errors="replace")
+        return raw.decode("utf-8", errors="replace"), True
+
+
+def _nonspace_len(text: str) -> int:
+    return len(text) - text.count(" ")
+
+
+class Record(NamedTuple):
+    """One featurized example, as `Featurizer` returns it.
+
+    Attributes:
+      features: key -> int32 [n] ids ending in EOS (n <= max_len), one per featurizer key;
+        None when the example is dropped.
+      drop: '' when kept, else why it is dropped: 'empty' | 'too_long_chars' | 'too_long'.
+      notes: what to count about it, a subset of ('invalid_utf8', 'empty', 'truncated').
+    """
+
+    features: dict[str, np.ndarray] | None
+    drop: str
+    notes: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Featurizer:
+    """Raw item -> `Record`: ids + EOS per key; drops (train) or truncates (eval).
+
+    An item is one text (str or UTF-8 bytes) when there is one key, else a tuple of texts in
+    `keys` order, e.g. (source, target). Train and eval both use it, so text becomes the same
+    ids everywhere. With `truncate`, a side longer than max_len keeps its first max_len - 1
+    ids and EOS, an empty side becomes just EOS, and nothing is dropped.
+    """
+
+    tokenizer: Tokenizer
+    keys: tuple[str, ...]  # ('inputs', 'targets') for pairs, ('targets',) for LM
+    max_len: int
+    truncate: bool = False
+    source_prefix: tuple[int, ...] = ()  # ids put before the 'inputs' pieces (a language tag)
+
+    @property
+    def char_limit(self) -> int:
+        return self.max_len * self.tokenizer.max_piece_chars * PRECHECK_SLACK
+
+    def _ids(self, text: str) -> list[int]:
+        if self.truncate and len(text) > self.char_limit:
+            text = text[: self.char_limit]
+        ids = self.tokenizer.encode(text)
+        ids.append(self.tokenizer.eos_id)
+        return ids
+
+    def __call__(self, item: Any) -> Record:
+        raw = (item,) if len(self.keys) == 1 else tuple(item)
+        if len(raw) != len(self.keys):
+            raise ValueError(f"expected {len(self.keys)} texts per example, got {len(raw)}")
+        cleaned = [_clean_text(t) for t in raw]
+        texts = [t for t, _ in cleaned]
+        notes = ("invalid_utf8",) if any(bad for _, bad in cleaned) else ()
+        if any(not t or t.isspace() for t in texts):
+            if not self.truncate:
+                return Record(None, "empty", notes)
+            notes += ("empty",)
+        if not self.truncate and any(_nonspace_len(t) > self.char_limit for t in texts):
+            return Record(None, "too_long_chars", notes)
+        features = {}
+        truncated = False
+        for key, text in zip(self.keys, texts):
+            ids = self._ids(text)
+            if len(ids) == 1 and "empty" not in notes:  # e.g. only characters NFKC deletes
+                if not self.truncate:
+                    return Record(None, "empty", notes)
+                notes += ("empty",)
+            if key == "inputs" and self.source_prefix:
+                ids = [*self.source_prefix, *ids]
+            if len(ids) > self.max_len:
+                if not self.truncate:
+                    return Record(None, "too_long", notes)
+                ids = ids[: self.max_len - 1] + ids[-1:]
+                truncated = True
+            features[key] = np.asarray(ids, np.int32)
+        return Record(features, "", notes + (("truncated",) if truncated else ()))
