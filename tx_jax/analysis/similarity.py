@@ -1,9 +1,9 @@
 r"""Representation and surface similarity between languages on parallel sentences.
 
 How alike two languages look to the encoder (representation similarity, per layer) against
-how alike they look on the page (surface similarity); the study of issue 8, after the source
-document 002 (language similarity shapes cross-lingual transfer: English and German share
-vocabulary and grammar, so a model may represent them alike).
+how alike they look on the page (surface similarity): language similarity is thought to shape
+cross-lingual transfer (English and German share vocabulary and grammar, so a model may
+represent them alike), and this measures both sides of that claim.
 
 Pure functions (NumPy, float64):
 
@@ -128,8 +128,9 @@ def similarity_matrices(
     languages = list(reps_by_lang)
     if not languages:
         raise ValueError("reps_by_lang is empty")
-    layers = {lang: [np.asarray(r, np.float64) for r in reps] for lang, reps in
-              reps_by_lang.items()}  # fmt: skip
+    layers = {
+        lang: [np.asarray(r, np.float64) for r in reps] for lang, reps in reps_by_lang.items()
+    }
     depths = {len(v) for v in layers.values()}
     shapes = {r.shape[0] for v in layers.values() for r in v}
     if len(depths) != 1 or len(shapes) != 1:
@@ -182,15 +183,17 @@ def char_ngram_overlap(
         if not ga and not gb:
             continue
         shared = len(ga & gb)
-        scores.append(shared / len(ga | gb) if metric == "jaccard" else
-                      2 * shared / (len(ga) + len(gb)))  # fmt: skip
+        scores.append(
+            shared / len(ga | gb) if metric == "jaccard" else 2 * shared / (len(ga) + len(gb))
+        )
     return float(np.mean(scores)) if scores else 0.0
 
 
 def _check_parallel(texts_a: Sequence[str], texts_b: Sequence[str]) -> None:
     if len(texts_a) != len(texts_b) or not texts_a:
-        raise ValueError(f"need parallel, non-empty sentence lists: {len(texts_a)} vs "
-                         f"{len(texts_b)} sentences")  # fmt: skip
+        raise ValueError(
+            f"need parallel, non-empty sentence lists: {len(texts_a)} vs {len(texts_b)} sentences"
+        )
 
 
 def char_ngram_similarity(texts_a: Sequence[str], texts_b: Sequence[str], **kwargs: Any) -> float:
@@ -258,14 +261,23 @@ def correlation(x: Any, y: Any) -> dict[str, float]:
     x, y = np.asarray(x, np.float64).ravel(), np.asarray(y, np.float64).ravel()
     if x.shape != y.shape:
         raise ValueError(f"x and y must have the same length: {x.size} != {y.size}")
-    out = {"pearson": math.nan, "pearson_p": math.nan, "spearman": math.nan,
-           "spearman_p": math.nan, "n": int(x.size)}  # fmt: skip
+    out = {
+        "pearson": math.nan,
+        "pearson_p": math.nan,
+        "spearman": math.nan,
+        "spearman_p": math.nan,
+        "n": int(x.size),
+    }
     if x.size < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
         return out
     pearson = scipy.stats.pearsonr(x, y)
     spearman = scipy.stats.spearmanr(x, y)
-    out.update(pearson=float(pearson.statistic), pearson_p=float(pearson.pvalue),
-               spearman=float(spearman.statistic), spearman_p=float(spearman.pvalue))  # fmt: skip
+    out.update(
+        pearson=float(pearson.statistic),
+        pearson_p=float(pearson.pvalue),
+        spearman=float(spearman.statistic),
+        spearman_p=float(spearman.pvalue),
+    )
     return out
 
 
@@ -290,8 +302,10 @@ def source_ids(
     elif isinstance(tag, str):
         prefix = [tokenizer.piece_to_id(tag)]
         if prefix[0] == tokenizer.unk_id and tag != tokenizer.id_to_piece(tokenizer.unk_id):
-            raise ValueError(f"the tag {tag!r} is not a piece of the tokenizer's vocabulary "
-                             "(train it with user_defined_symbols, or pass ids)")  # fmt: skip
+            raise ValueError(
+                f"the tag {tag!r} is not a piece of the tokenizer's vocabulary "
+                "(train it with user_defined_symbols, or pass ids)"
+            )
     else:
         prefix = [int(i) for i in tag]
     if PAD_ID in prefix:
@@ -314,13 +328,17 @@ def _capture(module: nn.Module, method_name: str) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("model", "final_norm"))
-def _pooled_layers(model: nn.Module, params: Any, tokens: jax.Array, pool_mask: jax.Array,
-                   final_norm: bool) -> jax.Array:  # fmt: skip
+def _pooled_layers(
+    model: nn.Module, params: Any, tokens: jax.Array, pool_mask: jax.Array, final_norm: bool
+) -> jax.Array:
     """tokens [B, L], pool mask [B, L] -> [G, B, M] mean-pooled encoder states."""
     encoded, state = model.apply(
-        {"params": params}, tokens, method=model.encode, capture_intermediates=_capture,
+        {"params": params},
+        tokens,
+        method=model.encode,
+        capture_intermediates=_capture,
         mutable=["intermediates"],
-    )  # fmt: skip
+    )
     captured = state["intermediates"]["encoder"]
     hidden = [captured["embed_tokens"][0]]
     hidden += [captured[f"layer_{i}"]["__call__"][0] for i in range(len(captured) - 1)]
@@ -355,8 +373,8 @@ def encoder_layer_representations(
     last depth instead; it changes nothing for post-LN). Deterministic: no dropout.
 
     Args:
-      model: an `EncoderDecoder` (e.g. `restore.load(...).model`) or `EncoderOnly`.
-      params: its 'params' collection, boxed (fresh from init) or not (restore.load).
+      model: an `EncoderDecoder` (e.g. `inference.restore.load(...).model`) or `EncoderOnly`.
+      params: its 'params' collection, boxed (fresh from init) or not (`load`).
       tokenizer: the model's SentencePiece tokenizer; a source is its pieces then EOS.
       sentences: N source sentences.
       tag: an optional source prefix: a piece such as '<2de>' or a list of ids (`source_ids`).
@@ -458,8 +476,15 @@ def plot_similarity_heatmaps(
         image = ax.imshow(m[p], cmap="viridis", vmin=lo, vmax=hi)
         for i, j in itertools.product(range(k), range(k)):
             shade = (m[p, i, j] - lo) / (hi - lo) if np.isfinite(m[p, i, j]) else 0.0
-            ax.text(j, i, f"{m[p, i, j]:.2f}", ha="center", va="center", fontsize=font,
-                    color="black" if shade > 0.6 else "white")  # fmt: skip
+            ax.text(
+                j,
+                i,
+                f"{m[p, i, j]:.2f}",
+                ha="center",
+                va="center",
+                fontsize=font,
+                color="black" if shade > 0.6 else "white",
+            )
         ax.set_xticks(range(k), languages, fontsize=8)
         ax.set_yticks(range(k), languages, fontsize=8)
         ax.tick_params(length=0)

@@ -5,7 +5,7 @@ r"""Attention maps and training curves as PNG files (matplotlib, drawn off-scree
     plot_attention(maps, out_dir)                     one PNG per kind and layer, a panel per head
     plot_curves(metrics_jsonl_paths, out_png)         loss / BLEU / ... against step or time
 
-Command line:
+Command line (tx_jax/cli/visualize.py):
 
     python -m tx_jax.visualize attention --workdir=DIR [--step=N] --source="..." \
         [--target="..."] --out=DIR_PNG [--kinds=cross,encoder,decoder] [--noaverage_heads]
@@ -171,16 +171,23 @@ def plot_attention(
         cols = maps["target_pieces"] if kind == "decoder" else maps["source_pieces"]
         for layer, heads in enumerate(weights):
             fig = heatmap_grid(
-                heads, rows, cols, [f"layer {layer}, head {h}" for h in range(len(heads))],
-                title=f"{_TITLES[kind]}, layer {layer}", axis_labels=_AXES[kind],
-            )  # fmt: skip
+                heads,
+                rows,
+                cols,
+                [f"layer {layer}, head {h}" for h in range(len(heads))],
+                title=f"{_TITLES[kind]}, layer {layer}",
+                axis_labels=_AXES[kind],
+            )
             paths.append(_save(fig, out_dir / f"{kind}_layer{layer}.png", dpi))
         if average_heads:
             fig = heatmap_grid(
-                weights.mean(axis=1), rows, cols,
+                weights.mean(axis=1),
+                rows,
+                cols,
                 [f"layer {i}, mean of {weights.shape[1]} heads" for i in range(len(weights))],
-                title=f"{_TITLES[kind]}, mean over heads", axis_labels=_AXES[kind],
-            )  # fmt: skip
+                title=f"{_TITLES[kind]}, mean over heads",
+                axis_labels=_AXES[kind],
+            )
             paths.append(_save(fig, out_dir / f"{kind}_mean.png", dpi))
     return paths
 
@@ -227,9 +234,14 @@ def heatmap_grid(
             ax.set_ylabel(axis_labels[0], fontsize=8)
     # Colorbar space and gap in inches, whatever the figure's width (fraction, pad: relative).
     fig.colorbar(
-        image, ax=axes, shrink=0.9 if height < 7 else 0.5, fraction=min(0.15, 0.6 / width),
-        pad=min(0.05, 0.15 / width), aspect=25, label="attention weight",
-    )  # fmt: skip
+        image,
+        ax=axes,
+        shrink=0.9 if height < 7 else 0.5,
+        fraction=min(0.15, 0.6 / width),
+        pad=min(0.05, 0.15 / width),
+        aspect=25,
+        label="attention weight",
+    )
     fig.suptitle(title, fontsize=11)
     return fig
 
@@ -313,8 +325,9 @@ def curves_figure(
                 xs, ys = _series(records, split, key, x)
                 if len(xs):
                     name = split if len(runs) == 1 else f"{label} ({split})"
-                    ax.plot(xs / scale, ys, color=f"C{color % 10}", label=name,
-                            **_split_style(split))  # fmt: skip
+                    ax.plot(
+                        xs / scale, ys, color=f"C{color % 10}", label=name, **_split_style(split)
+                    )
                     drawn += 1
         ax.set_title(key)
         ax.set_xlabel("step" if x == "step" else f"elapsed ({unit})")
@@ -322,8 +335,9 @@ def curves_figure(
         if drawn:
             ax.legend(fontsize=7)
         else:
-            ax.text(0.5, 0.5, f"no {key!r} records", ha="center", va="center",
-                    transform=ax.transAxes)  # fmt: skip
+            ax.text(
+                0.5, 0.5, f"no {key!r} records", ha="center", va="center", transform=ax.transAxes
+            )
     return fig
 
 
@@ -356,6 +370,3 @@ def plot_curves(
     out_png = pathlib.Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
     return _save(curves_figure(runs, keys=keys, x=x), out_png, dpi)
-
-
-# ---------------------------------------------------------------------------- CLI

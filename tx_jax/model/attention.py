@@ -1,6 +1,6 @@
 """Scaled dot-product attention (paper section 3.2.1) and multi-head attention (3.2.2).
 
-    Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V
+    Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V        (eq. 1)
 
 Shape letters used in this module (einsum subscripts use the lower-case letters):
     B batch          L query length      S key/value length
@@ -136,13 +136,26 @@ def dot_product_attention(
     drop = (dropout_rate, dropout_rng) if dropout else None
     if impl == "chunked":
         return _attention_chunked(
-            query, key, value, mask, bias, is_causal, q_segment_ids, kv_segment_ids,
-            drop, chunk_size, precision,
-        )  # fmt: skip
+            query,
+            key,
+            value,
+            mask,
+            bias,
+            is_causal,
+            q_segment_ids,
+            kv_segment_ids,
+            drop,
+            chunk_size,
+            precision,
+        )
     full = dense_mask(
-        L, S, mask=mask, is_causal=is_causal,
-        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-    )  # fmt: skip
+        L,
+        S,
+        mask=mask,
+        is_causal=is_causal,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+    )
     if impl == "cudnn":
         return _attention_cudnn(query, key, value, full, bias)
     out, weights = _attention_xla(query, key, value, full, bias, drop, precision)
@@ -192,6 +205,7 @@ def _split_heads(query: Array, num_kv_heads: int) -> Array:
 def _attention_xla(query, key, value, mask, bias, drop, precision):
     B, L, H, D = query.shape
     K = key.shape[2]
+    # Eq. 1's 1/sqrt(d_k), applied to q rather than to the [L, S] scores: fewer multiplies.
     q = _split_heads(query, K) * jnp.asarray(1.0 / math.sqrt(D), query.dtype)
     # Scores in float32 whatever the compute dtype: softmax is where bf16 loses accuracy.
     logits = jnp.einsum("blkgd,bskd->bkgls", q, key, precision=precision)
@@ -218,17 +232,24 @@ def _attention_chunked(query, key, value, mask, bias, is_causal, q_seg, kv_seg, 
     if bias is None:
         rate, rng = drop if drop is not None else (0.0, None)
         return flash_attention(
-            query, key, value, mask=mask, is_causal=is_causal, q_segment_ids=q_seg,
-            kv_segment_ids=kv_seg, dropout_rate=rate, dropout_rng=rng, chunk_size=C,
+            query,
+            key,
+            value,
+            mask=mask,
+            is_causal=is_causal,
+            q_segment_ids=q_seg,
+            kv_segment_ids=kv_seg,
+            dropout_rate=rate,
+            dropout_rng=rng,
+            chunk_size=C,
             precision=prec,
-        )  # fmt: skip
+        )
     return _attention_chunked_scan(
         query, key, value, mask, bias, is_causal, q_seg, kv_seg, drop, C, prec
     )
 
 
-def _attention_chunked_scan(query, key, value, mask, bias, is_causal, q_seg, kv_seg, drop, C,
-                            prec):  # fmt: skip
+def _attention_chunked_scan(query, key, value, mask, bias, is_causal, q_seg, kv_seg, drop, C, prec):
     """Online softmax over key blocks (Milakov & Gimelshein 2018; Rabe & Staats 2021).
 
     Keeps a running max m, normaliser l and unnormalised output o per query; each block
@@ -326,8 +347,6 @@ def _attention_cudnn(query, key, value, mask, bias):
 
 
 # ------------------------------------------------------------------------- the module
-
-default_kernel_init = nn.initializers.xavier_uniform()
 
 
 def _proj_init(fan_in_axes: tuple[int, ...], fan_out_axes: tuple[int, ...]) -> Callable:
@@ -448,12 +467,21 @@ class MultiHeadAttention(nn.Module):
         if self.dropout_rate > 0.0 and not deterministic:
             dropout_rng = self.make_rng("dropout")
         result = dot_product_attention(
-            query, key, value, mask=mask, bias=bias, is_causal=is_causal,
-            q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-            dropout_rate=self.dropout_rate, dropout_rng=dropout_rng,
-            deterministic=deterministic, implementation=self.implementation,
-            return_weights=self.sow_weights, precision=self.precision,
-        )  # fmt: skip
+            query,
+            key,
+            value,
+            mask=mask,
+            bias=bias,
+            is_causal=is_causal,
+            q_segment_ids=q_segment_ids,
+            kv_segment_ids=kv_segment_ids,
+            dropout_rate=self.dropout_rate,
+            dropout_rng=dropout_rng,
+            deterministic=deterministic,
+            implementation=self.implementation,
+            return_weights=self.sow_weights,
+            precision=self.precision,
+        )
         if self.sow_weights:
             result, weights = result
             self.sow("intermediates", "attention_weights", weights)

@@ -82,10 +82,16 @@ class ModelConfig:
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
         enums = {
-            "activation": ACTIVATIONS, "norm": NORMS, "norm_position": NORM_POSITIONS,
-            "positional": POSITIONALS, "attention_impl": IMPLEMENTATIONS, "pooling": POOLINGS,
-            "remat": REMATS, "dtype": DTYPES, "param_dtype": DTYPES,
-        }  # fmt: skip
+            "activation": ACTIVATIONS,
+            "norm": NORMS,
+            "norm_position": NORM_POSITIONS,
+            "positional": POSITIONALS,
+            "attention_impl": IMPLEMENTATIONS,
+            "pooling": POOLINGS,
+            "remat": REMATS,
+            "dtype": DTYPES,
+            "param_dtype": DTYPES,
+        }
         for key, allowed in enums.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"model.{key}={getattr(self, key)!r}; expected one of {allowed}")
@@ -128,16 +134,24 @@ class ModelConfig:
 
 
 # The paper's Table 3: base and big (plus CPU-sized variants for tests and the default task).
-VARIANTS: dict[str, dict[str, Any]] = {
-    "base": dict(d_model=512, d_ff=2048, num_heads=8, num_encoder_layers=6,
-                 num_decoder_layers=6, dropout_rate=0.1),
-    "big": dict(d_model=1024, d_ff=4096, num_heads=16, num_encoder_layers=6,
-                num_decoder_layers=6, dropout_rate=0.3),
-    "small": dict(d_model=256, d_ff=1024, num_heads=4, num_encoder_layers=3,
-                  num_decoder_layers=3, dropout_rate=0.1),
-    "tiny": dict(d_model=64, d_ff=128, num_heads=4, num_encoder_layers=2,
-                 num_decoder_layers=2, dropout_rate=0.0),
+_VARIANT_FIELDS = (
+    "d_model",
+    "d_ff",
+    "num_heads",
+    "num_encoder_layers",
+    "num_decoder_layers",
+    "dropout_rate",
+)
+_VARIANT_TABLE = {  # one row per variant, the columns of _VARIANT_FIELDS
+    #        d_model  d_ff  num_heads  encoder layers  decoder layers  dropout_rate
+    "base":  (   512, 2048,         8,              6,              6,          0.1),
+    "big":   (  1024, 4096,        16,              6,              6,          0.3),
+    "small": (   256, 1024,         4,              3,              3,          0.1),
+    "tiny":  (    64,  128,         4,              2,              2,          0.0),
 }  # fmt: skip
+VARIANTS: dict[str, dict[str, Any]] = {
+    name: dict(zip(_VARIANT_FIELDS, row, strict=True)) for name, row in _VARIANT_TABLE.items()
+}
 
 
 def variant(name: str, **overrides: Any) -> ModelConfig:

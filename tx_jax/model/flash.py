@@ -148,8 +148,13 @@ class _Problem:
     def scores(self, qb, kb, i, j, q_seg, kv_seg, k_valid) -> tuple[Array, Array]:
         """s [B, K, G, Q, C] float32 and where it may attend."""
         Q, C = self.spec.q_block, self.spec.k_block
-        s = jnp.einsum("bqkgd,bckd->bkgqc", qb, kb, precision=self.spec.precision,
-                       preferred_element_type=jnp.float32)  # fmt: skip
+        s = jnp.einsum(
+            "bqkgd,bckd->bkgqc",
+            qb,
+            kb,
+            precision=self.spec.precision,
+            preferred_element_type=jnp.float32,
+        )
         allowed = k_valid[None, None, None, None, :]
         if self.mask is not None:
             m = self.mask
@@ -199,16 +204,19 @@ def _forward(spec: _Spec, q: Array, k: Array, v: Array, extras) -> tuple[Array, 
         def key_block(carry, j):
             def compute(carry):
                 o, m, l = carry  # [B, Q, K, G, D], [B, K, G, Q], [B, K, G, Q]; float32
-                s, allowed = P.scores(qb, P.k[j], i, j, q_seg, _optional(P.kv_seg, j),
-                                      P.k_valid[j])  # fmt: skip
+                s, allowed = P.scores(qb, P.k[j], i, j, q_seg, _optional(P.kv_seg, j), P.k_valid[j])
                 m_new = jnp.maximum(m, s.max(-1))
                 p = jnp.where(allowed, jnp.exp(s - m_new[..., None]), 0.0)
                 corr = jnp.exp(m - m_new)
                 l_new = l * corr + p.sum(-1)
                 p = P.dropout(p, i, j)
-                pv = jnp.einsum("bkgqc,bckd->bqkgd", p.astype(v.dtype), P.v[j],
-                                precision=spec.precision,
-                                preferred_element_type=jnp.float32)  # fmt: skip
+                pv = jnp.einsum(
+                    "bkgqc,bckd->bqkgd",
+                    p.astype(v.dtype),
+                    P.v[j],
+                    precision=spec.precision,
+                    preferred_element_type=jnp.float32,
+                )
                 o_new = o * jnp.moveaxis(corr, 3, 1)[..., None] + pv
                 return o_new, m_new, l_new
 
@@ -236,8 +244,9 @@ def _backward(spec: _Spec, q, k, v, extras, out, lse, d_out):
     B, L, S, H, K, D = P.shape
     G, Q, C = H // K, spec.q_block, spec.k_block
     d_out = d_out.reshape(B, L, K, G, D)
-    delta = jnp.sum(d_out.astype(jnp.float32) * out.reshape(B, L, K, G, D).astype(jnp.float32),
-                    axis=-1)  # fmt: skip
+    delta = jnp.sum(
+        d_out.astype(jnp.float32) * out.reshape(B, L, K, G, D).astype(jnp.float32), axis=-1
+    )
     delta = _blocks(jnp.moveaxis(delta, 1, -1), 3, P.nq, Q, 0.0)  # [nq, B, K, G, Q]
     do_blocks = _blocks(d_out, 1, P.nq, Q, 0)  # [nq, B, Q, K, G, D]
 
@@ -252,16 +261,21 @@ def _backward(spec: _Spec, q, k, v, extras, out, lse, d_out):
                 s, allowed = P.scores(qb, kb, i, j, _optional(P.q_seg, i), kv_seg, k_valid)
                 p = jnp.where(allowed, jnp.exp(s - lse[i][..., None]), 0.0)  # [B, K, G, Q, C]
                 pz = P.dropout(p, i, j)
-                dv = dv + jnp.einsum("bkgqc,bqkgd->bckd", pz.astype(dob.dtype), dob,
-                                     preferred_element_type=jnp.float32)  # fmt: skip
-                dpz = jnp.einsum("bqkgd,bckd->bkgqc", dob, vb,
-                                 preferred_element_type=jnp.float32)  # fmt: skip
+                dv = dv + jnp.einsum(
+                    "bkgqc,bqkgd->bckd",
+                    pz.astype(dob.dtype),
+                    dob,
+                    preferred_element_type=jnp.float32,
+                )
+                dpz = jnp.einsum("bqkgd,bckd->bkgqc", dob, vb, preferred_element_type=jnp.float32)
                 dp = dpz if spec.rate == 0.0 else P.dropout(dpz, i, j)
                 ds = p * (dp - delta[i][..., None])
-                dq_i = jnp.einsum("bkgqc,bckd->bqkgd", ds.astype(kb.dtype), kb,
-                                  preferred_element_type=jnp.float32)  # fmt: skip
-                dk = dk + jnp.einsum("bkgqc,bqkgd->bckd", ds.astype(qb.dtype), qb,
-                                     preferred_element_type=jnp.float32)  # fmt: skip
+                dq_i = jnp.einsum(
+                    "bkgqc,bckd->bqkgd", ds.astype(kb.dtype), kb, preferred_element_type=jnp.float32
+                )
+                dk = dk + jnp.einsum(
+                    "bkgqc,bqkgd->bckd", ds.astype(qb.dtype), qb, preferred_element_type=jnp.float32
+                )
                 return (dk, dv), dq_i
 
             def skip(carry):

@@ -6,7 +6,7 @@ Each sub-layer is wrapped in a residual connection with dropout (section 5.4), i
 two orders (`ModelConfig.norm_position`):
     'post' (the paper):  x = Norm(x + Dropout(Sublayer(x)))
     'pre' (Xiong et al. 2020, most descendants):  x = x + Dropout(Sublayer(Norm(x)))
-Pre-LN stacks end with one more Norm (Encoder/Decoder in models.py add it).
+Pre-LN stacks end with one more Norm (Encoder/Decoder in transformer.py add it).
 """
 
 from __future__ import annotations
@@ -83,9 +83,13 @@ def make_norm(kind: str, epsilon: float, dtype: Any, param_dtype: Any, name: str
     if kind == "layernorm":
         bias_init = nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",))
         return nn.LayerNorm(
-            epsilon=epsilon, dtype=dtype, param_dtype=param_dtype,
-            scale_init=scale_init, bias_init=bias_init, name=name,
-        )  # fmt: skip
+            epsilon=epsilon,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            scale_init=scale_init,
+            bias_init=bias_init,
+            name=name,
+        )
     if kind == "rmsnorm":
         return nn.RMSNorm(
             epsilon=epsilon, dtype=dtype, param_dtype=param_dtype, scale_init=scale_init, name=name
@@ -214,7 +218,7 @@ class DecoderLayer(_ResidualLayer):
                     q_segment_ids=q_seg,
                     kv_segment_ids=src_segment_ids,
                     deterministic=deterministic,
-                ),  # fmt: skip
+                ),
                 "cross_attention",
                 deterministic,
             )

@@ -7,9 +7,9 @@
 Shape letters: B batch, S source length, L target length, M d_model, V vocabulary.
 Token id 0 is padding and only padding; segment ids mark packed examples (0 = padding).
 
-`ModelConfig` is the frozen dataclass every module takes; `ModelConfig.from_config` is the
-one place a ConfigDict (or dict) becomes one, and it validates every key. Decode and eval
-variants come from `config.replace(decode=True, ...)`.
+`ModelConfig` (config.py) is the frozen dataclass every module takes;
+`ModelConfig.from_config` is the one place a ConfigDict (or dict) becomes one, and it validates
+every key. Decode and eval variants come from `config.replace(decode=True, ...)`.
 """
 
 from __future__ import annotations
@@ -93,15 +93,18 @@ class _Stack(nn.Module):
     def embed_tokens(self, tokens: Array, positions: Array, deterministic: bool) -> Array:
         cfg = self.config
         x = self.embed(tokens)  # [B, L, M]
-        if cfg.scale_embeddings:
+        if cfg.scale_embeddings:  # section 3.4: embeddings times sqrt(d_model)
             x = x * jnp.asarray(math.sqrt(cfg.d_model), x.dtype)
-        if cfg.positional == "sinusoidal":
+        if cfg.positional == "sinusoidal":  # section 3.5: added to the embeddings
             x = x + sinusoid(positions, cfg.d_model).astype(x.dtype)
         elif cfg.positional == "learned":
             x = x + LearnedPositionalEmbedding(
-                cfg.max_len, cfg.d_model, cfg.compute_dtype, cfg.parameter_dtype,
+                cfg.max_len,
+                cfg.d_model,
+                cfg.compute_dtype,
+                cfg.parameter_dtype,
                 name="pos_embedding",
-            )(positions)  # fmt: skip
+            )(positions)
         x = Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
         return nn.with_logical_constraint(x, ("batch", "length", "embed"))
 
@@ -109,8 +112,9 @@ class _Stack(nn.Module):
         cfg = self.config
         if cfg.norm_position != "pre":  # post-LN already ends every layer with a norm
             return x
-        norm = make_norm(cfg.norm, cfg.norm_epsilon, cfg.compute_dtype, cfg.parameter_dtype,
-                         "final_norm")  # fmt: skip
+        norm = make_norm(
+            cfg.norm, cfg.norm_epsilon, cfg.compute_dtype, cfg.parameter_dtype, "final_norm"
+        )
         return norm(x)
 
 
@@ -224,9 +228,11 @@ class EncoderDecoder(nn.Module):
     ) -> Array:
         """inputs [B, S] -> encoded [B, S, M]."""
         return self.encoder(
-            inputs, segment_ids=inputs_segmentation, positions=inputs_positions,
+            inputs,
+            segment_ids=inputs_segmentation,
+            positions=inputs_positions,
             deterministic=deterministic,
-        )  # fmt: skip
+        )
 
     def decode(
         self,
@@ -244,10 +250,13 @@ class EncoderDecoder(nn.Module):
         if inputs_segmentation is None:
             inputs_segmentation = (inputs != 0).astype(jnp.int32)
         return self.decoder(
-            decoder_inputs, encoded, src_segment_ids=inputs_segmentation,
-            segment_ids=targets_segmentation, positions=targets_positions,
+            decoder_inputs,
+            encoded,
+            src_segment_ids=inputs_segmentation,
+            segment_ids=targets_segmentation,
+            positions=targets_positions,
             deterministic=deterministic,
-        )  # fmt: skip
+        )
 
     def __call__(
         self,
@@ -262,17 +271,23 @@ class EncoderDecoder(nn.Module):
     ) -> Array:
         """Teacher forcing: logits[:, t] predicts targets[:, t] from targets[:, :t]."""
         encoded = self.encode(
-            inputs, inputs_segmentation=inputs_segmentation,
-            inputs_positions=inputs_positions, deterministic=deterministic,
-        )  # fmt: skip
+            inputs,
+            inputs_segmentation=inputs_segmentation,
+            inputs_positions=inputs_positions,
+            deterministic=deterministic,
+        )
         if targets_segmentation is None:
             targets_segmentation = (targets != 0).astype(jnp.int32)
         decoder_inputs = shift_right(targets, self.config.bos_id, targets_segmentation)
         return self.decode(
-            encoded, inputs, decoder_inputs, inputs_segmentation=inputs_segmentation,
-            targets_segmentation=targets_segmentation, targets_positions=targets_positions,
+            encoded,
+            inputs,
+            decoder_inputs,
+            inputs_segmentation=inputs_segmentation,
+            targets_segmentation=targets_segmentation,
+            targets_positions=targets_positions,
             deterministic=deterministic,
-        )  # fmt: skip
+        )
 
 
 class DecoderOnly(nn.Module):
@@ -302,9 +317,8 @@ class DecoderOnly(nn.Module):
                 segment_ids = (targets != 0).astype(jnp.int32)
             inputs = shift_right(targets, cfg.bos_id, segment_ids)
         return self.decoder(
-            inputs, None, segment_ids=segment_ids, positions=positions,
-            deterministic=deterministic,
-        )  # fmt: skip
+            inputs, None, segment_ids=segment_ids, positions=positions, deterministic=deterministic
+        )
 
 
 class EncoderOnly(nn.Module):

@@ -95,7 +95,7 @@ def keep_mask(rng: Array, rate: float, shape: tuple[int, ...]) -> Array:
         words = bits[..., 0], bits[..., 1]
     # Draw d = 2w + h of block j is half h (low 16 bits first) of word w. Picked with an iota
     # and shifts, one fused elementwise loop; stacking the words and bitcasting them to uint16
-    # (the same bits) ran 1.5-1.9x slower alone and added 45 MiB of step temp (BENCHMARKS.md).
+    # (the same bits) is slower and needs more step temporaries (BENCHMARKS.md).
     full = (*blocks, 4)
     d = lax.broadcasted_iota(jnp.uint32, full, len(full) - 1)
     word = jnp.where(d < 2, words[0][..., None], words[1][..., None])

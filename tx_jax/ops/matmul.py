@@ -6,9 +6,9 @@
 For y = x w over T = prod(...) rows, autodiff's weight gradient is dw = x^T g, a dot that
 contracts the rows of both operands. XLA:CPU's fast (YNNPACK) dot wants the contracted axis
 minor on the left operand and major on the right, and reaches that form by transposing
-whichever operand layout assignment picks: on this CPU it copied the *larger* operand (the
+whichever operand layout assignment picks: it can copy the *larger* operand (the
 [T, F] FFN hidden activations, or the [T, V] logits cotangent) into transposed order, in the
-fusion that produced it, and then sometimes ran a slower generic dot. Here the backward
+fusion that produced it, and then sometimes run a slower generic dot. Here the backward
 materialises the transpose of the *smaller* operand behind an optimisation barrier, so the
 weight gradient is one canonical dot: x^T [K, T] when K <= N (every projection), and g^T
 [N, T] when K > N (the FFN's second matrix, whose [T, 4d] input would be a 4x larger copy),

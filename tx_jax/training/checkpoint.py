@@ -207,8 +207,10 @@ class Checkpointer:
                 return (step, *self.restore(step, abstract_state))
             except CorruptCheckpointError as e:
                 moved = self.quarantine(step)
-                print(f"warning: {e}; moved to {moved}; falling back to an earlier checkpoint",
-                      flush=True)  # fmt: skip
+                print(
+                    f"warning: {e}; moved to {moved}; falling back to an earlier checkpoint",
+                    flush=True,
+                )
         if steps:
             raise CorruptCheckpointError(
                 steps[0], str(self.directory), f"all {len(steps)} checkpoints are damaged"

@@ -17,9 +17,18 @@ import jax
 from etils import epath
 
 PACKAGES = (
-    "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "tensorflow-datasets",
-    "sentencepiece", "sacrebleu", "ml-collections", "numpy",
-)  # fmt: skip
+    "jax",
+    "jaxlib",
+    "flax",
+    "optax",
+    "orbax-checkpoint",
+    "grain",
+    "tensorflow-datasets",
+    "sentencepiece",
+    "sacrebleu",
+    "ml-collections",
+    "numpy",
+)
 
 
 @functools.cache  # fixed for the life of the process; read once, not at every save

@@ -86,7 +86,7 @@ def accuracy(logits: Array, targets: Array, weights: Array) -> tuple[Array, Arra
     A position counts when its target's logit is the largest (a tie with another token
     counts as a hit, where argmax would pick the lower index). Comparing with the max, which
     the cross-entropy's logsumexp computes anyway, saves a variadic argmax reduction over the
-    [B, L, V] logits (~2% of the small benchmark step on CPU, BENCHMARKS.md).
+    [B, L, V] logits (BENCHMARKS.md).
     """
     target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     correct = (target_logit >= logits.max(-1)).astype(jnp.float32) * weights

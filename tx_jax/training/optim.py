@@ -58,9 +58,8 @@ def make_optimizer(train: Any, d_model: int) -> tuple[optax.GradientTransformati
     schedule = make_schedule(train, d_model)
     if train.weight_decay > 0:
         opt = optax.adamw(
-            schedule, b1=train.beta1, b2=train.beta2, eps=train.eps,
-            weight_decay=train.weight_decay,
-        )  # fmt: skip
+            schedule, b1=train.beta1, b2=train.beta2, eps=train.eps, weight_decay=train.weight_decay
+        )
     else:
         opt = optax.adam(schedule, b1=train.beta1, b2=train.beta2, eps=train.eps)
     if train.clip_grad_norm > 0:

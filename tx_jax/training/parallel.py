@@ -68,15 +68,18 @@ def maybe_initialize_distributed(parallel: Any) -> None:
             ),
         )
     # Cross-process collectives on CPU (tests, CPU clusters) need an implementation: gloo over
-    # TCP is jax 0.10's default; set it where an older jax has none. Nothing here may ask for
-    # a backend (jax.default_backend() would create it, and initialize() must come first).
+    # TCP, recent jax's default; set it where a jax has none. Nothing here may ask for a
+    # backend (jax.default_backend() would create it, and initialize() must come first).
     if getattr(jax.config, "jax_cpu_collectives_implementation", None) is None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(**kwargs)
     logging.info(
         "jax.distributed: process %d of %d, %d local / %d global devices",
-        jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count(),
-    )  # fmt: skip
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.device_count(),
+    )
 
 
 def mesh_shape(requested: dict[str, int], num_devices: int) -> tuple[int, ...]:
@@ -292,7 +295,7 @@ def _pmap_sharding() -> NamedSharding:
 
     The mesh axis is named like the pmap's axis: jax.pmap returns arrays sharded over a mesh
     with that name, and an input whose sharding differs only in the name compiles the step
-    a second time (the state at step 2; ~8 s on a CPU even for a tiny model).
+    a second time (the state at step 2; BENCHMARKS.md has the cost).
     """
     return NamedSharding(Mesh(np.asarray(jax.local_devices()), (PMAP_AXIS,)), P(PMAP_AXIS))
 

@@ -27,8 +27,11 @@ from tx_jax.training.state import TrainState
 
 Array = jax.Array
 PACKING_KEYS = (
-    "inputs_segmentation", "inputs_position", "targets_segmentation", "targets_position",
-)  # fmt: skip
+    "inputs_segmentation",
+    "inputs_position",
+    "targets_segmentation",
+    "targets_position",
+)
 
 
 def model_kwargs(batch: dict[str, Array]) -> dict[str, Array]:
@@ -116,8 +119,8 @@ def train_step(
         return optax.apply_updates(state.params, updates), opt_state
 
     # A conditional, not a select per leaf: jnp.where(finite, new, old) over the params and
-    # Adam moments made XLA copy every moment (186 copies of the small config, 18 MiB of
-    # temporaries) so that the donated buffers could be written in place (BENCHMARKS.md).
+    # Adam moments makes XLA copy every moment so that the donated buffers can be written in
+    # place (BENCHMARKS.md).
     params, opt_state = lax.cond(finite, update, lambda: (state.params, state.opt_state))
     skipped = 1 - finite.astype(jnp.int32)
     new_state = state.replace(
