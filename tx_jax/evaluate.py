@@ -1,6 +1,6 @@
 """`python -m tx_jax.evaluate`: score a checkpoint (inference.evaluation).
 
-Forwards to tx_jax.cli.evaluate (the entry point kept where it has always been).
+The short command for tx_jax.cli.evaluate, which holds the flags and the code.
 """
 
 from tx_jax.cli.evaluate import main

@@ -1,6 +1,6 @@
 """`python -m tx_jax.generate`: sample from a language model (inference.generation).
 
-Forwards to tx_jax.cli.generate (the entry point kept where it has always been).
+The short command for tx_jax.cli.generate, which holds the flags and the code.
 """
 
 import sys

@@ -1,6 +1,6 @@
 """`python -m tx_jax.main`: training: flags -> experiment.loop.train_and_evaluate.
 
-Forwards to tx_jax.cli.train (the entry point kept where it has always been).
+The short command for tx_jax.cli.train, which holds the flags and the code.
 """
 
 from absl import app

@@ -1,6 +1,6 @@
 """`python -m tx_jax.sweep`: run a sweep of configs (experiment.sweep).
 
-Forwards to tx_jax.cli.sweep (the entry point kept where it has always been).
+The short command for tx_jax.cli.sweep, which holds the flags and the code.
 """
 
 import sys

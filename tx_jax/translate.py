@@ -1,6 +1,6 @@
 """`python -m tx_jax.translate`: translate stdin to stdout (inference.translation).
 
-Forwards to tx_jax.cli.translate (the entry point kept where it has always been).
+The short command for tx_jax.cli.translate, which holds the flags and the code.
 """
 
 from tx_jax.cli.translate import main

@@ -1,6 +1,6 @@
 """`python -m tx_jax.visualize`: attention maps and training curves (analysis.visualize).
 
-Forwards to tx_jax.cli.visualize (the entry point kept where it has always been).
+The short command for tx_jax.cli.visualize, which holds the flags and the code.
 """
 
 import sys

@@ -22,10 +22,13 @@ def define_checkpoint_flags() -> None:
         "A checkpoint directory instead: WORKDIR/averaged/last5, or one step of it.",
     )
     flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
-    flags.DEFINE_integer("average_last", None,
-                         "Average the last K checkpoints (up to --step); saved under "
-                         "WORKDIR/averaged and reused. evaluate's default: the run's "
-                         "eval.average_last; 0: the checkpoint itself.")  # fmt: skip
+    flags.DEFINE_integer(
+        "average_last",
+        None,
+        "Average the last K checkpoints (up to --step); saved under "
+        "WORKDIR/averaged and reused. evaluate's default: the run's "
+        "eval.average_last; 0: the checkpoint itself.",
+    )
 
 
 def split_config_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:

@@ -32,20 +32,27 @@ def _main(argv: list[str], overrides: dict[str, str]) -> None:
     if f.direction == "all":
         if f.sweep:
             raise app.UsageError("--sweep takes one --direction")
-        records = evaluate_directions(f.workdir, pivot=f.pivot, split=f.split,
-                                      beam_size=f.beam_size, alpha=f.alpha, **common)  # fmt: skip
+        records = evaluate_directions(
+            f.workdir, pivot=f.pivot, split=f.split, beam_size=f.beam_size, alpha=f.alpha, **common
+        )
         for record in records:
             print(result_line(record))
-        print(f"mean BLEU over {len(records)} directions: "
-              f"{np.mean([r['bleu'] for r in records]):.2f}")  # fmt: skip
+        print(
+            f"mean BLEU over {len(records)} directions: {np.mean([r['bleu'] for r in records]):.2f}"
+        )
         return
     common["direction"] = f.direction
     if f.sweep:
         if f.pivot:
             raise app.UsageError("--sweep decodes directly: no --pivot")
         split = f.split if f["split"].present else "validation"
-        out = sweep(f.workdir, split=split, beams=[int(b) for b in f.beams],
-                    alphas=[float(a) for a in f.alphas], **common)  # fmt: skip
+        out = sweep(
+            f.workdir,
+            split=split,
+            beams=[int(b) for b in f.beams],
+            alphas=[float(a) for a in f.alphas],
+            **common,
+        )
         for point in out["points"]:
             print(result_line(point))
         print(sweep_table(out["points"]))
@@ -55,8 +62,9 @@ def _main(argv: list[str], overrides: dict[str, str]) -> None:
         )
         print(f"best: {search}, BLEU {best['bleu']:.2f}")
         return
-    record = evaluate(f.workdir, split=f.split, beam_size=f.beam_size, alpha=f.alpha,
-                      pivot=f.pivot, **common)  # fmt: skip
+    record = evaluate(
+        f.workdir, split=f.split, beam_size=f.beam_size, alpha=f.alpha, pivot=f.pivot, **common
+    )
     print(result_line(record))
     print(f"hypotheses: {record['hypotheses']}")
 
@@ -70,10 +78,18 @@ def main() -> None:
     flags.DEFINE_bool("sweep", False, "Decode the validation split over --beams x --alphas.")
     flags.DEFINE_list("beams", [str(b) for b in SWEEP_BEAMS], "Sweep: beam sizes.")
     flags.DEFINE_list("alphas", [str(a) for a in SWEEP_ALPHAS], "Sweep: length penalties.")
-    flags.DEFINE_string("direction", None, "Multilingual checkpoints: SRC-TGT (trained or "
-                        "zero-shot, e.g. de-fr) or 'all' (every trained direction).")  # fmt: skip
-    flags.DEFINE_string("pivot", None, "With --direction: translate through this language "
-                        "(e.g. en): SRC -> pivot -> TGT with the same model.")  # fmt: skip
+    flags.DEFINE_string(
+        "direction",
+        None,
+        "Multilingual checkpoints: SRC-TGT (trained or "
+        "zero-shot, e.g. de-fr) or 'all' (every trained direction).",
+    )
+    flags.DEFINE_string(
+        "pivot",
+        None,
+        "With --direction: translate through this language "
+        "(e.g. en): SRC -> pivot -> TGT with the same model.",
+    )
     common_flags.run_cli(_main)
 
 

@@ -27,14 +27,16 @@ from tx_jax.inference.generation import Sample, generate
 
 def _flags() -> flags.FlagValues:
     """The CLI's flags, on their own FlagValues: importing this module defines no global
-    flag (so it never clashes with main.py, evaluate.py or translate.py)."""
+    flag (so it never clashes with cli/train.py, cli/evaluate.py or cli/translate.py)."""
     fv = flags.FlagValues()
     flags.DEFINE_string("workdir", None, "Run directory holding checkpoints/.", flag_values=fv)
     flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).", flag_values=fv)
     flags.DEFINE_string(
-        "prompt", None, "The prompt; without it, prompts are read from stdin, one per line.",
+        "prompt",
+        None,
+        "The prompt; without it, prompts are read from stdin, one per line.",
         flag_values=fv,
-    )  # fmt: skip
+    )
     flags.DEFINE_integer("num_samples", 4, "Samples per prompt.", flag_values=fv)
     flags.DEFINE_integer("max_new_tokens", 64, "Tokens generated after the prompt.", flag_values=fv)
     flags.DEFINE_float("temperature", 0.8, "Softmax temperature; 0 is greedy.", flag_values=fv)
@@ -61,11 +63,17 @@ def run(fv: flags.FlagValues, prompts: Iterable[str], out: TextIO | None = None)
     count = 0
     for i, prompt in enumerate(prompts):
         (samples,) = generate(
-            loaded.model_config, loaded.params, loaded.tokenizer, [prompt],
-            rng=jax.random.fold_in(base, i), num_samples=fv.num_samples,
-            max_new_tokens=fv.max_new_tokens, temperature=fv.temperature, top_k=fv.top_k,
+            loaded.model_config,
+            loaded.params,
+            loaded.tokenizer,
+            [prompt],
+            rng=jax.random.fold_in(base, i),
+            num_samples=fv.num_samples,
+            max_new_tokens=fv.max_new_tokens,
+            temperature=fv.temperature,
+            top_k=fv.top_k,
             top_p=fv.top_p,
-        )  # fmt: skip
+        )
         for sample in samples:
             print(_format(sample, fv.json), file=out, flush=True)
         count += 1

@@ -6,13 +6,13 @@
     python -m tx_jax.translate --checkpoint=runs/default/averaged/last5/600 < source.txt
     python -m tx_jax.translate --workdir=runs/multi --target_lang=fr [--pivot=en] < de.txt
 
-Parameters, tokenizer and model config come from the checkpoint (restore.py); no dataset
-is read or prepared. Lines are split on '\\n' (a trailing '\\r' is dropped), decoded as UTF-8
-with invalid bytes replaced (U+FFFD), and translated in batches of --batch_size sources,
-each padded to the checkpoint's data.max_eval_len tokens as evaluate.py pads them (so the
-same line gets the same translation). An empty or whitespace-only line gives an empty line;
-a line longer than that (EOS included) is truncated, with a warning on stderr. Progress and
-warnings go to stderr, translations alone to stdout.
+Parameters, tokenizer and model config come from the checkpoint (inference/restore.py); no
+dataset is read or prepared. Lines are split on '\\n' (a trailing '\\r' is dropped), decoded
+as UTF-8 with invalid bytes replaced (U+FFFD), and translated in batches of --batch_size
+sources, each padded to the checkpoint's data.max_eval_len tokens as evaluation pads them (so
+the same line gets the same translation). An empty or whitespace-only line gives an empty
+line; a line longer than that (EOS included) is truncated, with a warning on stderr. Progress
+and warnings go to stderr, translations alone to stdout.
 """
 
 from __future__ import annotations
@@ -53,8 +53,13 @@ def _main(argv: list[str], overrides: dict[str, str]) -> None:
     def progress(done: int, total: int) -> None:
         _stderr(f"translate: {done}/{total} lines, {time.time() - start:.1f} s")
 
-    kwargs = dict(beam_size=f.beam_size, alpha=f.alpha, batch_size=f.batch_size,
-                  max_len=f.max_len, progress=progress)  # fmt: skip
+    kwargs = dict(
+        beam_size=f.beam_size,
+        alpha=f.alpha,
+        batch_size=f.batch_size,
+        max_len=f.max_len,
+        progress=progress,
+    )
     if f.target_lang:  # a multilingual model: tag the sources (through a pivot if asked)
         from tx_jax.inference import multilingual
 
@@ -62,8 +67,10 @@ def _main(argv: list[str], overrides: dict[str, str]) -> None:
     elif f.pivot:
         raise app.UsageError("--pivot needs --target_lang (a multilingual checkpoint)")
     elif loaded.config.data.get("directions"):
-        raise app.UsageError(f"{loaded.path} is multilingual: give --target_lang (e.g. "
-                             f"{loaded.config.data.target_lang})")  # fmt: skip
+        raise app.UsageError(
+            f"{loaded.path} is multilingual: give --target_lang (e.g. "
+            f"{loaded.config.data.target_lang})"
+        )
     else:
         out = translate_lines(loaded, lines, **kwargs)
     sys.stdout.buffer.write("".join(line + "\n" for line in out).encode("utf-8"))
@@ -75,12 +82,22 @@ def main() -> None:
     flags.DEFINE_integer("beam_size", 4, "Beam size; 1 is greedy (paper: 4).")
     flags.DEFINE_float("alpha", 0.6, "GNMT length penalty alpha (paper: 0.6).")
     flags.DEFINE_integer("batch_size", 64, "Source lines per decoding batch.")
-    flags.DEFINE_integer("max_len", None, "Truncate sources to this many tokens "
-                         "(default: the checkpoint's data.max_eval_len).")  # fmt: skip
-    flags.DEFINE_string("target_lang", None, "Multilingual checkpoints: translate into this "
-                        "language (its <2xx> tag goes before each source).")  # fmt: skip
-    flags.DEFINE_string("pivot", None, "With --target_lang: translate into this language "
-                        "first, then from it (e.g. en).")  # fmt: skip
+    flags.DEFINE_integer(
+        "max_len",
+        None,
+        "Truncate sources to this many tokens (default: the checkpoint's data.max_eval_len).",
+    )
+    flags.DEFINE_string(
+        "target_lang",
+        None,
+        "Multilingual checkpoints: translate into this "
+        "language (its <2xx> tag goes before each source).",
+    )
+    flags.DEFINE_string(
+        "pivot",
+        None,
+        "With --target_lang: translate into this language first, then from it (e.g. en).",
+    )
     common.run_cli(_main)
 
 

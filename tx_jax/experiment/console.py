@@ -25,13 +25,18 @@ def evaluation(step: int, metrics: dict[str, Any]) -> None:
 
 def language_model_test(step: int, result: dict[str, float]) -> None:
     if jax.process_index() == 0:
-        print(f"test  {step:>6}  loss {result['loss']:.4f}  ppl {result['perplexity']:.2f}",
-              flush=True)  # fmt: skip
+        print(
+            f"test  {step:>6}  loss {result['loss']:.4f}  ppl {result['perplexity']:.2f}",
+            flush=True,
+        )
 
 
 def stopped(signal_name: str, step: int, directory: epath.Path) -> None:
-    print(f"{signal_name} at step {step}: checkpoint saved in {directory}; "
-          "rerun the same command to resume", flush=True)  # fmt: skip
+    print(
+        f"{signal_name} at step {step}: checkpoint saved in {directory}; "
+        "rerun the same command to resume",
+        flush=True,
+    )
 
 
 def summary(run: Any, final: dict[str, Any]) -> None:

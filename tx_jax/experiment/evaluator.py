@@ -54,10 +54,14 @@ class Evaluator:
         if jax.process_count() > 1:  # the parameters span all processes: decode the same
             task = dataclasses.replace(task, shard_eval=False)  # examples everywhere
         return scoring.bleu_metrics(  # multilingual: also bleu/<direction>, chrf/<direction>
-            self.run.model_config, params, task, split, limit=limit,
+            self.run.model_config,
+            params,
+            task,
+            split,
+            limit=limit,
             beam_size=beam_size or self.run.config.eval.beam_size,
             alpha=self.run.config.eval.alpha,
-        )  # fmt: skip
+        )
 
     def test_metrics(self, state, step: int, logger) -> dict[str, Any]:
         """BLEU on the test split, or for a language model its loss and perplexity."""

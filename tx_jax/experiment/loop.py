@@ -34,11 +34,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     cfg = config.train
     logs.write_json(run.workdir / "config.json", config.to_dict())
     logs.write_json(run.workdir / "versions.json", logs.versions())
-    checkpointer = ckpt_lib.Checkpointer(
-        run.workdir / "checkpoints", keep=config.checkpoint.keep,
-        best_metric=config.checkpoint.best_metric, best_mode=config.checkpoint.best_mode,
-        async_save=config.checkpoint.async_save,
-    )  # fmt: skip
+    checkpointer = _open_checkpointer(run)
     state, data_state = restore_or_init(run, checkpointer)
     train_iter = run.task.train_iterator(  # global batches, the same on every process
         batch_multiple=run.strategy.global_batch_multiple * cfg.grad_accum_steps
@@ -48,11 +44,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     shardings = None
     if run.strategy.kind == "mesh":
         shardings = run.strategy.state_shardings(jax.eval_shape(run.init_fn))
-    step_fn = functools.partial(
-        train_step, model=run.model, tx=run.tx, schedule=run.schedule,
-        label_smoothing=cfg.label_smoothing, grad_accum_steps=cfg.grad_accum_steps,
-    )  # fmt: skip
-    p_train = run.strategy.compile_step(step_fn, donate=True, state_shardings=shardings)
+    p_train = _compile_train_step(run, shardings)
     evaluator = Evaluator(run, shardings)
     logger = logs.MetricLogger(run.workdir, cfg.num_steps)
     step = int(jax.device_get(run.strategy.for_checkpoint(state).step))
@@ -72,7 +64,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         state, metrics = p_train(state, run.strategy.place_global_batch(batch))
         step += 1
         pending.append(metrics)
-        if len(pending) > 1:  # at most one step in flight (see above StopSignal)
+        # At most one step in flight: JAX dispatches asynchronously, so without this wait the
+        # loop could queue up to log_every steps before the logging device_get, and a stop (a
+        # TPU preemption notice gives about 30 s) would wait for all of them before the save.
+        # Waiting for step N-1 once N is dispatched keeps the device busy (N is queued, the
+        # next batch is prepared meanwhile) and answers a stop within about one step.
+        if len(pending) > 1:
             jax.block_until_ready(pending[-2])
         is_last = step == cfg.num_steps
         if step % cfg.log_every == 0 or is_last:
@@ -102,6 +99,32 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     return final
 
 
+def _open_checkpointer(run: Run) -> ckpt_lib.Checkpointer:
+    c = run.config.checkpoint
+    return ckpt_lib.Checkpointer(
+        run.workdir / "checkpoints",
+        keep=c.keep,
+        best_metric=c.best_metric,
+        best_mode=c.best_mode,
+        async_save=c.async_save,
+    )
+
+
+def _compile_train_step(run: Run, shardings):
+    """`train_step` for this run's model and optimizer, compiled for its devices; it donates
+    the state it is given."""
+    cfg = run.config.train
+    step_fn = functools.partial(
+        train_step,
+        model=run.model,
+        tx=run.tx,
+        schedule=run.schedule,
+        label_smoothing=cfg.label_smoothing,
+        grad_accum_steps=cfg.grad_accum_steps,
+    )
+    return run.strategy.compile_step(step_fn, donate=True, state_shardings=shardings)
+
+
 def _averaged(run: Run, state, k: int):
     """`state` holding the mean parameters of the run's last `k` checkpoints (saved under
     WORKDIR/averaged/last<k>, as `evaluate --average_last` does), placed like `state`."""
@@ -116,10 +139,14 @@ def _averaged(run: Run, state, k: int):
 def _save(run: Run, checkpointer, train_iter, step: int, state, *, metrics=None) -> None:
     metrics = {k: v for k, v in (metrics or {}).items() if k == run.config.checkpoint.best_metric}
     checkpointer.save(
-        step, run.strategy.for_checkpoint(state), data_state=train_iter.get_state(),
-        config=run.config.to_dict(), tokenizer_bytes=run.task.tokenizer.to_bytes(),
-        versions=logs.versions(), metrics=metrics or None,
-    )  # fmt: skip
+        step,
+        run.strategy.for_checkpoint(state),
+        data_state=train_iter.get_state(),
+        config=run.config.to_dict(),
+        tokenizer_bytes=run.task.tokenizer.to_bytes(),
+        versions=logs.versions(),
+        metrics=metrics or None,
+    )
 
 
 def _summarise(strategy: parallel.Strategy, pending: list, seconds: float) -> dict[str, float]:

@@ -64,8 +64,7 @@ def build_run(config: ml_collections.ConfigDict, workdir: str | epath.Path) -> R
     model = make_model(model_config, task_of(config))
     tx, schedule = optim.make_optimizer(config.train, model_config.d_model)
     init_fn = functools.partial(init_state, model, tx, config.seed)
-    return Run(config, workdir, strategy, task, model_config, model, tx, schedule, init_fn,
-               source)  # fmt: skip
+    return Run(config, workdir, strategy, task, model_config, model, tx, schedule, init_fn, source)
 
 
 def _init_source(config: ml_collections.ConfigDict, workdir: epath.Path):

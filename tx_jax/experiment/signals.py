@@ -9,13 +9,6 @@ import jax
 
 from tx_jax.training import checkpoint as ckpt_lib
 
-# Bounded run-ahead: JAX dispatches asynchronously, so without a wait the loop could queue
-# up to log_every steps before the logging device_get; a SIGTERM (TPU preemption notice,
-# ~30 s of grace) then waited for all of them before the save (measured: 44 queued steps,
-# ~7 min, on the CPU Multi30k run). Waiting for step N-1 when N is dispatched keeps the
-# device busy (N is queued, the next batch is prepared meanwhile) and the reply to a stop
-# within about one step.
-
 
 class StopSignal:
     """SIGTERM / SIGINT ask the loop to save and exit cleanly at the next step boundary.
@@ -24,6 +17,8 @@ class StopSignal:
     jax.distributed). With several processes JAX's coordination service watches SIGTERM and
     Orbax's `reached_preemption` makes all of them agree on the step to save at; installing
     a Python handler there would replace that watcher. A second SIGINT interrupts at once.
+    The loop keeps at most one step in flight, so a stop is answered within about one step
+    (experiment/loop.py).
     """
 
     def __init__(self, checkpointer: ckpt_lib.Checkpointer):

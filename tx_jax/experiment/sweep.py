@@ -57,8 +57,18 @@ from tx_jax.config import (
 
 DONE_FILE = "sweep_done.json"
 LOG_FILE = "sweep.log"
-COLUMNS = ("index", "name", "status", "overrides", "steps", "wall_s", "val_bleu", "val_loss",
-           "test_bleu", "workdir")  # fmt: skip
+COLUMNS = (
+    "index",
+    "name",
+    "status",
+    "overrides",
+    "steps",
+    "wall_s",
+    "val_bleu",
+    "val_loss",
+    "test_bleu",
+    "workdir",
+)
 # Types that `--config.k=v` parses (absl config_flags); the rest go through sweep_config.py.
 _FLAG_TYPES = (bool, int, float, str)
 
@@ -173,9 +183,13 @@ def _jsonable(value: Any) -> Any:
 
 
 def run_point(
-    point: Point, config: str, *, parallel: int = 1, test_split_eval: bool = False,
+    point: Point,
+    config: str,
+    *,
+    parallel: int = 1,
+    test_split_eval: bool = False,
     beam_size: int = 4,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """Run one point (unless already done) -> {'status', 'wall_s', ...} (the DONE record)."""
     if (done := _done(point)) is not None:
         return {**done, "status": "skipped (done)"}
@@ -186,8 +200,11 @@ def run_point(
     (point.workdir / "sweep_command.sh").write_text(shlex.join(argv) + "\n")
     start = time.time()
     rc = _run_logged(argv, point, parallel)
-    record = {"overrides": _jsonable(point.overrides), "command": shlex.join(argv),
-              "wall_s": round(time.time() - start, 2)}  # fmt: skip
+    record = {
+        "overrides": _jsonable(point.overrides),
+        "command": shlex.join(argv),
+        "wall_s": round(time.time() - start, 2),
+    }
     if rc != 0:
         return {**record, "status": f"failed (rc {rc})"}
     if test_split_eval:
@@ -211,8 +228,14 @@ def _run_logged(argv: list[str], point: Point, parallel: int) -> int:
 
 def _evaluate_test(point: Point, beam_size: int, parallel: int) -> dict | None:
     """tx_jax.evaluate on the test split in a subprocess (the runner never holds a device)."""
-    argv = [sys.executable, "-m", "tx_jax.evaluate", f"--workdir={point.workdir}",
-            "--split=test", f"--beam_size={beam_size}"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "tx_jax.evaluate",
+        f"--workdir={point.workdir}",
+        "--split=test",
+        f"--beam_size={beam_size}",
+    ]
     rc = _run_logged(argv, point, parallel)
     results = point.workdir / "eval_results.jsonl"
     if rc != 0 or not results.exists():
@@ -284,8 +307,11 @@ def write_curves(root: pathlib.Path, points: Sequence[Point]) -> pathlib.Path | 
     have = [p for p in points if (p.workdir / "metrics.jsonl").exists()]
     if not have:
         return None
-    return visualize.plot_curves([p.workdir / "metrics.jsonl" for p in have],
-                                 root / "curves.png", labels=[p.name for p in have])  # fmt: skip
+    return visualize.plot_curves(
+        [p.workdir / "metrics.jsonl" for p in have],
+        root / "curves.png",
+        labels=[p.name for p in have],
+    )
 
 
 def run_sweep(
@@ -320,8 +346,13 @@ def run_sweep(
     root.mkdir(parents=True, exist_ok=True)
 
     def one(point: Point) -> dict[str, Any]:
-        outcome = run_point(point, sweep.config, parallel=parallel,
-                            test_split_eval=test_split_eval, beam_size=beam_size)  # fmt: skip
+        outcome = run_point(
+            point,
+            sweep.config,
+            parallel=parallel,
+            test_split_eval=test_split_eval,
+            beam_size=beam_size,
+        )
         echo(f"[{point.index}] {point.name}: {outcome['status']} ({outcome.get('wall_s')} s)")
         return outcome
 

@@ -21,8 +21,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"task={config.task!r}; expected one of {TASKS}")
     if task_of(config) == "lm":
         if config.data.get("lm_side", "target") not in tasks.LM_SIDES:
-            raise ValueError(f"data.lm_side={config.data.lm_side!r}; expected one of "
-                             f"{tasks.LM_SIDES}")  # fmt: skip
+            raise ValueError(
+                f"data.lm_side={config.data.lm_side!r}; expected one of {tasks.LM_SIDES}"
+            )
         if config.checkpoint.best_metric in ("bleu", "chrf"):
             raise ValueError(
                 f"checkpoint.best_metric={config.checkpoint.best_metric!r}: a language model "
@@ -39,10 +40,19 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         if config[section][name] not in allowed:
             raise ValueError(f"{key}={config[section][name]!r}; expected one of {allowed}")
     positive = (
-        "train.num_steps", "train.warmup_steps", "train.grad_accum_steps", "train.log_every",
-        "eval.every", "eval.beam_size", "checkpoint.every", "checkpoint.keep",
-        "data.max_len", "data.tokens_per_batch", "data.vocab_size", "data.eval_batch_size",
-    )  # fmt: skip
+        "train.num_steps",
+        "train.warmup_steps",
+        "train.grad_accum_steps",
+        "train.log_every",
+        "eval.every",
+        "eval.beam_size",
+        "checkpoint.every",
+        "checkpoint.keep",
+        "data.max_len",
+        "data.tokens_per_batch",
+        "data.vocab_size",
+        "data.eval_batch_size",
+    )
     for key in positive:
         section, name = key.split(".")
         if config[section][name] <= 0:
@@ -59,8 +69,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
             f"data.max_len={config.data.max_len} tokens"
         )
     if config.checkpoint.best_metric and config.checkpoint.best_metric not in (
-        "bleu", "chrf", "loss", "accuracy", "perplexity",
-    ):  # fmt: skip
+        "bleu",
+        "chrf",
+        "loss",
+        "accuracy",
+        "perplexity",
+    ):
         raise ValueError(
             f"checkpoint.best_metric={config.checkpoint.best_metric!r}; expected a validation "
             "metric: bleu, chrf, loss, accuracy or perplexity"
@@ -71,7 +85,7 @@ def check_batch_divides(config: ml_collections.ConfigDict, strategy: parallel.St
     """The smallest batch (rows at the longest bucket) must split over devices and micro-batches."""
     d = config.data
     longest = max(d.bucket_boundaries or [d.max_len]) if not d.packing else d.max_len
-    rows = d.tokens_per_batch // longest  # the global batch (tasks.py)
+    rows = d.tokens_per_batch // longest  # the global batch (data/tasks.py)
     need = strategy.global_batch_multiple * config.train.grad_accum_steps
     if rows < need:
         raise ValueError(

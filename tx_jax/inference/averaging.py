@@ -85,8 +85,9 @@ def average_params(ckpt: Checkpointer, steps: Sequence[int], abstract: Any) -> A
         if total is None:
             total = jax.tree_util.tree_map(lambda x: np.array(x, np.float64), params)
         else:
-            jax.tree_util.tree_map(lambda t, x: np.add(t, x, out=t, dtype=np.float64),
-                                   total, params)  # fmt: skip
+            jax.tree_util.tree_map(
+                lambda t, x: np.add(t, x, out=t, dtype=np.float64), total, params
+            )
     return jax.tree_util.tree_map(
         lambda t, a: jax.device_put((t / len(steps)).astype(a.dtype), a.sharding), total, abstract
     )
@@ -144,10 +145,13 @@ def average_checkpoints(
     if last in out.all_steps():
         out.manager.delete(last)
     out.save(
-        last, state.replace(params=params), data_state=data_state, config=meta["config"],
-        tokenizer_bytes=meta["tokenizer"], versions=meta.get("versions"),
-        extra_meta={"averaged": {"steps": chosen, "k": len(chosen),
-                                 "source": str(ckpt.directory)}},
-    )  # fmt: skip
+        last,
+        state.replace(params=params),
+        data_state=data_state,
+        config=meta["config"],
+        tokenizer_bytes=meta["tokenizer"],
+        versions=meta.get("versions"),
+        extra_meta={"averaged": {"steps": chosen, "k": len(chosen), "source": str(ckpt.directory)}},
+    )
     out.close()
     return Averaged(out_dir / str(last), last, chosen)

@@ -136,9 +136,13 @@ def encoder_decoder_logits_fn(
 
     def full_logits(prefix: Array) -> Array:
         return model.apply(
-            {"params": params}, encoded, inputs, prefix,
-            targets_segmentation=jnp.ones_like(prefix), method="decode",
-        )  # fmt: skip
+            {"params": params},
+            encoded,
+            inputs,
+            prefix,
+            targets_segmentation=jnp.ones_like(prefix),
+            method="decode",
+        )
 
     return _prefix_logits_fn(full_logits, batch, max_decode_len)
 
@@ -260,10 +264,16 @@ def greedy_decode(
 ) -> Array:
     """Greedy search (argmax every step) -> tokens [B, T]; see `sample_decode`."""
     return sample_decode(
-        tokens_to_logits, cache, jax.random.key(0), batch_size=batch_size,
-        max_decode_len=max_decode_len, bos_id=bos_id, eos_id=eos_id, prompt=prompt,
+        tokens_to_logits,
+        cache,
+        jax.random.key(0),
+        batch_size=batch_size,
+        max_decode_len=max_decode_len,
+        bos_id=bos_id,
+        eos_id=eos_id,
+        prompt=prompt,
         temperature=0.0,
-    )  # fmt: skip
+    )
 
 
 # -------------------------------------------------------------------- beam search
@@ -384,9 +394,8 @@ def beam_search(
         cache=cache,
     )
     step = functools.partial(
-        _beam_step, tokens_to_logits=tokens_to_logits, bos_id=bos_id, eos_id=eos_id,
-        penalty=penalty,
-    )  # fmt: skip
+        _beam_step, tokens_to_logits=tokens_to_logits, bos_id=bos_id, eos_id=eos_id, penalty=penalty
+    )
     final = lax.while_loop(cond, step, init)
     return final.fin_seqs, final.fin_scores
 
@@ -422,10 +431,15 @@ def translate_greedy(
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "config", "beam_size", "alpha", "max_decode_len", "eos_id", "length_penalty",
+        "config",
+        "beam_size",
+        "alpha",
+        "max_decode_len",
+        "eos_id",
+        "length_penalty",
         "use_cache",
     ),
-)  # fmt: skip
+)
 def translate_beam(
     config: ModelConfig,
     params: Any,
@@ -447,17 +461,30 @@ def translate_beam(
         config, params, inputs, max_decode_len=T, num_beams=beam_size, use_cache=use_cache
     )
     return beam_search(
-        fn, cache, batch_size=B, beam_size=beam_size, max_decode_len=T, bos_id=config.bos_id,
-        eos_id=eos_id, alpha=alpha, length_penalty_kind=length_penalty,
-    )  # fmt: skip
+        fn,
+        cache,
+        batch_size=B,
+        beam_size=beam_size,
+        max_decode_len=T,
+        bos_id=config.bos_id,
+        eos_id=eos_id,
+        alpha=alpha,
+        length_penalty_kind=length_penalty,
+    )
 
 
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "config", "max_decode_len", "batch_size", "top_k", "top_p", "eos_id", "use_cache",
+        "config",
+        "max_decode_len",
+        "batch_size",
+        "top_k",
+        "top_p",
+        "eos_id",
+        "use_cache",
     ),
-)  # fmt: skip
+)
 def sample(
     config: ModelConfig,
     params: Any,
@@ -494,6 +521,15 @@ def sample(
         T = decode_length(None, max_decode_len, config)
         fn, cache = decoder_only_logits_fn(config, params, B, max_decode_len=T, use_cache=use_cache)
     return sample_decode(
-        fn, cache, rng, batch_size=B, max_decode_len=T, bos_id=config.bos_id, eos_id=eos_id,
-        prompt=prompt, temperature=temperature, top_k=top_k, top_p=top_p,
-    )  # fmt: skip
+        fn,
+        cache,
+        rng,
+        batch_size=B,
+        max_decode_len=T,
+        bos_id=config.bos_id,
+        eos_id=eos_id,
+        prompt=prompt,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+    )

@@ -83,8 +83,13 @@ def load(
     if configured:
         average_last = restore.stored_config(workdir).get("eval", {}).get("average_last")
     try:
-        return restore.load(workdir, checkpoint=checkpoint, step=step,
-                            average_last=average_last or None, overrides=overrides)  # fmt: skip
+        return restore.load(
+            workdir,
+            checkpoint=checkpoint,
+            step=step,
+            average_last=average_last or None,
+            overrides=overrides,
+        )
     except restore.CheckpointError as e:
         if not (configured and average_last):
             raise
@@ -172,36 +177,68 @@ def _decode(
             raise restore.CheckpointError("a pivot needs a direction of a multilingual model")
         sources = [data.pairs[i][0] for i in range(len(data.pairs))]
         hyps = multilingual.translate_to(
-            loaded, sources, data.direction.split("-")[1], pivot=pivot, beam_size=beam_size,
-            alpha=alpha, batch_size=loaded.config.data.eval_batch_size, warn=lambda m: None,
-        )  # fmt: skip
+            loaded,
+            sources,
+            data.direction.split("-")[1],
+            pivot=pivot,
+            beam_size=beam_size,
+            alpha=alpha,
+            batch_size=loaded.config.data.eval_batch_size,
+            warn=lambda m: None,
+        )
     else:
         hyps = scoring.translate_batches(
-            loaded.model_config, loaded.params, data.batches, loaded.tokenizer, len(data.pairs),
-            beam_size=beam_size, alpha=alpha,
-        )  # fmt: skip
+            loaded.model_config,
+            loaded.params,
+            data.batches,
+            loaded.tokenizer,
+            len(data.pairs),
+            beam_size=beam_size,
+            alpha=alpha,
+        )
     seconds = time.time() - start
     bleu, chrf, sig, chrf_sig = scoring.score(hyps, data.references)
     averaged = len(loaded.averaged_steps) if loaded.averaged_steps else None
-    path = hypotheses_path(loaded.workdir, data.name, loaded.step, beam_size, alpha,
-                           averaged=averaged, limit=data.limit, direction=data.direction,
-                           pivot=pivot)  # fmt: skip
+    path = hypotheses_path(
+        loaded.workdir,
+        data.name,
+        loaded.step,
+        beam_size,
+        alpha,
+        averaged=averaged,
+        limit=data.limit,
+        direction=data.direction,
+        pivot=pivot,
+    )
     if write:
         write_lines(path, hyps)
     return {
-        "step": loaded.step, "split": data.name, "dataset_split": data.dataset_split,
-        "beam": beam_size, "alpha": alpha if beam_size > 1 else None,
-        "bleu": bleu, "signature": sig, "chrf": chrf, "chrf_signature": chrf_sig,
-        **data.metrics, "examples": len(hyps), "averaged": averaged,
-        "averaged_steps": loaded.averaged_steps, "decode_seconds": round(seconds, 3),
-        "hypotheses": str(path) if write else None, "checkpoint": str(loaded.path),
-        "limit": data.limit, "direction": data.direction, "pivot": pivot,
-    }  # fmt: skip
+        "step": loaded.step,
+        "split": data.name,
+        "dataset_split": data.dataset_split,
+        "beam": beam_size,
+        "alpha": alpha if beam_size > 1 else None,
+        "bleu": bleu,
+        "signature": sig,
+        "chrf": chrf,
+        "chrf_signature": chrf_sig,
+        **data.metrics,
+        "examples": len(hyps),
+        "averaged": averaged,
+        "averaged_steps": loaded.averaged_steps,
+        "decode_seconds": round(seconds, 3),
+        "hypotheses": str(path) if write else None,
+        "checkpoint": str(loaded.path),
+        "limit": data.limit,
+        "direction": data.direction,
+        "pivot": pivot,
+    }
 
 
 def _finish(record: dict, start: float, *, write: bool, sweep: bool, workdir) -> dict:
-    record.update(seconds=round(time.time() - start, 3), sweep=sweep,
-                  time=time.strftime("%Y-%m-%dT%H:%M:%S"))  # fmt: skip
+    record.update(
+        seconds=round(time.time() - start, 3), sweep=sweep, time=time.strftime("%Y-%m-%dT%H:%M:%S")
+    )
     if write and jax.process_index() == 0:
         append_record(workdir, record)
     return record
@@ -244,8 +281,17 @@ def evaluate(
     ('de-fr', trained or zero-shot); `pivot` ('en') translates through that language."""
     start = time.time()
     loaded = load(workdir, checkpoint, step, average_last, overrides)
-    return evaluate_loaded(loaded, split=split, beam_size=beam_size, alpha=alpha, limit=limit,
-                           write=write, direction=direction, pivot=pivot, start=start)  # fmt: skip
+    return evaluate_loaded(
+        loaded,
+        split=split,
+        beam_size=beam_size,
+        alpha=alpha,
+        limit=limit,
+        write=write,
+        direction=direction,
+        pivot=pivot,
+        start=start,
+    )
 
 
 def evaluate_loaded(
@@ -312,8 +358,7 @@ def sweep(
     for beam in sorted(set(beams)):
         for alpha in sorted(set(alphas)) if beam > 1 else [None]:
             record = _decode(loaded, data, beam, alpha or 0.0, write=write)
-            points.append(_finish(record, start, write=write, sweep=True,
-                                  workdir=loaded.workdir))  # fmt: skip
+            points.append(_finish(record, start, write=write, sweep=True, workdir=loaded.workdir))
     best = points[int(np.argmax([p["bleu"] for p in points]))]
     return {"best": best, "points": points}
 
@@ -321,8 +366,9 @@ def sweep(
 def sweep_table(points: Sequence[Mapping[str, Any]]) -> str:
     """BLEU as a grid: one row per beam size, one column per alpha (greedy: every column)."""
     alphas = sorted({p["alpha"] for p in points if p["alpha"] is not None}) or [None]
-    lines = ["beam \\ alpha " + "".join(f"{a:>8g}" if a is not None else "       -"
-                                        for a in alphas)]  # fmt: skip
+    lines = [
+        "beam \\ alpha " + "".join(f"{a:>8g}" if a is not None else "       -" for a in alphas)
+    ]
     for beam in sorted({p["beam"] for p in points}):
         row = {p["alpha"]: p["bleu"] for p in points if p["beam"] == beam}
         cells = [row.get(a, row.get(None, float("nan"))) for a in alphas]

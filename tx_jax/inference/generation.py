@@ -59,9 +59,16 @@ def sample_rows(
             raise ValueError(f"prompt {i} contains the padding id 0: {list(ids)}")
         prompt[i * num_samples : (i + 1) * num_samples, : len(ids)] = ids
     tokens = decoding.sample(
-        model_config, params, rng, prompt=jnp.asarray(prompt), max_decode_len=P + max_new_tokens,
-        temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id,
-    )  # fmt: skip
+        model_config,
+        params,
+        rng,
+        prompt=jnp.asarray(prompt),
+        max_decode_len=P + max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        eos_id=eos_id,
+    )
     return np.asarray(jax.device_get(tokens))
 
 
@@ -93,10 +100,17 @@ def generate(
     rng = jax.random.key(seed) if rng is None else rng
     prompt_ids = [tokenizer.encode(p) for p in prompts]
     rows = sample_rows(
-        model_config, params, prompt_ids, rng, num_samples=num_samples,
-        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+        model_config,
+        params,
+        prompt_ids,
+        rng,
+        num_samples=num_samples,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
         eos_id=tokenizer.eos_id,
-    )  # fmt: skip
+    )
     out = []
     for i, (prompt, ids) in enumerate(zip(prompts, prompt_ids, strict=True)):
         samples = []

@@ -25,10 +25,17 @@ CHECKPOINTS_DIR = "checkpoints"  # WORKDIR/checkpoints/N: training's checkpoints
 AVERAGED_DIR = "averaged"  # WORKDIR/averaged/<name>/N: averaged checkpoints (averaging.py)
 # Model keys that change the computation but not the parameters; other model keys that
 # differ from the checkpoint's (norm_position, positional, ...) earn a warning.
-HARMLESS_MODEL_KEYS = frozenset({
-    "attention_impl", "dtype", "dropout_rate", "attention_dropout_rate", "ffn_dropout_rate",
-    "remat", "sow_attention_weights",
-})  # fmt: skip
+HARMLESS_MODEL_KEYS = frozenset(
+    {
+        "attention_impl",
+        "dtype",
+        "dropout_rate",
+        "attention_dropout_rate",
+        "ffn_dropout_rate",
+        "remat",
+        "sow_attention_weights",
+    }
+)
 
 
 class CheckpointError(ValueError):
@@ -166,8 +173,9 @@ def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
 def _describe(differences: Mapping[str, tuple[Any, Any]]) -> str:
     if not differences:
         return "no config key differs from the checkpoint's (did the model code change?)"
-    keys = ", ".join(f"{k} ({a!r} in the checkpoint, {b!r} now)" for k, (a, b) in
-                     differences.items())  # fmt: skip
+    keys = ", ".join(
+        f"{k} ({a!r} in the checkpoint, {b!r} now)" for k, (a, b) in differences.items()
+    )
     return f"the config keys that differ from the checkpoint's: {keys}"
 
 
@@ -216,9 +224,15 @@ def open_step(
     abstract = abstract_params(model_config, sharding, task_of(config))
     stored = ckpt.state_metadata(step)["params"]
     check_params_fit(abstract, stored, differences, ckpt.directory / str(step))
-    risky = [k for k in differences if k.startswith("model.")
-             and k.removeprefix("model.") not in HARMLESS_MODEL_KEYS]  # fmt: skip
+    risky = [
+        k
+        for k in differences
+        if k.startswith("model.") and k.removeprefix("model.") not in HARMLESS_MODEL_KEYS
+    ]
     if risky:
-        print(f"warning: model keys {risky} differ from the checkpoint's; its parameters fit "
-              "but were trained with the stored values", file=sys.stderr)  # fmt: skip
+        print(
+            f"warning: model keys {risky} differ from the checkpoint's; its parameters fit "
+            "but were trained with the stored values",
+            file=sys.stderr,
+        )
     return Opened(ckpt, step, meta, config, tokenizer, model_config, abstract)

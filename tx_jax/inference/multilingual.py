@@ -107,13 +107,18 @@ def score_direction(
             beam_size=beam_size,
             alpha=alpha,
             batch_size=loaded.config.data.eval_batch_size,
-            warn=lambda message: None,
-        )  # fmt: skip  (long sources are truncated, as in evaluation: no warning)
+            warn=lambda message: None,  # long sources are truncated, as in evaluation
+        )
     else:
         hyps = scoring.translate_batches(
-            loaded.model_config, loaded.params, task.eval_batches(split, 1, limit),
-            loaded.tokenizer, len(pairs), beam_size=beam_size, alpha=alpha,
-        )  # fmt: skip
+            loaded.model_config,
+            loaded.params,
+            task.eval_batches(split, 1, limit),
+            loaded.tokenizer,
+            len(pairs),
+            beam_size=beam_size,
+            alpha=alpha,
+        )
     bleu, chrf, sig, chrf_sig = scoring.score(hyps, references)
     return DirectionScore(
         f"{src}-{tgt}", pivot, bleu, chrf, sig, chrf_sig, sources, hyps, references

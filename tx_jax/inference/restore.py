@@ -133,9 +133,15 @@ def load(
     ckpt.close()
     averaged_steps = (opened.meta.get("averaged") or {}).get("steps")
     return Loaded(
-        opened.config, opened.tokenizer, opened.model_config, params, opened.step, directory,
-        workdir, averaged_steps,
-    )  # fmt: skip
+        opened.config,
+        opened.tokenizer,
+        opened.model_config,
+        params,
+        opened.step,
+        directory,
+        workdir,
+        averaged_steps,
+    )
 
 
 # ---------------------------------------------------------------------- init_from
@@ -167,8 +173,12 @@ class InitSource:
         stored = {"model": self.config.get("model", {})}
         differences = config_differences(stored, {"model": config.model.to_dict()})
         try:
-            check_params_fit(abstract, self.checkpointer.state_metadata(self.step)["params"],
-                             differences, self.path)  # fmt: skip
+            check_params_fit(
+                abstract,
+                self.checkpointer.state_metadata(self.step)["params"],
+                differences,
+                self.path,
+            )
         except CheckpointError as e:
             raise CheckpointError(f"{where}: {e}") from None
         try:

@@ -66,14 +66,23 @@ def translate_lines(
     for start in range(0, len(todo), chunk):
         part = todo[start : start + chunk]
         batches = eval_pipeline.encode_sources(
-            [texts[i] for i in part], loaded.tokenizer, max_len=max_len, batch_size=batch_size,
-            bucket_boundaries=[max_len], sort_by_length=sort_by_length,
+            [texts[i] for i in part],
+            loaded.tokenizer,
+            max_len=max_len,
+            batch_size=batch_size,
+            bucket_boundaries=[max_len],
+            sort_by_length=sort_by_length,
             source_prefix=source_prefix,
-        )  # fmt: skip
+        )
         hyps = scoring.translate_batches(
-            loaded.model_config, loaded.params, batches, loaded.tokenizer, len(part),
-            beam_size=beam_size, alpha=alpha,
-        )  # fmt: skip
+            loaded.model_config,
+            loaded.params,
+            batches,
+            loaded.tokenizer,
+            len(part),
+            beam_size=beam_size,
+            alpha=alpha,
+        )
         for i, hyp in zip(part, hyps):
             out[i] = " ".join(hyp.splitlines())
         if progress is not None:
@@ -93,6 +102,7 @@ def translate(
 ) -> list[str]:
     """Load a checkpoint (restore.load's arguments) and translate `lines` (translate_lines'
     keyword arguments)."""
-    loaded = restore.load(workdir, checkpoint=checkpoint, step=step, average_last=average_last,
-                          overrides=overrides)  # fmt: skip
+    loaded = restore.load(
+        workdir, checkpoint=checkpoint, step=step, average_last=average_last, overrides=overrides
+    )
     return translate_lines(loaded, lines, **kwargs)
