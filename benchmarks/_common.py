@@ -103,11 +103,23 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
+def portable_path(path: str) -> str:
+    """`path` as a results file records it: relative to the repository root when inside it,
+    else only its last component (the directories above it are this machine's layout)."""
+    path = os.path.abspath(path)
+    if os.path.commonpath([path, ROOT]) == ROOT:
+        return os.path.relpath(path, ROOT)
+    return os.path.basename(path)
+
+
 def write_json(name: str, payload: dict[str, Any], path: str | None = None) -> str:
-    """Write `payload` (plus the machine description) to benchmarks/results/NAME.json."""
+    """Write `payload` (plus the machine description) to benchmarks/results/NAME.json.
+
+    Absolute paths among the command-line arguments are recorded by `portable_path`."""
     path = path or os.path.join(RESULTS, f"{name}.json")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    payload = {"benchmark": name, "machine": machine(), "argv": sys.argv[1:], **payload}
+    argv = [portable_path(a) if os.path.isabs(a) else a for a in sys.argv[1:]]
+    payload = {"benchmark": name, "machine": machine(), "argv": argv, **payload}
     with open(path, "w") as f:
         json.dump(payload, f, indent=1, default=float)
         f.write("\n")
@@ -115,8 +127,9 @@ def write_json(name: str, payload: dict[str, Any], path: str | None = None) -> s
 
 
 def config_train_step(config, vocab_size: int, bos_id: int):
-    """(strategy, compiled step, initial state) for `config` exactly as train.py builds them:
-    tx_jax.training.parallel's strategy (config.parallel), the real train_step, state donated."""
+    """(strategy, compiled step, initial state) for `config` exactly as tx_jax.experiment.loop
+    builds them: tx_jax.training.parallel's strategy (config.parallel), the real train_step,
+    state donated."""
     import functools
 
     import jax
@@ -136,8 +149,11 @@ def config_train_step(config, vocab_size: int, bos_id: int):
     if strategy.kind == "mesh":
         shardings = strategy.state_shardings(jax.eval_shape(init_fn))
     step_fn = functools.partial(
-        train_step, model=model, tx=tx, schedule=schedule,
+        train_step,
+        model=model,
+        tx=tx,
+        schedule=schedule,
         label_smoothing=config.train.label_smoothing,
-    )  # fmt: skip
+    )
     step = strategy.compile_step(step_fn, donate=True, state_shardings=shardings)
     return strategy, step, strategy.init_state(init_fn)

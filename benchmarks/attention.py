@@ -40,9 +40,15 @@ def _functions(impl: str, chunk_size: int):
 
     def forward(q, k, v, cot, seg):
         return attention.dot_product_attention(
-            q, k, v, is_causal=True, q_segment_ids=seg, kv_segment_ids=seg,
-            implementation=impl, chunk_size=chunk_size,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            is_causal=True,
+            q_segment_ids=seg,
+            kv_segment_ids=seg,
+            implementation=impl,
+            chunk_size=chunk_size,
+        )
 
     def backward(q, k, v, cot, seg):
         loss = lambda q, k, v: jnp.sum(forward(q, k, v, cot, seg) * cot)  # noqa: E731
@@ -65,10 +71,21 @@ def measure(impl: str, L: int, args) -> list[dict]:
             start = time.perf_counter()
             jax.block_until_ready(compiled(q, k, v, cot, seg))
             times.append(time.perf_counter() - start)
-        rows.append({"impl": impl, "mode": mode, "length": L, "temp_bytes": int(temp),
-                     "time_s": _common.median(times), "times": times})  # fmt: skip
-        print(f"  {impl:8s} {mode:17s} L={L:5d}  {rows[-1]['time_s'] * 1e3:9.1f} ms  "
-              f"temp {temp / 2**20:9.1f} MiB", flush=True)  # fmt: skip
+        rows.append(
+            {
+                "impl": impl,
+                "mode": mode,
+                "length": L,
+                "temp_bytes": int(temp),
+                "time_s": _common.median(times),
+                "times": times,
+            }
+        )
+        print(
+            f"  {impl:8s} {mode:17s} L={L:5d}  {rows[-1]['time_s'] * 1e3:9.1f} ms  "
+            f"temp {temp / 2**20:9.1f} MiB",
+            flush=True,
+        )
     return rows
 
 
@@ -113,14 +130,21 @@ def main(argv=None) -> None:
                 ratio = by[("chunked", mode, L)]["temp_bytes"] / by[("xla", mode, L)]["temp_bytes"]
                 row.append(f"{ratio:.3f}")
             table.append(row)
-        print(f"\n{mode}, [B, L, H, D] = [{args.batch}, L, {args.heads}, {args.head_dim}], "
-              f"causal + padding, chunk {args.chunk_size}")  # fmt: skip
+        print(
+            f"\n{mode}, [B, L, H, D] = [{args.batch}, L, {args.heads}, {args.head_dim}], "
+            f"causal + padding, chunk {args.chunk_size}"
+        )
         print(_common.table(headers, table))
-    path = _common.write_json(args.name, {
-        "threads": threads, "shape": {"batch": args.batch, "heads": args.heads,
-                                      "head_dim": args.head_dim},
-        "chunk_size": args.chunk_size, "reps": args.reps, "rows": rows,
-    })  # fmt: skip
+    path = _common.write_json(
+        args.name,
+        {
+            "threads": threads,
+            "shape": {"batch": args.batch, "heads": args.heads, "head_dim": args.head_dim},
+            "chunk_size": args.chunk_size,
+            "reps": args.reps,
+            "rows": rows,
+        },
+    )
     print(f"\nwrote {path}")
 
 

@@ -49,9 +49,11 @@ def worker(strategy_kind: str) -> None:
     batch = {
         "inputs": rng.integers(3, 512, (B, L)).astype(np.int32),
         "targets": rng.integers(3, 512, (B, L)).astype(np.int32),
-        "inputs_segmentation": seg, "targets_segmentation": seg,
-        "inputs_position": pos, "targets_position": pos,
-    }  # fmt: skip
+        "inputs_segmentation": seg,
+        "targets_segmentation": seg,
+        "inputs_position": pos,
+        "targets_position": pos,
+    }
     calls = []
     for _ in range(3):
         start = time.perf_counter()
@@ -63,20 +65,28 @@ def worker(strategy_kind: str) -> None:
 
 def run(strategy: str, cache_dir: str | None, library: str) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    for key in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
-                "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"):  # fmt: skip
+    for key in (
+        "JAX_COMPILATION_CACHE_DIR",
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES",
+    ):
         env.pop(key, None)
     if cache_dir:
-        env.update(JAX_COMPILATION_CACHE_DIR=cache_dir,
-                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")  # fmt: skip
+        env.update(
+            JAX_COMPILATION_CACHE_DIR=cache_dir,
+            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+            JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+        )
     if library:
         env["PYTHONPATH"] = os.path.abspath(library)
     start = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--worker", strategy],
-        env=env, capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     wall = time.perf_counter() - start
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
@@ -100,21 +110,31 @@ def main(argv=None) -> None:
     rows = []
     for strategy in args.strategies.split(","):
         with tempfile.TemporaryDirectory() as cache:
-            for label, cache_dir in [("no cache", None), ("cold cache", cache),
-                                     ("warm cache", cache)]:  # fmt: skip
+            for label, cache_dir in [
+                ("no cache", None),
+                ("cold cache", cache),
+                ("warm cache", cache),
+            ]:
                 r = run(strategy, cache_dir, args.library)
                 rows.append({"strategy": strategy, "cache": label, **r})
-                print(f"  {strategy:5s} {label:10s} calls "
-                      + ", ".join(f"{c:.2f}" for c in r["calls_s"])
-                      + f" s; process {r['process_wall_s']:.1f} s", flush=True)  # fmt: skip
-    print(f"\nconfigs/default.py train step, {threads} threads"
-          + (f", tx_jax from {args.library}" if args.library else ""))  # fmt: skip
-    print(_common.table(
-        ["strategy", "cache", "call 1 (s)", "call 2 (s)", "call 3 (s)", "process wall (s)"],
-        [[r["strategy"], r["cache"], *r["calls_s"], r["process_wall_s"]] for r in rows],
-    ))  # fmt: skip
-    path = _common.write_json(args.name, {"threads": threads, "library": args.library,
-                                          "rows": rows})  # fmt: skip
+                print(
+                    f"  {strategy:5s} {label:10s} calls "
+                    + ", ".join(f"{c:.2f}" for c in r["calls_s"])
+                    + f" s; process {r['process_wall_s']:.1f} s",
+                    flush=True,
+                )
+    print(
+        f"\nconfigs/default.py train step, {threads} threads"
+        + (f", tx_jax from {args.library}" if args.library else "")
+    )
+    print(
+        _common.table(
+            ["strategy", "cache", "call 1 (s)", "call 2 (s)", "call 3 (s)", "process wall (s)"],
+            [[r["strategy"], r["cache"], *r["calls_s"], r["process_wall_s"]] for r in rows],
+        )
+    )
+    library = _common.portable_path(args.library) if args.library else ""
+    path = _common.write_json(args.name, {"threads": threads, "library": library, "rows": rows})
     print(f"wrote {path}")
 
 

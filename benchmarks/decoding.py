@@ -81,21 +81,44 @@ def main():
                 f"{row['nocache_tok_s']:>8,.0f} tok/s   x{row['speedup']:.1f}",
                 flush=True,
             )
-    headers = ["T", "greedy, cache (tok/s)", "greedy, no cache", "speed-up", "beam 4, cache",
-               "beam 4, no cache", "speed-up"]  # fmt: skip
+    headers = [
+        "T",
+        "greedy, cache (tok/s)",
+        "greedy, no cache",
+        "speed-up",
+        "beam 4, cache",
+        "beam 4, no cache",
+        "speed-up",
+    ]
     by = {(r["T"], r["search"]): r for r in rows}
     table = []
     for T in sorted({r["T"] for r in rows}):
         g, b = by[(T, "greedy")], by[(T, "beam4")]
-        table.append([T, g["cache_tok_s"], g["nocache_tok_s"], f"{g['speedup']:.1f}x",
-                      b["cache_tok_s"], b["nocache_tok_s"], f"{b['speedup']:.1f}x"])  # fmt: skip
+        table.append(
+            [
+                T,
+                g["cache_tok_s"],
+                g["nocache_tok_s"],
+                f"{g['speedup']:.1f}x",
+                b["cache_tok_s"],
+                b["nocache_tok_s"],
+                f"{b['speedup']:.1f}x",
+            ]
+        )
     print(f"\nbatch {B}, source length {args.source_len}, {threads} threads")
     print(_common.table(headers, table))
     path = _common.write_json(
-        "decoding", {"device": str(jax.devices()[0]), "threads": threads, "batch": B,
-                     "source_len": args.source_len, "repeats": args.repeats, "rows": rows},
+        "decoding",
+        {
+            "device": str(jax.devices()[0]),
+            "threads": threads,
+            "batch": B,
+            "source_len": args.source_len,
+            "repeats": args.repeats,
+            "rows": rows,
+        },
         path=args.out or None,
-    )  # fmt: skip
+    )
     print(f"wrote {path}")
 
 

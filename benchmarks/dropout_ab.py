@@ -83,24 +83,32 @@ def main(argv=None) -> None:
     tc = default.get_config().train
     overrides, B, S, L, V = SHAPES["small"]  # train_step.py's small config
     cfg = ModelConfig(
-        **overrides, vocab_size=V, dropout_rate=0.1, attention_dropout_rate=0.1,
+        **overrides,
+        vocab_size=V,
+        dropout_rate=0.1,
+        attention_dropout_rate=0.1,
         ffn_dropout_rate=0.1,
-    )  # fmt: skip
+    )
     model = EncoderDecoder(cfg)
     tx, schedule = optim.make_optimizer(tc, cfg.d_model)
     init = jax.jit(lambda: nn.meta.unbox(init_state(model, tx, 0)))
     rng = np.random.default_rng(0)
-    batch = jax.device_put({
-        "inputs": rng.integers(3, V, (B, S)).astype(np.int32),
-        "targets": rng.integers(3, V, (B, L)).astype(np.int32),
-    })  # fmt: skip
+    batch = jax.device_put(
+        {
+            "inputs": rng.integers(3, V, (B, S)).astype(np.int32),
+            "targets": rng.integers(3, V, (B, L)).astype(np.int32),
+        }
+    )
     steps, current = {}, D.keep_mask
     for name, keep_mask in variants.items():
         D.keep_mask = keep_mask  # read when the step is traced
         step = functools.partial(  # a new function object: jit caches traces by identity
-            train_step, model=model, tx=tx, schedule=schedule,
+            train_step,
+            model=model,
+            tx=tx,
+            schedule=schedule,
             label_smoothing=tc.label_smoothing,
-        )  # fmt: skip
+        )
         steps[name] = jax.jit(step, donate_argnums=(0,)).lower(init(), batch).compile()
     D.keep_mask = current
 

@@ -40,9 +40,13 @@ def launch(workdir: pathlib.Path, tfds_dir: pathlib.Path, steps: int) -> subproc
     )
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     return subprocess.Popen(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def complete_steps(workdir: pathlib.Path) -> list[int]:

@@ -55,8 +55,12 @@ def time_pipeline(it, n: int) -> dict:
     for _ in range(n):
         tokens += _tokens(next(it))
     seconds = time.perf_counter() - start
-    return {"batches": n, "seconds": seconds, "batches_per_s": n / seconds,
-            "tokens_per_s": tokens / seconds}  # fmt: skip
+    return {
+        "batches": n,
+        "seconds": seconds,
+        "batches_per_s": n / seconds,
+        "tokens_per_s": tokens / seconds,
+    }
 
 
 def _step(config, task):
@@ -76,8 +80,12 @@ def time_step(strategy, compiled, state, batch, n: int):
     jax.block_until_ready(metrics)
     seconds = time.perf_counter() - start
     tokens = _tokens(batch) * n
-    return state, {"batches": n, "seconds": seconds, "batches_per_s": n / seconds,
-                   "tokens_per_s": tokens / seconds}  # fmt: skip
+    return state, {
+        "batches": n,
+        "seconds": seconds,
+        "batches_per_s": n / seconds,
+        "tokens_per_s": tokens / seconds,
+    }
 
 
 def time_loop(strategy, compiled, state, it, n: int):
@@ -94,8 +102,12 @@ def time_loop(strategy, compiled, state, it, n: int):
             jax.block_until_ready(pending.pop(0))
     jax.block_until_ready(pending)
     seconds = time.perf_counter() - start
-    return state, {"batches": n, "seconds": seconds, "batches_per_s": n / seconds,
-                   "tokens_per_s": tokens / seconds}  # fmt: skip
+    return state, {
+        "batches": n,
+        "seconds": seconds,
+        "batches_per_s": n / seconds,
+        "tokens_per_s": tokens / seconds,
+    }
 
 
 def main(argv=None) -> None:
@@ -113,8 +125,10 @@ def main(argv=None) -> None:
     import jax
 
     config = default.get_config()
-    print(f"{threads} threads, load {_common.load_average():.2f}; preparing data in "
-          f"{args.workdir}", flush=True)  # fmt: skip
+    print(
+        f"{threads} threads, load {_common.load_average():.2f}; preparing data in {args.workdir}",
+        flush=True,
+    )
     task = _task(config, args.workdir)
     results = []
     for packing in [True, False] if args.bucketed else [True]:
@@ -139,32 +153,46 @@ def main(argv=None) -> None:
         shapes = [list(s) for s in it.batch_shapes]
         # real target tokens / padded target positions, over the warm batches
         filled = warm["tokens_per_s"] / warm["batches_per_s"] / config.data.tokens_per_batch
-        results.append({"packing": packing, "batch_shapes": shapes, "pipeline_cold": cold,
-                        "pipeline_warm": warm, "train_step": step, "train_loop": loop,
-                        "real_token_fraction": filled})  # fmt: skip
+        results.append(
+            {
+                "packing": packing,
+                "batch_shapes": shapes,
+                "pipeline_cold": cold,
+                "pipeline_warm": warm,
+                "train_step": step,
+                "train_loop": loop,
+                "real_token_fraction": filled,
+            }
+        )
     rows = []
     for r in results:
         label = "packed" if r["packing"] else "bucketed"
-        for key, what in [("pipeline_cold", "pipeline alone, cold (tokenizing)"),
-                          ("pipeline_warm", "pipeline alone, warm (tokens cached)"),
-                          ("train_step", "train step alone (one placed batch)"),
-                          ("train_loop", "train loop (pipeline + step)")]:  # fmt: skip
+        for key, what in [
+            ("pipeline_cold", "pipeline alone, cold (tokenizing)"),
+            ("pipeline_warm", "pipeline alone, warm (tokens cached)"),
+            ("train_step", "train step alone (one placed batch)"),
+            ("train_loop", "train loop (pipeline + step)"),
+        ]:
             rows.append([label, what, r[key]["batches_per_s"], r[key]["tokens_per_s"]])
     print(f"\nconfigs/default.py, {config.data.tokens_per_batch}-token batches, {threads} threads")
     print(_common.table(["batches", "what", "batches/s", "target tokens/s"], rows))
     for r in results:
-        print(f"{'packed' if r['packing'] else 'bucketed'}: {len(r['batch_shapes'])} batch "
-              f"shape(s) {r['batch_shapes']}; real target tokens fill "
-              f"{r['real_token_fraction']:.1%} of the {config.data.tokens_per_batch}-token "
-              "budget")  # fmt: skip
+        print(
+            f"{'packed' if r['packing'] else 'bucketed'}: {len(r['batch_shapes'])} batch "
+            f"shape(s) {r['batch_shapes']}; real target tokens fill "
+            f"{r['real_token_fraction']:.1%} of the {config.data.tokens_per_batch}-token "
+            "budget"
+        )
     for r in results:
         label = "packed" if r["packing"] else "bucketed"
         margin = r["pipeline_cold"]["batches_per_s"] / r["train_step"]["batches_per_s"]
         loss = 1 - r["train_loop"]["batches_per_s"] / r["train_step"]["batches_per_s"]
         verdict = "IS" if margin < 1 else "is not"
-        print(f"{label}: the pipeline {verdict} the bottleneck: even cold it makes batches "
-              f"{margin:.1f}x as fast as the step consumes them; the full loop runs "
-              f"{loss:.1%} below the step alone.")  # fmt: skip
+        print(
+            f"{label}: the pipeline {verdict} the bottleneck: even cold it makes batches "
+            f"{margin:.1f}x as fast as the step consumes them; the full loop runs "
+            f"{loss:.1%} below the step alone."
+        )
         r["pipeline_over_step"] = margin
         r["loop_slowdown"] = loss
     path = _common.write_json(args.name, {"threads": threads, "results": results})

@@ -61,19 +61,25 @@ def _parse_args(argv=None):
     p.add_argument("--no-devices", dest="devices", action="store_false")
     p.add_argument("--no-donate", action="store_true", help="do not donate the state")
     p.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE",
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="tx_jax ModelConfig override, e.g. --set remat=full (repeatable)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--library", default="",
+        "--library",
+        default="",
         help="import tx_jax from this directory (e.g. `git archive` of an older commit) to "
         "measure a change before/after; the benchmark code stays this one",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--omp-wait-policy", default="", choices=["", "ACTIVE", "PASSIVE"],
+        "--omp-wait-policy",
+        default="",
+        choices=["", "ACTIVE", "PASSIVE"],
         help="OMP_WAIT_POLICY for PyTorch's OpenMP threads (default: libgomp's own, which "
         "spin-waits; PASSIVE is much faster when other processes share the cores)",
-    )  # fmt: skip
+    )
     p.add_argument("--name", default="train_step", help="results/NAME.json")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)  # multi-device subprocess
     return p.parse_args(argv)
@@ -96,9 +102,16 @@ def _model_config(name: str, args, vocab: int):
             raise SystemExit(f"--set {item!r}: expected KEY=VALUE with KEY a ModelConfig field")
         extra[key] = config_utils.convert_text(value, defaults[key])
     return ModelConfig(
-        **{**base, **overrides, "vocab_size": vocab, "dropout_rate": args.dropout,
-           "attention_dropout_rate": args.dropout, "ffn_dropout_rate": args.dropout, **extra}
-    )  # fmt: skip
+        **{
+            **base,
+            **overrides,
+            "vocab_size": vocab,
+            "dropout_rate": args.dropout,
+            "attention_dropout_rate": args.dropout,
+            "ffn_dropout_rate": args.dropout,
+            **extra,
+        }
+    )
 
 
 def _train_config():
@@ -138,9 +151,12 @@ def _step_and_init(cfg, train_cfg):
     model = EncoderDecoder(cfg)
     tx, schedule = optim.make_optimizer(train_cfg, cfg.d_model)
     step = functools.partial(
-        train_step, model=model, tx=tx, schedule=schedule,
+        train_step,
+        model=model,
+        tx=tx,
+        schedule=schedule,
         label_smoothing=train_cfg.label_smoothing,
-    )  # fmt: skip
+    )
     return step, functools.partial(init_state, model, tx, 0)
 
 
@@ -156,13 +172,17 @@ class JaxRunner:
         self.compiled = self.step.lower(self.state, self.batch).compile()
         self.compile_s = time.perf_counter() - t0
         m = self.compiled.memory_analysis()
-        self.memory = {k: int(getattr(m, f"{k}_size_in_bytes")) for k in
-                       ("argument", "output", "alias", "temp")}  # fmt: skip
+        self.memory = {
+            k: int(getattr(m, f"{k}_size_in_bytes"))
+            for k in ("argument", "output", "alias", "temp")
+        }
         # live at once: arguments + outputs not written in place (donation) + temporaries
         self.memory["peak_estimate"] = (
-            self.memory["argument"] + self.memory["output"] - self.memory["alias"]
+            self.memory["argument"]
+            + self.memory["output"]
+            - self.memory["alias"]
             + self.memory["temp"]
-        )  # fmt: skip
+        )
         self.run(2)  # first executions (allocations)
 
     def run(self, n: int) -> float:
@@ -183,8 +203,7 @@ def _import_torch():
     except ImportError:
         sys.exit(
             "benchmarks/train_step.py compares against PyTorch, which is not installed.\n"
-            "Install the 'bench' extra: .venv/bin/pip install -e '.[bench]' (on this machine: "
-            ".venv/bin/pip install torch==2.13.0 --find-links /opt/wheels), or pass --no-torch."
+            "Install the 'bench' extra: pip install -e '.[bench]', or pass --no-torch."
         )
     return torch
 
@@ -203,11 +222,16 @@ def _torch_model(torch, cfg, dropout: float):
             nn.init.normal_(self.embed.weight, std=M**-0.5)
             self.drop = nn.Dropout(dropout)
             self.transformer = nn.Transformer(
-                d_model=M, nhead=cfg.num_heads, num_encoder_layers=cfg.num_encoder_layers,
-                num_decoder_layers=cfg.num_decoder_layers, dim_feedforward=cfg.d_ff,
-                dropout=dropout, batch_first=True, norm_first=False,
+                d_model=M,
+                nhead=cfg.num_heads,
+                num_encoder_layers=cfg.num_encoder_layers,
+                num_decoder_layers=cfg.num_decoder_layers,
+                dim_feedforward=cfg.d_ff,
+                dropout=dropout,
+                batch_first=True,
+                norm_first=False,
                 layer_norm_eps=cfg.norm_epsilon,
-            )  # fmt: skip
+            )
             pos = torch.arange(512, dtype=torch.float32)[:, None]
             inv = 10_000.0 ** (-torch.arange(0, M, 2, dtype=torch.float32) / M)
             pe = torch.stack([torch.sin(pos * inv), torch.cos(pos * inv)], -1).reshape(512, M)
@@ -221,10 +245,14 @@ def _torch_model(torch, cfg, dropout: float):
             causal = torch.triu(torch.ones(L, L, dtype=torch.bool), diagonal=1)
             src_pad, tgt_pad = src == 0, tgt_in == 0
             y = self.transformer(
-                self.embed_tokens(src), self.embed_tokens(tgt_in), tgt_mask=causal,
-                src_key_padding_mask=src_pad, tgt_key_padding_mask=tgt_pad,
-                memory_key_padding_mask=src_pad, tgt_is_causal=True,
-            )  # fmt: skip
+                self.embed_tokens(src),
+                self.embed_tokens(tgt_in),
+                tgt_mask=causal,
+                src_key_padding_mask=src_pad,
+                tgt_key_padding_mask=tgt_pad,
+                memory_key_padding_mask=src_pad,
+                tgt_is_causal=True,
+            )
             return y @ self.embed.weight.T  # tied output projection (section 3.4)
 
     return Seq2Seq()
@@ -237,9 +265,11 @@ class TorchRunner:
         self.model = _torch_model(torch, cfg, dropout)
         self.model.train()
         self.opt = torch.optim.Adam(
-            self.model.parameters(), lr=1.0, betas=(train_cfg.beta1, train_cfg.beta2),
+            self.model.parameters(),
+            lr=1.0,
+            betas=(train_cfg.beta1, train_cfg.beta2),
             eps=train_cfg.eps,
-        )  # fmt: skip
+        )
         d, w, s = cfg.d_model, train_cfg.warmup_steps, train_cfg.lr_scale
         rsqrt = lambda c: s * d**-0.5 * min((c + 1) ** -0.5, (c + 1) * w**-1.5)  # noqa: E731
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, rsqrt)
@@ -256,9 +286,11 @@ class TorchRunner:
         self.opt.zero_grad(set_to_none=True)
         logits = self.model(self.src, self.tgt_in)
         loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), self.tgt.reshape(-1), ignore_index=0,
+            logits.reshape(-1, logits.shape[-1]),
+            self.tgt.reshape(-1),
+            ignore_index=0,
             label_smoothing=self.smoothing,
-        )  # fmt: skip
+        )
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         self.opt.step()
@@ -324,17 +356,37 @@ def compare(name: str, args, torch, peak: float) -> dict:
         times["jax"].append(jr.run(args.steps))
         if tr is not None:
             times["torch"].append(tr.run(args.steps))
-        print(f"  {name} rep {rep}: jax {times['jax'][-1]:.3f} s/step"
-              + (f", torch {times['torch'][-1]:.3f} s/step" if tr else ""), flush=True)  # fmt: skip
+        print(
+            f"  {name} rep {rep}: jax {times['jax'][-1]:.3f} s/step"
+            + (f", torch {times['torch'][-1]:.3f} s/step" if tr else ""),
+            flush=True,
+        )
     result = {
-        "config": name, "batch": B, "source_len": S, "target_len": L, "vocab": vocab,
-        "model": {k: getattr(cfg, k) for k in ("d_model", "num_heads", "d_ff",
-                  "num_encoder_layers", "num_decoder_layers", "dropout_rate",
-                  "attention_dropout_rate", "ffn_dropout_rate", "attention_impl", "remat")},
-        "train_flops_per_step": step_flops, "jax_compile_s": jr.compile_s,
+        "config": name,
+        "batch": B,
+        "source_len": S,
+        "target_len": L,
+        "vocab": vocab,
+        "model": {
+            k: getattr(cfg, k)
+            for k in (
+                "d_model",
+                "num_heads",
+                "d_ff",
+                "num_encoder_layers",
+                "num_decoder_layers",
+                "dropout_rate",
+                "attention_dropout_rate",
+                "ffn_dropout_rate",
+                "attention_impl",
+                "remat",
+            )
+        },
+        "train_flops_per_step": step_flops,
+        "jax_compile_s": jr.compile_s,
         "jax_memory_bytes": jr.memory,
         "step_times": times,
-    }  # fmt: skip
+    }
     for fw in ("jax", "torch"):
         if times[fw]:
             t = _common.median(times[fw])
@@ -371,9 +423,12 @@ def device_worker(args) -> None:
     runners = {"1 device (jit)": JaxRunner(cfg, train_cfg, batch)}
     for kind in ("pmap", "mesh"):
         par = ml_collections.ConfigDict(
-            dict(strategy=kind, mesh=dict(data=-1, fsdp=1, tensor=1),
-                 rules=[list(r) for r in parallel.DEFAULT_RULES])
-        )  # fmt: skip
+            dict(
+                strategy=kind,
+                mesh=dict(data=-1, fsdp=1, tensor=1),
+                rules=[list(r) for r in parallel.DEFAULT_RULES],
+            )
+        )
         strategy = parallel.make_strategy(par)
         shardings = None
         if kind == "mesh":
@@ -408,11 +463,23 @@ class _StrategyRunner:
 
 
 def run_devices(args) -> dict:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")  # fmt: skip
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "devices",
-           "--reps", str(args.reps), "--steps", str(args.steps), "--dropout", str(args.dropout),
-           "--threads", str(args.threads)] + [f"--set={s}" for s in args.set]  # fmt: skip
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
+    )
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        "devices",
+        "--reps",
+        str(args.reps),
+        "--steps",
+        str(args.steps),
+        "--dropout",
+        str(args.dropout),
+        "--threads",
+        str(args.threads),
+    ] + [f"--set={s}" for s in args.set]
     if args.library:
         cmd += ["--library", args.library]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
@@ -436,6 +503,9 @@ def main(argv=None) -> None:
     import tx_jax
 
     print(f"tx_jax from {os.path.dirname(tx_jax.__file__)}", flush=True)
+    # the package directory as the results record it: tx_jax, or LIBRARY/tx_jax for --library
+    tx_jax_root = os.path.dirname(os.path.dirname(os.path.abspath(tx_jax.__file__)))
+    tx_jax_dir = os.path.normpath(os.path.join(_common.portable_path(tx_jax_root), "tx_jax"))
     if args.worker == "devices":
         return device_worker(args)
     torch = None if args.no_torch else _import_torch()
@@ -445,49 +515,78 @@ def main(argv=None) -> None:
 
     print(f"threads {threads}; load average {_common.load_average():.2f}", flush=True)
     peak = measure_peak(torch)
-    print("peak float32 matmul: " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s"
-                                              for k, v in peak.items()), flush=True)  # fmt: skip
+    print(
+        "peak float32 matmul: " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peak.items()),
+        flush=True,
+    )
     results = []
     for name in args.configs.split(","):
         results.append(compare(name, args, torch, peak["peak"]))
-    headers = ["config", "batch x (S+L)", "framework", "step (ms)", "target tok/s", "MFU",
-               "GFLOP/step", "tx_jax / torch", "XLA temp MiB"]  # fmt: skip
+    headers = [
+        "config",
+        "batch x (S+L)",
+        "framework",
+        "step (ms)",
+        "target tok/s",
+        "MFU",
+        "GFLOP/step",
+        "tx_jax / torch",
+        "XLA temp MiB",
+    ]
     rows = []
     for r in results:
         for fw in ("jax", "torch"):
             if fw in r:
-                rows.append([
-                    r["config"], f"{r['batch']} x ({r['source_len']}+{r['target_len']})",
-                    "tx_jax" if fw == "jax" else f"torch {torch.__version__}",
-                    r[fw]["step_s"] * 1e3, r[fw]["tokens_per_s"], f"{r[fw]['mfu']:.1%}",
-                    r["train_flops_per_step"] / 1e9,
-                    f"{r['speedup']:.2f}x" if fw == "jax" and "speedup" in r else "",
-                    r["jax_memory_bytes"]["temp"] / 2**20 if fw == "jax" else "",
-                ])  # fmt: skip
+                rows.append(
+                    [
+                        r["config"],
+                        f"{r['batch']} x ({r['source_len']}+{r['target_len']})",
+                        "tx_jax" if fw == "jax" else f"torch {torch.__version__}",
+                        r[fw]["step_s"] * 1e3,
+                        r[fw]["tokens_per_s"],
+                        f"{r[fw]['mfu']:.1%}",
+                        r["train_flops_per_step"] / 1e9,
+                        f"{r['speedup']:.2f}x" if fw == "jax" and "speedup" in r else "",
+                        r["jax_memory_bytes"]["temp"] / 2**20 if fw == "jax" else "",
+                    ]
+                )
     print()
     print(f"peak (best float32 matmul median): {peak['peak'] / 1e9:.1f} GFLOP/s, {threads} threads")
     print(_common.table(headers, rows))
     for r in results:
         if "speedup_paired_median" in r:
             lo, hi = r["speedup_paired_range"]
-            print(f"{r['config']}: tx_jax / torch per interleaved pair of reps: median "
-                  f"{r['speedup_paired_median']:.2f}x, range {lo:.2f}x-{hi:.2f}x "
-                  f"({len(r['step_times']['jax'])} pairs)")  # fmt: skip
+            print(
+                f"{r['config']}: tx_jax / torch per interleaved pair of reps: median "
+                f"{r['speedup_paired_median']:.2f}x, range {lo:.2f}x-{hi:.2f}x "
+                f"({len(r['step_times']['jax'])} pairs)"
+            )
     devices = None
     if args.devices:
         devices = run_devices(args)
         print()
-        print(_common.table(
-            ["small config, 8 forced CPU devices", "step (ms)", "target tok/s"],
-            [[k, v["step_s"] * 1e3, v["tokens_per_s"]] for k, v in devices["rows"].items()],
-        ))  # fmt: skip
-    path = _common.write_json(args.name, {
-        "threads": threads, "jax_backend": jax.default_backend(), "peak": peak,
-        "tx_jax": os.path.dirname(tx_jax.__file__), "omp_wait_policy": args.omp_wait_policy,
-        "donate": not args.no_donate, "overrides": args.set,
-        "reps": args.reps, "steps_per_rep": args.steps, "results": results,
-        "devices": devices,
-    })  # fmt: skip
+        print(
+            _common.table(
+                ["small config, 8 forced CPU devices", "step (ms)", "target tok/s"],
+                [[k, v["step_s"] * 1e3, v["tokens_per_s"]] for k, v in devices["rows"].items()],
+            )
+        )
+    path = _common.write_json(
+        args.name,
+        {
+            "threads": threads,
+            "jax_backend": jax.default_backend(),
+            "peak": peak,
+            "tx_jax": tx_jax_dir,
+            "omp_wait_policy": args.omp_wait_policy,
+            "donate": not args.no_donate,
+            "overrides": args.set,
+            "reps": args.reps,
+            "steps_per_rep": args.steps,
+            "results": results,
+            "devices": devices,
+        },
+    )
     print(f"\nwrote {path}")
 
 

@@ -55,7 +55,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.tokens_per_batch = 2048  # global token budget per batch (padded, per side)
     # Static shapes: one compilation per bucket (None: every 8 tokens up to max_len).
     c.data.bucket_boundaries = [16, 32, 48, 64]
-    c.data.packing = True  # pack pairs into max_len rows with segment ids (one shape, ~96% real)
+    c.data.packing = True  # pack pairs into max_len rows with segment ids (one shape)
     c.data.eval_split = "validation"
     c.data.test_split = "test"
     c.data.eval_batch_size = 128  # rows per eval/decode batch
@@ -125,8 +125,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.parallel.process_id = ml_collections.FieldReference(None, field_type=int)
 
     if args.variant == "debug":
-        c.model.update(d_model=32, num_heads=2, d_ff=64, num_encoder_layers=1,
-                       num_decoder_layers=1, dropout_rate=0.0)  # fmt: skip
+        c.model.update(
+            d_model=32,
+            num_heads=2,
+            d_ff=64,
+            num_encoder_layers=1,
+            num_decoder_layers=1,
+            dropout_rate=0.0,
+        )
         c.data.synthetic.update(num_train=400, num_validation=40, num_test=40)
         c.data.vocab_size = 160
         c.data.tokenizer_pairs = 400

@@ -5,7 +5,8 @@
     --config=configs/lm.py:debug             seconds
     python -m tx_jax.generate --workdir=DIR --prompt="the red"     samples from the result
 
-The model is a DecoderOnly (models.py): pre-LN and RoPE, the choices of current LMs.
+The model is a DecoderOnly (tx_jax/model/transformer.py): pre-LN and RoPE, the choices of
+current LMs.
 Validation (and test) give loss, accuracy and perplexity; there is no BLEU.
 Built on configs/default.py; every key set here is commented, the others are default.py's.
 """
@@ -65,8 +66,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     if args.variant == "multi30k":
         # 29k sentences: a wider model with heavy dropout.
-        c.model.update(d_model=256, num_heads=4, d_ff=1024, num_decoder_layers=4,
-                       dropout_rate=0.3)  # fmt: skip
+        c.model.update(d_model=256, num_heads=4, d_ff=1024, num_decoder_layers=4, dropout_rate=0.3)
         c.data.dataset = "multi30k"
         c.data.source_lang = "en"  # the modelled side
         c.data.target_lang = "de"  # read but not modelled (Multi30k comes in pairs)
@@ -82,8 +82,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.eval.update(every=1000, test_split="test_2016_flickr")
         c.checkpoint.every = 1000
     elif args.variant == "debug":
-        c.model.update(d_model=32, num_heads=2, d_ff=64, num_decoder_layers=1,
-                       dropout_rate=0.0)  # fmt: skip
+        c.model.update(d_model=32, num_heads=2, d_ff=64, num_decoder_layers=1, dropout_rate=0.0)
         c.data.synthetic.update(num_train=400, num_validation=40, num_test=40)
         c.data.vocab_size = 160
         c.data.tokenizer_pairs = 400

@@ -11,8 +11,7 @@ Arguments (`:a=b,c=d`; a bare word is the variant):
     extra        directions decoded for BLEU but not trained (zero-shot), '+'-joined; default none
     mixture      uniform (each direction equally often) | temperature (p_i ~ n_i^(1/T))
     temperature  T of the temperature mixture (1: proportional to the pair counts)
-    variant      default (CPU: ~1 s per step on 2 busy cores, ~1 hour with its decoding) |
-                 debug (seconds)
+    variant      default (sized for a 2-core CPU) | debug (seconds)
 
 Every source gets the '<2xx>' tag of its target language (one SentencePiece piece), and one
 SentencePiece vocabulary is trained over every language involved (tx_jax/data/directions.py).
@@ -47,8 +46,14 @@ def parse_directions_arg(text: str, key: str = "directions") -> list[str]:
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    args = parse_arg(arg, directions="en-de+de-en+en-fr+fr-en", extra="", mixture="uniform",
-                     temperature=5.0, variant="default")  # fmt: skip
+    args = parse_arg(
+        arg,
+        directions="en-de+de-en+en-fr+fr-en",
+        extra="",
+        mixture="uniform",
+        temperature=5.0,
+        variant="default",
+    )
     if args.variant not in VARIANTS:
         hint = "; join directions with '+' (',' separates arguments)" if "-" in args.variant else ""
         raise ValueError(
@@ -76,7 +81,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.share_embeddings = True  # one vocabulary for every language: one matrix
     c.model.tie_output = True  # logits = x E^T
 
-    # Data: Multi30k read in every direction; tags and the shared vocabulary: directions.py.
+    # Data: Multi30k read in every direction (tags, shared vocabulary: tx_jax/data/directions.py).
     c.data.dataset = "multi30k"
     c.data.directions = ",".join(trained)  # the trained directions, in sampling-state order
     c.data.extra_eval_directions = ",".join(extra)  # decoded for BLEU only (zero-shot)
@@ -94,7 +99,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.max_eval_len = 96  # eval sources/references are truncated to this
     c.data.tokens_per_batch = 2048  # padded tokens per side per batch, directions mixed
     c.data.bucket_boundaries = [64]  # packed rows of max_len: one shape
-    c.data.packing = True  # ~96% real tokens per row
+    c.data.packing = True  # several pairs per row, separated by segment ids
     c.data.eval_split = "validation"  # 1,014 pairs per direction
     c.data.test_split = "test_2016_flickr"  # 1,000 pairs per direction
     c.data.eval_batch_size = 128  # rows per eval/decode batch

@@ -55,8 +55,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.max_len = 256  # longer pairs (in tokens, EOS included) are dropped
     c.data.max_eval_len = 256  # newstest sources/references are truncated to this
     # The paper's batches hold ~25k source + ~25k target tokens. tokens_per_batch is the
-    # *padded* budget per side (B * max_len <= it, pipeline.py); packed rows are ~96% real,
-    # so 104 rows of 256 = 26,624 positions carry ~25.5k real tokens per side.
+    # *padded* budget per side (B * max_len <= it, tx_jax/data/pipeline.py); packed rows are
+    # ~96% real, so 104 rows of 256 = 26,624 positions carry ~25.5k real tokens per side.
     c.data.tokens_per_batch = 26_624
     c.data.bucket_boundaries = [256]  # packed rows of max_len: one shape
     c.data.packing = True
@@ -65,7 +65,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.eval_batch_size = 128  # rows per eval/decode batch
 
     # Training: section 5.3 (Adam 0.9 / 0.98 / 1e-9, rsqrt schedule, warmup 4000).
-    c.train.num_steps = 100_000  # base: 100k steps (12 hours on 8 P100s)
+    c.train.num_steps = 100_000  # the paper's base: 100k steps (12 hours on 8 P100s)
     c.train.schedule = "rsqrt"  # lrate = d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
     c.train.warmup_steps = 4000
     c.train.lr_scale = 1.0  # exactly the paper's formula
@@ -90,7 +90,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     #   python -m tx_jax.evaluate --workdir=DIR --average_last=5 --split=test
     c.eval.average_last = 5
 
-    # Checkpoints: every ~10 minutes (0.4 s/step for base on 8 P100s -> 1500 steps).
+    # Checkpoints: every ~10 minutes (the paper's 0.4 s/step for base on 8 P100s -> 1500 steps).
     c.checkpoint.every = 1500
     c.checkpoint.keep = 5  # at least eval.average_last, plus the best by best_metric
     c.checkpoint.best_metric = "bleu"
@@ -102,13 +102,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     if args.variant == "big":
         c.model.update(MODEL_VARIANTS["big"])  # M 1024, H 16, d_ff 4096, 6 + 6 layers
         c.model.dropout_rate = 0.3  # P_drop 0.3 for EN-DE big (Table 3; 0.1 for EN-FR)
-        c.train.num_steps = 300_000  # 3.5 days on 8 P100s
+        c.train.num_steps = 300_000  # the paper's: 3.5 days on 8 P100s
         c.eval.average_last = 20  # section 6.1: the last 20 checkpoints
-        c.checkpoint.every = 600  # ~10 minutes at 1.0 s/step
+        c.checkpoint.every = 600  # ~10 minutes at the paper's 1.0 s/step
         c.checkpoint.keep = 20
     elif args.variant == "debug":
-        c.model.update(d_model=32, num_heads=2, d_ff=64, num_encoder_layers=1,
-                       num_decoder_layers=1, dropout_rate=0.0)  # fmt: skip
+        c.model.update(
+            d_model=32,
+            num_heads=2,
+            d_ff=64,
+            num_encoder_layers=1,
+            num_decoder_layers=1,
+            dropout_rate=0.0,
+        )
         c.model.dtype = "float32"
         c.data.vocab_size = 512
         c.data.tokenizer_pairs = 2000

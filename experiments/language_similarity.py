@@ -1,11 +1,11 @@
-"""Language similarity and multilingual transfer on Multi30k (source document 002).
+"""Language similarity and multilingual transfer on Multi30k.
 
     python experiments/language_similarity.py [--root=runs/language_similarity] [--debug]
         [--manual_dir=../shared/data/multi30k] [--data_dir=TFDS_DIR]
 
 Multi30k has the same 31k image captions in English, German, French and Czech, so how much
-one language helps another can be measured with everything else held fixed. Document 002
-argues that transfer follows similarity (English and German: both Germanic); here German is
+one language helps another can be measured with everything else held fixed. The hypothesis
+is that transfer follows similarity (English and German: both Germanic); here German is
 the high-resource language, French (Romance, many English loanwords) and Czech (Slavic) are
 the low-resource ones, and the question is which of them gains more from German.
 
@@ -75,17 +75,42 @@ class Size:
 
 
 SIZES = {
-    # ~1 hour on 2 CPU cores (measured: see the report's wall times)
-    "default": Size("default", dict(d_model=128, num_heads=4, d_ff=512, num_encoder_layers=2,
-                                     num_decoder_layers=2, dropout_rate=0.2,
-                                     attention_dropout_rate=0.1),
-                    low_pairs=3000, vocab_size=6000, tokens_per_batch=2048, multi_steps=1000,
-                    pre_steps=700, low_steps=250, eval_limit=500, beam_size=1),
+    # sized for a 2-core CPU (wall times: README's Results and the report)
+    "default": Size(
+        "default",
+        dict(
+            d_model=128,
+            num_heads=4,
+            d_ff=512,
+            num_encoder_layers=2,
+            num_decoder_layers=2,
+            dropout_rate=0.2,
+            attention_dropout_rate=0.1,
+        ),
+        low_pairs=3000,
+        vocab_size=6000,
+        tokens_per_batch=2048,
+        multi_steps=1000,
+        pre_steps=700,
+        low_steps=250,
+        eval_limit=500,
+        beam_size=1,
+    ),
     # seconds: the CI test (tests/test_language_similarity.py)
-    "debug": Size("debug", {}, low_pairs=40, vocab_size=200, tokens_per_batch=512,
-                  multi_steps=6, pre_steps=4, low_steps=4, eval_limit=12, beam_size=1,
-                  debug_variant=True),
-}  # fmt: skip
+    "debug": Size(
+        "debug",
+        {},
+        low_pairs=40,
+        vocab_size=200,
+        tokens_per_batch=512,
+        multi_steps=6,
+        pre_steps=4,
+        low_steps=4,
+        eval_limit=12,
+        beam_size=1,
+        debug_variant=True,
+    ),
+}
 
 
 def _pairs_spec(size: Size) -> str:
@@ -118,11 +143,17 @@ def run_configs(size: Size, root: pathlib.Path, data_overrides: dict) -> dict[st
     multi_dir = root / "multi"
     tokenizer = str(multi_dir / "tokenizer.model")
     configs = {
-        "multi": make(six, size.multi_steps, **{"data.mixture": "temperature",
-                                                "data.temperature": 5.0,
-                                                "data.max_train_pairs": _pairs_spec(size)}),
+        "multi": make(
+            six,
+            size.multi_steps,
+            **{
+                "data.mixture": "temperature",
+                "data.temperature": 5.0,
+                "data.max_train_pairs": _pairs_spec(size),
+            },
+        ),
         "pre_de": make(f"en-{HIGH}", size.pre_steps, **{"data.tokenizer_path": tokenizer}),
-    }  # fmt: skip
+    }
     for x in LOW:
         low = {"data.max_train_pairs": size.low_pairs, "data.tokenizer_path": tokenizer}
         configs[f"scratch_{x}"] = make(f"en-{x}", size.low_steps, **low)
@@ -141,14 +172,22 @@ def train_all(configs: dict, root: pathlib.Path, log=print) -> dict[str, float]:
         final = train_and_evaluate(config, str(root / name))
         walls[name] = round(time.time() - start, 1)
         if "stopped_at" in final:  # SIGTERM/SIGINT: checkpoint saved; rerun to resume
-            raise SystemExit(f"[{name}] stopped at step {int(final['stopped_at'])}: rerun "
-                             "the same command to resume the study")  # fmt: skip
+            raise SystemExit(
+                f"[{name}] stopped at step {int(final['stopped_at'])}: rerun "
+                "the same command to resume the study"
+            )
     return walls
 
 
 def _score(loaded, direction: str, size: Size, pivot: str | None = None) -> dict:
-    s = multilingual.score_direction(loaded, direction, split="test_2016_flickr", pivot=pivot,
-                                     limit=size.eval_limit, beam_size=size.beam_size)  # fmt: skip
+    s = multilingual.score_direction(
+        loaded,
+        direction,
+        split="test_2016_flickr",
+        pivot=pivot,
+        limit=size.eval_limit,
+        beam_size=size.beam_size,
+    )
     return {"bleu": round(s.bleu, 2), "chrf": round(s.chrf, 2), "signature": s.signature}
 
 
@@ -163,8 +202,10 @@ def transfer_and_zero_shot(root: pathlib.Path, size: Size) -> dict:
             row[kind] = _score(restore.load(root / f"{kind}_{x}"), f"en-{x}", size)
         out["transfer"][f"en-{x}"] = row
     for d in ("de-fr", "fr-de"):
-        out["zero_shot"][d] = {"direct": _score(multi, d, size),
-                               "pivot_en": _score(multi, d, size, pivot="en")}  # fmt: skip
+        out["zero_shot"][d] = {
+            "direct": _score(multi, d, size),
+            "pivot_en": _score(multi, d, size, pivot="en"),
+        }
     return out
 
 
@@ -174,8 +215,9 @@ def representation_similarity(root: pathlib.Path, size: Size) -> dict:
     # the same test captions in every language: the en-X test splits share their English side
     texts = {"en": None}
     for x in (HIGH, *LOW):
-        task = directions_lib.direction_task(loaded.config.data, loaded.tokenizer,
-                                             loaded.config.seed, ("en", x))  # fmt: skip
+        task = directions_lib.direction_task(
+            loaded.config.data, loaded.tokenizer, loaded.config.seed, ("en", x)
+        )
         pairs = task.pairs("test_2016_flickr", size.eval_limit)
         english, other = zip(*(pairs[i] for i in range(len(pairs))))
         if texts["en"] is not None and list(english) != texts["en"]:
@@ -195,12 +237,13 @@ def representation_similarity(root: pathlib.Path, size: Size) -> dict:
         kind: [similarity.correlation(similarity.off_diagonal(m), surface_off) for m in mats[kind]]
         for kind in ("cka", "cosine")
     }
-    similarity.plot_similarity_heatmaps(mats["cka"], LANGS, root / "cka_heatmaps.png",
-                                        metric="linear CKA")  # fmt: skip
-    similarity.plot_similarity_heatmaps(mats["cosine"], LANGS, root / "cosine_heatmaps.png",
-                                        metric="mean-pooled cosine")  # fmt: skip
-    similarity.plot_similarity_vs_surface(mats["cka"], surface, LANGS,
-                                          root / "cka_vs_chrf.png")  # fmt: skip
+    similarity.plot_similarity_heatmaps(
+        mats["cka"], LANGS, root / "cka_heatmaps.png", metric="linear CKA"
+    )
+    similarity.plot_similarity_heatmaps(
+        mats["cosine"], LANGS, root / "cosine_heatmaps.png", metric="mean-pooled cosine"
+    )
+    similarity.plot_similarity_vs_surface(mats["cka"], surface, LANGS, root / "cka_vs_chrf.png")
     return {
         "languages": list(LANGS),
         "pairs": similarity.pair_labels(LANGS),
@@ -236,30 +279,50 @@ def write_report(root: pathlib.Path, size: Size, results: dict) -> pathlib.Path:
     ]
     for d, row in t.items():
         gain = row[f"from_{HIGH}"]["bleu"] - row["scratch"]["bleu"]
-        cells = [f"{row[k]['bleu']:.2f} / {row[k]['chrf']:.1f}"
-                 for k in ("scratch", f"from_{HIGH}", "multilingual")]  # fmt: skip
+        cells = [
+            f"{row[k]['bleu']:.2f} / {row[k]['chrf']:.1f}"
+            for k in ("scratch", f"from_{HIGH}", "multilingual")
+        ]
         lines.append(f"| {d} | " + " | ".join(cells) + f" | {gain:+.2f} |")
-    lines += ["", "Multilingual model on its trained directions (BLEU): "
-              + ", ".join(f"{d} {v['bleu']:.2f}" for d, v in results["scores"]["multi"].items()),
-              "", "## Zero-shot (trained on en<->X only)", "",
-              "| direction | direct (tag only) | through English |", "|---|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        "Multilingual model on its trained directions (BLEU): "
+        + ", ".join(f"{d} {v['bleu']:.2f}" for d, v in results["scores"]["multi"].items()),
+        "",
+        "## Zero-shot (trained on en<->X only)",
+        "",
+        "| direction | direct (tag only) | through English |",
+        "|---|---|---|",
+    ]
     for d, row in z.items():
         lines.append(f"| {d} | {row['direct']['bleu']:.2f} | {row['pivot_en']['bleu']:.2f} |")
-    lines += ["", "## Encoder representations vs surface similarity", "",
-              f"{s['sentences']} parallel test sentences per language through the multilingual "
-              "encoder (tag <2en>, mean-pooled over each sentence's own pieces). Layer 0 is the "
-              "embeddings plus positions; layer i the output of encoder layer i.", "",
-              "![CKA](cka_heatmaps.png)", "", "![cosine](cosine_heatmaps.png)", "",
-              "![CKA vs chrF](cka_vs_chrf.png)", "",
-              "| pair | chrF | " + " | ".join(f"CKA L{g}" for g in range(len(s["cka"])))
-              + " |", "|---|---|" + "---|" * len(s["cka"])]  # fmt: skip
+    lines += [
+        "",
+        "## Encoder representations vs surface similarity",
+        "",
+        f"{s['sentences']} parallel test sentences per language through the multilingual "
+        "encoder (tag <2en>, mean-pooled over each sentence's own pieces). Layer 0 is the "
+        "embeddings plus positions; layer i the output of encoder layer i.",
+        "",
+        "![CKA](cka_heatmaps.png)",
+        "",
+        "![cosine](cosine_heatmaps.png)",
+        "",
+        "![CKA vs chrF](cka_vs_chrf.png)",
+        "",
+        "| pair | chrF | " + " | ".join(f"CKA L{g}" for g in range(len(s["cka"]))) + " |",
+        "|---|---|" + "---|" * len(s["cka"]),
+    ]
     k = len(LANGS)
     idx = [(i, j) for i in range(k) for j in range(i + 1, k)]
     for p, (i, j) in zip(s["pairs"], idx):
         cka = " | ".join(f"{layer[i][j]:.3f}" for layer in s["cka"])
         lines.append(f"| {p} | {s['chrf'][i][j]:.1f} | {cka} |")
-    lines += ["", "| layer | Pearson(CKA, chrF) | Spearman(CKA, chrF) | Pearson(cos, chrF) |",
-              "|---|---|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        "| layer | Pearson(CKA, chrF) | Spearman(CKA, chrF) | Pearson(cos, chrF) |",
+        "|---|---|---|---|",
+    ]
     for g, (a, b) in enumerate(zip(s["correlation"]["cka"], s["correlation"]["cosine"])):
         lines.append(f"| {g} | {_f(a['pearson'])} | {_f(a['spearman'])} | {_f(b['pearson'])} |")
     lines += ["", "Signature: " + next(iter(t.values()))["scratch"]["signature"], ""]
@@ -285,8 +348,12 @@ def main(argv: list[str] | None = None) -> int:
     scores = transfer_and_zero_shot(root, size)
     sims = representation_similarity(root, size)
     walls["evaluation"] = round(time.time() - start - sum(walls.values()), 1)
-    results = {"size": dataclasses.asdict(size), "wall_s": walls, "scores": scores,
-               "similarity": sims}  # fmt: skip
+    results = {
+        "size": dataclasses.asdict(size),
+        "wall_s": walls,
+        "scores": scores,
+        "similarity": sims,
+    }
     (root / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     report = write_report(root, size, results)
     print(f"report: {report}")

@@ -53,9 +53,13 @@ def run_python(code: str, *, devices: int = 8, timeout: int = 600, env=None) -> 
     full_env["JAX_PLATFORMS"] = "cpu"
     full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
     proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
-        env=full_env, cwd=ROOT,
-    )  # fmt: skip
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+        cwd=ROOT,
+    )
     if proc.returncode != 0:
         raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
     return proc.stdout

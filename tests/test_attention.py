@@ -29,7 +29,7 @@ def _exact_softmax(scores):
     return e / e.sum()
 
 
-def test_worked_example_of_source_document_000():
+def test_worked_example_of_the_attention_article():
     """Section 4.1-4.2: q=[.1,.2,.3], k1=[.4,.5,.6], k2=[.7,.8,.9], d_k=3.
 
     The article prints raw scores 0.38 and 0.65, but its own products give
@@ -96,9 +96,16 @@ def test_matches_float64_reference(rng, impl, causal):
     L, S = q.shape[1], k.shape[1]
     bias = rng.normal(size=(1, q.shape[2], L, S)).astype(np.float32)
     out = A.dot_product_attention(
-        q, k, v, bias=bias, is_causal=causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-        implementation=impl, chunk_size=8,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        bias=bias,
+        is_causal=causal,
+        q_segment_ids=q_seg,
+        kv_segment_ids=kv_seg,
+        implementation=impl,
+        chunk_size=8,
+    )
     mask = A.dense_mask(L, S, is_causal=causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
     ref, _ = reference_attention(q, k, v, np.asarray(mask), bias)
     err = np.abs(np.asarray(out, np.float64) - ref).max() / np.abs(ref).max()
@@ -172,9 +179,16 @@ def test_chunked_gradients_with_dropout_equal_autodiff_of_the_same_forward(rng):
 
     def custom(q, k, v):
         out = flash.flash_attention(
-            q, k, v, is_causal=True, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-            dropout_rate=0.25, dropout_rng=key, chunk_size=6,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            is_causal=True,
+            q_segment_ids=q_seg,
+            kv_segment_ids=kv_seg,
+            dropout_rate=0.25,
+            dropout_rng=key,
+            chunk_size=6,
+        )
         return jnp.sum(out * cot)
 
     def reference(q, k, v):
@@ -197,9 +211,15 @@ def test_chunked_backward_memory_is_linear_in_length():
     def temp(impl):
         def loss(q, k, v):
             out = A.dot_product_attention(
-                q, k, v, is_causal=True, q_segment_ids=seg, kv_segment_ids=seg,
-                implementation=impl, chunk_size=256,
-            )  # fmt: skip
+                q,
+                k,
+                v,
+                is_causal=True,
+                q_segment_ids=seg,
+                kv_segment_ids=seg,
+                implementation=impl,
+                chunk_size=256,
+            )
             return out.sum()
 
         grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
@@ -229,9 +249,15 @@ def test_packed_segments_equal_separate_sequences(rng, impl):
     x = rng.normal(size=(1, 9, H, D)).astype(np.float32)
     seg = np.array([[1, 1, 1, 1, 2, 2, 2, 0, 0]], np.int32)
     packed = A.dot_product_attention(
-        x, x, x, is_causal=True, q_segment_ids=seg, kv_segment_ids=seg, implementation=impl,
+        x,
+        x,
+        x,
+        is_causal=True,
+        q_segment_ids=seg,
+        kv_segment_ids=seg,
+        implementation=impl,
         chunk_size=4,
-    )  # fmt: skip
+    )
     first = A.dot_product_attention(x[:, :4], x[:, :4], x[:, :4], is_causal=True)
     second = A.dot_product_attention(x[:, 4:7], x[:, 4:7], x[:, 4:7], is_causal=True)
     np.testing.assert_allclose(packed[:, :4], first, rtol=1e-5, atol=1e-6)
@@ -260,7 +286,7 @@ def test_attention_dropout(rng):
                 dropout_rng=jax.random.key(i),
                 implementation=impl,
                 chunk_size=8,
-            )  # fmt: skip
+            )
             for i in range(64)
         ]
         mean = np.mean(outs, axis=0)

@@ -1,5 +1,7 @@
 """The benchmark scripts' own logic (no timing: speed is measured in benchmarks/, not here)."""
 
+import json
+import os
 import pathlib
 import sys
 
@@ -33,3 +35,29 @@ def test_table_formats_numbers():
         "|---|---|---|---|",
         "| 1,234 | 12.3 | 0.0123 | 4,096 |",
     ]
+
+
+def test_results_record_paths_relative_to_the_repository(tmp_path):
+    assert _common.portable_path(os.path.join(_common.ROOT, "tx_jax")) == "tx_jax"
+    assert _common.portable_path(_common.ROOT) == "."
+    assert _common.portable_path(str(tmp_path / "lib_abc1234")) == "lib_abc1234"
+
+
+def test_committed_results_hold_no_absolute_path():
+    root = pathlib.Path(_common.ROOT)
+    files = [*root.glob("benchmarks/results/*.json"), *root.glob("experiments/results/**/*.json")]
+    assert files
+
+    def strings(x):
+        if isinstance(x, str):
+            yield x
+        elif isinstance(x, dict):
+            for v in x.values():
+                yield from strings(v)
+        elif isinstance(x, list):
+            for v in x:
+                yield from strings(v)
+
+    for path in files:
+        absolute = [s for s in strings(json.loads(path.read_text())) if os.path.isabs(s)]
+        assert not absolute, (path.name, absolute)

@@ -27,7 +27,7 @@ DOCUMENTED = {
         "default",
         "directions=en-de+en-fr+en-cs,mixture=temperature,temperature=2",
         "directions=en-de+de-en,extra=de-fr+fr-de,debug",
-    ],  # fmt: skip
+    ],
 }
 CASES = [(p, arg) for p in CONFIGS for arg in (None, "debug", *DOCUMENTED.get(p.stem, []))]
 
@@ -82,8 +82,10 @@ def test_config_values():
     assert (base.eval.average_last, big.eval.average_last) == (5, 20)
     assert big.checkpoint.keep >= big.eval.average_last
     assert (base.model.dtype, base.parallel.strategy, base.data.download) == (
-        "bfloat16", "mesh", True,
-    )  # fmt: skip
+        "bfloat16",
+        "mesh",
+        True,
+    )
     # ~25k real tokens per side: the padded budget of packed rows (~96% real).
     assert 25_000 <= 0.96 * base.data.tokens_per_batch <= 26_000
 
@@ -91,8 +93,9 @@ def test_config_values():
     c = lm.get_config("multi30k")
     assert (c.task, c.data.lm_side, c.data.source_lang) == ("lm", "source", "en")
     assert (lm.get_config(None).model.positional, lm.get_config(None).model.norm_position) == (
-        "rope", "pre",
-    )  # fmt: skip
+        "rope",
+        "pre",
+    )
     assert load(CONFIG_DIR / "default.py").get_config(None).task == "translation"
 
 

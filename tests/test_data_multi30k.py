@@ -1,7 +1,7 @@
 """Tests for tx_jax.data.multi30k: the Multi30k TFDS builder on small gzip fixtures.
 
 Every fixture is written into tmp_path by the test; the real corpus is read only by the smoke
-test at the end, and only where /work/shared/data/multi30k exists.
+test at the end, and only where ../shared/data/multi30k (beside the repository) exists.
 """
 
 from __future__ import annotations

@@ -86,14 +86,26 @@ def test_hand_built_translation():
     assert syn.translate(src).split() == [*dog, *cats, "ko", L["see"] + "a", "."]
     # "because" swaps the clauses and marks the reason clause.
     assert syn.translate("cats sleep because dogs run .").split() == [
-        L["dog"] + "ri", L["run"] + "an", "sen", L["cat"] + "ri", L["sleep"] + "an", ".",
-    ]  # fmt: skip
+        L["dog"] + "ri",
+        L["run"] + "an",
+        "sen",
+        L["cat"] + "ri",
+        L["sleep"] + "an",
+        ".",
+    ]
     # A relative clause precedes its head noun: [object ko] verb ke noun ...
     assert syn.translate("an old horse that found these birds laughed .").split() == [
-        L["bird"] + "ri", syn.TGT_DET["these", g["bird"], True], "ko", L["find"] + "i", "ke",
-        L["horse"], L["old"] + syn.TGT_ADJ_SUFFIX[g["horse"], False],
-        syn.TGT_DET["a", g["horse"], False], L["laugh"] + "i", ".",
-    ]  # fmt: skip
+        L["bird"] + "ri",
+        syn.TGT_DET["these", g["bird"], True],
+        "ko",
+        L["find"] + "i",
+        "ke",
+        L["horse"],
+        L["old"] + syn.TGT_ADJ_SUFFIX[g["horse"], False],
+        syn.TGT_DET["a", g["horse"], False],
+        L["laugh"] + "i",
+        ".",
+    ]
 
 
 def test_word_order_differs(train_pairs):

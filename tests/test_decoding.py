@@ -231,9 +231,14 @@ def test_beam_covering_every_prefix_returns_the_exhaustive_top_n(small, alpha, k
     N = 27
     scores, hyps = _exhaustive_scores(hypotheses, alpha, kind)
     tokens, beam_scores = decoding.translate_beam(
-        cfg, params, SMALL_SRC, beam_size=N, alpha=alpha, max_decode_len=MAX_LEN,
+        cfg,
+        params,
+        SMALL_SRC,
+        beam_size=N,
+        alpha=alpha,
+        max_decode_len=MAX_LEN,
         length_penalty=kind,
-    )  # fmt: skip
+    )
     want = -np.sort(-scores, axis=1)[:, :N]
     np.testing.assert_allclose(beam_scores, want, rtol=1e-5, atol=1e-5)
     index = {tuple(h): j for j, h in enumerate(hyps)}  # each returned hypothesis' own score
@@ -301,10 +306,8 @@ def test_language_model_sampling(language_model):
         lambda p: decoding.greedy_decode(
             fn, cache, batch_size=B, max_decode_len=T, bos_id=BOS, prompt=p
         )
-    )(prompt)  # fmt: skip
-    run = lambda key, **kw: decoding.sample(
-        cfg, params, key, prompt=prompt, max_decode_len=T, **kw
-    )  # fmt: skip
+    )(prompt)
+    run = lambda key, **kw: decoding.sample(cfg, params, key, prompt=prompt, max_decode_len=T, **kw)
     k0, k1 = jax.random.key(0), jax.random.key(1)
     np.testing.assert_array_equal(run(k0, temperature=0.0), greedy)
     np.testing.assert_array_equal(run(k1, temperature=1e-4), greedy)

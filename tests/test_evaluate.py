@@ -49,9 +49,13 @@ def greedy_validation(workdir):
 def _cli(module: str, *args: str, stdin: bytes = b"") -> subprocess.CompletedProcess:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     return subprocess.run(
-        [sys.executable, "-m", module, *args], input=stdin, capture_output=True, env=env,
-        cwd=ROOT, timeout=300,
-    )  # fmt: skip
+        [sys.executable, "-m", module, *args],
+        input=stdin,
+        capture_output=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
 
 
 def test_evaluate_writes_bleu_with_signature_and_one_line_per_example(workdir):
@@ -87,9 +91,15 @@ def test_evaluate_loss_matches_training_validation_loss(workdir, greedy_validati
 def test_translate_keeps_line_count_and_alignment(workdir, greedy_validation):
     _, hyps, sources = greedy_validation
     lines = [
-        sources[3], "", "   \t", sources[0], "ЖЖЖ 中文 ☃ ∮ 𝄞",
-        b"\xff\xfe invalid \xc3 utf-8 " + sources[5].encode(), sources[7], "",
-    ]  # fmt: skip
+        sources[3],
+        "",
+        "   \t",
+        sources[0],
+        "ЖЖЖ 中文 ☃ ∮ 𝄞",
+        b"\xff\xfe invalid \xc3 utf-8 " + sources[5].encode(),
+        sources[7],
+        "",
+    ]
     out = translation.translate(lines, workdir, beam_size=1, batch_size=16)
     assert len(out) == len(lines)
     assert (out[0], out[3], out[6]) == (hyps[3], hyps[0], hyps[7])  # really aligned:
@@ -99,8 +109,9 @@ def test_translate_keeps_line_count_and_alignment(workdir, greedy_validation):
     # the CLI: bytes in, one line out per line in, messages on stderr only
     stdin = b"\n".join(x if isinstance(x, bytes) else x.encode() for x in lines) + b"\n"
     stdin += (" ".join(sources[:20]) + "\n").encode()  # too long: truncated, with a warning
-    proc = _cli("tx_jax.translate", f"--workdir={workdir}", "--beam_size=1", "--batch_size=16",
-                stdin=stdin)  # fmt: skip
+    proc = _cli(
+        "tx_jax.translate", f"--workdir={workdir}", "--beam_size=1", "--batch_size=16", stdin=stdin
+    )
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
     got = proc.stdout.decode().split("\n")
     assert got[:-1][: len(lines)] == out and len(got) == len(lines) + 2 and got[-1] == ""
@@ -109,8 +120,10 @@ def test_translate_keeps_line_count_and_alignment(workdir, greedy_validation):
 
 
 def _params(loaded):
-    return {jax.tree_util.keystr(p): np.asarray(x)
-            for p, x in jax.tree_util.tree_leaves_with_path(loaded.params)}  # fmt: skip
+    return {
+        jax.tree_util.keystr(p): np.asarray(x)
+        for p, x in jax.tree_util.tree_leaves_with_path(loaded.params)
+    }
 
 
 def test_averaging_identical_checkpoints_returns_them(workdir, tmp_path):
@@ -119,8 +132,13 @@ def test_averaging_identical_checkpoints_returns_them(workdir, tmp_path):
     state, data_state, meta = ckpt.restore(STEPS, averaging._abstract_state(opened))
     copies = Checkpointer(tmp_path / "checkpoints", async_save=False, best_metric=None)
     for step in (10, 20, 30):
-        copies.save(step, state, data_state=data_state, config=meta["config"],
-                    tokenizer_bytes=meta["tokenizer"])  # fmt: skip
+        copies.save(
+            step,
+            state,
+            data_state=data_state,
+            config=meta["config"],
+            tokenizer_bytes=meta["tokenizer"],
+        )
     copies.close()
     averaged = averaging.average_checkpoints(tmp_path, 3)
     assert averaged.path == tmp_path / "averaged" / "last3" / "30"
@@ -163,10 +181,17 @@ def test_averaging_different_checkpoints_gives_their_mean(workdir):
 def test_average_last_in_the_config_drives_the_test_score_and_evaluate(tmp_path, tfds_dir):
     """eval.average_last: the end-of-training test BLEU and `evaluate` (by default) score the
     mean of the last K checkpoints; average_last=0 scores the latest checkpoint itself."""
-    config = tiny_config(tfds_dir, **{
-        "train.num_steps": 40, "train.warmup_steps": 10, "checkpoint.every": 20,
-        "eval.test_split": "test", "eval.test_beam_size": 1, "eval.average_last": 2,
-    })  # fmt: skip
+    config = tiny_config(
+        tfds_dir,
+        **{
+            "train.num_steps": 40,
+            "train.warmup_steps": 10,
+            "checkpoint.every": 20,
+            "eval.test_split": "test",
+            "eval.test_beam_size": 1,
+            "eval.average_last": 2,
+        },
+    )
     final = train_and_evaluate(config, tmp_path / "run")
     assert final["test_average_last"] == 2
     record = evaluation.evaluate(tmp_path / "run", split="test", beam_size=1)
@@ -185,10 +210,12 @@ def test_average_last_in_the_config_drives_the_test_score_and_evaluate(tmp_path,
 
 def test_eight_device_checkpoint_evaluates_on_one_device(tmp_path, tfds_dir):
     overrides = {
-        "train.num_steps": 60, "train.warmup_steps": 10, "checkpoint.every": 60,
+        "train.num_steps": 60,
+        "train.warmup_steps": 10,
+        "checkpoint.every": 60,
         "parallel.strategy": "mesh",
         "parallel.mesh": {"data": 2, "fsdp": 2, "tensor": 2},
-    }  # fmt: skip
+    }
     workdir = tmp_path / "mesh"
     code = f"""
 import json, jax

@@ -1,4 +1,4 @@
-"""The FLOP formula (tx_jax/flops.py) against a hand count and the model's own matmuls."""
+"""The FLOP formula (tx_jax/analysis/flops.py) against a hand count and the model's own matmuls."""
 
 import math
 
@@ -31,9 +31,13 @@ def _dot_flops(jaxpr) -> int:
 def test_hand_count_of_a_one_layer_model():
     """B=2, S=3, L=5, M=8, H=2 (D=4), F=16, V=11, one layer each, counted term by term."""
     cfg = ModelConfig(
-        vocab_size=11, d_model=8, num_heads=2, d_ff=16, num_encoder_layers=1,
+        vocab_size=11,
+        d_model=8,
+        num_heads=2,
+        d_ff=16,
+        num_encoder_layers=1,
         num_decoder_layers=1,
-    )  # fmt: skip
+    )
     f = flops.encoder_decoder_flops(cfg, batch=2, source_len=3, target_len=5)
     mac = 2  # FLOPs per multiply-add
     enc_proj = 4 * (2 * 3) * 8 * 8  # 4 projections, 6 tokens, 8x8 each
@@ -53,10 +57,12 @@ def test_six_n_d_for_a_paper_shaped_layer():
     f = flops.encoder_decoder_flops(cfg, batch=1, source_len=1, target_len=1)
     params = count_params(
         jax.eval_shape(
-            EncoderDecoder(cfg).init, jax.random.key(0), jnp.ones((1, 1), jnp.int32),
+            EncoderDecoder(cfg).init,
+            jax.random.key(0),
+            jnp.ones((1, 1), jnp.int32),
             jnp.ones((1, 1), jnp.int32),
         )["params"]
-    )  # fmt: skip
+    )
     M, F, V = 512, 2048, 100
     ffn_biases = 12 * (F + M)  # 6 + 6 layers
     norms = 6 * 2 * (2 * M) + 6 * 3 * (2 * M)  # scale and bias; 2 per encoder, 3 per decoder layer
@@ -74,7 +80,7 @@ CONFIGS = {
         tie_output=False,
         share_embeddings=False,
         target_vocab_size=37,
-    ),  # fmt: skip
+    ),
     "head_dim": dict(num_heads=2, head_dim=12),
 }
 
@@ -83,9 +89,15 @@ CONFIGS = {
 def test_formula_equals_the_matmuls_xla_runs(name):
     """Forward: every dot_general in the model's jaxpr; train: the grad's jaxpr is 3x."""
     base = dict(
-        vocab_size=29, d_model=16, num_heads=2, d_ff=24, num_encoder_layers=2,
-        num_decoder_layers=1, dropout_rate=0.0, attention_impl="xla",
-    )  # fmt: skip
+        vocab_size=29,
+        d_model=16,
+        num_heads=2,
+        d_ff=24,
+        num_encoder_layers=2,
+        num_decoder_layers=1,
+        dropout_rate=0.0,
+        attention_impl="xla",
+    )
     cfg = ModelConfig(**{**base, **CONFIGS[name]})
     B, S, L = 3, 7, 5
     model = EncoderDecoder(cfg)
@@ -114,9 +126,15 @@ def test_formula_equals_the_matmuls_xla_runs(name):
 
 def test_decoder_only_matches_its_matmuls():
     cfg = ModelConfig(
-        vocab_size=31, d_model=16, num_heads=4, num_kv_heads=1, d_ff=32,
-        num_decoder_layers=2, dropout_rate=0.0, attention_impl="xla",
-    )  # fmt: skip
+        vocab_size=31,
+        d_model=16,
+        num_heads=4,
+        num_kv_heads=1,
+        d_ff=32,
+        num_decoder_layers=2,
+        dropout_rate=0.0,
+        attention_impl="xla",
+    )
     model = DecoderOnly(cfg)
     tokens = jnp.asarray(np.random.default_rng(1).integers(1, 31, (2, 9)), jnp.int32)
     params = nn.meta.unbox(model.init(jax.random.key(0), tokens)["params"])

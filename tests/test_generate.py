@@ -79,7 +79,7 @@ def test_sample_rows_force_the_prompt_and_follow_the_seed(lm):
     ids = [tok.encode(p) for p in PROMPTS]
     run = lambda seed, **kw: generation.sample_rows(
         cfg, params, ids, jax.random.key(seed), num_samples=3, max_new_tokens=10, **kw
-    )  # fmt: skip
+    )
     rows = run(0)
     assert rows.shape == (6, 16 + 10)  # prompts padded to 16, then 10 new positions
     for r, row in enumerate(rows):
@@ -106,9 +106,14 @@ def test_temperature_zero_is_greedy_decoding(lm):
     # the reference: greedy search over the full (no-cache) model, recomputed every step
     fn, cache = decoding.decoder_only_logits_fn(cfg, params, B, max_decode_len=T, use_cache=False)
     greedy = decoding.greedy_decode(
-        fn, cache, batch_size=B, max_decode_len=T, bos_id=cfg.bos_id, eos_id=tok.eos_id,
+        fn,
+        cache,
+        batch_size=B,
+        max_decode_len=T,
+        bos_id=cfg.bos_id,
+        eos_id=tok.eos_id,
         prompt=jnp.asarray(prompt),
-    )  # fmt: skip
+    )
     np.testing.assert_array_equal(rows, greedy)
     assert (rows[0] == rows[1]).all()  # greedy: every sample of a prompt is the same
 
@@ -116,9 +121,16 @@ def test_temperature_zero_is_greedy_decoding(lm):
 def test_generate_returns_the_continuation_only(lm):
     _, cfg, params, tok = lm
     samples = generation.generate(
-        cfg, params, tok, [*PROMPTS, ""], num_samples=2, max_new_tokens=5, seed=3,
-        temperature=1.0, top_p=1.0,
-    )  # fmt: skip
+        cfg,
+        params,
+        tok,
+        [*PROMPTS, ""],
+        num_samples=2,
+        max_new_tokens=5,
+        seed=3,
+        temperature=1.0,
+        top_p=1.0,
+    )
     ids = [tok.encode(p) for p in [*PROMPTS, ""]]
     rows = generation.sample_rows(
         cfg, params, ids, jax.random.key(3), num_samples=2, max_new_tokens=5, temperature=1.0
@@ -156,9 +168,14 @@ def test_cli_prints_num_samples_lines_per_prompt(lm, capsys, monkeypatch):
     assert len(lines) == 3
     # the first prompt of a run uses fold_in(key(seed), 0)
     (want,) = generation.generate(
-        cfg, params, tok, ["the red cat"], rng=jax.random.fold_in(jax.random.key(4), 0),
-        num_samples=3, max_new_tokens=6,
-    )  # fmt: skip
+        cfg,
+        params,
+        tok,
+        ["the red cat"],
+        rng=jax.random.fold_in(jax.random.key(4), 0),
+        num_samples=3,
+        max_new_tokens=6,
+    )
     assert lines == [" ".join(s.text.split()) for s in want]
     assert _cli([*common, "--prompt=the red cat", "--num_samples=3"], capsys) == lines
 
@@ -168,9 +185,11 @@ def test_cli_prints_num_samples_lines_per_prompt(lm, capsys, monkeypatch):
         for line in _cli([*common, "--num_samples=2", "--json"], capsys, stdin, monkeypatch)
     ]
     assert [(r["prompt"], r["sample"]) for r in records] == [
-        ("the red cat", 0), ("the red cat", 1),
-        ("three small dogs that", 0), ("three small dogs that", 1),
-    ]  # fmt: skip
+        ("the red cat", 0),
+        ("the red cat", 1),
+        ("three small dogs that", 0),
+        ("three small dogs that", 1),
+    ]
     assert records[0]["text"] == want[0].text and records[1]["text"] == want[1].text
     assert all(len(r["tokens"]) <= 6 and isinstance(r["finished"], bool) for r in records)
     assert generate.main(["generate", "--prompt=x"]) == 2  # --workdir is required

@@ -41,8 +41,14 @@ def test_run_configs_hold_the_design(tmp_path):
     """The default study: one vocabulary (multi's) everywhere, the low-resource caps, init_from."""
     size = study.SIZES["default"]
     configs = study.run_configs(size, tmp_path, {})
-    assert list(configs) == ["multi", "pre_de", "scratch_fr", "from_de_fr", "scratch_cs",
-                             "from_de_cs"]  # fmt: skip
+    assert list(configs) == [
+        "multi",
+        "pre_de",
+        "scratch_fr",
+        "from_de_fr",
+        "scratch_cs",
+        "from_de_cs",
+    ]
     multi = configs["multi"]
     assert multi.data.directions == "en-de,de-en,en-fr,fr-en,en-cs,cs-en"
     assert multi.data.max_train_pairs == "en-fr=3000,fr-en=3000,en-cs=3000,cs-en=3000"
@@ -58,8 +64,12 @@ def test_run_configs_hold_the_design(tmp_path):
 def test_debug_study_end_to_end(tmp_path):
     raw = write_fixture(tmp_path / "raw")
     root = tmp_path / "study"
-    assert study.main(["--debug", f"--root={root}", f"--manual_dir={raw}",
-                       f"--data_dir={tmp_path / 'tfds'}"]) == 0  # fmt: skip
+    assert (
+        study.main(
+            ["--debug", f"--root={root}", f"--manual_dir={raw}", f"--data_dir={tmp_path / 'tfds'}"]
+        )
+        == 0
+    )
     results = json.loads((root / "results.json").read_text())
     transfer = results["scores"]["transfer"]
     assert set(transfer) == {"en-fr", "en-cs"}

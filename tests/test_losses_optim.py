@@ -80,9 +80,18 @@ def test_accuracy_agrees_with_argmax_without_ties():
 
 def _train_cfg(**kw):
     base = dict(
-        schedule="rsqrt", warmup_steps=4000, lr_scale=1.0, peak_lr=1e-3, final_lr_fraction=0.1,
-        num_steps=100_000, beta1=0.9, beta2=0.98, eps=1e-9, weight_decay=0.0, clip_grad_norm=0.0,
-    )  # fmt: skip
+        schedule="rsqrt",
+        warmup_steps=4000,
+        lr_scale=1.0,
+        peak_lr=1e-3,
+        final_lr_fraction=0.1,
+        num_steps=100_000,
+        beta1=0.9,
+        beta2=0.98,
+        eps=1e-9,
+        weight_decay=0.0,
+        clip_grad_norm=0.0,
+    )
     base.update(kw)
     return ml_collections.ConfigDict(base)
 

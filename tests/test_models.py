@@ -107,10 +107,14 @@ def test_packed_examples_equal_separate_examples():
     seg = lambda a, b, pad: jnp.array([[1] * a + [2] * b + [0] * pad], jnp.int32)
     pos = lambda a, b, pad: jnp.array([list(range(a)) + list(range(b)) + [0] * pad], jnp.int32)
     packed = model.apply(
-        v, inputs, targets,
-        inputs_segmentation=seg(4, 3, 2), targets_segmentation=seg(3, 5, 1),
-        inputs_positions=pos(4, 3, 2), targets_positions=pos(3, 5, 1),
-    )  # fmt: skip
+        v,
+        inputs,
+        targets,
+        inputs_segmentation=seg(4, 3, 2),
+        targets_segmentation=seg(3, 5, 1),
+        inputs_positions=pos(4, 3, 2),
+        targets_positions=pos(3, 5, 1),
+    )
     np.testing.assert_allclose(packed[:, :3], model.apply(v, s1, t1), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(packed[:, 3:8], model.apply(v, s2, t2), rtol=1e-5, atol=1e-5)
 
@@ -142,11 +146,10 @@ def test_embedding_sharing_and_tying():
     assert "source_embed" in shared and "target_embed" not in shared
     assert "logits_kernel" not in shared["decoder"]
     untied = _init(
-        EncoderDecoder(
-            _cfg(share_embeddings=False, tie_output=False, target_vocab_size=V + 7)
-        ),
-        src, tgt,
-    )["params"]  # fmt: skip
+        EncoderDecoder(_cfg(share_embeddings=False, tie_output=False, target_vocab_size=V + 7)),
+        src,
+        tgt,
+    )["params"]
     assert untied["target_embed"]["embedding"].value.shape == (V + 7, 64)
     assert untied["decoder"]["logits_kernel"].value.shape == (64, V + 7)
     # tied logits are x E^T: E's scale enters both the input and the output

@@ -102,8 +102,11 @@ def data_dir(tmp_path_factory):
 def workdir(tmp_path_factory, data_dir, raw_dir):
     """The module's model: en<->de and en<->fr, uniform mixture, de-fr decoded as extra."""
     path = tmp_path_factory.mktemp("multilingual") / "run"
-    c = config(data_dir, raw_dir, **{"train.num_steps": STEPS, "eval.every": STEPS,
-                                     "data.extra_eval_directions": "de-fr"})  # fmt: skip
+    c = config(
+        data_dir,
+        raw_dir,
+        **{"train.num_steps": STEPS, "eval.every": STEPS, "data.extra_eval_directions": "de-fr"},
+    )
     train_and_evaluate(c, path)
     return path
 
@@ -121,8 +124,12 @@ def test_directions_and_tags():
     assert directions.parse_directions("en-de+fr-en") == [("en", "de"), ("fr", "en")]
     assert directions.parse_directions(["en-de", " cs-fr "]) == [("en", "de"), ("cs", "fr")]
     assert directions.parse_directions("") == [] and directions.lang_tag("de") == "<2de>"
-    for bad, match in [("en-en", "two different"), ("ende", "not SRC-TGT"),
-                       ("en-de,en-de", "appears twice"), ("en-de-fr", "not SRC-TGT")]:  # fmt: skip
+    for bad, match in [
+        ("en-en", "two different"),
+        ("ende", "not SRC-TGT"),
+        ("en-de,en-de", "appears twice"),
+        ("en-de-fr", "not SRC-TGT"),
+    ]:
         with pytest.raises(ValueError, match=f"data.directions='{bad}'.*{match}"):
             directions.parse_directions(bad)
     c = multilingual_config.get_config("directions=en-de+de-en,extra=de-fr+en-de")
@@ -130,10 +137,11 @@ def test_directions_and_tags():
     assert directions.extra_directions(c.data) == [("de", "fr")]  # en-de is trained already
     assert directions.tag_languages(c.data) == ["de", "en", "fr"]
     for key, value, match in [
-        ("mixture", "zipf", "data.mixture='zipf'"), ("temperature", -1.0, "data.temperature=-1"),
+        ("mixture", "zipf", "data.mixture='zipf'"),
+        ("temperature", -1.0, "data.temperature=-1"),
         ("max_train_pairs", -5, "data.max_train_pairs=-5"),
         ("directions", "en-de,xx", "'xx' is not SRC-TGT"),
-    ]:  # fmt: skip
+    ]:
         bad = multilingual_config.get_config("debug")
         bad.data[key] = value
         with pytest.raises(ValueError, match=match):
@@ -189,8 +197,9 @@ def test_zero_shot_direct_and_through_a_pivot(loaded, workdir):
     assert pathlib.Path(record["hypotheses"]).read_text().splitlines() == pivot.hypotheses
     direct_record = evaluation.evaluate(workdir, direction="de-fr", beam_size=1, write=False)
     assert direct_record["bleu"] == pytest.approx(direct.bleu)
-    records = evaluation.evaluate_directions(workdir, split="validation", beam_size=1, limit=8,
-                                           write=False)  # fmt: skip
+    records = evaluation.evaluate_directions(
+        workdir, split="validation", beam_size=1, limit=8, write=False
+    )
     assert [r["direction"] for r in records] == ["en-de", "de-en", "en-fr", "fr-en"]
     with pytest.raises(restore.CheckpointError, match="is multilingual .*give a direction"):
         evaluation.evaluate(workdir, write=False)
@@ -202,15 +211,24 @@ def test_zero_shot_direct_and_through_a_pivot(loaded, workdir):
 
 
 def _params(tree):
-    return {jax.tree_util.keystr(p): np.asarray(x)
-            for p, x in jax.tree_util.tree_leaves_with_path(tree)}  # fmt: skip
+    return {
+        jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(tree)
+    }
 
 
 def test_init_from_loads_the_same_parameters(workdir, loaded, data_dir, raw_dir, tmp_path):
     """A low-resource en-fr run starting from the multilingual model: its parameters at step 0
     are the checkpoint's, bit for bit; optimizer fresh; its tokenizer is the checkpoint's."""
-    c = config(data_dir, raw_dir, **{"data.directions": "en-fr", "train.init_from": str(workdir),
-                                     "data.max_train_pairs": 50, "train.num_steps": 4})  # fmt: skip
+    c = config(
+        data_dir,
+        raw_dir,
+        **{
+            "data.directions": "en-fr",
+            "train.init_from": str(workdir),
+            "data.max_train_pairs": 50,
+            "train.num_steps": 4,
+        },
+    )
     run = build_run(c, tmp_path / "ft")
     assert run.task.tokenizer == loaded.tokenizer  # reused, not trained on de-fr
     assert len(run.task.direction("en-fr").train_pairs()) == 50
@@ -228,9 +246,17 @@ def test_init_from_loads_the_same_parameters(workdir, loaded, data_dir, raw_dir,
     final = train_and_evaluate(c, tmp_path / "ft")
     scratch = tmp_path / "scratch"
     train_and_evaluate(
-        config(data_dir, raw_dir, **{"data.directions": "en-fr", "data.tokenizer_path":
-                                     str(workdir), "train.num_steps": 2}), scratch,
-    )  # fmt: skip
+        config(
+            data_dir,
+            raw_dir,
+            **{
+                "data.directions": "en-fr",
+                "data.tokenizer_path": str(workdir),
+                "train.num_steps": 2,
+            },
+        ),
+        scratch,
+    )
     assert (scratch / "tokenizer.model").read_bytes() == (workdir / "tokenizer.model").read_bytes()
     assert train_losses(tmp_path / "ft")[1] < train_losses(scratch)[1] - 1.0
     assert final["bleu"] >= 0
@@ -242,11 +268,12 @@ def test_init_from_errors_name_the_key(workdir, data_dir, raw_dir, tmp_path):
         restore.CheckpointError,
         match=r"train.init_from=.*model\.d_model \(64 in the checkpoint, 32 now",
     ):
-        train_and_evaluate(c, tmp_path / "wide")  # fmt: skip
+        train_and_evaluate(c, tmp_path / "wide")
     other = tmp_path / "other.model"  # another vocabulary, with one tag only
     train_tokenizer(["a b c <2de>"] * 10, 40, other, user_defined_symbols=("<2de>",))
-    c = config(data_dir, raw_dir, **{"train.init_from": str(workdir),
-                                     "data.tokenizer_path": str(other)})  # fmt: skip
+    c = config(
+        data_dir, raw_dir, **{"train.init_from": str(workdir), "data.tokenizer_path": str(other)}
+    )
     with pytest.raises(ValueError, match="data.tokenizer_path=.* and train.init_from name"):
         train_and_evaluate(c, tmp_path / "vocab")
     c = config(data_dir, raw_dir, **{"data.tokenizer_path": str(other)})
@@ -292,9 +319,15 @@ def test_max_train_pairs_keeps_the_first_pairs(data_dir, raw_dir, tmp_path):
 
 def test_debug_config_trains_and_resumes_exactly(data_dir, raw_dir, tmp_path):
     """configs/multilingual.py:debug end to end; 8 steps == 4 + restart + 4, to the bit."""
-    base = {"train.num_steps": 8, "checkpoint.every": 4, "model.dropout_rate": 0.1,
-            "data.mixture": "temperature", "data.temperature": 2.0, "data.max_train_pairs": 200,
-            "eval.test_split": "test"}  # fmt: skip
+    base = {
+        "train.num_steps": 8,
+        "checkpoint.every": 4,
+        "model.dropout_rate": 0.1,
+        "data.mixture": "temperature",
+        "data.temperature": 2.0,
+        "data.max_train_pairs": 200,
+        "eval.test_split": "test",
+    }
     c = debug_config(data_dir, raw_dir)
     for key, value in base.items():
         section, name = key.split(".")

@@ -183,8 +183,10 @@ def test_two_processes_train_resume_and_match_one_process(tmp_path, tfds_dir):
     for key in ("loss", "accuracy", "bleu", "chrf"):
         np.testing.assert_allclose(
             [got_eval[s][key] for s in sorted(want_eval)],
-            [want_eval[s][key] for s in sorted(want_eval)], rtol=1e-5, err_msg=key,
-        )  # fmt: skip
+            [want_eval[s][key] for s in sorted(want_eval)],
+            rtol=1e-5,
+            err_msg=key,
+        )
     print("validation 2 processes:", got_eval[target])
     print("validation 1 process:  ", want_eval[target])
 

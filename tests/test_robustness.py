@@ -44,10 +44,19 @@ def test_unknown_config_key_is_named(tmp_path):
         train_and_evaluate(config, tmp_path / "run")
     # the CLI locks the config: an unknown override is refused by name
     cli = subprocess.run(
-        [sys.executable, "-m", "tx_jax.main", "--config=configs/default.py:debug",
-         f"--workdir={tmp_path}/w", "--config.model.d_modle=4"],
-        capture_output=True, text=True, cwd=ROOT, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "tx_jax.main",
+            "--config=configs/default.py:debug",
+            f"--workdir={tmp_path}/w",
+            "--config.model.d_modle=4",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert cli.returncode != 0 and "d_modle" in cli.stderr
 
 
@@ -68,9 +77,13 @@ def _launch(workdir, tfds_dir, steps, **extra):
     )
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     return subprocess.Popen(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _wait_for_step(workdir, step, proc, timeout=300):
@@ -219,8 +232,9 @@ def tiny_disk(tmp_path):
     mount_point.mkdir()
     done = subprocess.run(
         ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount_point)],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
     try:
@@ -233,9 +247,13 @@ def test_full_disk_is_a_clear_error_and_keeps_complete_checkpoints(tiny_disk, tf
     workdir = tiny_disk / "run"
     config = tiny_config(
         tfds_dir,
-        **{"train.num_steps": 500, "checkpoint.every": 1, "checkpoint.keep": 1000,
-           "checkpoint.async_save": True},
-    )  # fmt: skip
+        **{
+            "train.num_steps": 500,
+            "checkpoint.every": 1,
+            "checkpoint.keep": 1000,
+            "checkpoint.async_save": True,
+        },
+    )
     with pytest.raises(OSError, match=r"No space left on device") as info:
         train_and_evaluate(config, workdir)
     message = str(info.value)
@@ -282,10 +300,15 @@ def test_dirty_corpus_trains_with_counts_per_category(tmp_path, caplog):
                 f.write(b"\n".join(chosen) + b"\n")
     config = tiny_config(
         tmp_path / "tfds",
-        **{"data.dataset": "multi30k", "data.source_lang": "en", "data.target_lang": "de",
-           "data.manual_dir": str(manual), "train.num_steps": 4, "data.test_split":
-           "test_2016_flickr"},
-    )  # fmt: skip
+        **{
+            "data.dataset": "multi30k",
+            "data.source_lang": "en",
+            "data.target_lang": "de",
+            "data.manual_dir": str(manual),
+            "train.num_steps": 4,
+            "data.test_split": "test_2016_flickr",
+        },
+    )
     with caplog.at_level(std_logging.WARNING):
         train_and_evaluate(config, tmp_path / "run")
     logs = caplog.text

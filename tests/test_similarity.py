@@ -105,8 +105,7 @@ def test_mean_pool_ignores_padding():
 
 def test_similarity_matrices_shapes_and_values(rng):
     base = [rng.normal(size=(10, 4)) for _ in range(3)]
-    reps = {"en": base, "de": [b @ np.diag([2.0, 2, 2, 2]) for b in base],
-            "fr": [-b for b in base]}  # fmt: skip
+    reps = {"en": base, "de": [b @ np.diag([2.0, 2, 2, 2]) for b in base], "fr": [-b for b in base]}
     out = similarity.similarity_matrices(reps)
     assert out["languages"] == ["en", "de", "fr"]
     assert out["cka"].shape == out["cosine"].shape == (3, 3, 3)

@@ -61,22 +61,42 @@ def test_unknown_key_is_an_error_naming_it_and_the_point(tmp_path, monkeypatch):
 
 
 def test_command_quotes_values_and_routes_lists_through_a_config_file(tmp_path):
-    point = sweep.Point(0, "x", {"data.data_dir": "/a b/$c", "data.bucket_boundaries": [32],
-                                 "model.share_embeddings": False}, tmp_path / "p")  # fmt: skip
+    point = sweep.Point(
+        0,
+        "x",
+        {
+            "data.data_dir": "/a b/$c",
+            "data.bucket_boundaries": [32],
+            "model.share_embeddings": False,
+        },
+        tmp_path / "p",
+    )
     argv, wrapper = sweep.command(point, DEBUG, python="python")
     assert argv[3] == f"--config={tmp_path / 'p' / 'sweep_config.py'}"
     assert argv[5:] == ["--config.data.data_dir=/a b/$c", "--config.model.share_embeddings=False"]
     assert "{'data.bucket_boundaries': [32]}" in wrapper and "default.py:debug" in wrapper
     assert sweep.parse_overrides(["a.b=3", "c=/x y", "d=[1, 2]", "e=None"]) == {
-        "a.b": 3, "c": "/x y", "d": [1, 2], "e": None}  # fmt: skip
+        "a.b": 3,
+        "c": "/x y",
+        "d": [1, 2],
+        "e": None,
+    }
 
 
 def test_runner_trains_both_points_tabulates_and_skips_them_on_rerun(tmp_path, tfds_dir):
     root = tmp_path / "sweep"
-    tiny = {"data.data_dir": str(tfds_dir), "data.bucket_boundaries": [32], "data.max_len": 32,
-            "data.max_eval_len": 32, "data.packing": False, "train.num_steps": 2,
-            "train.log_every": 1, "eval.every": 2, "eval.bleu_examples": 4,
-            "checkpoint.async_save": False}  # fmt: skip
+    tiny = {
+        "data.data_dir": str(tfds_dir),
+        "data.bucket_boundaries": [32],
+        "data.max_len": 32,
+        "data.max_eval_len": 32,
+        "data.packing": False,
+        "train.num_steps": 2,
+        "train.log_every": 1,
+        "eval.every": 2,
+        "eval.bleu_examples": 4,
+        "checkpoint.async_save": False,
+    }
     args = [str(SMOKE), f"--root={root}", "--parallel=2", "--test_split_eval", "--beam_size=2"]
     args += [f"--override={k}={v}" for k, v in tiny.items()]
     assert sweep_cli.main(args) == 0
@@ -89,8 +109,9 @@ def test_runner_trains_both_points_tabulates_and_skips_them_on_rerun(tmp_path, t
             float(row[key])  # numeric
         # --test_split_eval: test_bleu is tx_jax.evaluate's beam-2 score of the final checkpoint,
         # recorded in the point's DONE file, not the greedy score written during training.
-        evaluated = json.loads((pathlib.Path(row["workdir"]) / "eval_results.jsonl")
-                               .read_text().splitlines()[-1])  # fmt: skip
+        evaluated = json.loads(
+            (pathlib.Path(row["workdir"]) / "eval_results.jsonl").read_text().splitlines()[-1]
+        )
         assert (evaluated["split"], evaluated["beam"], evaluated["step"]) == ("test", 2, 2)
         assert float(row["test_bleu"]) == evaluated["bleu"]
         done = json.loads((pathlib.Path(row["workdir"]) / sweep.DONE_FILE).read_text())
@@ -113,8 +134,11 @@ def test_launch_sh_sweep_dry_run(tmp_path):
 
     out = subprocess.run(
         ["./launch.sh", "sweep", str(SMOKE), "--dry-run", "--root", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "--config.model.dropout_rate=0.1" in out.stdout
     assert not list(pathlib.Path(tmp_path).iterdir())

@@ -12,9 +12,13 @@ TRICKY = "--workdir=gs://b/run 1"
 def dry_run(*args: str) -> list[str]:
     """The printed commands of `./launch.sh ARGS --dry-run`, each split into its words."""
     proc = subprocess.run(
-        ["./launch.sh", *args], cwd=ROOT, capture_output=True, text=True, timeout=60,
+        ["./launch.sh", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
         env={"PATH": "/usr/bin:/bin", "HOME": "/nonexistent"},  # no gcloud on this PATH
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines and all(line.startswith("+ ") for line in lines), proc.stdout
@@ -22,14 +26,29 @@ def dry_run(*args: str) -> list[str]:
 
 
 def test_create_plain_spot_and_queued():
-    (line,) = dry_run("tpu-create", "tx1", "--dry-run", "--zone", "us-central2-b",
-                      "--project", "my proj", "--spot")  # fmt: skip
+    (line,) = dry_run(
+        "tpu-create",
+        "tx1",
+        "--dry-run",
+        "--zone",
+        "us-central2-b",
+        "--project",
+        "my proj",
+        "--spot",
+    )
     assert line == (
         "+ gcloud compute tpus tpu-vm create tx1 --zone=us-central2-b '--project=my proj' "
         "--accelerator-type=v4-8 --version=tpu-ubuntu2204-base --spot"
     )
-    (line,) = dry_run("tpu-create", "tx1", "--queued", "--accelerator-type=v5litepod-8",
-                      "--version", "v2-alpha-tpuv5-lite", "--dry-run")  # fmt: skip
+    (line,) = dry_run(
+        "tpu-create",
+        "tx1",
+        "--queued",
+        "--accelerator-type=v5litepod-8",
+        "--version",
+        "v2-alpha-tpuv5-lite",
+        "--dry-run",
+    )
     assert line == (
         "+ gcloud alpha compute tpus queued-resources create tx1 --node-id=tx1 "
         "--accelerator-type=v5litepod-8 --runtime-version=v2-alpha-tpuv5-lite"
@@ -57,9 +76,11 @@ def test_run_quotes_user_arguments_as_one_word():
     remote = shlex.split(words[-1].removeprefix("--command="))  # what each worker's shell runs
     start = remote.index("tx_jax.main")
     assert remote[start + 1 : start + 5] == [
-        big, TRICKY, "--config.train.num_steps=10",
+        big,
+        TRICKY,
+        "--config.train.num_steps=10",
         "--config.parallel.distributed=True",
-    ]  # fmt: skip
+    ]
     assert remote[remote.index("nohup") :][:3] == ["nohup", ".venv/bin/python", "-m"]
     assert remote[-6:] == [">", "runs/tpu-run.log", "2>&1", "<", "/dev/null", "&"]
 
@@ -81,6 +102,11 @@ def test_logs_and_delete():
 
 
 def test_bad_usage_fails_without_gcloud():
-    proc = subprocess.run(["./launch.sh", "tpu-run", "tx1", "--dry-run"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        ["./launch.sh", "tpu-run", "tx1", "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "expected -- ARGS" in proc.stderr

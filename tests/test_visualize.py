@@ -248,8 +248,14 @@ def test_cli_on_a_trained_checkpoint(tmp_path, tfds_dir, capsys):
     train_and_evaluate(tiny_config(tfds_dir, **{"train.num_steps": 4}), workdir)
     capsys.readouterr()
     out = tmp_path / "png"
-    argv = ["visualize", "attention", f"--workdir={workdir}", f"--source={SOURCE}",
-            f"--target={TARGET}", f"--out={out}"]  # fmt: skip
+    argv = [
+        "visualize",
+        "attention",
+        f"--workdir={workdir}",
+        f"--source={SOURCE}",
+        f"--target={TARGET}",
+        f"--out={out}",
+    ]
     assert visualize_cli.main(argv) == 0
     printed = capsys.readouterr().out.splitlines()
     names = [f"{k}_{s}.png" for k in visualize.KINDS for s in ("layer0", "mean")]  # 1 layer
@@ -258,9 +264,17 @@ def test_cli_on_a_trained_checkpoint(tmp_path, tfds_dir, capsys):
     for name in names:
         _check_png(out / name)
     # one kind, no head mean (the same pair: the compiled forward pass is reused)
-    argv = ["visualize", "attention", f"--workdir={workdir}", "--step=4", f"--source={SOURCE}",
-            f"--target={TARGET}", f"--out={tmp_path / 'cross'}", "--kinds=cross",
-            "--noaverage_heads"]  # fmt: skip
+    argv = [
+        "visualize",
+        "attention",
+        f"--workdir={workdir}",
+        "--step=4",
+        f"--source={SOURCE}",
+        f"--target={TARGET}",
+        f"--out={tmp_path / 'cross'}",
+        "--kinds=cross",
+        "--noaverage_heads",
+    ]
     assert visualize_cli.main(argv) == 0
     assert sorted(p.name for p in (tmp_path / "cross").iterdir()) == ["cross_layer0.png"]
     assert visualize_cli.main(["visualize", "attention", f"--out={out}"]) == 2  # no --workdir
@@ -268,10 +282,20 @@ def test_cli_on_a_trained_checkpoint(tmp_path, tfds_dir, capsys):
     # curves, through the module's entry point
     png = tmp_path / "curves.png"
     proc = subprocess.run(
-        [sys.executable, "-m", "tx_jax.visualize", "curves",
-         f"--metrics={workdir / 'metrics.jsonl'}", f"--out={png}", "--keys=loss,accuracy"],
-        capture_output=True, text=True, cwd=ROOT, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "tx_jax.visualize",
+            "curves",
+            f"--metrics={workdir / 'metrics.jsonl'}",
+            f"--out={png}",
+            "--keys=loss,accuracy",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == str(png)
     _check_png(png)
