@@ -12,6 +12,12 @@ import ml_collections
 from tx_jax.config import parse_arg
 from tx_jax.training.parallel import DEFAULT_RULES
 
+# The debug variants' model (here and in the configs built on this one): one layer each side,
+# so that a run takes seconds.
+DEBUG_MODEL = dict(
+    d_model=32, num_heads=2, d_ff=64, num_encoder_layers=1, num_decoder_layers=1, dropout_rate=0.0
+)
+
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     args = parse_arg(arg, variant="default")
@@ -125,14 +131,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.parallel.process_id = ml_collections.FieldReference(None, field_type=int)
 
     if args.variant == "debug":
-        c.model.update(
-            d_model=32,
-            num_heads=2,
-            d_ff=64,
-            num_encoder_layers=1,
-            num_decoder_layers=1,
-            dropout_rate=0.0,
-        )
+        c.model.update(DEBUG_MODEL)
         c.data.synthetic.update(num_train=400, num_validation=40, num_test=40)
         c.data.vocab_size = 160
         c.data.tokenizer_pairs = 400

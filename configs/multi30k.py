@@ -11,7 +11,7 @@ Built on configs/default.py; every key set here is commented, the others are def
 
 import ml_collections
 
-from tx_jax.config import parse_arg, repo_path, sibling_config
+from tx_jax.config import parse_arg, repo_path, sibling_config, sibling_module
 from tx_jax.data.multi30k import LANGUAGES
 from tx_jax.model.config import VARIANTS as MODEL_VARIANTS
 
@@ -101,15 +101,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 def shrink_to_debug(c: ml_collections.ConfigDict, bleu_examples: int) -> None:
     """The `debug` variant over the real Multi30k files (also configs/multilingual.py's):
     a one-layer model and one batch shape, so that a run takes seconds."""
-    c.model.update(
-        d_model=32,
-        num_heads=2,
-        d_ff=64,
-        num_encoder_layers=1,
-        num_decoder_layers=1,
-        dropout_rate=0.0,
-        attention_dropout_rate=0.0,
-    )
+    c.model.update(sibling_module(__file__, "default").DEBUG_MODEL, attention_dropout_rate=0.0)
     c.data.vocab_size = 200  # small enough for a few hundred fixture lines per language
     c.data.tokenizer_pairs = 500
     c.data.max_len = 32

@@ -13,7 +13,7 @@ Built on configs/default.py; every key set here is commented, the others are def
 
 import ml_collections
 
-from tx_jax.config import parse_arg, sibling_config
+from tx_jax.config import parse_arg, sibling_config, sibling_module
 from tx_jax.model.config import VARIANTS as MODEL_VARIANTS
 
 VARIANTS = ("base", "big", "debug")
@@ -107,14 +107,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.checkpoint.every = 600  # ~10 minutes at the paper's 1.0 s/step
         c.checkpoint.keep = 20
     elif args.variant == "debug":
-        c.model.update(
-            d_model=32,
-            num_heads=2,
-            d_ff=64,
-            num_encoder_layers=1,
-            num_decoder_layers=1,
-            dropout_rate=0.0,
-        )
+        c.model.update(sibling_module(__file__, "default").DEBUG_MODEL)
         c.model.dtype = "float32"
         c.data.vocab_size = 512
         c.data.tokenizer_pairs = 2000

@@ -44,7 +44,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `python experiments/language_similarity.py` from anywhere
     sys.path.insert(0, str(REPO))
 
-from tx_jax.analysis import similarity  # noqa: E402
+from tx_jax.analysis import similarity, visualize  # noqa: E402
 from tx_jax.config import apply_overrides, sibling_config  # noqa: E402
 from tx_jax.data import directions as directions_lib  # noqa: E402
 from tx_jax.experiment.loop import train_and_evaluate  # noqa: E402
@@ -237,13 +237,13 @@ def representation_similarity(root: pathlib.Path, size: Size) -> dict:
         kind: [similarity.correlation(similarity.off_diagonal(m), surface_off) for m in mats[kind]]
         for kind in ("cka", "cosine")
     }
-    similarity.plot_similarity_heatmaps(
+    visualize.plot_similarity_heatmaps(
         mats["cka"], LANGS, root / "cka_heatmaps.png", metric="linear CKA"
     )
-    similarity.plot_similarity_heatmaps(
+    visualize.plot_similarity_heatmaps(
         mats["cosine"], LANGS, root / "cosine_heatmaps.png", metric="mean-pooled cosine"
     )
-    similarity.plot_similarity_vs_surface(mats["cka"], surface, LANGS, root / "cka_vs_chrf.png")
+    visualize.plot_similarity_vs_surface(mats["cka"], surface, LANGS, root / "cka_vs_chrf.png")
     return {
         "languages": list(LANGS),
         "pairs": similarity.pair_labels(LANGS),

@@ -8,6 +8,7 @@ import pytest
 from conftest import reference_attention
 
 from tx_jax.model import attention as A
+from tx_jax.model import masks
 
 IMPLS = ["xla", "chunked"]
 
@@ -63,19 +64,19 @@ def test_worked_example_of_the_attention_article():
 
 
 def test_mask_helpers_values():
-    np.testing.assert_array_equal(A.causal_mask(3)[0, 0], [[1, 0, 0], [1, 1, 0], [1, 1, 1]])
-    np.testing.assert_array_equal(A.causal_mask(1, 4, offset=2)[0, 0], [[1, 1, 1, 0]])
-    pm = A.padding_mask(jnp.array([[True, False]]), jnp.array([[True, True, False]]))
+    np.testing.assert_array_equal(masks.causal_mask(3)[0, 0], [[1, 0, 0], [1, 1, 0], [1, 1, 1]])
+    np.testing.assert_array_equal(masks.causal_mask(1, 4, offset=2)[0, 0], [[1, 1, 1, 0]])
+    pm = masks.padding_mask(jnp.array([[True, False]]), jnp.array([[True, True, False]]))
     np.testing.assert_array_equal(pm[0, 0], [[1, 1, 0], [0, 0, 0]])
-    sm = A.segment_mask(jnp.array([[1, 1, 2, 0]]), jnp.array([[1, 2, 2, 0]]))
+    sm = masks.segment_mask(jnp.array([[1, 1, 2, 0]]), jnp.array([[1, 2, 2, 0]]))
     np.testing.assert_array_equal(
         sm[0, 0], [[1, 0, 0, 0], [1, 0, 0, 0], [0, 1, 1, 0], [0, 0, 0, 0]]
     )
-    both = A.combine_masks(None, sm, A.causal_mask(4))
+    both = masks.combine_masks(None, sm, masks.causal_mask(4))
     np.testing.assert_array_equal(
         both[0, 0], [[1, 0, 0, 0], [1, 0, 0, 0], [0, 1, 1, 0], [0, 0, 0, 0]]
     )
-    assert A.combine_masks(None, None) is None
+    assert masks.combine_masks(None, None) is None
 
 
 def _random_problem(rng, B=2, L=13, S=37, H=4, K=2, D=8):
@@ -106,7 +107,7 @@ def test_matches_float64_reference(rng, impl, causal):
         implementation=impl,
         chunk_size=8,
     )
-    mask = A.dense_mask(L, S, is_causal=causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+    mask = masks.dense_mask(L, S, is_causal=causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
     ref, _ = reference_attention(q, k, v, np.asarray(mask), bias)
     err = np.abs(np.asarray(out, np.float64) - ref).max() / np.abs(ref).max()
     assert err < 1e-5, err

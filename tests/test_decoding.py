@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tx_jax.inference import decoding
+from tx_jax.inference import decoding, search
 from tx_jax.model.config import variant
 from tx_jax.model.transformer import DecoderOnly, EncoderDecoder, shift_right
 
@@ -110,7 +110,7 @@ def test_gather_cache_reorders_beams_but_not_cross_attention():
         "self_attention": {"cached_key": rows[:, None] * 10, "cache_index": jnp.array(4)},
         "cross_attention": {"cross_key": rows[:, None], "cross_filled": jnp.array(True)},
     }
-    out = decoding.gather_cache(cache, jnp.array([[2, 2, 0], [1, 0, 0]]))
+    out = search.gather_cache(cache, jnp.array([[2, 2, 0], [1, 0, 0]]))
     np.testing.assert_array_equal(
         out["self_attention"]["cached_key"][:, 0], [20, 20, 0, 40, 30, 30]
     )
@@ -208,7 +208,7 @@ def small():
 def _exhaustive_scores(hypotheses, alpha, kind):
     """Every hypothesis' log p(y | x) / penalty(|y|): [B, H], and the hypotheses [H, T]."""
     hyps, lengths, logp = hypotheses
-    return logp / np.asarray(decoding.length_penalty(lengths, alpha, kind), np.float64), hyps
+    return logp / np.asarray(search.length_penalty(lengths, alpha, kind), np.float64), hyps
 
 
 def test_beam_as_wide_as_the_vocabulary_finds_the_exhaustive_best(small):
@@ -261,10 +261,10 @@ def test_eos_ends_a_sequence_and_padding_follows(small):
 
 
 def test_length_penalty_values():
-    np.testing.assert_allclose(decoding.length_penalty(1, 0.6), 1.0)
-    np.testing.assert_allclose(decoding.length_penalty(7, 0.6), 2.0**0.6, rtol=1e-6)
-    np.testing.assert_allclose(decoding.length_penalty(4, 1.0, "fairseq"), 4.0)
-    np.testing.assert_allclose(decoding.length_penalty(9, 0.0, "fairseq"), 1.0)
+    np.testing.assert_allclose(search.length_penalty(1, 0.6), 1.0)
+    np.testing.assert_allclose(search.length_penalty(7, 0.6), 2.0**0.6, rtol=1e-6)
+    np.testing.assert_allclose(search.length_penalty(4, 1.0, "fairseq"), 4.0)
+    np.testing.assert_allclose(search.length_penalty(9, 0.0, "fairseq"), 1.0)
 
 
 # ------------------------------------------------------------------------ sampling
@@ -272,7 +272,7 @@ def test_length_penalty_values():
 
 def test_filter_logits_top_k_and_nucleus():
     logits = jnp.log(jnp.array([[0.05, 0.5, 0.15, 0.3]]))
-    kept = lambda **kw: np.isfinite(decoding.filter_logits(logits, **kw))[0].tolist()
+    kept = lambda **kw: np.isfinite(search.filter_logits(logits, **kw))[0].tolist()
     assert kept(top_k=2) == [False, True, False, True]
     assert kept(top_p=0.5) == [False, True, False, False]  # 0.5 alone reaches 0.5
     assert kept(top_p=0.7) == [False, True, False, True]
@@ -285,7 +285,7 @@ def test_sample_frequencies_follow_the_tempered_distribution():
     logits = jnp.log(jnp.array([1e-9, 0.1, 0.2, 0.3, 0.4]))  # index 0 (padding) is never drawn
     fn = lambda tokens, cache: (jnp.broadcast_to(logits, (tokens.shape[0], 5)), cache)
     run = jax.jit(
-        lambda key, t: decoding.sample_decode(
+        lambda key, t: search.sample_decode(
             fn, (), key, batch_size=4000, max_decode_len=1, bos_id=BOS, eos_id=99, temperature=t
         )[:, 0]
     )
@@ -303,7 +303,7 @@ def test_language_model_sampling(language_model):
     prompt = jnp.array([[5, 6, 7], [4, 0, 0], [0, 0, 0]], jnp.int32)
     fn, cache = decoding.decoder_only_logits_fn(cfg, params, B, max_decode_len=T, use_cache=False)
     greedy = jax.jit(
-        lambda p: decoding.greedy_decode(
+        lambda p: search.greedy_decode(
             fn, cache, batch_size=B, max_decode_len=T, bos_id=BOS, prompt=p
         )
     )(prompt)

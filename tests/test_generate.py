@@ -14,7 +14,7 @@ import pytest
 from tx_jax.cli import generate
 from tx_jax.data import synthetic
 from tx_jax.data.tokenizer import train_tokenizer
-from tx_jax.inference import decoding, generation, restore
+from tx_jax.inference import decoding, generation, restore, search
 from tx_jax.model.config import ModelConfig
 from tx_jax.model.transformer import DecoderOnly
 from tx_jax.training import optim
@@ -105,7 +105,7 @@ def test_temperature_zero_is_greedy_decoding(lm):
     B, T = prompt.shape[0], 16 + 12
     # the reference: greedy search over the full (no-cache) model, recomputed every step
     fn, cache = decoding.decoder_only_logits_fn(cfg, params, B, max_decode_len=T, use_cache=False)
-    greedy = decoding.greedy_decode(
+    greedy = search.greedy_decode(
         fn,
         cache,
         batch_size=B,

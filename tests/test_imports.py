@@ -153,6 +153,37 @@ def test_no_library_module_imports_cli():
     assert not bad, "\n".join(bad)
 
 
+def readme_tree() -> set[str]:
+    """The files and folders the README's Architecture tree lists, as paths under tx_jax/."""
+    text = (PACKAGE.parent / "README.md").read_text()
+    block = text.split("## Architecture", 1)[1].split("```", 2)[1]
+    listed, folder = set(), ""
+    for line in block.splitlines()[1:]:
+        indent = len(line) - len(line.lstrip())
+        names = line.strip().split("  ")[0].split()
+        if indent == 2 and names and names[0].endswith("/"):
+            folder = names[0]
+            listed.add(folder)
+        elif indent == 2:
+            folder = ""
+        if indent in (2, 4):
+            listed.update(folder * (indent == 4) + n for n in names if n.endswith(".py"))
+    return listed
+
+
+def test_readme_architecture_tree_matches_the_package():
+    actual = {
+        str(p.relative_to(PACKAGE))
+        for p in PACKAGE.rglob("*.py")
+        if p.name != "__init__.py" or p.parent == PACKAGE
+    } | {f"{p.name}/" for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    listed = readme_tree()
+    assert listed == actual, (
+        f"in the package, not in README: {sorted(actual - listed)}; "
+        f"in README, not in the package: {sorted(listed - actual)}"
+    )
+
+
 # ---------------------------------------------------------------------- the checker itself
 
 

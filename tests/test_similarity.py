@@ -10,7 +10,7 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from tx_jax.analysis import similarity
+from tx_jax.analysis import similarity, visualize
 from tx_jax.data import synthetic
 from tx_jax.data.tokenizer import train_tokenizer
 from tx_jax.model.config import variant
@@ -277,11 +277,11 @@ def test_plots_write_pngs(tmp_path, rng):
     m = rng.uniform(size=(3, 4, 4))
     m = (m + m.transpose(0, 2, 1)) / 2
     surface = m[0] * 50 + rng.uniform(size=(4, 4))
-    heat = similarity.plot_similarity_heatmaps(m, languages, tmp_path / "cka.png")
+    heat = visualize.plot_similarity_heatmaps(m, languages, tmp_path / "cka.png")
     _check_png(heat)
-    scatter = similarity.plot_similarity_vs_surface(m, surface, languages, tmp_path / "vs.png")
+    scatter = visualize.plot_similarity_vs_surface(m, surface, languages, tmp_path / "vs.png")
     _check_png(scatter)
-    one = similarity.plot_similarity_vs_surface(m[1], surface, languages, tmp_path / "one.png")
+    one = visualize.plot_similarity_vs_surface(m[1], surface, languages, tmp_path / "one.png")
     _check_png(one)
     with pytest.raises(ValueError, match="language names"):
-        similarity.plot_similarity_heatmaps(m, languages[:3], tmp_path / "bad.png")
+        visualize.plot_similarity_heatmaps(m, languages[:3], tmp_path / "bad.png")

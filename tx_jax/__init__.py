@@ -28,16 +28,15 @@ from tx_jax.model import (
     shift_right,
     variant,
 )
-from tx_jax.model.attention import (
-    MultiHeadAttention,
+from tx_jax.model.attention import MultiHeadAttention, dot_product_attention
+from tx_jax.model.layers import DecoderLayer, EncoderLayer, FeedForward, make_norm
+from tx_jax.model.masks import (
     causal_mask,
     combine_masks,
     dense_mask,
-    dot_product_attention,
     padding_mask,
     segment_mask,
 )
-from tx_jax.model.layers import DecoderLayer, EncoderLayer, FeedForward, make_norm
 from tx_jax.model.positional import (
     LearnedPositionalEmbedding,
     SinusoidalPositionalEncoding,

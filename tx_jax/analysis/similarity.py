@@ -21,8 +21,8 @@ Pure functions (NumPy, float64):
 
 Model side: `encoder_layer_representations(model, params, tokenizer, sentences)` -> one
 [N, M] array of mean-pooled sentence vectors per encoder depth (G = num_encoder_layers + 1).
-Plots: `plot_similarity_heatmaps` (a language x language panel per layer, values written in
-the cells) and `plot_similarity_vs_surface` (a scatter per layer, correlations in the titles).
+The plots of these matrices are in visualize.py (`plot_similarity_heatmaps`,
+`plot_similarity_vs_surface`).
 
 Letters: N parallel sentences (rows aligned across languages), B batch, L source length,
 M d_model, D feature width, K languages, G encoder depths (embedding + layers), P pairs.
@@ -43,7 +43,6 @@ import jax.numpy as jnp
 import numpy as np
 import sacrebleu
 import scipy.stats
-from matplotlib.figure import Figure
 
 from tx_jax.data.tokenizer import PAD_ID, Tokenizer
 from tx_jax.model.layers import EncoderLayer
@@ -412,135 +411,3 @@ def encoder_layer_representations(
         out = _pooled_layers(model, params, jnp.asarray(tokens), jnp.asarray(mask), final_norm)
         pooled[:, rows] = np.asarray(out)[:, : len(rows)]
     return list(pooled)
-
-
-# ---------------------------------------------------------------- plots
-
-
-def _layer_titles(g: int) -> list[str]:
-    return ["layer 0 (embeddings)"] + [f"layer {i}" for i in range(1, g)]
-
-
-def _as_stack(matrices: Any) -> np.ndarray:
-    m = np.asarray(matrices, np.float64)
-    m = m[None] if m.ndim == 2 else m
-    if m.ndim != 3 or m.shape[1] != m.shape[2]:
-        raise ValueError(f"expected [K, K] or [G, K, K] matrices, got shape {m.shape}")
-    return m
-
-
-def _save(fig: Figure, path: PathLike, dpi: int) -> pathlib.Path:
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi, format="png")  # Figure() draws with the Agg canvas
-    return path
-
-
-def plot_similarity_heatmaps(
-    matrices: Any,
-    languages: Sequence[str],
-    path: PathLike,
-    *,
-    metric: str = "linear CKA",
-    panel_titles: Sequence[str] | None = None,
-    title: str | None = None,
-    vmin: float | None = None,
-    vmax: float | None = None,
-    max_cols: int = 4,
-    dpi: int = 110,
-) -> pathlib.Path:
-    """One PNG: a language x language heatmap per layer of matrices [G, K, K] (or one
-    [K, K]), each cell annotated with its value, one shared colour scale (default: the
-    data's range) and colorbar. Panels are titled 'layer 0 (embeddings)', 'layer 1', ...
-    unless `panel_titles` says otherwise. Returns the path written."""
-    m = _as_stack(matrices)
-    g, k = m.shape[0], m.shape[1]
-    if len(languages) != k:
-        raise ValueError(f"{len(languages)} language names for {k} x {k} matrices")
-    titles = list(panel_titles) if panel_titles is not None else _layer_titles(g)
-    finite = m[np.isfinite(m)]
-    lo = vmin if vmin is not None else (float(finite.min()) if finite.size else 0.0)
-    hi = vmax if vmax is not None else (float(finite.max()) if finite.size else 1.0)
-    hi = hi if hi > lo else lo + 1e-6
-    ncols = min(g, max_cols)
-    nrows = math.ceil(g / ncols)
-    side = max(2.4, 0.5 * k + 1.0)
-    fig = Figure(figsize=(ncols * side + 1.2, nrows * side + 0.6), layout="constrained")
-    axes = fig.subplots(nrows, ncols, squeeze=False)
-    image = None
-    font = 8 if k <= 8 else 6
-    for p, ax in enumerate(axes.flat):
-        if p >= g:
-            ax.set_axis_off()
-            continue
-        image = ax.imshow(m[p], cmap="viridis", vmin=lo, vmax=hi)
-        for i, j in itertools.product(range(k), range(k)):
-            shade = (m[p, i, j] - lo) / (hi - lo) if np.isfinite(m[p, i, j]) else 0.0
-            ax.text(
-                j,
-                i,
-                f"{m[p, i, j]:.2f}",
-                ha="center",
-                va="center",
-                fontsize=font,
-                color="black" if shade > 0.6 else "white",
-            )
-        ax.set_xticks(range(k), languages, fontsize=8)
-        ax.set_yticks(range(k), languages, fontsize=8)
-        ax.tick_params(length=0)
-        ax.set_title(titles[p], fontsize=9)
-    fig.colorbar(image, ax=axes, shrink=0.8, label=metric)
-    fig.suptitle(title or f"{metric} between languages, by encoder layer", fontsize=11)
-    return _save(fig, path, dpi)
-
-
-def _format_correlation(c: Mapping[str, float]) -> str:
-    return f"Pearson r={c['pearson']:.2f}, Spearman ρ={c['spearman']:.2f} (n={c['n']})"
-
-
-def plot_similarity_vs_surface(
-    representation: Any,
-    surface: Any,
-    languages: Sequence[str],
-    path: PathLike,
-    *,
-    representation_label: str = "linear CKA",
-    surface_label: str = "chrF",
-    panel_titles: Sequence[str] | None = None,
-    title: str | None = None,
-    max_cols: int = 4,
-    dpi: int = 110,
-) -> pathlib.Path:
-    """One PNG: for each layer of representation [G, K, K] (or one [K, K]), a scatter of its
-    language pairs (off-diagonal, i < j), surface similarity [K, K] on x against
-    representation similarity on y, points labelled 'a-b', with `correlation` in the panel
-    title (and the figure title when there is one panel). Returns the path written."""
-    rep, surf = _as_stack(representation), np.asarray(surface, np.float64)
-    g, k = rep.shape[0], rep.shape[1]
-    if surf.shape != (k, k) or len(languages) != k:
-        raise ValueError(f"surface {surf.shape}, {len(languages)} languages for [{g}, {k}, {k}]")
-    xs, labels = off_diagonal(surf), pair_labels(languages)
-    titles = list(panel_titles) if panel_titles is not None else _layer_titles(g)
-    ncols = min(g, max_cols)
-    nrows = math.ceil(g / ncols)
-    fig = Figure(figsize=(ncols * 3.6 + 0.4, nrows * 3.4 + 0.6), layout="constrained")
-    axes = fig.subplots(nrows, ncols, squeeze=False)
-    for p, ax in enumerate(axes.flat):
-        if p >= g:
-            ax.set_axis_off()
-            continue
-        ys = off_diagonal(rep[p])
-        stats = correlation(xs, ys)
-        ax.scatter(xs, ys, s=24, color="tab:blue")
-        for x, y, label in zip(xs, ys, labels):
-            ax.annotate(label, (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
-        ax.set_title(f"{titles[p]}\n{_format_correlation(stats)}", fontsize=8)
-        ax.set_xlabel(surface_label, fontsize=8)
-        ax.set_ylabel(representation_label, fontsize=8)
-        ax.grid(alpha=0.3)
-    if title is None:
-        title = f"{representation_label} against {surface_label}, per language pair"
-        if g == 1:
-            title += f": {_format_correlation(correlation(xs, off_diagonal(rep[0])))}"
-    fig.suptitle(title, fontsize=10)
-    return _save(fig, path, dpi)

@@ -1,9 +1,12 @@
-r"""Attention maps and training curves as PNG files (matplotlib, drawn off-screen).
+r"""Figures as PNG files (matplotlib, drawn off-screen): attention maps, training curves, and
+the language-similarity matrices of similarity.py.
 
     attention_weights(cfg, params, inputs, targets)  padded batch -> per-kind weight arrays
     attention_maps(cfg, params, tokenizer, source, target=None)   one pair -> maps + pieces
     plot_attention(maps, out_dir)                     one PNG per kind and layer, a panel per head
     plot_curves(metrics_jsonl_paths, out_png)         loss / BLEU / ... against step or time
+    plot_similarity_heatmaps(matrices, languages, out)   a language x language panel per layer
+    plot_similarity_vs_surface(reps, surface, languages, out)  a scatter per layer
 
 Command line (tx_jax/cli/visualize.py):
 
@@ -24,10 +27,11 @@ on `matplotlib.figure.Figure` with the Agg canvas: no pyplot, no display, no glo
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -36,8 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 from matplotlib.figure import Figure
 
+from tx_jax.analysis.similarity import correlation, off_diagonal, pair_labels
 from tx_jax.data.tokenizer import Tokenizer
-from tx_jax.inference import decoding
+from tx_jax.inference import decoding, search
 from tx_jax.model.config import ModelConfig
 from tx_jax.model.transformer import EncoderDecoder
 
@@ -139,7 +144,7 @@ def _greedy_ids(cfg, params, source_ids: list[int], eos: int, max_len: int | Non
     tokens = decoding.translate_greedy(
         cfg, params, jnp.asarray([source_ids]), max_decode_len=max_len, eos_id=eos
     )
-    ids = [int(t) for t in np.asarray(tokens)[0] if t != decoding.PAD_ID]
+    ids = [int(t) for t in np.asarray(tokens)[0] if t != search.PAD_ID]
     if eos in ids:
         ids = ids[: ids.index(eos) + 1]
     return ids or [eos]
@@ -251,7 +256,9 @@ def _cell(tokens: int) -> tuple[float, int]:
     return (0.24, 7) if tokens <= 40 else (0.16, 5)
 
 
-def _save(fig: Figure, path: pathlib.Path, dpi: int) -> pathlib.Path:
+def _save(fig: Figure, path: PathLike, dpi: int) -> pathlib.Path:
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi, format="png")  # Figure() draws with the Agg canvas
     return path
 
@@ -370,3 +377,128 @@ def plot_curves(
     out_png = pathlib.Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
     return _save(curves_figure(runs, keys=keys, x=x), out_png, dpi)
+
+
+# ------------------------------------------------------------- similarity matrices
+
+
+def _layer_titles(g: int) -> list[str]:
+    return ["layer 0 (embeddings)"] + [f"layer {i}" for i in range(1, g)]
+
+
+def _as_stack(matrices: Any) -> np.ndarray:
+    m = np.asarray(matrices, np.float64)
+    m = m[None] if m.ndim == 2 else m
+    if m.ndim != 3 or m.shape[1] != m.shape[2]:
+        raise ValueError(f"expected [K, K] or [G, K, K] matrices, got shape {m.shape}")
+    return m
+
+
+def plot_similarity_heatmaps(
+    matrices: Any,
+    languages: Sequence[str],
+    path: PathLike,
+    *,
+    metric: str = "linear CKA",
+    panel_titles: Sequence[str] | None = None,
+    title: str | None = None,
+    vmin: float | None = None,
+    vmax: float | None = None,
+    max_cols: int = 4,
+    dpi: int = 110,
+) -> pathlib.Path:
+    """One PNG: a language x language heatmap per layer of matrices [G, K, K] (or one
+    [K, K]), each cell annotated with its value, one shared colour scale (default: the
+    data's range) and colorbar. Panels are titled 'layer 0 (embeddings)', 'layer 1', ...
+    unless `panel_titles` says otherwise. Returns the path written."""
+    m = _as_stack(matrices)
+    g, k = m.shape[0], m.shape[1]
+    if len(languages) != k:
+        raise ValueError(f"{len(languages)} language names for {k} x {k} matrices")
+    titles = list(panel_titles) if panel_titles is not None else _layer_titles(g)
+    finite = m[np.isfinite(m)]
+    lo = vmin if vmin is not None else (float(finite.min()) if finite.size else 0.0)
+    hi = vmax if vmax is not None else (float(finite.max()) if finite.size else 1.0)
+    hi = hi if hi > lo else lo + 1e-6
+    ncols = min(g, max_cols)
+    nrows = math.ceil(g / ncols)
+    side = max(2.4, 0.5 * k + 1.0)
+    fig = Figure(figsize=(ncols * side + 1.2, nrows * side + 0.6), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    image = None
+    font = 8 if k <= 8 else 6
+    for p, ax in enumerate(axes.flat):
+        if p >= g:
+            ax.set_axis_off()
+            continue
+        image = ax.imshow(m[p], cmap="viridis", vmin=lo, vmax=hi)
+        for i, j in itertools.product(range(k), range(k)):
+            shade = (m[p, i, j] - lo) / (hi - lo) if np.isfinite(m[p, i, j]) else 0.0
+            ax.text(
+                j,
+                i,
+                f"{m[p, i, j]:.2f}",
+                ha="center",
+                va="center",
+                fontsize=font,
+                color="black" if shade > 0.6 else "white",
+            )
+        ax.set_xticks(range(k), languages, fontsize=8)
+        ax.set_yticks(range(k), languages, fontsize=8)
+        ax.tick_params(length=0)
+        ax.set_title(titles[p], fontsize=9)
+    fig.colorbar(image, ax=axes, shrink=0.8, label=metric)
+    fig.suptitle(title or f"{metric} between languages, by encoder layer", fontsize=11)
+    return _save(fig, path, dpi)
+
+
+def _format_correlation(c: Mapping[str, float]) -> str:
+    return f"Pearson r={c['pearson']:.2f}, Spearman ρ={c['spearman']:.2f} (n={c['n']})"
+
+
+def plot_similarity_vs_surface(
+    representation: Any,
+    surface: Any,
+    languages: Sequence[str],
+    path: PathLike,
+    *,
+    representation_label: str = "linear CKA",
+    surface_label: str = "chrF",
+    panel_titles: Sequence[str] | None = None,
+    title: str | None = None,
+    max_cols: int = 4,
+    dpi: int = 110,
+) -> pathlib.Path:
+    """One PNG: for each layer of representation [G, K, K] (or one [K, K]), a scatter of its
+    language pairs (off-diagonal, i < j), surface similarity [K, K] on x against
+    representation similarity on y, points labelled 'a-b', with `correlation` in the panel
+    title (and the figure title when there is one panel). Returns the path written."""
+    rep, surf = _as_stack(representation), np.asarray(surface, np.float64)
+    g, k = rep.shape[0], rep.shape[1]
+    if surf.shape != (k, k) or len(languages) != k:
+        raise ValueError(f"surface {surf.shape}, {len(languages)} languages for [{g}, {k}, {k}]")
+    xs, labels = off_diagonal(surf), pair_labels(languages)
+    titles = list(panel_titles) if panel_titles is not None else _layer_titles(g)
+    ncols = min(g, max_cols)
+    nrows = math.ceil(g / ncols)
+    fig = Figure(figsize=(ncols * 3.6 + 0.4, nrows * 3.4 + 0.6), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    for p, ax in enumerate(axes.flat):
+        if p >= g:
+            ax.set_axis_off()
+            continue
+        ys = off_diagonal(rep[p])
+        stats = correlation(xs, ys)
+        ax.scatter(xs, ys, s=24, color="tab:blue")
+        for x, y, label in zip(xs, ys, labels):
+            ax.annotate(label, (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
+        ax.set_title(f"{titles[p]}\n{_format_correlation(stats)}", fontsize=8)
+        ax.set_xlabel(surface_label, fontsize=8)
+        ax.set_ylabel(representation_label, fontsize=8)
+        ax.grid(alpha=0.3)
+    if title is None:
+        title = f"{representation_label} against {surface_label}, per language pair"
+        if g == 1:
+            title += f": {_format_correlation(correlation(xs, off_diagonal(rep[0])))}"
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, path, dpi)

@@ -57,21 +57,36 @@ class EvalBatches(Sequence):
         return iter(self.batches)
 
 
-def _eval_batches(
+def eval_batches(
     items: Sequence[Any],
     keys: tuple[str, ...],
     tokenizer: Tokenizer,
     *,
     max_len: int,
     batch_size: int,
-    batch_multiple: int,
-    bucket_boundaries: Sequence[int] | None,
-    sort_by_length: bool,
-    process_index: int | None,
-    process_count: int | None,
+    batch_multiple: int = 1,
+    bucket_boundaries: Sequence[int] | None = None,
+    sort_by_length: bool = False,
+    process_index: int | None = None,
+    process_count: int | None = None,
     source_prefix: Sequence[int] = (),
 ) -> EvalBatches:
-    """Shared builder for eval / translate batches: fixed B, no shuffling, no dropping."""
+    """Every item of this process's shard exactly once, in fixed-shape batches.
+
+    Args:
+      items: random-access texts (one key) or tuples of texts in `keys` order.
+      keys: the batch keys the texts fill, e.g. ('inputs', 'targets').
+      tokenizer: as for training.
+      max_len: L of every batch when `bucket_boundaries` is None; longer sides are truncated
+        (counted in `stats['truncated']`).
+      batch_size: B of every batch (a multiple of `batch_multiple`); the last batches are
+        filled with all-zero rows, `example_mask` 0, `example_index` -1.
+      bucket_boundaries: if given, each batch gets the smallest boundary >= its longest side.
+      sort_by_length: order longest first (faster decoding); `example_index` restores order.
+      process_index, process_count: shard [process_index::process_count]; every process gets
+        the same number of batches.
+      source_prefix: ids before every source's pieces (a target-language tag), as in training.
+    """
     if batch_size < 1 or batch_size % batch_multiple:
         raise ValueError(
             f"batch_size={batch_size} must be a positive multiple of {batch_multiple}."
@@ -107,100 +122,26 @@ def _eval_batches(
 
 
 def make_eval_batches(
-    pairs: Sequence[tuple[Text, Text]],
-    tokenizer: Tokenizer,
-    *,
-    max_len: int,
-    batch_size: int,
-    batch_multiple: int = 1,
-    bucket_boundaries: Sequence[int] | None = None,
-    sort_by_length: bool = False,
-    process_index: int | None = None,
-    process_count: int | None = None,
-    source_prefix: Sequence[int] = (),
+    pairs: Sequence[tuple[Text, Text]], tokenizer: Tokenizer, **options: Any
 ) -> EvalBatches:
-    """Every pair of this process's shard exactly once, in fixed-shape batches.
-
-    Args:
-      pairs: random-access (source, target) texts.
-      tokenizer: as for training.
-      max_len: L of every batch when `bucket_boundaries` is None; longer sides are truncated
-        (counted in `stats['truncated']`).
-      batch_size: B of every batch (a multiple of `batch_multiple`); the last batches are
-        filled with all-zero rows, `example_mask` 0, `example_index` -1.
-      bucket_boundaries: if given, each batch gets the smallest boundary >= its longest side.
-      sort_by_length: order longest first (faster decoding); `example_index` restores order.
-      process_index, process_count: shard [process_index::process_count]; every process gets
-        the same number of batches.
-      source_prefix: ids before every source's pieces (a target-language tag), as in training.
-    """
-    return _eval_batches(
-        pairs,
-        ("inputs", "targets"),
-        tokenizer,
-        max_len=max_len,
-        batch_size=batch_size,
-        batch_multiple=batch_multiple,
-        bucket_boundaries=bucket_boundaries,
-        sort_by_length=sort_by_length,
-        process_index=process_index,
-        process_count=process_count,
-        source_prefix=source_prefix,
-    )
+    """(source, target) pairs -> 'inputs', 'targets' [B, L], 'example_index', 'example_mask'
+    batches; `options` are `eval_batches`'."""
+    return eval_batches(pairs, ("inputs", "targets"), tokenizer, **options)
 
 
 def make_lm_eval_batches(
-    texts: Sequence[Text],
-    tokenizer: Tokenizer,
-    *,
-    max_len: int,
-    batch_size: int,
-    batch_multiple: int = 1,
-    process_index: int | None = None,
-    process_count: int | None = None,
+    texts: Sequence[Text], tokenizer: Tokenizer, **options: Any
 ) -> EvalBatches:
-    """LM eval batches: 'targets' [B, max_len], 'example_index', 'example_mask'."""
-    return _eval_batches(
-        texts,
-        ("targets",),
-        tokenizer,
-        max_len=max_len,
-        batch_size=batch_size,
-        batch_multiple=batch_multiple,
-        bucket_boundaries=None,
-        sort_by_length=False,
-        process_index=process_index,
-        process_count=process_count,
-    )
+    """LM eval batches: 'targets' [B, max_len], 'example_index', 'example_mask' (in corpus
+    order: no buckets, no sorting); `options` are `eval_batches`'."""
+    return eval_batches(texts, ("targets",), tokenizer, **options)
 
 
-def encode_sources(
-    texts: Sequence[Text],
-    tokenizer: Tokenizer,
-    *,
-    max_len: int,
-    batch_size: int,
-    batch_multiple: int = 1,
-    bucket_boundaries: Sequence[int] | None = None,
-    sort_by_length: bool = False,
-    source_prefix: Sequence[int] = (),
-) -> EvalBatches:
+def encode_sources(texts: Sequence[Text], tokenizer: Tokenizer, **options: Any) -> EvalBatches:
     """Raw source sentences -> 'inputs' [B, L], 'example_index', 'example_mask' batches.
 
     For translation from a list of strings (one process; nothing dropped, long inputs
     truncated). Write hypothesis `r` of a batch to output line `example_index[r]` when
-    `example_mask[r]` is 1. `source_prefix`: ids before every source (a language tag).
+    `example_mask[r]` is 1. `options` are `eval_batches`' (source_prefix: a language tag).
     """
-    return _eval_batches(
-        texts,
-        ("inputs",),
-        tokenizer,
-        max_len=max_len,
-        batch_size=batch_size,
-        batch_multiple=batch_multiple,
-        bucket_boundaries=bucket_boundaries,
-        sort_by_length=sort_by_length,
-        process_index=0,
-        process_count=1,
-        source_prefix=source_prefix,
-    )
+    return eval_batches(texts, ("inputs",), tokenizer, process_index=0, process_count=1, **options)

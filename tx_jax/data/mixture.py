@@ -179,13 +179,5 @@ def make_mixture_train_iterator(
     extra = {
         "mixture": {"names": names, "probabilities": probs, "sizes": sizes, "prefixes": prefixes}
     }
-    return batch_iterator(
-        kept,
-        keys,
-        tokenizer,
-        options,
-        shard,
-        num_examples=sum(sizes),
-        shard_size=sum(len(r) for r in records),
-        fingerprint_extra=extra,
-    )
+    counts = dict(num_examples=sum(sizes), shard_size=sum(len(r) for r in records))
+    return batch_iterator(kept, keys, tokenizer, options, shard, **counts, fingerprint_extra=extra)

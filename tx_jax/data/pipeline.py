@@ -462,16 +462,8 @@ def _train_iterator(
     kept = _ExampleIterDataset(records, options.seed, options.num_epochs)
     # Only when set: the fingerprints of untagged runs stay what their checkpoints hold.
     extra = {"source_prefix": [int(i) for i in source_prefix]} if source_prefix else None
-    return batch_iterator(
-        kept,
-        keys,
-        tokenizer,
-        options,
-        shard,
-        num_examples=len(items),
-        shard_size=len(records),
-        fingerprint_extra=extra,
-    )
+    counts = dict(num_examples=len(items), shard_size=len(records))
+    return batch_iterator(kept, keys, tokenizer, options, shard, **counts, fingerprint_extra=extra)
 
 
 def make_train_iterator(

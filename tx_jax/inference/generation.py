@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tx_jax.data.tokenizer import Tokenizer
-from tx_jax.inference import decoding
+from tx_jax.inference import decoding, search
 from tx_jax.model.config import ModelConfig
 
 Array = jax.Array
@@ -42,7 +42,7 @@ def sample_rows(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
-    eos_id: int = decoding.EOS_ID,
+    eos_id: int = search.EOS_ID,
 ) -> np.ndarray:
     """Token rows [R, T], R = len(prompt_ids) * num_samples: row i * num_samples + k is
     sample k of prompt i, starting with that prompt's ids (forced), then the sampled tokens,

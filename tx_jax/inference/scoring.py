@@ -108,22 +108,20 @@ def translate_batches(
     return out  # type: ignore[return-value]
 
 
-def bleu_for_split(
-    model_config: ModelConfig,
-    params: Any,
-    task: Any,
-    split: str,
-    *,
-    limit: int | None = None,
-    beam_size: int = 1,
-    alpha: float = 0.6,
-    batch_multiple: int = 1,
+def _bleu_for_split(
+    model_config: ModelConfig, params: Any, task: Any, split: str, kw
 ) -> BleuResult:
-    """Translate the first `limit` examples of `split` of a TranslationTask and score them."""
-    pairs = task.pairs(split, limit)
-    batches = task.eval_batches(split, batch_multiple, limit)
+    """Translate the first kw['limit'] examples of `split` of a TranslationTask; score them."""
+    pairs = task.pairs(split, kw["limit"])
+    batches = task.eval_batches(split, 1, kw["limit"])
     hyps = translate_batches(
-        model_config, params, batches, task.tokenizer, len(pairs), beam_size=beam_size, alpha=alpha
+        model_config,
+        params,
+        batches,
+        task.tokenizer,
+        len(pairs),
+        beam_size=kw["beam_size"],
+        alpha=kw["alpha"],
     )
     refs = [pairs[i][1] for i in range(len(pairs))]
     bleu, chrf, sig, chrf_sig = score(hyps, refs)
@@ -146,11 +144,11 @@ def bleu_metrics(
     directions (`task.directions`; extra, e.g. zero-shot, directions are reported only)."""
     kw = dict(limit=limit, beam_size=beam_size, alpha=alpha)
     if not hasattr(task, "bleu_directions"):
-        r = bleu_for_split(model_config, params, task, split, **kw)
+        r = _bleu_for_split(model_config, params, task, split, kw)
         return {"bleu": r.bleu, "chrf": r.chrf, "bleu_signature": r.signature}
     out: dict[str, Any] = {}
     for name in task.bleu_directions:
-        r = bleu_for_split(model_config, params, task.direction(name), split, **kw)
+        r = _bleu_for_split(model_config, params, task.direction(name), split, kw)
         out.update({f"bleu/{name}": r.bleu, f"chrf/{name}": r.chrf, "bleu_signature": r.signature})
     for metric in ("bleu", "chrf"):
         out[metric] = float(np.mean([out[f"{metric}/{n}"] for n in task.directions]))
