@@ -85,6 +85,7 @@ def trial(
     logged = max(train_losses(workdir), default=0) if (workdir / "metrics.jsonl").exists() else 0
     before = complete_steps(workdir)
     newest = max(before, default=0)
+    tmp_after_kill = len(tmp_dirs(workdir))  # counted before the resume cleans them
     relaunch = launch(workdir, tfds_dir, STEPS)
     _, err = relaunch.communicate(timeout=600)
     if relaunch.returncode:
@@ -98,7 +99,7 @@ def trial(
         "last_logged_step": logged,
         "newest_complete_checkpoint": newest,
         "steps_lost": max(logged - newest, 0),
-        "tmp_dirs_after_kill": len(tmp_dirs(workdir)),
+        "tmp_dirs_after_kill": tmp_after_kill,
         "tmp_dirs_after_resume": len(tmp_dirs(workdir)),
         "resumed_exactly": exact,
         "finished": max(losses) == STEPS,
