@@ -1,4 +1,4 @@
-"""Command line: flags -> experiment.loop.train_and_evaluate(config, workdir). Nothing else.
+r"""Command line: flags -> experiment.loop.train_and_evaluate(config, workdir). Nothing else.
 
     python -m tx_jax.main --config=configs/default.py --workdir=runs/default \
         --config.train.num_steps=2000 --config.model.d_model=256
