@@ -98,6 +98,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train.log_every = 50
     c.train.restore_data_iterator = True  # resume the exact batch sequence
     c.train.max_nonfinite_steps = 10  # stop after this many non-finite updates in a row
+    # (start, stop): a jax.profiler trace of steps start .. stop-1 into WORKDIR/tensorboard
+    # (TensorBoard's profile view); () for none.
+    c.train.profile_steps = ()
     # Start from another run's parameters and tokenizer (its workdir, checkpoints dir or one
     # step dir) with a fresh optimizer at step 0; read only when this workdir has no checkpoint.
     c.train.init_from = ml_collections.FieldReference(None, field_type=str)

@@ -1,5 +1,6 @@
 """End-to-end training: loss goes down, checkpoints, exact resume, devices, grad accumulation."""
 
+import gzip
 import json
 
 import jax
@@ -9,6 +10,7 @@ from helpers import run_python, tiny_config, train_losses
 
 from tx_jax.experiment.loop import train_and_evaluate
 from tx_jax.experiment.setup import build_run
+from tx_jax.experiment.validation import validate_config
 from tx_jax.training.checkpoint import Checkpointer
 
 
@@ -113,6 +115,7 @@ import jax, numpy as np
 from helpers import tiny_config
 from tx_jax.experiment.loop import train_and_evaluate
 from tx_jax.experiment.setup import build_run
+from tx_jax.experiment.validation import validate_config
 assert jax.device_count() == 8
 base = {base!r}
 layouts = {{
@@ -156,3 +159,32 @@ np.savez({str(tmp_path)!r} + "/mesh_222_params.npz", **{{
     for path, leaf in leaves:
         assert leaf.sharding.device_set == {jax.devices()[0]}
         np.testing.assert_array_equal(leaf, saved[jax.tree_util.keystr(path)])
+
+
+def test_profile_steps_write_a_trace_tensorboard_reads(tmp_path, tfds_dir):
+    """train.profile_steps: a jax.profiler trace of the chosen steps in WORKDIR/tensorboard."""
+    config = tiny_config(tfds_dir, **{"train.num_steps": 4, "train.profile_steps": (2, 4)})
+    train_and_evaluate(config, tmp_path / "run")
+    runs = list((tmp_path / "run" / "tensorboard" / "plugins" / "profile").iterdir())
+    assert len(runs) == 1  # one trace, started once
+    xplane = list(runs[0].glob("*.xplane.pb"))
+    assert len(xplane) == 1 and xplane[0].stat().st_size > 10_000
+    (trace,) = runs[0].glob("*.trace.json.gz")
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    names = {e.get("name", "") for e in events}
+    assert any("pmap" in n or "jit" in n for n in names), sorted(names)[:20]
+
+
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        ((0, 2), r"1 <= start < stop"),
+        ((3, 3), r"1 <= start < stop"),
+        ((2, 9), r"train.num_steps \+ 1 = 5"),
+        ((1, 2, 3), r"expected \(start, stop\)"),
+    ],
+)
+def test_profile_steps_are_checked_before_anything_runs(tmp_path, tfds_dir, value, match):
+    config = tiny_config(tfds_dir, **{"train.num_steps": 4, "train.profile_steps": value})
+    with pytest.raises(ValueError, match=r"train.profile_steps=.*" + match):
+        validate_config(config)

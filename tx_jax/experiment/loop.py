@@ -20,6 +20,7 @@ import numpy as np
 
 from tx_jax.experiment import console
 from tx_jax.experiment.evaluator import Evaluator
+from tx_jax.experiment.profiling import StepProfiler, profile_window
 from tx_jax.experiment.setup import Run, build_run, restore_or_init
 from tx_jax.experiment.signals import StopSignal
 from tx_jax.inference import averaging, restore
@@ -52,8 +53,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     pending: list[dict] = []
     last_log, final = time.time(), {}
     stop = StopSignal(checkpointer)
+    window = profile_window(cfg.get("profile_steps"), cfg.num_steps)
+    profiler = StepProfiler(window, run.workdir / "tensorboard")
     while step < cfg.num_steps:
         if stop.requested(step):
+            profiler.stop()
             save(step, state)
             checkpointer.close()
             stop.restore()
@@ -61,8 +65,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             console.stopped(stop.name, step, checkpointer.directory)
             return {"stopped_at": float(step)}
         batch = next(train_iter)
+        profiler.before(step + 1)
         state, metrics = p_train(state, run.strategy.place_global_batch(batch))
         step += 1
+        profiler.after(step, metrics)
         pending.append(metrics)
         # At most one step in flight: JAX dispatches asynchronously, so without this wait the
         # loop could queue up to log_every steps before the logging device_get, and a stop (a

@@ -8,6 +8,7 @@ import ml_collections
 
 from tx_jax.config import task_of
 from tx_jax.data import directions, tasks
+from tx_jax.experiment.profiling import profile_window
 from tx_jax.model import TASKS, ModelConfig
 from tx_jax.training import optim, parallel
 
@@ -57,6 +58,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         section, name = key.split(".")
         if config[section][name] <= 0:
             raise ValueError(f"{key}={config[section][name]} must be positive")
+    profile_window(config.train.get("profile_steps"), config.train.num_steps)
     k = config.eval.get("average_last", 0)
     if not 0 <= k <= config.checkpoint.keep:
         raise ValueError(
