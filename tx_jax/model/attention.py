@@ -285,13 +285,19 @@ def _attention_chunked_scan(query, key, value, mask, bias, is_causal, q_seg, kv_
 
 
 def _attention_cudnn(query, key, value, mask, bias):
-    if jax.default_backend() != "gpu":
-        raise ValueError("implementation='cudnn' needs a GPU; use 'auto', 'xla' or 'chunked'")
+    # No check of jax.default_backend(): a CPU host with CUDA's jaxlib plugin can lower this
+    # for 'cuda' (jax.export, tests/test_lowering.py). Without the plugin jax raises here.
     B, L, H, _ = query.shape
     full = None if mask is None else jnp.broadcast_to(mask, (B, H, L, key.shape[1]))
-    out = jax.nn.dot_product_attention(
-        query, key, value, bias=bias, mask=full, implementation="cudnn"
-    )
+    try:
+        out = jax.nn.dot_product_attention(
+            query, key, value, bias=bias, mask=full, implementation="cudnn"
+        )
+    except RuntimeError as e:  # no CUDA in jaxlib; or run eagerly on a CPU (no lowering rule)
+        raise ValueError(
+            f"implementation='cudnn' runs only on a GPU with cuDNN (jax: {e}); "
+            "use 'auto', 'xla' or 'chunked'"
+        ) from e
     if full is not None:  # cuDNN leaves fully masked rows undefined; ours are zeros
         out = jnp.where(jnp.moveaxis(full.any(-1), 1, 2)[..., None], out, 0)
     return out

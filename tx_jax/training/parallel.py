@@ -26,7 +26,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -109,7 +109,7 @@ class Strategy:
     """How this run places things. Build with `make_strategy(config.parallel)`."""
 
     kind: str
-    mesh: Mesh | None = None
+    mesh: Mesh | AbstractMesh | None = None  # AbstractMesh: lowering only (make_abstract_strategy)
     rules: tuple[tuple[str, Any], ...] = DEFAULT_RULES
 
     @property
@@ -240,12 +240,8 @@ class Strategy:
                 donate_argnums=(0,) if donate else (),
             )
             return fn
-        replicated = NamedSharding(self.mesh, P())
-        jitted = jax.jit(
-            lambda s, b: step_fn(s, b, axis_name=None),
-            in_shardings=(state_shardings, self.batch_sharding()),
-            out_shardings=(state_shardings, replicated) if returns_state else replicated,
-            donate_argnums=(0,) if donate else (),
+        jitted = self.jit_step(
+            step_fn, donate=donate, state_shardings=state_shardings, returns_state=returns_state
         )
 
         def run(state, batch):
@@ -253,6 +249,53 @@ class Strategy:
                 return jitted(state, batch)
 
         return run
+
+    def jit_step(
+        self,
+        step_fn: Callable,
+        *,
+        donate: bool,
+        state_shardings: Any,
+        returns_state: bool = True,
+    ) -> Any:
+        """The mesh step as a `jax.jit` object (call or lower it inside `context()`): what
+        compile_step runs, and what `export_step` lowers."""
+        if self.kind != "mesh":
+            raise ValueError(f"jit_step needs parallel.strategy='mesh', not {self.kind!r}")
+        replicated = NamedSharding(self.mesh, P())
+        return jax.jit(
+            lambda s, b: step_fn(s, b, axis_name=None),
+            in_shardings=(state_shardings, self.batch_sharding()),
+            out_shardings=(state_shardings, replicated) if returns_state else replicated,
+            donate_argnums=(0,) if donate else (),
+        )
+
+    def export_step(
+        self,
+        step_fn: Callable,
+        init_fn: Callable[[], Any],
+        batch: dict[str, Any],
+        platforms: Sequence[str],
+        *,
+        donate: bool = False,
+        returns_state: bool = True,
+    ) -> Any:
+        """`jax.export.Exported` of the mesh step for `platforms` ('cuda', 'tpu', ...): the
+        StableHLO that compile_step would compile there, lowered (not compiled) on any host.
+
+        `batch` holds ShapeDtypeStructs of the global batch; the state is `init_fn`'s, sharded
+        by the rules. With a `make_abstract_strategy` mesh no device of the target is needed.
+        """
+        boxed = jax.eval_shape(init_fn)
+        state = nn.meta.unbox(boxed)  # outside the mesh context: unbox would constrain there
+        jitted = self.jit_step(
+            step_fn,
+            donate=donate,
+            state_shardings=self.state_shardings(boxed),
+            returns_state=returns_state,
+        )
+        with self.context():
+            return jax.export.export(jitted, platforms=tuple(platforms))(state, batch)
 
     def fetch_metrics(self, metrics: Any) -> dict[str, float]:
         """Device metrics -> host floats (first replica for pmap)."""
@@ -276,7 +319,13 @@ class _MeshContext:
         self._stack: list = []
 
     def __enter__(self):
-        for ctx in (jax.set_mesh(self._mesh), nn.logical_axis_rules(self._rules)):
+        # jax.set_mesh takes only a Mesh of real devices; an AbstractMesh (lowering) is set
+        # as the abstract mesh, which is all that tracing and flax's constraints read.
+        if isinstance(self._mesh, AbstractMesh):
+            mesh_ctx = jax.sharding.use_abstract_mesh(self._mesh)
+        else:
+            mesh_ctx = jax.set_mesh(self._mesh)
+        for ctx in (mesh_ctx, nn.logical_axis_rules(self._rules)):
             ctx.__enter__()
             self._stack.append(ctx)
         return self
@@ -314,12 +363,29 @@ def make_strategy(parallel: Any) -> Strategy:
     kind = parallel.strategy
     if kind not in STRATEGIES:
         raise ValueError(f"parallel.strategy={kind!r}; expected one of {STRATEGIES}")
-    rules = tuple((name, _axes(axes)) for name, axes in parallel.get("rules", DEFAULT_RULES))
+    rules = _rules(parallel)
     if kind == "pmap":
         return Strategy("pmap", rules=rules)
     shape = mesh_shape(dict(parallel.mesh), jax.device_count())
     devices = np.asarray(jax.devices()).reshape(shape)
     return Strategy("mesh", Mesh(devices, MESH_AXES), rules)
+
+
+def make_abstract_strategy(parallel: Any, num_devices: int) -> Strategy:
+    """A 'mesh' Strategy over `num_devices` devices that need not exist (an AbstractMesh shaped
+    by `parallel.mesh`, with `parallel.rules`): for lowering steps for another platform or a
+    larger slice than this host has (`Strategy.export_step`), never for running them."""
+    if parallel.get("strategy", "mesh") != "mesh":
+        raise ValueError(
+            f"parallel.strategy={parallel.get('strategy')!r}: an abstract mesh needs 'mesh' "
+            "(jax.export lowers jax.jit, not jax.pmap)"
+        )
+    shape = mesh_shape(dict(parallel.get("mesh", {})), num_devices)
+    return Strategy("mesh", AbstractMesh(shape, MESH_AXES), _rules(parallel))
+
+
+def _rules(parallel: Any) -> tuple[tuple[str, Any], ...]:
+    return tuple((name, _axes(axes)) for name, axes in parallel.get("rules", DEFAULT_RULES))
 
 
 def _axes(axes: Any) -> Any:
