@@ -293,7 +293,7 @@ def test_max_train_pairs_keeps_the_first_pairs(data_dir, raw_dir, tmp_path):
         assert len(cut) == 30 and [cut[i] for i in range(30)] == [full[i] for i in range(30)]
     assert task.probabilities == {n: 0.25 for n in ("en-de", "de-en", "en-fr", "fr-en")}
     it = task.train_iterator(1)
-    assert it.get_state()["fingerprint"]["mixture"]["sizes"] == [30] * 4
+    assert it.get_state()["shards"]["0"]["fingerprint"]["mixture"]["sizes"] == [30] * 4
     seen = set()
     for _ in range(20):
         for row in next(it)["targets"]:

@@ -1,7 +1,8 @@
 """A real multi-process run: 2 processes x 4 CPU devices on 127.0.0.1 (jax.distributed, gloo).
 
-They train into one workdir, are SIGKILLed after a checkpoint, resume, and must log the train
-and validation losses of 1 process with 8 devices and the same mesh; their checkpoint then
+They train into one workdir with data.input_shards=2 (each process reads only its shard), are
+SIGKILLed after a checkpoint, resume, and must log the train and validation losses of 1
+process with 8 devices, the same mesh and the same input shards; their checkpoint then
 restores and evaluates in this (1-device) process.
 """
 
@@ -31,16 +32,33 @@ OVERRIDES = {
     "eval.every": 4,
     "eval.bleu_examples": 8,  # greedy decoding with parameters spread over 2 processes
     "model.dropout_rate": 0.1,  # one dropout key for the global batch: must match too
+    "data.input_shards": 2,  # one shard per process
 }
 TIMEOUT = 240  # seconds for any one launch; a hung collective fails the test, not CI
 
 
 def _code(tfds_dir, workdir, overrides: dict) -> str:
+    """Trains, then prints LOCAL_INPUT {json}: this process's input shards and the examples
+    they read (`ShardedTrainIterator.local_stats`)."""
     return (
-        "from helpers import tiny_config; from tx_jax.experiment.loop import train_and_evaluate;"
+        "import json; from helpers import tiny_config;"
+        "from tx_jax.experiment.loop import train_and_evaluate;"
+        "from tx_jax.data import input_shards as m; made = []; init = m.ShardedTrainIterator"
+        ".__init__; m.ShardedTrainIterator.__init__ = lambda self, *a, **k: (init(self, *a, **k),"
+        " made.append(self))[0];"
         f"train_and_evaluate(tiny_config({str(tfds_dir)!r}, **{overrides!r}), "
-        f"{str(workdir)!r})"
+        f"{str(workdir)!r});"
+        "print('LOCAL_INPUT', json.dumps(made[0].local_stats()), flush=True)"
     )
+
+
+def _local_input(logs, name: str) -> list[dict]:
+    """Each process's LOCAL_INPUT record of the launch `name`."""
+    out = []
+    for i in range(NUM_PROCESSES):
+        lines = (logs / f"{name}_process{i}.log").read_text().splitlines()
+        out.append(json.loads(next(x for x in lines if x.startswith("LOCAL_INPUT "))[12:]))
+    return out
 
 
 def _launch(tfds_dir, workdir, overrides, logs, name: str) -> list[subprocess.Popen]:
@@ -178,6 +196,13 @@ def test_two_processes_train_resume_and_match_one_process(tmp_path, tfds_dir):
     print("1 process:  ", [round(want[s], 6) for s in steps])
     print("max relative difference:", max(abs(got[s] / want[s] - 1) for s in steps))
     np.testing.assert_allclose([got[s] for s in steps], [want[s] for s in steps], rtol=1e-5)
+    # each process read only its shard: the examples of the two add up to the logged total
+    local = _local_input(logs, "2_resumed")
+    print("per process input:", local)
+    assert [x["shards"] for x in local] == [[0], [1]]
+    total = [r for r in _records(workdir) if r["split"] == "train"][-1]["data_examples"]
+    assert local[0]["examples"] + local[1]["examples"] == total
+    assert abs(local[0]["examples"] - local[1]["examples"]) < 0.2 * total
     got_eval, want_eval = _validation(workdir), _validation(reference)
     assert set(got_eval) == set(want_eval) and target in got_eval
     for key in ("loss", "accuracy", "bleu", "chrf"):
@@ -199,8 +224,9 @@ def test_two_processes_train_resume_and_match_one_process(tmp_path, tfds_dir):
     state, data_state, _ = checkpointer.restore(target, run.strategy.abstract_state(run.init_fn))
     assert int(state.step) == target
     assert all(np.isfinite(x).all() for x in jax.tree_util.tree_leaves(state.params))
-    # one global stream: the iterator state is the 1-process one (resumable there too)
-    assert data_state["fingerprint"]["process_count"] == 1
+    # the iterator state holds both shards (gathered from the two processes): any process
+    # count can take its share of it
+    assert data_state["input_shards"] == 2 and sorted(data_state["shards"]) == ["0", "1"]
     shardings = run.strategy.state_shardings(jax.eval_shape(run.init_fn))
     evaluator = Evaluator(run, shardings)
     metrics = evaluator._loss_metrics(state, run.task.eval_batches("validation", 1))

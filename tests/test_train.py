@@ -153,7 +153,8 @@ np.savez({str(tmp_path)!r} + "/mesh_222_params.npz", **{{
     run = build_run(tiny_config(tfds_dir, **base), tmp_path / "mesh_222")
     ckpt = Checkpointer(tmp_path / "mesh_222" / "checkpoints", read_only=True)
     state, data_state, _ = ckpt.restore(steps, run.strategy.abstract_state(run.init_fn))
-    assert int(state.step) == steps and data_state["version"] == 1
+    assert int(state.step) == steps and data_state["input_shards"] == 1
+    assert data_state["shards"]["0"]["version"] == 1
     leaves = jax.tree_util.tree_leaves_with_path(state.params)
     assert len(leaves) == len(saved.files)
     for path, leaf in leaves:

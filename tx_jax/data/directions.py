@@ -44,7 +44,7 @@ from etils import epath
 
 from tx_jax.data import mixture, tasks
 from tx_jax.data.eval_pipeline import EvalBatches
-from tx_jax.data.pipeline import TrainIterator
+from tx_jax.data.input_shards import ShardedTrainIterator, Span
 from tx_jax.data.tokenizer import Tokenizer
 
 Direction = tuple[str, str]  # (source language, target language)
@@ -203,15 +203,19 @@ class MultilingualTask:
         """The training directions' pairs one after another (`limit` per direction)."""
         return Concat([self.direction(n).pairs(split, limit) for n in self.directions])
 
-    def train_iterator(self, batch_multiple: int) -> TrainIterator:
-        """Global batches mixing the directions, the same on every process."""
-        return mixture.make_mixture_train_iterator(
+    def train_iterator(
+        self, batch_multiple: int, spans: Sequence[Span] | None = None
+    ) -> ShardedTrainIterator:
+        """This process's rows of the global batches mixing the directions (every input shard
+        draws the same corpus sequence from its share of each corpus)."""
+        build = functools.partial(
+            mixture.make_mixture_train_iterator,
             {n: t.train_pairs() for n, t in self.directions.items()},
             [self.probabilities[n] for n in self.directions],
             self.tokenizer,
-            tasks.train_options(self.data, seed=self.seed, batch_multiple=batch_multiple),
             source_prefixes={n: t.source_prefix for n, t in self.directions.items()},
         )
+        return tasks.sharded_train_iterator(self.data, self.seed, build, batch_multiple, spans)
 
     def eval_batches(self, split: str, batch_multiple: int, limit: int | None = None):
         """Every training direction's eval batches, one after another (for the loss: their

@@ -28,8 +28,9 @@ position), re-read on restore: `TrainIterator.set_state` resumes the identical b
 `stats()` adds 'kept/<name>' (examples drawn per corpus); 'epoch' counts passes over the
 combined size.
 
-Multi-process: with the options' process_index/process_count each corpus is sharded
-[process_index::process_count] and every process draws the same corpus sequence.
+Input shards: with the options' process_index/process_count each corpus is sharded
+[process_index::process_count] and every shard draws the same corpus sequence
+(input_shards.py puts the shards' batches together).
 """
 
 from __future__ import annotations

@@ -43,19 +43,23 @@ default nmt_nfkc normalizer then deletes the U+FFFD characters).
 Iterator state (`TrainIterator.get_state()`) is a small JSON-serializable dict, e.g.
     {'version': 1,
      'fingerprint': {'max_len': 16, 'tokens_per_batch': 128, 'seed': 0, 'process_index': 0,
-                     'bucket_boundaries': [8, 16], 'tokenizer_sha1': '...', ...},
+                     'bucket_boundaries': [8, 16], 'batch_shapes': [[16, 8], [8, 16]],
+                     'tokenizer_sha1': '...', ...},
      'pipeline': {'examples': {'next_index': 50, 'tx_counts': {'examples': 50, ...}},
                   'held': [[3, 4, 8], []], 'dropped_remainder': 0}}
-'next_index' is the position in this process's shuffled, repeated stream; 'held' lists the
+'next_index' is the position in this shard's shuffled, repeated stream; 'held' lists the
 stream positions of examples waiting in each bucket (or in the open packed batch), which
 `set_state` re-reads and re-adds. A fresh iterator built with the same data and options
 then continues with identical batches; a state whose fingerprint differs raises ValueError.
+The fingerprint holds the batch shapes, not `batch_multiple` (the device count behind them),
+so a state restores on another device count when the shapes are the same.
 `TrainIterator` is a grain `DatasetIterator`, so Orbax saves it with
 `grain.checkpoint.CheckpointSave(it)` / `CheckpointRestore(it)` (one JSON file per process).
 
-Multi-host: each process gets its own shard, so buckets may differ across processes at the
-same step. Use `packing=True` or a single bucket (`bucket_boundaries=[max_len]`) when batches
-form one global array over several processes.
+Shards: `process_index` / `process_count` name the shard [process_index::process_count] read.
+Training cuts the stream into `data.input_shards` such shards and each process builds only
+those its devices need (input_shards.py); their batches form one global array, so they must
+share a shape: `packing=True` or a single bucket (`bucket_boundaries=[max_len]`).
 """
 
 from __future__ import annotations
@@ -298,6 +302,15 @@ class TrainIterator(grain.DatasetIterator):
         self._final_state = None
         self._parent.set_state(copy.deepcopy(state["pipeline"]))
 
+    @property
+    def shard_size(self) -> int:
+        """The records of one pass over this iterator's shard."""
+        return self._shard_size
+
+    def position(self) -> int:
+        """The next position in the shard's stream (after the last batch returned)."""
+        return int(self._pipeline_state()["examples"]["next_index"])
+
     def stats(self) -> dict[str, int]:
         """Example counts since the start of training (see the module docstring)."""
         state = self._pipeline_state()
@@ -357,8 +370,10 @@ class TrainOptions:
     prefetch: int = 0
 
 
-# Options that do not change the batches, so a state restores whatever they are.
-_NOT_IN_FINGERPRINT = ("cache_tokens", "prefetch")
+# Options that do not change the batches, so a state restores whatever they are; the
+# fingerprint holds the batch shapes that batch_multiple gives instead of the device count
+# behind it, so a state restores on any topology with the same shapes.
+_NOT_IN_FINGERPRINT = ("cache_tokens", "prefetch", "batch_multiple")
 
 
 def shard_records(
@@ -438,6 +453,7 @@ def batch_iterator(
     for k in _NOT_IN_FINGERPRINT:
         fingerprint.pop(k)
     shapes = tuple(zip(sizes, boundaries))
+    fingerprint["batch_shapes"] = [list(x) for x in shapes]
     return TrainIterator(
         ds,
         prefetch=o.prefetch,

@@ -1,7 +1,7 @@
 """A translation task: the config's data section turned into splits, a tokenizer and batches.
 
     task = prepare_translation_task(config.data, workdir, seed=config.seed)
-    task.train_iterator(batch_multiple=n)      checkpointable grain iterator of global batches
+    task.train_iterator(n, spans)              this process's rows of the global batches
     task.eval_batches('validation', n)         every example once, static shapes
     task.pairs('test')                          raw (source, reference) text pairs
 
@@ -16,15 +16,14 @@ train pairs (the tokenizer, if trained here, sees only those). In a multi-proces
 prepares data and tokenizer, the others wait. Several directions in one model
 (`data.directions`): directions.py.
 
-Multi-process training reads one global stream: every process builds the same iterator over
-the whole train split with the global token budget, and the step places each device's rows of
-that global batch (`parallel.Strategy.place_global_batch`). So N processes train on exactly
-the batches of one process with the same devices (same losses, resumable across process
-counts), every process holds the same iterator state (the checkpoint stores one copy, and any
-process can restore it), and length buckets stay in step across processes. The price: every
-process tokenizes (and caches) every train example instead of 1/N of them, small next to a
-step for translation corpora; a corpus too big for that would use per-process shards
-(`pipeline.TrainOptions`' process_index/process_count) and accept other batches.
+Multi-process training reads the train stream as `data.input_shards` shards (input_shards.py):
+the global batch at a step is every shard's batch in shard order, fixed by the config whatever
+the number of processes and devices, and each process reads, tokenizes and batches only the
+shards that its devices' rows fall in (`train_iterator(batch_multiple, spans)`, the spans from
+`parallel.Strategy.process_row_spans`). With input_shards a multiple of the process count,
+each process does 1/P of the input work; the iterator state holds every shard's position, so
+a checkpoint resumes on any process and device count. input_shards=1 (the default) is one
+stream that every process reads whole, keeping its own rows (any batching, buckets included).
 Validation loss batches stay per-process shards (their sums are reduced over all devices);
 decoding for BLEU runs the same examples on every process (`shard_eval=False`), since the
 parameters it reads are spread over all of them.
@@ -33,6 +32,7 @@ parameters it reads are spread over all of them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import tempfile
@@ -43,7 +43,7 @@ import jax
 from etils import epath
 from jax.experimental import multihost_utils
 
-from tx_jax.data import datasets, eval_pipeline, pipeline
+from tx_jax.data import datasets, eval_pipeline, input_shards, pipeline
 from tx_jax.data.tokenizer import Tokenizer, iter_pair_texts, train_tokenizer
 
 TOKENIZER_FILE = "tokenizer.model"
@@ -117,8 +117,8 @@ def max_train_pairs(data: Any, direction: str | None = None) -> int | None:
 
 
 def train_options(data: Any, *, seed: int, batch_multiple: int) -> pipeline.TrainOptions:
-    """The train batching of config.data: one global stream, the whole of it on every process
-    (process 0 of 1; module docstring), rows a multiple of `batch_multiple`."""
+    """The train batching of config.data for the whole global batch (process 0 of 1; each
+    input shard takes its part, input_shards.py), rows a multiple of `batch_multiple`."""
     return pipeline.TrainOptions(
         max_len=data.max_len,
         tokens_per_batch=data.tokens_per_batch,
@@ -128,6 +128,22 @@ def train_options(data: Any, *, seed: int, batch_multiple: int) -> pipeline.Trai
         seed=seed,
         process_index=0,
         process_count=1,
+    )
+
+
+def sharded_train_iterator(
+    data: Any,
+    seed: int,
+    build: Callable[[pipeline.TrainOptions], pipeline.TrainIterator],
+    batch_multiple: int,
+    spans: Sequence[input_shards.Span] | None,
+) -> input_shards.ShardedTrainIterator:
+    """The `data.input_shards` streams that `build` makes, this process's `spans` of them."""
+    return input_shards.make_sharded_iterator(
+        build,
+        train_options(data, seed=seed, batch_multiple=batch_multiple),
+        input_shards=int(data.get("input_shards", 1)),
+        spans=spans,
     )
 
 
@@ -168,12 +184,18 @@ class TranslationTask:
         pairs = self.train_pairs() if self.split_name(split) == "train" else self.source(split)
         return Prefix(pairs, limit)
 
-    def train_iterator(self, batch_multiple: int) -> pipeline.TrainIterator:
-        """Global batches (rows a multiple of `batch_multiple`), the same on every process."""
-        options = train_options(self.data, seed=self.seed, batch_multiple=batch_multiple)
-        return pipeline.make_train_iterator(
-            self.train_pairs(), self.tokenizer, options, source_prefix=self.source_prefix
+    def train_iterator(
+        self, batch_multiple: int, spans: Sequence[input_shards.Span] | None = None
+    ) -> input_shards.ShardedTrainIterator:
+        """This process's rows (`spans`; None: all) of the global batches, whose rows are a
+        multiple of `batch_multiple` (module docstring)."""
+        build = functools.partial(
+            pipeline.make_train_iterator,
+            self.train_pairs(),
+            self.tokenizer,
+            source_prefix=self.source_prefix,
         )
+        return sharded_train_iterator(self.data, self.seed, build, batch_multiple, spans)
 
     def eval_batches(self, split: str, batch_multiple: int, limit: int | None = None):
         """This process's share of the examples (every example when `shard_eval` is False)."""
@@ -352,10 +374,14 @@ class LMTask:
     def texts(self, split: str, limit: int | None = None) -> Sequence[str]:
         return SideTexts(self.pair_task.pairs(split, limit), self.data.get("lm_side", "target"))
 
-    def train_iterator(self, batch_multiple: int) -> pipeline.TrainIterator:
-        """Global batches of 'targets' (texts + EOS), the same on every process."""
-        options = train_options(self.data, seed=self.seed, batch_multiple=batch_multiple)
-        return pipeline.make_lm_train_iterator(self.texts("train"), self.tokenizer, options)
+    def train_iterator(
+        self, batch_multiple: int, spans: Sequence[input_shards.Span] | None = None
+    ) -> input_shards.ShardedTrainIterator:
+        """This process's rows of the global batches of 'targets' (texts + EOS)."""
+        build = functools.partial(
+            pipeline.make_lm_train_iterator, self.texts("train"), self.tokenizer
+        )
+        return sharded_train_iterator(self.data, self.seed, build, batch_multiple, spans)
 
     def eval_batches(self, split: str, batch_multiple: int, limit: int | None = None):
         """This process's share of the texts (all of them when `shard_eval` is False)."""

@@ -37,8 +37,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     logs.write_json(run.workdir / "versions.json", logs.versions())
     checkpointer = _open_checkpointer(run)
     state, data_state = restore_or_init(run, checkpointer)
-    train_iter = run.task.train_iterator(  # global batches, the same on every process
-        batch_multiple=run.strategy.global_batch_multiple * cfg.grad_accum_steps
+    train_iter = run.task.train_iterator(  # this process's rows of the global batches
+        batch_multiple=run.strategy.global_batch_multiple * cfg.grad_accum_steps,
+        spans=run.strategy.process_row_spans(),
     )
     if data_state and cfg.restore_data_iterator:
         train_iter.set_state(data_state)
@@ -66,7 +67,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             return {"stopped_at": float(step)}
         batch = next(train_iter)
         profiler.before(step + 1)
-        state, metrics = p_train(state, run.strategy.place_global_batch(batch))
+        state, metrics = p_train(state, run.strategy.place_process_rows(batch, train_iter.share))
         step += 1
         profiler.after(step, metrics)
         pending.append(metrics)

@@ -4,10 +4,12 @@ naming the key (unknown keys are caught by the locked ConfigDict and ModelConfig
 
 from __future__ import annotations
 
+import math
+
 import ml_collections
 
 from tx_jax.config import task_of
-from tx_jax.data import directions, tasks
+from tx_jax.data import directions, input_shards, tasks
 from tx_jax.experiment.profiling import profile_window
 from tx_jax.model import TASKS, ModelConfig
 from tx_jax.training import optim, parallel
@@ -31,6 +33,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
                 "has no BLEU; use loss, accuracy or perplexity"
             )
     directions.validate_config(config.data, task_of(config))
+    d = config.data
+    input_shards.check_shape_rule(d.get("input_shards", 1), d.packing, d.bucket_boundaries)
     enums = {
         "train.schedule": optim.SCHEDULES,
         "parallel.strategy": parallel.STRATEGIES,
@@ -87,12 +91,15 @@ def check_batch_divides(config: ml_collections.ConfigDict, strategy: parallel.St
     """The smallest batch (rows at the longest bucket) must split over devices and micro-batches."""
     d = config.data
     longest = max(d.bucket_boundaries or [d.max_len]) if not d.packing else d.max_len
-    rows = d.tokens_per_batch // longest  # the global batch (data/tasks.py)
+    shards = d.get("input_shards", 1)
     need = strategy.global_batch_multiple * config.train.grad_accum_steps
-    if rows < need:
+    # each input shard's rows are a multiple of this, so that the global batch divides
+    per_shard = need // math.gcd(need, shards)
+    rows = d.tokens_per_batch // shards // longest
+    if rows < per_shard:
         raise ValueError(
-            f"data.tokens_per_batch={d.tokens_per_batch} gives {rows} rows of {longest} tokens, "
-            f"fewer than the {need} needed ({strategy.global_batch_multiple} "
-            f"devices x train.grad_accum_steps={config.train.grad_accum_steps}); raise "
-            "data.tokens_per_batch"
+            f"data.tokens_per_batch={d.tokens_per_batch} gives {rows} rows of {longest} tokens "
+            f"per input shard (data.input_shards={shards}), fewer than the {per_shard} needed "
+            f"for {strategy.global_batch_multiple} devices x train.grad_accum_steps="
+            f"{config.train.grad_accum_steps}; raise data.tokens_per_batch"
         )

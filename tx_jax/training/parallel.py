@@ -9,9 +9,10 @@
 
 Model code never sees a device: it names axes ('batch', 'embed', 'heads', ...), and only
 this file turns names into placements. Multi-host runs call `maybe_initialize_distributed`
-first. Train batches are global: every process holds the same [B, ...] batch and
-`place_global_batch` gives each device its rows (see data/tasks.py for why); eval batches are
-per process (`place_batch`: each process feeds its own rows, and the step sums globally).
+first. Train batches are global arrays assembled from each process's rows
+(`process_row_spans` says which rows a process's devices hold, data/input_shards.py reads
+just those, `place_process_rows` assembles them); eval batches are per process
+(`place_batch`: each process feeds its own rows, and the step sums globally).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import Callable, Sequence
+from fractions import Fraction
 from typing import Any
 
 import flax.linen as nn
@@ -193,23 +195,34 @@ class Strategy:
             lambda x: jax.make_array_from_process_local_data(sharding, x), batch
         )
 
-    def place_global_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """The same global numpy batch [B, ...] on every process -> device arrays for the step.
-
-        With one process this is `place_batch`. With several, each device takes its own rows
-        of the global batch (mesh: whatever the device order of the mesh; pmap: this process's
-        block of B / process_count rows), so the step sees exactly the 1-process batch.
-        """
-        if jax.process_count() == 1:
-            return self.place_batch(batch)
+    def process_row_spans(self) -> list[tuple[Fraction, Fraction]]:
+        """The rows of a global train batch that this process's devices hold, as sorted
+        fractions [a, b) of it: pmap, the process's block; a mesh, whatever its batch
+        sharding gives them (all rows when the batch axes lie within one process)."""
         if self.kind == "pmap":
             i, n = jax.process_index(), jax.process_count()
-            return self.place_batch(
-                {k: x[i * len(x) // n : (i + 1) * len(x) // n] for k, x in batch.items()}
-            )
+            return [(Fraction(i, n), Fraction(i + 1, n))]
+        n = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        held = self.batch_sharding().addressable_devices_indices_map((n,)).values()
+        starts = sorted({index[0].indices(n)[:2] for index in held})
+        spans: list[tuple[int, int]] = []
+        for a, b in starts:  # merged where contiguous
+            if spans and spans[-1][1] == a:
+                spans[-1] = (spans[-1][0], b)
+            else:
+                spans.append((a, b))
+        return [(Fraction(a, n), Fraction(b, n)) for a, b in spans]
+
+    def place_process_rows(self, batch: dict[str, np.ndarray], share: Fraction) -> dict:
+        """This process's rows of a global batch (`process_row_spans`, `share` of its rows,
+        in order) -> global device arrays for the step. With one process: `place_batch`."""
+        if self.kind == "pmap" or jax.process_count() == 1:
+            return self.place_batch(batch)
         sharding = self.batch_sharding()
         return {
-            k: jax.make_array_from_callback(x.shape, sharding, lambda index, x=x: x[index])
+            k: jax.make_array_from_process_local_data(
+                sharding, x, (int(len(x) / share), *x.shape[1:])
+            )
             for k, x in batch.items()
         }
 

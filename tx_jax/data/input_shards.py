@@ -1,0 +1,249 @@
+"""The train stream in global terms: a fixed number of input shards, each process reading its own.
+
+    it = make_sharded_iterator(build, options, input_shards=S, spans=[(0, 1)])
+    batch = next(it)                  this process's rows of the global batch
+    it.share                          their fraction of the global batch's rows
+    it.get_state() / it.set_state()   every shard's position (any process count restores it)
+
+Design. `data.input_shards` S (default 1) cuts the train examples into S shards, S fixed for
+the run and independent of how many processes and devices train it. Shard s reads examples
+[s::S] of the corpus (each shard shuffled and repeated like pipeline.py's stream, with the
+same seed) under a budget of tokens_per_batch // S; the global batch at step t is the
+concatenation, in shard order, of every shard's batch t. It depends on S and the config only,
+so the same step sees the same batch on 1 process or 64, on 8 devices or 4.
+
+A process's devices hold some rows of the global batch: `spans`, fractions of it, from the
+strategy (`parallel.Strategy.process_row_spans`: for pmap the process's block, for a mesh
+whatever its batch sharding gives the process's devices). The process builds only the
+shards those rows fall in and keeps exactly its rows, which `Strategy.place_process_rows`
+assembles into global arrays (`jax.make_array_from_process_local_data`). With S a multiple
+of the process count (and the usual device order) each process reads S / P shards: 1/P of
+the input work. Any other S still trains on the same batches; a process whose rows lie in
+shards that others need too reads those whole shards (S = 1: every process reads the whole
+stream, the behaviour before input shards; a warning names data.input_shards).
+
+Batches of several shards must share one shape to form one array: with S > 1 the run
+must pack (`data.packing=True`) or have a single bucket (`data.bucket_boundaries=[max_len]`).
+Rows per shard are floor(tokens_per_batch / S / L) rounded down to a multiple of
+m / gcd(m, S), m = devices x grad_accum_steps, so the global rows divide over the devices.
+
+State: {'input_shards': S, 'shards': {'0': state of shard 0, ...}}, each a
+`pipeline.TrainIterator` state (stream position, held examples). Positions are per shard,
+not per process, so the state restores on any process or device count: `get_state` gathers
+every shard's state onto every process (a collective with several processes), and
+`set_state` takes the shards the process owns now. The shards' fingerprints hold the batch
+shapes, not the device count: a new topology whose rounding changes the shapes is refused
+(pipeline.py's error says which keys). A state saved before input shards (one stream)
+restores as shard 0 of S = 1.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable, Sequence
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from tx_jax.data.batching import Batch, bucket_batch_sizes
+from tx_jax.data.pipeline import TrainIterator, TrainOptions
+
+Span = tuple[Fraction, Fraction]
+KEY = "data.input_shards"
+
+
+def shard_options(options: TrainOptions, shard: int, input_shards: int) -> TrainOptions:
+    """The options of shard `shard` of `input_shards`: examples [shard::input_shards], its
+    share of the token budget, rows a multiple that keeps the global batch divisible."""
+    m = options.batch_multiple
+    return TrainOptions(
+        **{
+            **vars(options),
+            "tokens_per_batch": options.tokens_per_batch // input_shards,
+            "batch_multiple": m // math.gcd(m, input_shards),
+            "process_index": shard,
+            "process_count": input_shards,
+        }
+    )
+
+
+def check_shape_rule(input_shards: int, packing: bool, boundaries: Sequence[int] | None) -> None:
+    """Several shards form one array only if every batch has the same shape."""
+    if input_shards < 1:
+        raise ValueError(f"{KEY}={input_shards} must be >= 1")
+    if input_shards > 1 and not packing and len(boundaries or [0, 0]) > 1:
+        raise ValueError(
+            f"{KEY}={input_shards} needs one batch shape for all shards: set data.packing=True "
+            "or a single bucket (data.bucket_boundaries=[data.max_len])"
+        )
+
+
+def owned_shards(input_shards: int, spans: Sequence[Span]) -> list[int]:
+    """The shards that `spans` (fractions of the global batch's rows) fall in, in order."""
+    owned = set()
+    for a, b in spans:
+        first = math.floor(a * input_shards)
+        last = math.ceil(b * input_shards)
+        owned.update(range(first, last))
+    return sorted(owned)
+
+
+class ShardedTrainIterator:
+    """This process's rows of the global batches of `input_shards` shard streams.
+
+    `shards` maps each owned shard to its `pipeline.TrainIterator`; `spans` are the
+    fractions of the global rows this process keeps (sorted, inside the owned shards).
+    """
+
+    def __init__(self, shards: dict[int, TrainIterator], input_shards: int, spans: Sequence[Span]):
+        self._shards = shards
+        self.input_shards = input_shards
+        self._spans = [(Fraction(a), Fraction(b)) for a, b in spans]
+        self.share = sum((b - a for a, b in self._spans), Fraction(0))
+        first = next(iter(shards.values()))
+        self.keys, self.packing = first.keys, first.packing
+        # the global shapes: every shard's rows at each length
+        self.batch_shapes = tuple((b * input_shards, n) for b, n in first.batch_shapes)
+
+    def __iter__(self) -> ShardedTrainIterator:
+        return self
+
+    def __next__(self) -> Batch:
+        batches = {s: next(it) for s, it in self._shards.items()}
+        if len(batches) == 1 and self.share * self.input_shards == 1:
+            return next(iter(batches.values()))  # one whole shard: no copy (the default)
+        rows = len(next(iter(batches.values()))[self.keys[0]])  # per shard
+        pieces = []  # (shard, its rows) in global row order
+        for a, b in self._spans:
+            start, stop = int(a * rows * self.input_shards), int(b * rows * self.input_shards)
+            for s in range(start // rows, -(-stop // rows)):
+                lo, hi = max(start, s * rows), min(stop, (s + 1) * rows)
+                pieces.append((s, slice(lo - s * rows, hi - s * rows)))
+        return {
+            k: np.concatenate([batches[s][k][rows_of] for s, rows_of in pieces])
+            for k in batches[pieces[0][0]]
+        }
+
+    # ------------------------------------------------------------------ state
+    def local_states(self) -> dict[str, Any]:
+        """The states of this process's shards, by shard number (a str: JSON keys)."""
+        return {str(s): it.get_state() for s, it in self._shards.items()}
+
+    def get_state(self) -> dict[str, Any]:
+        """Every shard's state (gathered from all processes: call it on each at one step)."""
+        return {"input_shards": self.input_shards, "shards": gather(self.local_states())}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if "shards" not in state:  # a state saved before input shards: one stream
+            state = {"input_shards": 1, "shards": {"0": state}}
+        if state["input_shards"] != self.input_shards:
+            raise ValueError(
+                f"the checkpoint's data stream has {KEY}={state['input_shards']}, this run "
+                f"{self.input_shards}: keep {KEY}={state['input_shards']} to continue the "
+                "stream (or set train.restore_data_iterator=False to start it afresh)"
+            )
+        for s, it in self._shards.items():
+            shard = state["shards"][str(s)]
+            shard = {**shard, "fingerprint": upgrade_fingerprint(shard["fingerprint"])}
+            try:
+                it.set_state(shard)
+            except ValueError as e:
+                if "batch_shapes" not in str(e):
+                    raise
+                raise ValueError(f"{e}{_SHAPES_HINT}") from e
+
+    def local_stats(self) -> dict[str, Any]:
+        """This process's shards and their example counts summed (no collective)."""
+        counts = [it.stats() for it in self._shards.values()]
+        return {"shards": sorted(self._shards)} | {
+            k: sum(c[k] for c in counts) for k in counts[0] if k != "epoch"
+        }
+
+    def stats(self) -> dict[str, int]:
+        """Example counts over every shard since the start of training ('epoch': passes over
+        the whole corpus); gathered from all processes like `get_state`."""
+        local = {
+            str(s): {**it.stats(), "_position": it.position(), "_size": it.shard_size}
+            for s, it in self._shards.items()
+        }
+        per_shard = list(gather(local).values())
+        out = {k: sum(x[k] for x in per_shard) for k in per_shard[0] if not k.startswith("_")}
+        out["epoch"] = sum(x["_position"] for x in per_shard) // sum(x["_size"] for x in per_shard)
+        return out
+
+
+_SHAPES_HINT = (
+    "; rows per batch are data.tokens_per_batch / L rounded down to a multiple of devices x "
+    "train.grad_accum_steps: choose data.tokens_per_batch whose rows divide by both device "
+    "counts, or set train.restore_data_iterator=False to start the stream afresh"
+)
+
+
+def upgrade_fingerprint(fingerprint: dict[str, Any]) -> dict[str, Any]:
+    """A shard fingerprint saved with 'batch_multiple' (the device count, before
+    'batch_shapes') in today's terms: the shapes that multiple gave."""
+    if "batch_shapes" in fingerprint or "batch_multiple" not in fingerprint:
+        return fingerprint
+    out = dict(fingerprint)
+    bounds = out["bucket_boundaries"]
+    sizes = bucket_batch_sizes(bounds, out["tokens_per_batch"], out.pop("batch_multiple"))
+    out["batch_shapes"] = [[b, n] for b, n in zip(sizes, bounds)]
+    return out
+
+
+def gather(local: dict[str, Any]) -> dict[str, Any]:
+    """The union of every process's `local` (JSON-able dicts by shard), sorted by shard."""
+    import jax
+
+    if jax.process_count() == 1:
+        return dict(sorted(local.items(), key=lambda kv: int(kv[0])))
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(json.dumps(local).encode(), np.uint8)
+    sizes = multihost_utils.process_allgather(np.asarray(len(data), np.int64))
+    padded = np.zeros(int(np.max(sizes)), np.uint8)
+    padded[: len(data)] = data
+    everything = multihost_utils.process_allgather(padded)
+    merged: dict[str, Any] = {}
+    for row, n in zip(np.asarray(everything), np.asarray(sizes)):
+        merged.update(json.loads(row[: int(n)].tobytes().decode()))
+    return dict(sorted(merged.items(), key=lambda kv: int(kv[0])))
+
+
+def make_sharded_iterator(
+    build: Callable[[TrainOptions], TrainIterator],
+    options: TrainOptions,
+    *,
+    input_shards: int,
+    spans: Sequence[Span] | None = None,
+) -> ShardedTrainIterator:
+    """The iterator of this process's rows (module docstring).
+
+    Args:
+      build: options -> the TrainIterator of one shard (options.process_index of
+        options.process_count), e.g. a partial of `pipeline.make_train_iterator`.
+      options: the global options (tokens_per_batch of the whole batch, batch_multiple
+        devices x grad_accum_steps).
+      input_shards: S, `data.input_shards`.
+      spans: fractions [a, b) of the global rows this process's devices hold
+        (`parallel.Strategy.process_row_spans`); None: all of them (one process).
+    """
+    check_shape_rule(input_shards, options.packing, options.bucket_boundaries)
+    spans = sorted(spans or [(Fraction(0), Fraction(1))])
+    owned = owned_shards(input_shards, spans)
+    share = sum((b - a for a, b in spans), Fraction(0))
+    extra = len(owned) - share * input_shards
+    if extra > 0:
+        logging.warning(
+            "this process reads %d shard(s) of %s=%d for %s of the batch; a multiple of the "
+            "process count would let each read only its share",
+            len(owned),
+            KEY,
+            input_shards,
+            share,
+        )
+    shards = {s: build(shard_options(options, s, input_shards)) for s in owned}
+    return ShardedTrainIterator(shards, input_shards, spans)
