@@ -45,20 +45,28 @@ def test_run_configs_hold_the_design(tmp_path):
         "multi",
         "pre_de",
         "scratch_fr",
+        "matched_fr",
         "from_de_fr",
         "scratch_cs",
+        "matched_cs",
         "from_de_cs",
     ]
     multi = configs["multi"]
     assert multi.data.directions == "en-de,de-en,en-fr,fr-en,en-cs,cs-en"
     assert multi.data.max_train_pairs == "en-fr=3000,fr-en=3000,en-cs=3000,cs-en=3000"
     assert (multi.data.mixture, multi.data.temperature) == ("temperature", 5.0)
-    for name in ("pre_de", "scratch_fr", "from_de_fr", "scratch_cs", "from_de_cs"):
+    for name in ("pre_de", "scratch_fr", "matched_fr", "from_de_fr", "scratch_cs", "from_de_cs"):
         assert configs[name].data.tokenizer_path == str(tmp_path / "multi" / "tokenizer.model")
         assert configs[name].model.to_dict() == multi.model.to_dict()  # same architecture
     assert configs["scratch_cs"].data.max_train_pairs == 3000
     assert configs["from_de_cs"].train.init_from == str(tmp_path / "pre_de")
     assert configs["scratch_cs"].train.init_from is None
+    # compute matching: the transfer arm's updates (pre-training + fine-tuning) = matched's
+    steps = {name: c.train.num_steps for name, c in configs.items()}
+    assert steps["matched_cs"] == steps["pre_de"] + steps["from_de_cs"] == 950
+    assert steps["scratch_cs"] == steps["from_de_cs"] == 250
+    assert configs["matched_cs"].data.max_train_pairs == 3000
+    assert configs["matched_cs"].train.init_from is None
 
 
 def test_debug_study_end_to_end(tmp_path):
@@ -74,7 +82,7 @@ def test_debug_study_end_to_end(tmp_path):
     transfer = results["scores"]["transfer"]
     assert set(transfer) == {"en-fr", "en-cs"}
     for row in transfer.values():
-        for kind in ("scratch", "from_de", "multilingual"):
+        for kind in ("scratch", "matched", "from_de", "multilingual"):
             assert 0.0 <= row[kind]["bleu"] <= 100.0 and "nrefs:1" in row[kind]["signature"]
     zero = results["scores"]["zero_shot"]
     assert set(zero) == {"de-fr", "fr-de"} and set(zero["de-fr"]) == {"direct", "pivot_en"}
@@ -93,8 +101,18 @@ def test_debug_study_end_to_end(tmp_path):
         assert (root / name).stat().st_size > 5000
     report = (root / "REPORT.md").read_text()
     assert "| en-fr |" in report and "| de-fr |" in report and "| en-cs | " in report
+    assert (
+        "scratch, compute-matched" in report
+        and "compute-matched scratch and from en->de 8" in report
+    )
     # every run trained to its step count in its own workdir
-    for name, steps in (("multi", 6), ("pre_de", 4), ("scratch_cs", 4), ("from_de_fr", 4)):
+    for name, steps in (
+        ("multi", 6),
+        ("pre_de", 4),
+        ("scratch_cs", 4),
+        ("matched_cs", 8),
+        ("from_de_fr", 4),
+    ):
         last = (root / name / "metrics.jsonl").read_text().splitlines()[-1]
         assert json.loads(last)["step"] == steps
 
