@@ -31,6 +31,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.num_heads = 4  # H
     c.model.num_kv_heads = ml_collections.FieldReference(None, field_type=int)  # K<H: GQA
     c.model.head_dim = ml_collections.FieldReference(None, field_type=int)  # None: d_model / H
+    c.model.value_head_dim = ml_collections.FieldReference(None, field_type=int)  # d_v (None: D)
     c.model.d_ff = 512  # FFN inner width
     c.model.num_encoder_layers = 2
     c.model.num_decoder_layers = 2

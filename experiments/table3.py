@@ -10,8 +10,9 @@ the unchanged base; then the rows (ROWS), paper -> here:
     A  heads, keeping h * d_k = d_model: (h, d_k, d_v) = (1, 512, 512), (4, 128, 128),
        (16, 32, 32), (32, 16, 16) -> model.num_heads 1, 4, 16, 32 (d_k = d_v = 256 / h:
        256, 64, 16, 8; the config's head_dim None means d_model // num_heads)
-    B  key size d_k 16, 32 (h = 8 of 64 each) -> model.head_dim 8, 16 with the base's heads
-       (head_dim sets d_k and d_v together; the base config must define model.head_dim)
+    B  key size d_k 16, 32 with d_v unchanged (h = 8, d_v = 64) -> model.head_dim 8, 16 and
+       model.value_head_dim = the base's d_v, 256 / 4 = 64, with the base's heads: only the
+       query/key width changes, as in the paper (model.head_dim alone would shrink d_v too)
     C  size: N 2, 4, 8 (depth does not scale: model.num_encoder_layers = num_decoder_layers);
        d_model 256, 1024 (d_ff unchanged, as in the paper) -> 128, 512;
        d_ff 1024, 4096 -> 512, 2048
@@ -25,6 +26,7 @@ Point names (and workdirs) come from the overrides, e.g. 'model.num_heads=16'.
 CONFIG = "configs/multi30k.py:variant=small"
 NAME = "table3"
 D_MODEL = 256  # the base config's model.d_model; the paper's numbers assume 512
+NUM_HEADS = 4  # the base config's model.num_heads: its d_v is D_MODEL // NUM_HEADS
 
 
 def _scale(paper_value: int) -> int:
@@ -38,7 +40,10 @@ def _layers(n: int) -> dict:
 
 ROWS: dict[str, list[dict]] = {
     "A": [{"model.num_heads": h} for h in (1, 4, 16, 32)],
-    "B": [{"model.head_dim": _scale(d_k)} for d_k in (16, 32)],
+    "B": [
+        {"model.head_dim": _scale(d_k), "model.value_head_dim": D_MODEL // NUM_HEADS}
+        for d_k in (16, 32)
+    ],
     "C": [_layers(n) for n in (2, 4, 8)]
     + [{"model.d_model": _scale(d)} for d in (256, 1024)]
     + [{"model.d_ff": _scale(f)} for f in (1024, 4096)],

@@ -27,7 +27,7 @@ assert jax.config.read("jax_disable_most_optimizations")
 
 
 def reference_attention(q, k, v, mask=None, bias=None):
-    """float64 NumPy softmax(q k^T / sqrt(D) + bias) v; q [B,L,H,D], k/v [B,S,K,D]."""
+    """float64 NumPy softmax(q k^T / sqrt(Dk) + bias) v; q [B,L,H,Dk], k/v [B,S,K,Dk/Dv]."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     B, L, H, D = q.shape
     K = k.shape[2]

@@ -79,10 +79,10 @@ def test_mask_helpers_values():
     assert masks.combine_masks(None, None) is None
 
 
-def _random_problem(rng, B=2, L=13, S=37, H=4, K=2, D=8):
+def _random_problem(rng, B=2, L=13, S=37, H=4, K=2, D=8, Dv=None):
     q = rng.normal(size=(B, L, H, D)).astype(np.float32)
     k = rng.normal(size=(B, S, K, D)).astype(np.float32)
-    v = rng.normal(size=(B, S, K, D)).astype(np.float32)
+    v = rng.normal(size=(B, S, K, Dv or D)).astype(np.float32)
     kv_len = rng.integers(1, S + 1, size=B)
     q_len = rng.integers(1, L + 1, size=B)
     kv_seg = (np.arange(S)[None] < kv_len[:, None]).astype(np.int32)
@@ -203,6 +203,119 @@ def test_chunked_gradients_with_dropout_equal_autodiff_of_the_same_forward(rng):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+# d_v != d_k (the paper's value and key head dims, Table 3 row B): wider and narrower values.
+DVS = [12, 4]  # with Dk = 8
+DV_MASKINGS = ["causal+padding", "packed+causal", "dense+causal+padding", "padding"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dv", DVS)
+@pytest.mark.parametrize("masking", DV_MASKINGS)
+def test_value_head_dim_differs_matches_float64_reference(rng, impl, dv, masking):
+    """[B, L, H, Dk] q, [B, S, K, Dk] k, [B, S, K, Dv] v with GQA (H 4, K 2) and ragged blocks:
+    the output is [B, L, H, Dv] and equals softmax(q k^T / sqrt(Dk)) v in float64."""
+    L, S = 13, 37
+    q, k, v, q_seg, kv_seg = _random_problem(rng, L=L, S=S, Dv=dv)
+    kw = _masking_kwargs(rng, masking, q_seg, kv_seg, L, S)
+    out = A.dot_product_attention(q, k, v, implementation=impl, chunk_size=6, **kw)
+    assert out.shape == (2, L, 4, dv)
+    mask = masks.dense_mask(L, S, **kw)
+    ref, _ = reference_attention(q, k, v, np.asarray(mask))
+    err = np.abs(np.asarray(out, np.float64) - ref).max() / np.abs(ref).max()
+    assert err < 1e-5, err
+
+
+@pytest.mark.parametrize("dv", DVS)
+def test_value_head_dim_differs_with_bias_matches_float64_reference(rng, dv):
+    """The bias path of 'chunked' (the rematerialised scan, not flash.py) with d_v != d_k."""
+    q, k, v, q_seg, kv_seg = _random_problem(rng, L=37, Dv=dv)
+    bias = rng.normal(size=(1, 4, 37, 37)).astype(np.float32)
+    kw = dict(is_causal=True, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+    ref, _ = reference_attention(q, k, v, np.asarray(masks.dense_mask(37, 37, **kw)), bias)
+    for impl in IMPLS:
+        out = A.dot_product_attention(q, k, v, bias=bias, implementation=impl, chunk_size=8, **kw)
+        err = np.abs(np.asarray(out, np.float64) - ref).max() / np.abs(ref).max()
+        assert err < 1e-5, (impl, err)
+
+
+@pytest.mark.parametrize("dv", DVS)
+@pytest.mark.parametrize("masking", ["causal+padding", "dense+causal+padding"])
+def test_value_head_dim_differs_chunked_gradients_equal_xla(rng, dv, masking):
+    """The flash custom VJP's dq [.., Dk], dk [.., Dk], dv [.., Dv] equal the dense path's
+    (whose forward matches the float64 reference above)."""
+    L, S = 13, 37
+    q, k, v, q_seg, kv_seg = _random_problem(rng, L=L, S=S, Dv=dv)
+    kw = _masking_kwargs(rng, masking, q_seg, kv_seg, L, S)
+    cot = rng.normal(size=(2, L, 4, dv)).astype(np.float32)
+
+    def loss(impl, q, k, v):
+        out = A.dot_product_attention(q, k, v, implementation=impl, chunk_size=6, **kw)
+        return jnp.sum(out * cot)
+
+    g_xla = jax.grad(lambda *a: loss("xla", *a), argnums=(0, 1, 2))(q, k, v)
+    g_chk = jax.jit(jax.grad(lambda *a: loss("chunked", *a), argnums=(0, 1, 2)))(q, k, v)
+    for a, b, x in zip(g_xla, g_chk, (q, k, v)):
+        assert b.shape == x.shape
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dv", DVS)
+def test_value_head_dim_differs_with_dropout(rng, dv):
+    """Dropout on the weights with d_v != d_k: 'chunked''s custom VJP equals autodiff of its
+    own forward, and 'xla' drops whole weights (each output row is a combination of v rows)."""
+    from tx_jax.model import flash
+
+    q, k, v, q_seg, kv_seg = _random_problem(rng, L=17, S=23, Dv=dv)
+    cot = rng.normal(size=(2, 17, 4, dv)).astype(np.float32)
+    key = jax.random.key(5)
+    spec = dict(is_causal=True, q_block=6, k_block=6, rate=0.25, precision=None)
+    kw = dict(is_causal=True, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+
+    def custom(q, k, v):
+        out = A.dot_product_attention(
+            q,
+            k,
+            v,
+            dropout_rate=0.25,
+            dropout_rng=key,
+            deterministic=False,
+            implementation="chunked",
+            chunk_size=6,
+            **kw,
+        )
+        return jnp.sum(out * cot)
+
+    def reference(q, k, v):
+        out = flash.reference_forward(spec, q, k, v, (None, q_seg, kv_seg, key))
+        return jnp.sum(out * cot)
+
+    np.testing.assert_allclose(custom(q, k, v), reference(q, k, v), rtol=1e-6)
+    for a, b in zip(
+        jax.grad(custom, argnums=(0, 1, 2))(q, k, v),
+        jax.grad(reference, argnums=(0, 1, 2))(q, k, v),
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    out = A.dot_product_attention(
+        q, k, v, dropout_rate=0.25, dropout_rng=key, deterministic=False, implementation="xla"
+    )
+    assert out.shape == (2, 17, 4, dv) and np.isfinite(np.asarray(out)).all()
+    assert not np.allclose(out, A.dot_product_attention(q, k, v, implementation="xla"))
+
+
+def test_cudnn_rejects_a_value_head_dim_differing_from_the_key_and_auto_avoids_it(rng, monkeypatch):
+    """jax.nn.dot_product_attention needs value.shape == key.shape, so 'cudnn' cannot do
+    d_v != d_k: an explicit request is an error naming both shapes, and 'auto' on a GPU
+    picks it only when the head dims agree."""
+    q, k, v, _, _ = _random_problem(rng, Dv=16)
+    with pytest.raises(ValueError, match=r"cudnn.*value head dim.*\(2, 37, 2, 16\)"):
+        A.dot_product_attention(q, k, v, implementation="cudnn")
+    bf = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
+    monkeypatch.setattr(A.jax, "default_backend", lambda: "gpu")
+    q16, k16 = bf(rng.normal(size=(2, 13, 4, 16))), bf(rng.normal(size=(2, 37, 2, 16)))
+    assert A._choose("auto", q16, k16, bf(v[..., :16]), False, False) == "cudnn"
+    assert A._choose("auto", q16, k16, bf(v[..., :8]), False, False) == "xla"
+
+
 def test_chunked_backward_memory_is_linear_in_length():
     """XLA's compiled temporary memory for forward+backward at L = 2048 (not a timing)."""
     B, L, H, D = 1, 2048, 2, 16
@@ -304,6 +417,8 @@ def test_bad_arguments_are_named(rng):
         A.dot_product_attention(q, k[..., :4], v[..., :4])
     with pytest.raises(ValueError, match="divisible"):
         A.dot_product_attention(q[:, :, :3], k, v)
+    with pytest.raises(ValueError, match="key .* and value .*: batch, length or kv heads"):
+        A.dot_product_attention(q, k, v[:, :5])
     with pytest.raises(ValueError, match="return_weights"):
         A.dot_product_attention(q, k, v, implementation="chunked", return_weights=True)
     if jax.default_backend() != "gpu":
@@ -315,14 +430,22 @@ def _mha_params(module, x, kv=None):
     return module.init(jax.random.key(0), x, kv)["params"]
 
 
-def test_multihead_equals_concat_of_heads_times_wo(rng):
-    """MultiHead(Q,K,V) = Concat(head_1..head_h) W^O, each head from its own W_i^Q/K/V."""
+@pytest.mark.parametrize("value_head_dim", [None, 6])
+def test_multihead_equals_concat_of_heads_times_wo(rng, value_head_dim):
+    """MultiHead(Q,K,V) = Concat(head_1..head_h) W^O, each head from its own W_i^Q/K/V; with
+    value_head_dim, W_i^V is M x d_v and W^O (H d_v) x M while d_k (and the scale) stay."""
     B, L, S, M, H = 2, 5, 7, 16, 4
     D = M // H
+    Dv = value_head_dim or D
     x = jnp.asarray(rng.normal(size=(B, L, M)), jnp.float32)
     y = jnp.asarray(rng.normal(size=(B, S, M)), jnp.float32)
-    mha = A.MultiHeadAttention(num_heads=H, use_bias=True, implementation="xla")
+    mha = A.MultiHeadAttention(
+        num_heads=H, value_head_dim=value_head_dim, use_bias=True, implementation="xla"
+    )
     params = nn.meta.unbox(_mha_params(mha, x, y))
+    assert params["key_kernel"].shape == (M, H, D)
+    assert params["value_kernel"].shape == (M, H, Dv) and params["value_bias"].shape == (H, Dv)
+    assert params["out_kernel"].shape == (H, Dv, M)
     # give the biases non-zero values so that they are checked too
     params = jax.tree_util.tree_map(lambda p: p + 0.1 * jnp.ones_like(p), params)
     out = mha.apply({"params": params}, x, y)
@@ -334,8 +457,8 @@ def test_multihead_equals_concat_of_heads_times_wo(rng):
         vh = y @ p["value_kernel"][:, h] + p["value_bias"][h]
         w = jax.nn.softmax(qh @ np.swapaxes(kh, 1, 2) / np.sqrt(D), axis=-1)
         heads.append(w @ vh)
-    concat = np.concatenate(heads, axis=-1)  # [B, L, H*D]
-    wo = p["out_kernel"].reshape(H * D, M)
+    concat = np.concatenate(heads, axis=-1)  # [B, L, H*Dv]
+    wo = p["out_kernel"].reshape(H * Dv, M)
     np.testing.assert_allclose(out, concat @ wo + p["out_bias"], rtol=1e-5, atol=1e-5)
 
 
@@ -407,6 +530,58 @@ def test_cross_attention_cache_projects_once():
         outs.append(o)
     assert bool(cache["cross_filled"])
     np.testing.assert_allclose(jnp.concatenate(outs, 1), want, rtol=1e-5, atol=1e-5)
+
+
+def _encoder_decoder(impl="xla", **kw):
+    from tx_jax.model.config import variant
+    from tx_jax.model.transformer import EncoderDecoder
+
+    cfg = variant("tiny", vocab_size=11, dropout_rate=0.0, attention_impl=impl, **kw)
+    src = jnp.array([[5, 6, 7, 8, 9], [4, 9, 10, 0, 0]], jnp.int32)
+    tgt = jnp.array([[5, 6, 7, 8, 9, 4], [4, 9, 10, 1, 5, 0]], jnp.int32)
+    model = EncoderDecoder(cfg)
+    params = nn.meta.unbox(model.init(jax.random.key(0), src, tgt)["params"])
+    return model, params, src, tgt
+
+
+def test_model_with_value_head_dim_differing_from_head_dim():
+    """EncoderDecoder (tiny: M 64, H 4) with d_k 8, d_v 12 and GQA (K 2): every attention's
+    W^V is [M, K, 12], W^O [H, 12, M]; forward and backward run and 'chunked' gives 'xla''s
+    logits and gradients. value_head_dim=None is the old model: the same parameters."""
+    kw = dict(head_dim=8, value_head_dim=12, num_kv_heads=2)
+    model, params, src, tgt = _encoder_decoder(**kw)
+    attentions = [
+        layer[name]
+        for stack in ("encoder", "decoder")
+        for layer_name, layer in params[stack].items()
+        if layer_name.startswith("layer_")
+        for name in ("self_attention", "cross_attention")
+        if name in layer
+    ]
+    assert len(attentions) == 2 + 2 * 2
+    for p in attentions:
+        assert p["query_kernel"].shape == (64, 4, 8) and p["key_kernel"].shape == (64, 2, 8)
+        assert p["value_kernel"].shape == (64, 2, 12) and p["out_kernel"].shape == (4, 12, 64)
+
+    def loss(params, model):
+        logits = model.apply({"params": params}, src, tgt)
+        return jnp.mean(jax.nn.log_softmax(logits)[..., 4]), logits
+
+    (l_xla, logits), g_xla = jax.value_and_grad(loss, has_aux=True)(params, model)
+    chunked, _, _, _ = _encoder_decoder("chunked", **kw)
+    (l_chk, logits_chk), g_chk = jax.value_and_grad(loss, has_aux=True)(params, chunked)
+    assert logits.shape == (2, 6, 11) and np.isfinite(np.asarray(logits)).all()
+    np.testing.assert_allclose(logits_chk, logits, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(g_xla), jax.tree_util.tree_leaves(g_chk)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    dv = g_xla["decoder"]["layer_0"]["cross_attention"]["value_kernel"]
+    assert dv.shape == (64, 2, 12) and float(jnp.abs(dv).max()) > 0
+
+    _, default, _, _ = _encoder_decoder()
+    _, explicit, _, _ = _encoder_decoder(value_head_dim=16)  # = d_model // num_heads
+    same = jax.tree_util.tree_map(lambda a, b: bool((a == b).all()), default, explicit)
+    assert all(jax.tree_util.tree_leaves(same))
+    assert jax.tree_util.tree_structure(default) == jax.tree_util.tree_structure(explicit)
 
 
 def test_params_carry_logical_axis_names():

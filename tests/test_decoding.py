@@ -51,6 +51,16 @@ def _stepwise(build, params, decoder_inputs):
     return logits.transpose(1, 0, 2), cache
 
 
+# d_v != d_k (12 vs 8; tiny's default is 16 for both), with grouped-query attention.
+DV = dict(head_dim=8, value_head_dim=12, num_kv_heads=2)
+
+
+@pytest.fixture(scope="module")
+def translation_dv():
+    cfg = _cfg(**DV)
+    return cfg, _params(EncoderDecoder(cfg), SRC, TGT)
+
+
 @pytest.fixture(scope="module")
 def language_model():
     cfg = _cfg(positional="learned", norm_position="pre", num_kv_heads=1)
@@ -72,11 +82,14 @@ def _check_ends(tokens, eos=EOS):
 # --------------------------------------------------------------------------- cache
 
 
-@pytest.mark.parametrize("variant", ["sinusoidal", "rope"])
+@pytest.mark.parametrize("variant", ["sinusoidal", "rope", "value_head_dim"])
 def test_cached_logits_equal_full_forward_encoder_decoder(translation, variant):
     cfg, params = translation
     if variant == "rope":  # with grouped-query attention and pre-LN
         cfg = _cfg(positional="rope", num_kv_heads=2, norm_position="pre")
+        params = _params(EncoderDecoder(cfg), SRC, TGT)
+    if variant == "value_head_dim":  # d_v != d_k: [.., K, 12] value caches, [.., K, 8] keys
+        cfg = _cfg(positional="rope", **DV)
         params = _params(EncoderDecoder(cfg), SRC, TGT)
     model = EncoderDecoder(cfg)
     want = jax.jit(model.apply)({"params": params}, SRC, TGT)  # teacher forcing: [B, L, V]
@@ -88,6 +101,11 @@ def test_cached_logits_equal_full_forward_encoder_decoder(translation, variant):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{use_cache=}")
         if use_cache:
             layer = cache["decoder"]["layer_0"]
+            if variant == "value_head_dim":
+                for name, kv in (("self", "cached"), ("cross", "cross")):
+                    c = layer[f"{name}_attention"]
+                    assert c[f"{kv}_key"].shape[-2:] == (2, 8), name
+                    assert c[f"{kv}_value"].shape[-2:] == (2, 12), name
             assert bool(layer["cross_attention"]["cross_filled"])
             assert int(layer["self_attention"]["cache_index"]) == TGT.shape[1]
 
@@ -129,8 +147,9 @@ def test_decode_length_is_source_plus_50_capped():
         decoding.decode_length(None)
 
 
-def test_greedy_is_argmax_of_the_full_model(translation):
-    cfg, params = translation
+@pytest.mark.parametrize("fixture", ["translation", "translation_dv"])
+def test_greedy_is_argmax_of_the_full_model(request, fixture):
+    cfg, params = request.getfixturevalue(fixture)
     T = T_OUT
     model = EncoderDecoder(cfg)
     full = jax.jit(

@@ -82,6 +82,7 @@ CONFIGS = {
         target_vocab_size=37,
     ),
     "head_dim": dict(num_heads=2, head_dim=12),
+    "value_head_dim": dict(num_heads=4, num_kv_heads=2, head_dim=6, value_head_dim=10),
 }
 
 
@@ -124,12 +125,14 @@ def test_formula_equals_the_matmuls_xla_runs(name):
     assert expected.forward <= cost["flops"] <= 2 * expected.forward
 
 
-def test_decoder_only_matches_its_matmuls():
+@pytest.mark.parametrize("value_head_dim", [None, 6])
+def test_decoder_only_matches_its_matmuls(value_head_dim):
     cfg = ModelConfig(
         vocab_size=31,
         d_model=16,
         num_heads=4,
         num_kv_heads=1,
+        value_head_dim=value_head_dim,
         d_ff=32,
         num_decoder_layers=2,
         dropout_rate=0.0,

@@ -185,6 +185,8 @@ def test_model_config_validation_names_the_key():
         ModelConfig(num_kv_heads=3)
     with pytest.raises(ValueError, match="bos_id=0"):
         ModelConfig(bos_id=0)
+    with pytest.raises(ValueError, match="model.value_head_dim=0 must be positive"):
+        ModelConfig(value_head_dim=0)
     with pytest.raises(ValueError, match="variant"):
         variant("huge")
     cfg = ModelConfig.from_config({"d_model": 128, "num_heads": 4}, dropout_rate=0.0)

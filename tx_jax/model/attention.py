@@ -5,7 +5,9 @@
 Shape letters used in this module (einsum subscripts use the lower-case letters):
     B batch          L query length      S key/value length
     H query heads    K key/value heads   G = H // K query heads per K/V head (grouped query)
-    D head dim       M model dim         C key block length of the 'chunked' implementation
+    Dk query/key head dim (the paper's d_k)  Dv value head dim (d_v; default Dk)
+    M model dim      C key block length of the 'chunked' implementation
+(einsum subscripts write both head dims as d: no einsum has a Dk and a Dv operand at once).
 
 Masks (masks.py) are boolean and broadcastable to [B, H, L, S]; True means "may attend". Two
 structured masks are also accepted and built where they are needed, so that the 'chunked'
@@ -60,27 +62,29 @@ def dot_product_attention(
     chunk_size: int = 512,
     precision: Any = None,
 ) -> Array | tuple[Array, Array]:
-    """softmax(q k^T / sqrt(D) + bias) v over [B, L, H, D] queries and [B, S, K, D] keys/values.
+    """softmax(q k^T / sqrt(Dk) + bias) v over [B, L, H, Dk] queries, [B, S, K, Dk] keys and
+    [B, S, K, Dv] values.
 
     Args:
-      query: [B, L, H, D]. key, value: [B, S, K, D] with H % K == 0 (K < H is grouped-query
-        attention, K == 1 multi-query).
+      query: [B, L, H, Dk]. key: [B, S, K, Dk]; value: [B, S, K, Dv] with H % K == 0 (K < H is
+        grouped-query attention, K == 1 multi-query). Dv may differ from Dk (the paper's d_v
+        and d_k) for 'xla' and 'chunked'; 'cudnn' (jax.nn.dot_product_attention) needs Dv == Dk.
       mask: bool, broadcastable to [B, H, L, S]; True = may attend.
       bias: float, broadcastable to [B, H, L, S], added to the scaled scores.
       is_causal, q_segment_ids, kv_segment_ids: structured masks (module docstring).
       dropout_rate, dropout_rng, deterministic: dropout on the attention weights.
       implementation: 'xla' (einsum-softmax-einsum), 'chunked' (online softmax over key
         blocks of `chunk_size`: memory linear in S, same result), 'cudnn'
-        (jax.nn.dot_product_attention on a GPU, bf16/fp16), or 'auto'.
+        (jax.nn.dot_product_attention on a GPU, bf16/fp16, Dv == Dk), or 'auto'.
       return_weights: also return the [B, H, L, S] weights ('xla' only).
     Returns:
-      [B, L, H, D] in value's dtype, and the float32 weights if return_weights.
+      [B, L, H, Dv] in value's dtype, and the float32 weights if return_weights.
     """
     _check_shapes(query, key, value)
     dropout = dropout_rate > 0.0 and not deterministic
     if dropout and dropout_rng is None:
         raise ValueError("dropout_rate > 0 with deterministic=False needs a dropout_rng")
-    impl = _choose(implementation, query, key, dropout, return_weights, bias)
+    impl = _choose(implementation, query, key, value, dropout, return_weights)
     if return_weights and impl != "xla":
         raise ValueError(f"return_weights=True needs implementation='xla', not {impl!r}")
     L, S = query.shape[1], key.shape[1]
@@ -119,15 +123,17 @@ def _check_shapes(query: Array, key: Array, value: Array) -> None:
             "query/key/value must be [batch, length, heads, head_dim]; got shapes "
             f"{query.shape}, {key.shape}, {value.shape}"
         )
-    if key.shape != value.shape:
-        raise ValueError(f"key {key.shape} and value {value.shape} shapes differ")
+    if key.shape[:3] != value.shape[:3]:  # the head dims may differ: d_k vs d_v
+        raise ValueError(
+            f"key {key.shape} and value {value.shape}: batch, length or kv heads differ"
+        )
     if query.shape[0] != key.shape[0] or query.shape[-1] != key.shape[-1]:
         raise ValueError(f"query {query.shape} and key {key.shape}: batch or head_dim differ")
     if query.shape[2] % key.shape[2]:
         raise ValueError(f"query heads {query.shape[2]} not divisible by kv heads {key.shape[2]}")
 
 
-def _choose(impl: str, query: Array, key: Array, dropout: bool, weights: bool, bias) -> str:
+def _choose(impl: str, query: Array, key: Array, value: Array, dropout: bool, weights: bool):
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={impl!r}; expected one of {IMPLEMENTATIONS}")
     if impl != "auto":
@@ -138,6 +144,7 @@ def _choose(impl: str, query: Array, key: Array, dropout: bool, weights: bool, b
         jax.default_backend() == "gpu"
         and query.dtype in (jnp.bfloat16, jnp.float16)
         and not dropout
+        and value.shape[-1] == key.shape[-1]  # jax.nn.dot_product_attention: same shapes
         and query.shape[-1] % 8 == 0
         and query.shape[-1] <= 128
     )
@@ -148,7 +155,7 @@ def _choose(impl: str, query: Array, key: Array, dropout: bool, weights: bool, b
 
 
 def _split_heads(query: Array, num_kv_heads: int) -> Array:
-    """[B, L, H, D] -> [B, L, K, G, D], query head h = k * G + g."""
+    """[B, L, H, Dk] -> [B, L, K, G, Dk], query head h = k * G + g."""
     B, L, H, D = query.shape
     return query.reshape(B, L, num_kv_heads, H // num_kv_heads, D)
 
@@ -173,7 +180,7 @@ def _attention_xla(query, key, value, mask, bias, drop, precision):
     if drop is not None:
         used = dropout(weights, *drop)
     out = jnp.einsum("bkgls,bskd->blkgd", used.astype(value.dtype), value, precision=precision)
-    return out.reshape(B, L, H, D), weights.reshape(B, H, L, -1)
+    return out.reshape(B, L, H, value.shape[-1]), weights.reshape(B, H, L, -1)
 
 
 def _attention_chunked(query, key, value, mask, bias, is_causal, q_seg, kv_seg, drop, C, prec):
@@ -243,7 +250,7 @@ def _attention_chunked_scan(query, key, value, mask, bias, is_causal, q_seg, kv_
     q_pos = jnp.arange(L)
 
     def body(carry, x):
-        o, m, l = carry  # [B,L,K,G,D], [B,K,G,L], [B,K,G,L]; float32
+        o, m, l = carry  # [B,L,K,G,Dv], [B,K,G,L], [B,K,G,L]; float32
         s = jnp.einsum("blkgd,bskd->bkgls", q, x["k"], precision=prec).astype(jnp.float32)
         if "bias" in x:
             s = s + x["bias"].astype(jnp.float32)
@@ -272,21 +279,27 @@ def _attention_chunked_scan(query, key, value, mask, bias, is_causal, q_seg, kv_
         o_new = o * jnp.moveaxis(corr, 3, 1)[..., None] + pv.astype(jnp.float32)
         return (o_new, m_new, l_new), None
 
-    G = H // K
+    G, Dv = H // K, value.shape[-1]
     init = (
-        jnp.zeros((B, L, K, G, D), jnp.float32),
+        jnp.zeros((B, L, K, G, Dv), jnp.float32),
         jnp.full((B, K, G, L), _NEG, jnp.float32),
         jnp.zeros((B, K, G, L), jnp.float32),
     )
     (o, _, l), _ = lax.scan(jax.checkpoint(body, prevent_cse=False), init, xs)
     l = jnp.moveaxis(l, 3, 1)[..., None]  # [B, L, K, G, 1]
     out = o / jnp.where(l == 0.0, 1.0, l)  # fully masked rows: o == 0 -> zeros
-    return out.reshape(B, L, H, D).astype(value.dtype)
+    return out.reshape(B, L, H, Dv).astype(value.dtype)
 
 
 def _attention_cudnn(query, key, value, mask, bias):
     # No check of jax.default_backend(): a CPU host with CUDA's jaxlib plugin can lower this
     # for 'cuda' (jax.export, tests/test_lowering.py). Without the plugin jax raises here.
+    if value.shape[-1] != key.shape[-1]:
+        raise ValueError(
+            "implementation='cudnn' (jax.nn.dot_product_attention) needs the value head dim "
+            f"equal to the key's; got key {key.shape}, value {value.shape}: use 'xla' or "
+            "'chunked' for d_v != d_k"
+        )
     B, L, H, _ = query.shape
     full = None if mask is None else jnp.broadcast_to(mask, (B, H, L, key.shape[1]))
     try:
@@ -323,7 +336,9 @@ class MultiHeadAttention(nn.Module):
     decode call, and reused.
 
     Attributes:
-      num_heads: H. head_dim: D (default M // H). num_kv_heads: K (default H).
+      num_heads: H. head_dim: Dk (default M // H). num_kv_heads: K (default H).
+      value_head_dim: Dv (default Dk): W^V is [M, K, Dv] and W^O [H * Dv, M], as the paper's
+        W_i^V in R^{d_model x d_v} and W^O in R^{h d_v x d_model}.
       out_features: output width (default the input width M).
       rope_base: apply rotary position embeddings to q and k with this base (self-attention).
       sow_weights: store the [B, H, L, S] weights in the 'intermediates' collection.
@@ -332,6 +347,7 @@ class MultiHeadAttention(nn.Module):
     num_heads: int
     head_dim: int | None = None
     num_kv_heads: int | None = None
+    value_head_dim: int | None = None
     out_features: int | None = None
     use_bias: bool = False
     dropout_rate: float = 0.0
@@ -395,14 +411,15 @@ class MultiHeadAttention(nn.Module):
         H = self.num_heads
         K = self.num_kv_heads or H
         D = self.head_dim or M // H
+        Dv = self.value_head_dim or D
         cross = inputs_kv is not None
         query = self._project("query", inputs_q, H, D, "heads")
         if cross and self.decode:
-            key, value = self._cached_cross_kv(inputs_kv, K, D)
+            key, value = self._cached_cross_kv(inputs_kv, K, D, Dv)
         else:
             kv_in = inputs_kv if cross else inputs_q
             key = self._project("key", kv_in, K, D, "kv_heads")
-            value = self._project("value", kv_in, K, D, "kv_heads")
+            value = self._project("value", kv_in, K, Dv, "kv_heads")
 
         cache_index = None
         if self.decode and not cross:
@@ -445,8 +462,8 @@ class MultiHeadAttention(nn.Module):
         return self._output(result, self.out_features or M)
 
     def _output(self, x: Array, features: int) -> Array:
-        """W^O: [B, L, H, D] -> [B, L, features]; concatenating heads is folded into the einsum."""
-        _, _, H, D = x.shape
+        """W^O: [B, L, H, Dv] -> [B, L, features]; concatenating heads is folded into the einsum."""
+        _, _, H, D = x.shape  # D = Dv
         kernel = self.param(
             "out_kernel",
             nn.with_logical_partitioning(_proj_init((0, 1), (2,)), ("heads", "kv", "embed")),
@@ -467,7 +484,8 @@ class MultiHeadAttention(nn.Module):
         return y
 
     def _update_self_cache(self, key: Array, value: Array) -> tuple[Array, Array, Array | None]:
-        """Write the new [B, T, K, D] keys/values at cache_index; return the whole cache."""
+        """Write the new [B, T, K, Dk] keys / [B, T, K, Dv] values at cache_index; return the
+        whole cache."""
         initialised = self.has_variable("cache", "cached_key")
         cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
         cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
@@ -483,11 +501,11 @@ class MultiHeadAttention(nn.Module):
         index.value = i + key.shape[1]
         return cached_key.value, cached_value.value, i
 
-    def _cached_cross_kv(self, inputs_kv: Array, K: int, D: int) -> tuple[Array, Array]:
+    def _cached_cross_kv(self, inputs_kv: Array, K: int, D: int, Dv: int) -> tuple[Array, Array]:
         """Project the encoder output on the first decode call only, then read the cache."""
         M = inputs_kv.shape[-1]
         key_fn = self._projection("key", M, K, D, "kv_heads")
-        value_fn = self._projection("value", M, K, D, "kv_heads")
+        value_fn = self._projection("value", M, K, Dv, "kv_heads")
         initialised = self.has_variable("cache", "cross_key")
         if not initialised:  # the init call: create the cache with the right shapes
             key, value = key_fn(inputs_kv), value_fn(inputs_kv)

@@ -34,6 +34,7 @@ class ModelConfig:
     num_heads: int = 8  # H
     num_kv_heads: int | None = None  # K < H: grouped-query attention; None: K = H
     head_dim: int | None = None  # D; None: d_model // num_heads (the paper's d_k = d_v)
+    value_head_dim: int | None = None  # the paper's d_v (3.2.2, Table 3 B); None: head_dim
     d_ff: int = 2048  # F, the FFN's inner width
     num_encoder_layers: int = 6
     num_decoder_layers: int = 6
@@ -103,6 +104,9 @@ class ModelConfig:
                 f"model.d_model={self.d_model} is not divisible by model.num_heads="
                 f"{self.num_heads} (or set model.head_dim)"
             )
+        for key in ("head_dim", "value_head_dim", "num_kv_heads"):
+            if getattr(self, key) is not None and getattr(self, key) <= 0:
+                raise ValueError(f"model.{key}={getattr(self, key)} must be positive (or None)")
         if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"model.num_heads={self.num_heads} is not divisible by "

@@ -1,19 +1,20 @@
 """Blockwise attention with a FlashAttention-style custom VJP: the 'chunked' implementation.
 
 Shape letters (as in attention.py): B batch, L query length, S key length, K key/value heads,
-G = H // K query heads per key/value head, D head dim; Q and C are the query and key block
-lengths (both `chunk_size`), nq = ceil(L / Q) and nk = ceil(S / C) the block counts.
+G = H // K query heads per key/value head, Dk the query/key and Dv the value head dim (the
+paper's d_k and d_v; einsums write both as d); Q and C are the query and key block lengths
+(both `chunk_size`), nq = ceil(L / Q) and nk = ceil(S / C) the block counts.
 
 Forward (Milakov & Gimelshein 2018; Rabe & Staats 2021; Dao et al. 2022): for each block of
 Q queries, scan over key blocks keeping the running max m, normaliser l and unnormalised
 output o, each block rescaling them by exp(m_old - m_new). Only an [B, K, G, Q, C] score block
-exists at a time, so memory is O(B H (Q C + L D)) instead of O(B H L S).
+exists at a time, so memory is O(B H (Q C + L Dv)) instead of O(B H L S).
 
 Backward (Dao 2023, FlashAttention-2, algorithm 2): the forward saves only its output and the
 row log-sum-exp lse = m + log l, and the backward recomputes each block's probabilities
 p = exp(s - lse). With delta_i = sum_d dO_id O_id:
     dV_j += p^T dO      dP = dO V^T      dS = p * (dP - delta)
-    dQ_i += dS K_j / sqrt(D)             dK_j += dS^T Q_i / sqrt(D)
+    dQ_i += dS K_j / sqrt(Dk)            dK_j += dS^T Q_i / sqrt(Dk)
 Dropout on the weights is redrawn per block from fold_in(fold_in(rng, i), j), the same draw
 in both passes. Causal attention skips key blocks that lie wholly after a query block
 (lax.cond), in both passes, so it does about half the work of the dense computation.
@@ -55,7 +56,8 @@ def flash_attention(
     chunk_size: int = 512,
     precision: Any = None,
 ) -> Array:
-    """[B, L, H, D] queries, [B, S, K, D] keys/values -> [B, L, H, D] in value's dtype.
+    """[B, L, H, Dk] queries, [B, S, K, Dk] keys, [B, S, K, Dv] values -> [B, L, H, Dv] in
+    value's dtype.
 
     Same contract as dot_product_attention(..., implementation='chunked') without a bias.
     """
@@ -123,7 +125,7 @@ class _Problem:
         mask, q_seg, kv_seg, rng = extras
         B, L, H, D = q.shape
         S, K = k.shape[1], k.shape[2]
-        self.spec, self.shape = spec, (B, L, S, H, K, D)
+        self.spec, self.shape, self.dv = spec, (B, L, S, H, K, D), v.shape[-1]
         Q, C = spec.q_block, spec.k_block
         self.nq, self.nk = -(-L // Q), -(-S // C)
         self.scale = 1.0 / math.sqrt(D)
@@ -193,9 +195,10 @@ def _optional(x: Array | None, i) -> Array | None:
 
 
 def _forward(spec: _Spec, q: Array, k: Array, v: Array, extras) -> tuple[Array, Array]:
-    """-> out [B, L, H, D] (value dtype), lse [nq, B, K, G, Q] float32."""
+    """-> out [B, L, H, Dv] (value dtype), lse [nq, B, K, G, Q] float32."""
     P = _Problem(spec, q, k, v, extras)
-    B, L, S, H, K, D = P.shape
+    B, L, S, H, K, _ = P.shape
+    D = P.dv  # the output's (and o's) head dim
     G, Q = H // K, spec.q_block
 
     def query_block(i):
@@ -203,7 +206,7 @@ def _forward(spec: _Spec, q: Array, k: Array, v: Array, extras) -> tuple[Array, 
 
         def key_block(carry, j):
             def compute(carry):
-                o, m, l = carry  # [B, Q, K, G, D], [B, K, G, Q], [B, K, G, Q]; float32
+                o, m, l = carry  # [B, Q, K, G, Dv], [B, K, G, Q], [B, K, G, Q]; float32
                 s, allowed = P.scores(qb, P.k[j], i, j, q_seg, _optional(P.kv_seg, j), P.k_valid[j])
                 m_new = jnp.maximum(m, s.max(-1))
                 p = jnp.where(allowed, jnp.exp(s - m_new[..., None]), 0.0)
@@ -232,7 +235,7 @@ def _forward(spec: _Spec, q: Array, k: Array, v: Array, extras) -> tuple[Array, 
         lse = jnp.where(l > 0.0, m + jnp.log(jnp.where(l > 0.0, l, 1.0)), 0.0)
         return out.astype(v.dtype), lse
 
-    out, lse = lax.map(query_block, jnp.arange(P.nq))  # [nq, B, Q, K, G, D], [nq, B, K, G, Q]
+    out, lse = lax.map(query_block, jnp.arange(P.nq))  # [nq, B, Q, K, G, Dv], [nq, B, K, G, Q]
     return P.unblock(out, P.nq, L).reshape(B, L, H, D), lse
 
 
@@ -242,13 +245,13 @@ def _forward(spec: _Spec, q: Array, k: Array, v: Array, extras) -> tuple[Array, 
 def _backward(spec: _Spec, q, k, v, extras, out, lse, d_out):
     P = _Problem(spec, q, k, v, extras)
     B, L, S, H, K, D = P.shape
-    G, Q, C = H // K, spec.q_block, spec.k_block
-    d_out = d_out.reshape(B, L, K, G, D)
+    G, Q, C, Dv = H // K, spec.q_block, spec.k_block, P.dv
+    d_out = d_out.reshape(B, L, K, G, Dv)
     delta = jnp.sum(
-        d_out.astype(jnp.float32) * out.reshape(B, L, K, G, D).astype(jnp.float32), axis=-1
+        d_out.astype(jnp.float32) * out.reshape(B, L, K, G, Dv).astype(jnp.float32), axis=-1
     )
     delta = _blocks(jnp.moveaxis(delta, 1, -1), 3, P.nq, Q, 0.0)  # [nq, B, K, G, Q]
-    do_blocks = _blocks(d_out, 1, P.nq, Q, 0)  # [nq, B, Q, K, G, D]
+    do_blocks = _blocks(d_out, 1, P.nq, Q, 0)  # [nq, B, Q, K, G, Dv]
 
     def key_block(dq, j):
         kb, vb = P.k[j], P.v[j]
@@ -283,13 +286,13 @@ def _backward(spec: _Spec, q, k, v, extras, out, lse, d_out):
 
             return lax.cond(P.needed(i, j), compute, skip, carry)
 
-        zeros = jnp.zeros((B, C, K, D), jnp.float32)
-        (dk, dv), dq_blocks = lax.scan(query_block, (zeros, zeros), jnp.arange(P.nq))
+        zeros = (jnp.zeros((B, C, K, D), jnp.float32), jnp.zeros((B, C, K, Dv), jnp.float32))
+        (dk, dv), dq_blocks = lax.scan(query_block, zeros, jnp.arange(P.nq))
         return dq + dq_blocks, (dk, dv)
 
     dq0 = jnp.zeros((P.nq, B, Q, K, G, D), jnp.float32)
     dq, (dk, dv) = lax.scan(key_block, dq0, jnp.arange(P.nk))
-    dq = P.unblock(dq, P.nq, L).reshape(B, L, H, D) * P.scale  # s = (q / sqrt(D)) k
+    dq = P.unblock(dq, P.nq, L).reshape(B, L, H, D) * P.scale  # s = (q / sqrt(Dk)) k
     dk = P.unblock(dk, P.nk, S)  # dk already carries the 1 / sqrt(D) of the scaled q
     dv = P.unblock(dv, P.nk, S)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)

@@ -119,6 +119,7 @@ class _ResidualLayer(nn.Module):
         return MultiHeadAttention(
             num_heads=cfg.num_heads,
             head_dim=cfg.head_dim,
+            value_head_dim=cfg.value_head_dim,
             num_kv_heads=cfg.num_kv_heads,
             use_bias=cfg.attention_bias,
             dropout_rate=cfg.attention_dropout_rate,
