@@ -10,9 +10,11 @@ the unchanged base; then the rows (ROWS), paper -> here:
     A  heads, keeping h * d_k = d_model: (h, d_k, d_v) = (1, 512, 512), (4, 128, 128),
        (16, 32, 32), (32, 16, 16) -> model.num_heads 1, 4, 16, 32 (d_k = d_v = 256 / h:
        256, 64, 16, 8; the config's head_dim None means d_model // num_heads)
-    B  key size d_k 16, 32 with d_v unchanged (h = 8, d_v = 64) -> model.head_dim 8, 16 and
+    B  key size d_k 16, 32 with d_v unchanged (h = 8, d_v = 64) -> model.head_dim 16, 32 and
        model.value_head_dim = the base's d_v, 256 / 4 = 64, with the base's heads: only the
-       query/key width changes, as in the paper (model.head_dim alone would shrink d_v too)
+       query/key width changes, as in the paper (model.head_dim alone would shrink d_v too).
+       The base's heads are 64 wide like the paper's, so d_k keeps the paper's values and
+       their ratio to d_v (1/4, 1/2); widths are not halved here.
     C  size: N 2, 4, 8 (depth does not scale: model.num_encoder_layers = num_decoder_layers);
        d_model 256, 1024 (d_ff unchanged, as in the paper) -> 128, 512;
        d_ff 1024, 4096 -> 512, 2048
@@ -41,7 +43,7 @@ def _layers(n: int) -> dict:
 ROWS: dict[str, list[dict]] = {
     "A": [{"model.num_heads": h} for h in (1, 4, 16, 32)],
     "B": [
-        {"model.head_dim": _scale(d_k), "model.value_head_dim": D_MODEL // NUM_HEADS}
+        {"model.head_dim": d_k, "model.value_head_dim": D_MODEL // NUM_HEADS}
         for d_k in (16, 32)
     ],
     "C": [_layers(n) for n in (2, 4, 8)]

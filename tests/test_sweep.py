@@ -28,8 +28,8 @@ def test_table3_rows_and_points():
     assert rows["A"][3] == {"model.num_heads": 32}  # d_k = 256 / 32 = 8 (paper: 512 / 32)
     # paper: d_k 16, 32 at d_v 64; here d_k halved, d_v the base's own (256 / 4 heads)
     assert rows["B"] == [
-        {"model.head_dim": 8, "model.value_head_dim": 64},
         {"model.head_dim": 16, "model.value_head_dim": 64},
+        {"model.head_dim": 32, "model.value_head_dim": 64},
     ]
     assert {"model.num_encoder_layers": 8, "model.num_decoder_layers": 8} in rows["C"]
     assert {"model.d_model": 512} in rows["C"] and {"model.d_ff": 512} in rows["C"]
