@@ -1,0 +1,99 @@
+"""The model's projections and dropout, implemented per backend (`ModelConfig.kernels`).
+
+    'cpu'      matmul.py's custom VJPs (transposes materialised behind optimisation barriers)
+               and dropout.py's unrolled-Threefry masks: tuned for XLA:CPU.
+    'generic'  plain einsums differentiated by autodiff, and dropout masks from
+               jax.random.bernoulli: what XLA:GPU and XLA:TPU fuse best (the barriers of the
+               CPU kernels block fusions there and copy activations for nothing).
+    'auto'     'cpu' when jax.default_backend() == 'cpu' at trace time, else 'generic'. A step
+               traced on a CPU host for another platform (jax.export, cross-lowering) should
+               name 'generic' explicitly, since the host's default backend decides 'auto'.
+
+Both give the same loss and gradients up to float rounding (tests/test_kernels.py), but not
+the same dropout masks: the CPU masks draw four 16-bit numbers per Threefry block, the generic
+ones one float per element.
+
+Sharded dropout. jax.random.bernoulli draws from the key with the key's implementation
+(jax_default_prng_impl: 'threefry2x32' by default; large TPU codebases such as MaxText pick
+'rbg' / 'unsafe_rbg', whose bits come from the TPU's hardware generator and are much cheaper).
+With Threefry, set `jax_threefry_partitionable=True` (the default from jax 0.5; this module
+does not change it): then element i of a mask depends only on (key, i), so a mask over an
+array sharded across devices is the mask of the unsharded array, each device computing only
+its own shard. Without it, XLA either generates the whole mask on every device or
+communicates, and a run's masks would change with its mesh.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from tx_jax.ops import dropout as cpu_dropout
+from tx_jax.ops import matmul as cpu_matmul
+
+Array = jax.Array
+KERNELS = ("auto", "cpu", "generic")
+
+
+def resolve(kernels: str) -> str:
+    """'auto' | 'cpu' | 'generic' -> 'cpu' | 'generic' (auto: by the default backend, now)."""
+    if kernels not in KERNELS:
+        raise ValueError(f"model.kernels={kernels!r}; expected one of {KERNELS}")
+    if kernels == "auto":
+        return "cpu" if jax.default_backend() == "cpu" else "generic"
+    return kernels
+
+
+def dense(x: Array, w: Array, precision: Any = None, kernels: str = "auto") -> Array:
+    """x [..., K] @ w [K, N] -> [..., N] (x's dtype; cast w beforehand)."""
+    if resolve(kernels) == "cpu":
+        return cpu_matmul.dense(x, w, precision)
+    return jnp.einsum("...k,kn->...n", x, w, precision=precision)
+
+
+def tied_logits(x: Array, table: Array, kernels: str = "auto") -> Array:
+    """x [B, L, M], table E [V, M] -> x E^T [B, L, V]."""
+    if resolve(kernels) == "cpu":
+        return cpu_matmul.tied_logits(x, table)
+    return jnp.einsum("blm,vm->blv", x, table)
+
+
+def effective_rate(rate: float, kernels: str = "auto") -> float:
+    """The dropout probability `keep_mask` actually uses (the CPU masks round to 2^-16)."""
+    return cpu_dropout.effective_rate(rate) if resolve(kernels) == "cpu" else float(rate)
+
+
+def keep_mask(rng: Array, rate: float, shape: tuple[int, ...], kernels: str = "auto") -> Array:
+    """bool `shape`, True with probability 1 - effective_rate(rate, kernels)."""
+    if resolve(kernels) == "cpu":
+        return cpu_dropout.keep_mask(rng, rate, shape)
+    return jax.random.bernoulli(rng, 1.0 - rate, shape)
+
+
+def dropout(x: Array, rate: float, rng: Array, kernels: str = "auto") -> Array:
+    """x * keep / (1 - rate), keep ~ Bernoulli(1 - rate); rate in [0, 1)."""
+    if resolve(kernels) == "cpu":
+        return cpu_dropout.dropout(x, rate, rng)
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"dropout rate {rate} must be in [0, 1)")
+    if rate == 0.0:
+        return x
+    scale = jnp.asarray(1.0 / (1.0 - rate), x.dtype)
+    return jnp.where(keep_mask(rng, rate, x.shape, kernels), x * scale, jnp.zeros((), x.dtype))
+
+
+class Dropout(nn.Module):
+    """`dropout` as a module: a drop-in for flax's nn.Dropout (rng collection 'dropout')."""
+
+    rate: float
+    kernels: str = "auto"
+    rng_collection: str = "dropout"
+
+    @nn.compact
+    def __call__(self, x: Array, deterministic: bool = True) -> Array:
+        if deterministic or self.rate == 0.0:
+            return x
+        return dropout(x, self.rate, self.make_rng(self.rng_collection), self.kernels)
