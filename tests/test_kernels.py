@@ -1,6 +1,7 @@
 """tx_jax.ops.kernels / model.kernels: the CPU kernels and the generic ones compute the same
 model, 'auto' picks by backend, and the generic dropout is a proper dropout on any layout."""
 
+import collections
 import functools
 import json
 
@@ -70,6 +71,48 @@ def test_cpu_and_generic_kernels_give_the_same_loss_and_gradients(cls, extra):
     assert sum(float(jnp.abs(g).sum()) for g in leaves_c) > 0
     for c, g in zip(leaves_c, leaves_g, strict=True):
         np.testing.assert_allclose(g, c, rtol=1e-5, atol=1e-7)
+
+
+def _primitives(jaxpr, counts=None) -> collections.Counter:
+    """How often each primitive occurs in `jaxpr` and its sub-jaxprs (scans, custom VJPs)."""
+    counts = collections.Counter() if counts is None else counts
+    for eqn in jaxpr.eqns:
+        counts[eqn.primitive.name] += 1
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+                if hasattr(sub, "eqns"):
+                    _primitives(sub, counts)
+    return counts
+
+
+@pytest.mark.parametrize(
+    "cls,extra,draws",
+    [(EncoderDecoder, {}, 12), (DecoderOnly, {"attention_impl": "chunked"}, 7)],
+    ids=["encoder_decoder", "decoder_only_chunked"],
+)
+def test_every_projection_and_dropout_follows_model_kernels(cls, extra, draws):
+    """The gradient's jaxpr: 'generic' has no optimisation barrier (no CPU matmul VJP) and
+    one jax.random draw per dropout site (EncoderDecoder 1+1 layers: 2 embeddings, 3 + 5
+    residual/attention/FFN sites, + 2 cross-attention; DecoderOnly: 4 outside attention, the
+    chunked attention's forward and two in its backward); 'cpu' and 'auto' the reverse."""
+    rates = {"dropout_rate": 0.1, "attention_dropout_rate": 0.1, "ffn_dropout_rate": 0.1}
+    batch = _batch()
+    args = (batch["targets"],) if cls is DecoderOnly else (batch["inputs"], batch["targets"])
+    found = {}
+    for kernels in ("auto", "cpu", "generic"):
+        model = cls(_tiny(kernels=kernels, **rates, **extra))
+        params = model.init(jax.random.key(0), *args)["params"]
+
+        def loss(p, model=model):
+            rngs = {"dropout": jax.random.key(1)}
+            return model.apply({"params": p}, *args, deterministic=False, rngs=rngs).sum()
+
+        counts = _primitives(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)
+        found[kernels] = counts["optimization_barrier"], counts["random_bits"]
+    assert found["generic"] == (0, draws)
+    assert found["cpu"][0] > 0 and found["cpu"][1] == 0
+    assert found["auto"] == found["cpu"]
 
 
 def _has_barrier(kernels: str) -> bool:
