@@ -13,14 +13,17 @@ Both give the same loss and gradients up to float rounding (tests/test_kernels.p
 the same dropout masks: the CPU masks draw four 16-bit numbers per Threefry block, the generic
 ones one float per element.
 
-Sharded dropout. jax.random.bernoulli draws from the key with the key's implementation
-(jax_default_prng_impl: 'threefry2x32' by default; large TPU codebases such as MaxText pick
-'rbg' / 'unsafe_rbg', whose bits come from the TPU's hardware generator and are much cheaper).
-With Threefry, set `jax_threefry_partitionable=True` (the default from jax 0.5; this module
-does not change it): then element i of a mask depends only on (key, i), so a mask over an
-array sharded across devices is the mask of the unsharded array, each device computing only
-its own shard. Without it, XLA either generates the whole mask on every device or
-communicates, and a run's masks would change with its mesh.
+Sharded dropout (jax.random's module docstring has the table). The masks are drawn with the
+implementation of the key the model is given (the train state's, made under
+`jax_default_prng_impl`). With Threefry (the default) their values do not depend on the
+sharding, so a run's masks, and its losses, do not change with its mesh. Keep
+`jax_threefry_partitionable=True` (jax's default from 0.5; this module does not set it, and
+jax 0.4.x users should): element i of a mask then depends only on (key, i), so under a
+sharded jit each device draws only its own shard; without it XLA gathers and communicates
+to draw the same values (both checked in tests/test_kernels.py on 8 CPU devices).
+The 'rbg' / 'unsafe_rbg' implementations (XLA's RngBitGenerator) are the fastest on TPU but
+shard efficiently only with XLA_FLAGS=--xla_tpu_spmd_rng_bit_generator_unsafe=1, and then the
+masks do change with the sharding.
 """
 
 from __future__ import annotations
