@@ -2,6 +2,7 @@
 model, 'auto' picks by backend, and the generic dropout is a proper dropout on any layout."""
 
 import collections
+import dataclasses
 import functools
 import json
 
@@ -13,6 +14,7 @@ import optax
 import pytest
 from helpers import run_python
 
+from tx_jax.inference.locate import HARMLESS_MODEL_KEYS
 from tx_jax.model.config import ModelConfig, variant
 from tx_jax.model.transformer import DecoderOnly, EncoderDecoder
 from tx_jax.ops import kernels as K
@@ -137,6 +139,13 @@ def test_bad_kernels_value_names_the_config_key():
         ModelConfig.from_config({"kernels": "fast"})
     with pytest.raises(ValueError, match="model.kernels"):
         K.dense(jnp.ones((2, 3)), jnp.ones((3, 4)), kernels="xla")
+
+
+def test_kernels_is_one_of_restores_harmless_model_keys():
+    """model.kernels changes the computation, not the parameters: restore does not warn when
+    it differs from the checkpoint's (locate.HARMLESS_MODEL_KEYS, all ModelConfig fields)."""
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    assert "kernels" in HARMLESS_MODEL_KEYS and fields >= HARMLESS_MODEL_KEYS
 
 
 @pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
