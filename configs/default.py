@@ -43,6 +43,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.tie_output = True  # logits = x E^T
     c.model.dtype = "float32"  # compute dtype; 'bfloat16' on accelerators
     c.model.attention_impl = "auto"  # auto | xla | chunked | cudnn
+    c.model.kernels = "auto"  # auto (XLA:CPU-tuned kernels on CPU only) | cpu | generic
 
     # Data: TFDS dataset, SentencePiece vocabulary, token-budget batches.
     c.data = ml_collections.ConfigDict()

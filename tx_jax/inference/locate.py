@@ -28,6 +28,7 @@ AVERAGED_DIR = "averaged"  # WORKDIR/averaged/<name>/N: averaged checkpoints (av
 HARMLESS_MODEL_KEYS = frozenset(
     {
         "attention_impl",
+        "kernels",
         "dtype",
         "dropout_rate",
         "attention_dropout_rate",

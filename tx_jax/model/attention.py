@@ -32,8 +32,7 @@ from jax import lax
 from tx_jax.model.flash import flash_attention, to_kg
 from tx_jax.model.masks import causal_mask, combine_masks, dense_mask
 from tx_jax.model.positional import apply_rope
-from tx_jax.ops.dropout import dropout
-from tx_jax.ops.matmul import dense
+from tx_jax.ops.kernels import dense, dropout
 
 Array = jax.Array
 Implementation = Literal["auto", "xla", "chunked", "cudnn"]
@@ -61,6 +60,7 @@ def dot_product_attention(
     return_weights: bool = False,
     chunk_size: int = 512,
     precision: Any = None,
+    kernels: str = "auto",
 ) -> Array | tuple[Array, Array]:
     """softmax(q k^T / sqrt(Dk) + bias) v over [B, L, H, Dk] queries, [B, S, K, Dk] keys and
     [B, S, K, Dv] values.
@@ -77,6 +77,7 @@ def dot_product_attention(
         blocks of `chunk_size`: memory linear in S, same result), 'cudnn'
         (jax.nn.dot_product_attention on a GPU, bf16/fp16, Dv == Dk), or 'auto'.
       return_weights: also return the [B, H, L, S] weights ('xla' only).
+      kernels: whose dropout masks, 'auto' | 'cpu' | 'generic' (tx_jax/ops/kernels.py).
     Returns:
       [B, L, H, Dv] in value's dtype, and the float32 weights if return_weights.
     """
@@ -88,7 +89,7 @@ def dot_product_attention(
     if return_weights and impl != "xla":
         raise ValueError(f"return_weights=True needs implementation='xla', not {impl!r}")
     L, S = query.shape[1], key.shape[1]
-    drop = (dropout_rate, dropout_rng) if dropout else None
+    drop = (dropout_rate, dropout_rng, kernels) if dropout else None
     if impl == "chunked":
         return _attention_chunked(
             query,
@@ -188,7 +189,7 @@ def _attention_chunked(query, key, value, mask, bias, is_causal, q_seg, kv_seg, 
     (query and key blocks; the backward pass recomputes each block from the saved output and
     log-sum-exp), or with a bias the rematerialised scan below."""
     if bias is None:
-        rate, rng = drop if drop is not None else (0.0, None)
+        rate, rng, kernels = drop if drop is not None else (0.0, None, "auto")
         return flash_attention(
             query,
             key,
@@ -201,6 +202,7 @@ def _attention_chunked(query, key, value, mask, bias, is_causal, q_seg, kv_seg, 
             dropout_rng=rng,
             chunk_size=C,
             precision=prec,
+            kernels=kernels,
         )
     return _attention_chunked_scan(
         query, key, value, mask, bias, is_causal, q_seg, kv_seg, drop, C, prec
@@ -273,8 +275,8 @@ def _attention_chunked_scan(query, key, value, mask, bias, is_causal, q_seg, kv_
         corr = jnp.exp(m - m_new)
         l_new = l * corr + p.sum(-1)
         if drop is not None:
-            rate, rng = drop
-            p = dropout(p, rate, jax.random.fold_in(rng, x["start"]))
+            rate, rng, kernels = drop
+            p = dropout(p, rate, jax.random.fold_in(rng, x["start"]), kernels)
         pv = jnp.einsum("bkgls,bskd->blkgd", p.astype(value.dtype), x["v"], precision=prec)
         o_new = o * jnp.moveaxis(corr, 3, 1)[..., None] + pv.astype(jnp.float32)
         return (o_new, m_new, l_new), None
@@ -355,6 +357,7 @@ class MultiHeadAttention(nn.Module):
     rope_base: float | None = None
     decode: bool = False
     sow_weights: bool = False
+    kernels: str = "auto"  # ModelConfig.kernels: projections' and dropout's implementations
     dtype: Any = None
     param_dtype: Any = jnp.float32
     precision: Any = None
@@ -379,7 +382,8 @@ class MultiHeadAttention(nn.Module):
         def apply(x: Array) -> Array:  # [B, T, M] -> [B, T, heads, D]: 'btm,mhd->bthd'
             dtype = self.dtype or x.dtype
             w = kernel.astype(dtype).reshape(M, heads * head_dim)
-            y = dense(x.astype(dtype), w, self.precision).reshape(*x.shape[:-1], heads, head_dim)
+            y = dense(x.astype(dtype), w, self.precision, self.kernels)
+            y = y.reshape(*x.shape[:-1], heads, head_dim)
             return y if bias is None else y + bias.astype(dtype)
 
         return apply
@@ -455,6 +459,7 @@ class MultiHeadAttention(nn.Module):
             implementation=self.implementation,
             return_weights=self.sow_weights,
             precision=self.precision,
+            kernels=self.kernels,
         )
         if self.sow_weights:
             result, weights = result
@@ -472,7 +477,7 @@ class MultiHeadAttention(nn.Module):
         )
         B, L = x.shape[:2]  # 'blhd,hdm->blm' as one [B, L, H*D] @ [H*D, features] matmul
         w = kernel.astype(x.dtype).reshape(H * D, features)
-        y = dense(x.reshape(B, L, H * D), w, self.precision)
+        y = dense(x.reshape(B, L, H * D), w, self.precision, self.kernels)
         if self.use_bias:
             b = self.param(
                 "out_bias",

@@ -14,6 +14,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from tx_jax.model.attention import IMPLEMENTATIONS
+from tx_jax.ops.kernels import KERNELS
 
 ACTIVATIONS = ("relu", "gelu", "swiglu")
 NORMS = ("layernorm", "rmsnorm")
@@ -54,6 +55,7 @@ class ModelConfig:
     attention_bias: bool = False  # biases in the Q/K/V/O projections
     ffn_bias: bool = True  # biases in the FFN (eq. 2 has b1, b2)
     attention_impl: str = "auto"  # auto | xla | chunked | cudnn
+    kernels: str = "auto"  # auto | cpu | generic: projections and dropout (tx_jax/ops/kernels.py)
     dtype: str = "float32"  # compute dtype (activations, matmuls)
     param_dtype: str = "float32"  # storage dtype of the parameters
     remat: str = "none"  # none | full: recompute each layer in the backward pass
@@ -88,6 +90,7 @@ class ModelConfig:
             "norm_position": NORM_POSITIONS,
             "positional": POSITIONALS,
             "attention_impl": IMPLEMENTATIONS,
+            "kernels": KERNELS,
             "pooling": POOLINGS,
             "remat": REMATS,
             "dtype": DTYPES,

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tx_jax.ops.dropout import effective_rate, keep_mask
+from tx_jax.ops.kernels import effective_rate, keep_mask
 
 Array = jax.Array
 _NEG = -1e30  # finite "minus infinity" (attention.py)
@@ -55,6 +55,7 @@ def flash_attention(
     dropout_rng: Array | None = None,
     chunk_size: int = 512,
     precision: Any = None,
+    kernels: str = "auto",
 ) -> Array:
     """[B, L, H, Dk] queries, [B, S, K, Dk] keys, [B, S, K, Dv] values -> [B, L, H, Dv] in
     value's dtype.
@@ -72,6 +73,7 @@ def flash_attention(
         k_block=min(chunk_size, S),
         rate=float(dropout_rate) if dropout_rng is not None else 0.0,
         precision=precision,
+        kernels=kernels,
     )
     extras = (mask, q_segment_ids, kv_segment_ids, dropout_rng)
     return _flash(spec, query, key, value, extras)
@@ -86,6 +88,7 @@ class _Spec:
     k_block: int
     rate: float
     precision: Any
+    kernels: str = "auto"  # whose dropout masks (tx_jax/ops/kernels.py)
 
 
 # ------------------------------------------------------------------------- block layout
@@ -177,8 +180,8 @@ class _Problem:
         if self.spec.rate == 0.0:
             return p
         rng = jax.random.fold_in(jax.random.fold_in(self.rng, i), j)
-        keep = keep_mask(rng, self.spec.rate, p.shape)
-        return jnp.where(keep, p / (1.0 - effective_rate(self.spec.rate)), 0.0)
+        keep = keep_mask(rng, self.spec.rate, p.shape, self.spec.kernels)
+        return jnp.where(keep, p / (1.0 - effective_rate(self.spec.rate, self.spec.kernels)), 0.0)
 
     def unblock(self, x: Array, n: int, length: int) -> Array:
         """[n, B, block, ...] -> [B, length, ...] (padding dropped)."""

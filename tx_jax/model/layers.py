@@ -20,8 +20,7 @@ import jax.numpy as jnp
 
 from tx_jax.model.attention import MultiHeadAttention
 from tx_jax.model.config import ACTIVATIONS, NORMS, ModelConfig
-from tx_jax.ops.dropout import Dropout
-from tx_jax.ops.matmul import dense
+from tx_jax.ops.kernels import Dropout, dense
 
 Array = jax.Array
 
@@ -38,6 +37,7 @@ class FeedForward(nn.Module):
     activation: str = "relu"
     dropout_rate: float = 0.0
     use_bias: bool = True
+    kernels: str = "auto"  # ModelConfig.kernels
     dtype: Any = None
     param_dtype: Any = jnp.float32
 
@@ -49,7 +49,7 @@ class FeedForward(nn.Module):
             self.param_dtype,
         )
         dtype = self.dtype or x.dtype
-        y = dense(x.astype(dtype), kernel.astype(dtype))  # [B, L, M] @ [M, F]
+        y = dense(x.astype(dtype), kernel.astype(dtype), kernels=self.kernels)  # [B, L, M] @ [M, F]
         if self.use_bias:
             b = self.param(
                 f"{name}_bias",
@@ -73,7 +73,7 @@ class FeedForward(nn.Module):
         else:
             h = nn.silu(h) * self._dense(x, self.d_ff, ("embed", "mlp"), "wi_gate")
         h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))
-        h = Dropout(self.dropout_rate)(h, deterministic=deterministic)
+        h = Dropout(self.dropout_rate, self.kernels)(h, deterministic=deterministic)
         return self._dense(h, M, ("mlp", "embed"), "wo")
 
 
@@ -107,7 +107,7 @@ class _ResidualLayer(nn.Module):
         norm = make_norm(
             cfg.norm, cfg.norm_epsilon, cfg.compute_dtype, cfg.parameter_dtype, f"{name}_norm"
         )
-        drop = Dropout(cfg.dropout_rate, name=f"{name}_dropout")
+        drop = Dropout(cfg.dropout_rate, cfg.kernels, name=f"{name}_dropout")
         if cfg.norm_position == "pre":
             x = x + drop(fn(norm(x)), deterministic=det)
         else:
@@ -127,6 +127,7 @@ class _ResidualLayer(nn.Module):
             rope_base=cfg.rope_base if (cfg.positional == "rope" and not cross) else None,
             decode=cfg.decode,
             sow_weights=cfg.sow_attention_weights,
+            kernels=cfg.kernels,
             dtype=cfg.compute_dtype,
             param_dtype=cfg.parameter_dtype,
             name=name,
@@ -164,6 +165,7 @@ class _ResidualLayer(nn.Module):
             activation=cfg.activation,
             dropout_rate=cfg.ffn_dropout_rate,
             use_bias=cfg.ffn_bias,
+            kernels=cfg.kernels,
             dtype=cfg.compute_dtype,
             param_dtype=cfg.parameter_dtype,
             name="ffn",

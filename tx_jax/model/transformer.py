@@ -24,8 +24,7 @@ import jax.numpy as jnp
 from tx_jax.model.config import ModelConfig
 from tx_jax.model.layers import DecoderLayer, EncoderLayer, make_norm
 from tx_jax.model.positional import LearnedPositionalEmbedding, default_positions, sinusoid
-from tx_jax.ops.dropout import Dropout
-from tx_jax.ops.matmul import dense, tied_logits
+from tx_jax.ops.kernels import Dropout, dense, tied_logits
 
 Array = jax.Array
 
@@ -51,6 +50,7 @@ class Embedding(nn.Module):
     features: int
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    kernels: str = "auto"  # ModelConfig.kernels (the tied logits' product)
 
     def setup(self):
         # With sqrt(M) scaling, std M^-0.5 gives unit-variance scaled embeddings.
@@ -69,11 +69,13 @@ class Embedding(nn.Module):
 
     def attend(self, x: Array) -> Array:
         """[B, L, M] -> [B, L, V] logits against the embedding table."""
-        return tied_logits(x, self.embedding.astype(self.dtype))
+        return tied_logits(x, self.embedding.astype(self.dtype), self.kernels)
 
 
 def _embedding(cfg: ModelConfig, vocab: int, name: str) -> Embedding:
-    return Embedding(vocab, cfg.d_model, cfg.compute_dtype, cfg.parameter_dtype, name=name)
+    return Embedding(
+        vocab, cfg.d_model, cfg.compute_dtype, cfg.parameter_dtype, cfg.kernels, name=name
+    )
 
 
 def _layer_cls(cls: type[nn.Module], cfg: ModelConfig) -> type[nn.Module]:
@@ -105,7 +107,7 @@ class _Stack(nn.Module):
                 cfg.parameter_dtype,
                 name="pos_embedding",
             )(positions)
-        x = Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+        x = Dropout(cfg.dropout_rate, cfg.kernels)(x, deterministic=deterministic)
         return nn.with_logical_constraint(x, ("batch", "length", "embed"))
 
     def final_norm(self, x: Array) -> Array:
@@ -188,7 +190,7 @@ class Decoder(_Stack):
                 (cfg.d_model, cfg.output_vocab_size),
                 cfg.parameter_dtype,
             )
-            logits = dense(x, kernel.astype(x.dtype))
+            logits = dense(x, kernel.astype(x.dtype), kernels=cfg.kernels)
         logits = nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
         return logits.astype(jnp.float32)
 

@@ -1,1 +1,2 @@
-"""Backend-specific kernels behind the model's projections and dropout (tuned for XLA:CPU)."""
+"""Backend-specific kernels behind the model's projections and dropout: kernels.py picks the
+XLA:CPU-tuned ones (matmul.py, dropout.py) or plain JAX by `ModelConfig.kernels`."""

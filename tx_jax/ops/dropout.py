@@ -13,14 +13,14 @@ keep both 32-bit words of each block and split each word into two 16-bit draws, 
 block serves four elements and the rate is exact to 1.5e-5 (0.1 becomes 6554 / 65536 =
 0.10001). BENCHMARKS.md ('Optimisations...') has the effect. Leading axes keep their shapes
 (blocks are drawn as [..., ceil(N/4)] from per-element counters), so the draw is partitioned
-like `x` under a sharded jit.
+like `x` under a sharded jit. The module (`Dropout`) and the choice between these masks and
+jax.random's are in kernels.py.
 """
 
 from __future__ import annotations
 
 import math
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -116,16 +116,3 @@ def dropout(x: Array, rate: float, rng: Array) -> Array:
         return x
     scale = jnp.asarray(1.0 / (1.0 - effective_rate(rate)), x.dtype)
     return jnp.where(keep_mask(rng, rate, x.shape), x * scale, jnp.zeros((), x.dtype))
-
-
-class Dropout(nn.Module):
-    """`dropout` as a module: a drop-in for flax's nn.Dropout (rng collection 'dropout')."""
-
-    rate: float
-    rng_collection: str = "dropout"
-
-    @nn.compact
-    def __call__(self, x: Array, deterministic: bool = True) -> Array:
-        if deterministic or self.rate == 0.0:
-            return x
-        return dropout(x, self.rate, self.make_rng(self.rng_collection))
