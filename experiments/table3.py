@@ -43,8 +43,7 @@ def _layers(n: int) -> dict:
 ROWS: dict[str, list[dict]] = {
     "A": [{"model.num_heads": h} for h in (1, 4, 16, 32)],
     "B": [
-        {"model.head_dim": d_k, "model.value_head_dim": D_MODEL // NUM_HEADS}
-        for d_k in (16, 32)
+        {"model.head_dim": d_k, "model.value_head_dim": D_MODEL // NUM_HEADS} for d_k in (16, 32)
     ],
     "C": [_layers(n) for n in (2, 4, 8)]
     + [{"model.d_model": _scale(d)} for d in (256, 1024)]
