@@ -9,6 +9,7 @@ from conftest import reference_attention
 
 from tx_jax.model import attention as A
 from tx_jax.model import masks
+from tx_jax.model.multihead import MultiHeadAttention
 
 IMPLS = ["xla", "chunked"]
 
@@ -439,7 +440,7 @@ def test_multihead_equals_concat_of_heads_times_wo(rng, value_head_dim):
     Dv = value_head_dim or D
     x = jnp.asarray(rng.normal(size=(B, L, M)), jnp.float32)
     y = jnp.asarray(rng.normal(size=(B, S, M)), jnp.float32)
-    mha = A.MultiHeadAttention(
+    mha = MultiHeadAttention(
         num_heads=H, value_head_dim=value_head_dim, use_bias=True, implementation="xla"
     )
     params = nn.meta.unbox(_mha_params(mha, x, y))
@@ -466,14 +467,14 @@ def test_grouped_query_attention():
     rng = np.random.default_rng(1)
     B, L, M, H = 2, 6, 16, 4
     x = jnp.asarray(rng.normal(size=(B, L, M)), jnp.float32)
-    mha = A.MultiHeadAttention(num_heads=H)
+    mha = MultiHeadAttention(num_heads=H)
     params = _mha_params(mha, x)
-    gqa_full = A.MultiHeadAttention(num_heads=H, num_kv_heads=H)
+    gqa_full = MultiHeadAttention(num_heads=H, num_kv_heads=H)
     np.testing.assert_array_equal(
         mha.apply({"params": params}, x), gqa_full.apply({"params": params}, x)
     )
     # K=2 < H=4: equals standard MHA whose K/V weights repeat each kv head for its group.
-    gqa = A.MultiHeadAttention(num_heads=H, num_kv_heads=2)
+    gqa = MultiHeadAttention(num_heads=H, num_kv_heads=2)
     gp = nn.meta.unbox(_mha_params(gqa, x))
     assert gp["key_kernel"].shape == (M, 2, M // H)
     expanded = dict(gp)
@@ -492,10 +493,10 @@ def test_kv_cache_equals_full_causal_attention(rope):
     rng = np.random.default_rng(2)
     B, L, M = 2, 7, 16
     x = jnp.asarray(rng.normal(size=(B, L, M)), jnp.float32)
-    full = A.MultiHeadAttention(num_heads=4, num_kv_heads=2, rope_base=rope)
+    full = MultiHeadAttention(num_heads=4, num_kv_heads=2, rope_base=rope)
     params = full.init(jax.random.key(0), x)["params"]
     want = full.apply({"params": params}, x, is_causal=True)
-    step = A.MultiHeadAttention(num_heads=4, num_kv_heads=2, rope_base=rope, decode=True)
+    step = MultiHeadAttention(num_heads=4, num_kv_heads=2, rope_base=rope, decode=True)
     cache = step.init(jax.random.key(0), x)["cache"]
     assert cache["cached_key"].shape == (B, L, 2, 4)
     outs = []
@@ -513,10 +514,10 @@ def test_cross_attention_cache_projects_once():
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.normal(size=(2, 3, 16)), jnp.float32)
     enc = jnp.asarray(rng.normal(size=(2, 5, 16)), jnp.float32)
-    full = A.MultiHeadAttention(num_heads=4)
+    full = MultiHeadAttention(num_heads=4)
     params = full.init(jax.random.key(0), x, enc)["params"]
     want = full.apply({"params": params}, x, enc)
-    step = A.MultiHeadAttention(num_heads=4, decode=True)
+    step = MultiHeadAttention(num_heads=4, decode=True)
     cache = step.init(jax.random.key(0), x[:, :1], enc)["cache"]
     assert not bool(cache["cross_filled"])
     outs = []
@@ -586,7 +587,7 @@ def test_model_with_value_head_dim_differing_from_head_dim():
 
 def test_params_carry_logical_axis_names():
     x = jnp.ones((1, 3, 16))
-    params = A.MultiHeadAttention(num_heads=4, num_kv_heads=2, use_bias=True).init(
+    params = MultiHeadAttention(num_heads=4, num_kv_heads=2, use_bias=True).init(
         jax.random.key(0), x
     )["params"]
     names = {k: v.names for k, v in params.items()}
@@ -599,7 +600,7 @@ def test_params_carry_logical_axis_names():
 
 def test_sow_weights_rows_sum_to_one():
     x = jnp.asarray(np.random.default_rng(4).normal(size=(1, 4, 8)), jnp.float32)
-    mha = A.MultiHeadAttention(num_heads=2, sow_weights=True)
+    mha = MultiHeadAttention(num_heads=2, sow_weights=True)
     v = mha.init(jax.random.key(0), x)
     _, inter = mha.apply(v, x, is_causal=True, mutable="intermediates")
     (w,) = inter["intermediates"]["attention_weights"]

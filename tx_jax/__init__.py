@@ -28,7 +28,7 @@ from tx_jax.model import (
     shift_right,
     variant,
 )
-from tx_jax.model.attention import MultiHeadAttention, dot_product_attention
+from tx_jax.model.attention import dot_product_attention
 from tx_jax.model.layers import DecoderLayer, EncoderLayer, FeedForward, make_norm
 from tx_jax.model.masks import (
     causal_mask,
@@ -37,6 +37,7 @@ from tx_jax.model.masks import (
     padding_mask,
     segment_mask,
 )
+from tx_jax.model.multihead import MultiHeadAttention
 from tx_jax.model.positional import (
     LearnedPositionalEmbedding,
     SinusoidalPositionalEncoding,

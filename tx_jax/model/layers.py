@@ -18,8 +18,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from tx_jax.model.attention import MultiHeadAttention
 from tx_jax.model.config import ACTIVATIONS, NORMS, ModelConfig
+from tx_jax.model.multihead import MultiHeadAttention
 from tx_jax.ops.kernels import Dropout, dense
 
 Array = jax.Array
