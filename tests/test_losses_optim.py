@@ -125,3 +125,30 @@ def test_optimizer_is_adam_with_paper_betas_and_clipping():
     # Adam's first step is -lr * g / (|g| + eps) elementwise: sign-like, whatever the scale
     np.testing.assert_allclose(updates["w"], [-1e-3, -1e-3, 0.0], rtol=1e-5, atol=1e-9)
     assert jax.tree_util.tree_structure(updates) == jax.tree_util.tree_structure(params)
+
+
+def test_weight_decay_skips_biases_and_norm_scales_on_the_real_model():
+    """AdamW decays weight matrices and embeddings by lr * wd * w; biases and scales keep still."""
+    import flax.linen as nn
+
+    from tx_jax.model import init_params, make_model, variant
+
+    cfg = variant("tiny", vocab_size=50, attention_bias=True, tie_output=False)
+    boxed = init_params(make_model(cfg), jax.random.PRNGKey(0))
+    tx, _ = optim.make_optimizer(
+        _train_cfg(clip_grad_norm=0.0, schedule="constant", weight_decay=0.1), cfg.d_model
+    )
+    for params in (nn.meta.unbox(boxed), boxed):  # the mask also reads boxed (sharded) trees
+        zero = jax.tree_util.tree_map(jnp.zeros_like, params)  # Adam's part of the step is 0
+        updates, _ = tx.update(zero, tx.init(params), params)
+        flat = jax.tree_util.tree_leaves_with_path(nn.meta.unbox(updates))
+        values = dict(jax.tree_util.tree_leaves_with_path(nn.meta.unbox(params)))
+        decayed = {jax.tree_util.keystr(p) for p, u in flat if np.any(np.asarray(u) != 0)}
+        for path, u in flat:
+            name = jax.tree_util.keystr(path)
+            if name.endswith("bias']") or name.endswith("['scale']"):
+                assert name not in decayed, name
+            else:
+                np.testing.assert_allclose(u, -1e-3 * 0.1 * values[path], rtol=1e-6, atol=1e-12)
+        assert any("embedding" in n for n in decayed) and any("kernel" in n for n in decayed)
+        assert any(n.endswith("bias']") for n, _ in [(jax.tree_util.keystr(p), u) for p, u in flat])
