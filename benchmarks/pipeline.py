@@ -70,7 +70,7 @@ def _step(config, task):
 def time_step(strategy, compiled, state, batch, n: int):
     import jax
 
-    placed = strategy.place_global_batch(batch)
+    placed = strategy.place_batch(batch)
     for _ in range(3):  # compile, first runs
         state, metrics = compiled(state, placed)
     jax.block_until_ready(metrics)
@@ -96,7 +96,7 @@ def time_loop(strategy, compiled, state, it, n: int):
     for _ in range(n):
         batch = next(it)
         tokens += _tokens(batch)
-        state, metrics = compiled(state, strategy.place_global_batch(batch))
+        state, metrics = compiled(state, strategy.place_batch(batch))
         pending.append(metrics)
         if len(pending) > 1:  # at most one step in flight, as train_and_evaluate does
             jax.block_until_ready(pending.pop(0))
@@ -146,7 +146,7 @@ def main(argv=None) -> None:
         loop_it = _iterator(config, task, packing)  # a fresh one: cold cache, as at start
         for _ in range(2):  # compile every batch shape in the loop first (buckets)
             for _ in range(len(loop_it.batch_shapes) * 8):
-                state, _ = compiled(state, strategy.place_global_batch(next(loop_it)))
+                state, _ = compiled(state, strategy.place_batch(next(loop_it)))
         jax.block_until_ready(state)  # else the timed loop starts by waiting for these steps
         state, loop = time_loop(strategy, compiled, state, loop_it, args.steps)
         print(f"  {label}: train loop {loop['batches_per_s']:.1f} batches/s", flush=True)

@@ -450,7 +450,7 @@ class _StrategyRunner:
     def __init__(self, strategy, compiled, init_fn, batch):
         self.strategy, self.compiled = strategy, compiled
         self.state = strategy.init_state(init_fn)
-        self.batch = strategy.place_global_batch(batch)
+        self.batch = strategy.place_batch(batch)
         self.run(1)
 
     def run(self, n: int) -> float:

@@ -82,9 +82,8 @@ def run_seed(config, workdir: pathlib.Path, args) -> dict[str, Any]:
         record = evaluation.evaluate(workdir, split="validation", **where, **decode)
         scored.append({**c, "validation_bleu": record["bleu"], "step": record["step"]})
     chosen = max(scored, key=lambda c: c["validation_bleu"])  # first of equals: max is stable
+    # (an average's step is its last one: averaging the last K up to it is the same average)
     where = {"step": chosen["step"], "average_last": chosen["average_last"]}
-    if chosen["average_last"]:
-        where["step"] = None
     test = evaluation.evaluate(workdir, split=TEST_SPLIT, **where, **decode)
     return {
         "seed": int(config.seed),
