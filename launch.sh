@@ -17,7 +17,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")"
 VENV=.venv
 
 ensure_venv() {
-  local py="${PYTHON:-python3}"
+  # $1: the extras this command needs (test needs test,export); a venv that already has
+  # them for this setup.cfg is used as it is.
+  local extras="${1:-}" py="${PYTHON:-python3}"
   if [ ! -x "$VENV/bin/python" ]; then
     "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
       echo "launch.sh: $py is older than Python 3.11; set PYTHON=python3.11 (or newer)" >&2
@@ -25,14 +27,19 @@ ensure_venv() {
     }
     "$py" -m venv "$VENV"
   fi
-  local want have
+  local want have="" have_extras="" missing=""
   want=$(cat setup.cfg pyproject.toml | sha256sum | cut -d' ' -f1)
-  have=$(cat "$VENV/.tx_jax-installed" 2>/dev/null || true)
-  if [ "$want" != "$have" ]; then
-    echo "launch.sh: installing tx_jax and its dependencies into $VENV ..." >&2
+  read -r have have_extras < "$VENV/.tx_jax-installed" 2>/dev/null || true
+  [ "$want" = "$have" ] || have_extras=""
+  for e in ${extras//,/ }; do
+    [[ ",$have_extras," == *",$e,"* ]] || missing=1
+  done
+  if [ "$want" != "$have" ] || [ -n "$missing" ]; then
+    [ "$want" = "$have" ] && extras=$(echo "$have_extras,$extras" | tr ',' '\n' | sort -u | grep . | paste -sd, -)
+    echo "launch.sh: installing tx_jax${extras:+[$extras]} and its dependencies into $VENV ..." >&2
     "$VENV/bin/python" -m pip install -q --upgrade pip
-    "$VENV/bin/python" -m pip install -q -e ".[test]"
-    echo "$want" > "$VENV/.tx_jax-installed"
+    "$VENV/bin/python" -m pip install -q -e ".${extras:+[$extras]}"
+    echo "$want $extras" > "$VENV/.tx_jax-installed"
   fi
 }
 
@@ -40,7 +47,7 @@ cmd="${1:-help}"
 [ $# -gt 0 ] && shift
 case "$cmd" in
   test)
-    ensure_venv
+    ensure_venv test,export
     "$VENV/bin/ruff" check .
     "$VENV/bin/ruff" format --check .
     "$VENV/bin/python" -m pytest -n "${TX_JAX_TEST_WORKERS:-2}" "$@"

@@ -1,6 +1,6 @@
 """The package's layers: imports go one way (down, or sideways into data/ and ops/), no cycles.
 
-    config, ops  <-  data, model  <-  training  <-  inference  <-  analysis  <-  experiment  <-  cli
+    config, ops <- data, model <- training <- inference <- analysis, interop <- experiment <- cli
 
 A module may import its own layer and any layer to its left, never one to its right; only the
 entry points (tx_jax/main.py, evaluate.py, ...) import cli/. The modules are read with `ast`,
@@ -20,12 +20,12 @@ RANK = {
     "data": 1, "model": 1,
     "training": 2,
     "inference": 3,
-    "analysis": 4,
+    "analysis": 4, "interop": 4,
     "experiment": 5,
     "cli": 6,
     "entry": 7, "api": 7,
 }  # fmt: skip
-ENTRY_POINTS = {"main", "evaluate", "translate", "generate", "visualize", "sweep"}
+ENTRY_POINTS = {"main", "evaluate", "translate", "generate", "visualize", "sweep", "export"}
 
 
 def layer_of(module: str) -> str:

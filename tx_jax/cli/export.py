@@ -1,0 +1,60 @@
+"""Export a translation checkpoint to Hugging Face Transformers or CTranslate2.
+
+    python -m tx_jax.export --workdir=runs/default --format=hf --out=exported/hf
+    python -m tx_jax.export --workdir=runs/default --format=ct2 --out=exported/ct2 \
+        [--quantization=int8] [--average_last=5] [--step=N]
+
+--format=hf writes a MarianMT directory (model.safetensors, config.json, the SentencePiece
+tokenizer as MarianTokenizer files, generation_config.json with the run's beam size and
+alpha) that `transformers` loads with AutoModelForSeq2SeqLM / AutoTokenizer and
+pipeline("translation"); --format=ct2 writes a CTranslate2 model (weights as --quantization)
+with the SentencePiece model beside it. A model the formats cannot represent exactly
+(pre-LN, RoPE, grouped-query attention, SwiGLU, RMSNorm, untied output, ...) is refused with
+the fields named. Needs the export extra: pip install -e '.[export]'.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import flags
+
+from tx_jax.cli import common
+from tx_jax.inference import restore
+from tx_jax.interop import ctranslate2 as ct2_export
+from tx_jax.interop import huggingface
+
+FORMATS = ("hf", "ct2")
+
+
+def _main(argv: list[str], overrides: dict[str, str]) -> None:
+    where = common.checkpoint_args(argv)
+    f = flags.FLAGS
+    if f.out is None:
+        raise ValueError("give --out (the directory to write)")
+    loaded = restore.load(f.workdir, **where, overrides=overrides)
+    if f.format == "hf":
+        out = huggingface.export(loaded, f.out, beam_size=f.beam_size, alpha=f.alpha)
+    else:
+        out = ct2_export.export(loaded, f.out, quantization=f.quantization)
+    print(f"export: {loaded.path} (step {loaded.step}) -> {out} ({f.format})", file=sys.stderr)
+
+
+def main() -> None:
+    common.define_checkpoint_flags()
+    flags.DEFINE_enum("format", "hf", FORMATS, "hf: Transformers MarianMT; ct2: CTranslate2.")
+    flags.DEFINE_string("out", None, "Output directory (created; its files are replaced).")
+    flags.DEFINE_integer(
+        "beam_size", None, "hf: generation_config num_beams (default: the run's test beam)."
+    )
+    flags.DEFINE_float(
+        "alpha", None, "hf: generation_config length_penalty (default: the run's eval.alpha)."
+    )
+    flags.DEFINE_enum(
+        "quantization", "float32", ct2_export.QUANTIZATIONS, "ct2: how weights are stored."
+    )
+    common.run_cli(_main)
+
+
+if __name__ == "__main__":
+    main()
