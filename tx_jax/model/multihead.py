@@ -213,19 +213,30 @@ class MultiHeadAttention(nn.Module):
         return cached_key.value, cached_value.value, i
 
     def _cached_cross_kv(self, inputs_kv: Array, K: int, D: int, Dv: int) -> tuple[Array, Array]:
-        """Project the encoder output on the first decode call only, then read the cache."""
+        """Project the encoder output once, then read the cache.
+
+        The call that creates the cache projects it there when it runs with real parameters
+        (`apply`, as decoding.py does): later calls only read it, so a decoding loop carries
+        it unchanged (no per-step copy). A cache made by `init` starts empty (cross_filled
+        False) and is filled by the first call after it.
+        """
         M = inputs_kv.shape[-1]
         key_fn = self._projection("key", M, K, D, "kv_heads")
         value_fn = self._projection("value", M, K, Dv, "kv_heads")
-        initialised = self.has_variable("cache", "cross_key")
-        if not initialised:  # the init call: create the cache with the right shapes
+        if not self.has_variable("cache", "cross_key"):
             key, value = key_fn(inputs_kv), value_fn(inputs_kv)
-            self.variable("cache", "cross_key", jnp.zeros, key.shape, key.dtype)
-            self.variable("cache", "cross_value", jnp.zeros, value.shape, value.dtype)
-            self.variable("cache", "cross_filled", lambda: jnp.array(False))
+            if self.is_initializing():  # init's parameters are not the ones decoding uses
+                self.variable("cache", "cross_key", jnp.zeros, key.shape, key.dtype)
+                self.variable("cache", "cross_value", jnp.zeros, value.shape, value.dtype)
+                self.variable("cache", "cross_filled", lambda: jnp.array(False))
+            else:
+                self.variable("cache", "cross_key", lambda: key)
+                self.variable("cache", "cross_value", lambda: value)
             return key, value
         ck = self.variable("cache", "cross_key", None)
         cv = self.variable("cache", "cross_value", None)
+        if not self.has_variable("cache", "cross_filled"):  # filled when it was created
+            return ck.value, cv.value
         filled = self.variable("cache", "cross_filled", None)
         # The projections sit in the branch that runs only while the cache is empty.
         key, value = lax.cond(
