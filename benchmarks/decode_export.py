@@ -7,11 +7,13 @@ The checkpoint is exported (tx_jax.interop) to a Transformers MarianMT directory
 CTranslate2 (float32 and int8) under WORKDIR/export_bench/, then the first N sentences of
 the run's test split are translated by each, greedy and beam 4 (alpha 0.6), in batches of
 --batch sentences, on --threads CPU threads each (JAX: the process's CPU affinity; torch:
-set_num_threads; CTranslate2: intra_threads, one translator). Each system first translates
-one batch (compilation, allocation), then the N sentences are timed once, whole. Target
-tokens are the hypotheses' SentencePiece pieces plus EOS, counted the same way for every
-system. Also reported: sacreBLEU against the references, and the share of hypotheses
-identical to tx_jax's. Writes benchmarks/results/decode_export.json.
+set_num_threads; CTranslate2: intra_threads, one translator). tx_jax runs twice: every
+source padded to data.max_eval_len, as evaluation pads it, and with --length_buckets (each
+batch padded to the smallest bucket that holds it). Each system first translates one batch
+(one per bucket: compilation, allocation), then the N sentences are timed once, whole.
+Target tokens are the hypotheses' SentencePiece pieces plus EOS, counted the same way for
+every system. Also reported: sacreBLEU against the references, and the share of hypotheses
+identical to tx_jax's (padded). Writes benchmarks/results/decode_export.json.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--searches", default="greedy,beam4")
+    parser.add_argument("--length_buckets", default="16,32,64", help="tx_jax's second row")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     threads = _common.pin_threads(args.threads)
@@ -65,8 +68,27 @@ def main() -> None:
         )
     max_len = huggingface.max_decode_len(loaded)
 
-    def run_tx_jax(lines, beam):
-        return translate_lines(loaded, lines, beam_size=beam, alpha=0.6, batch_size=args.batch)
+    buckets = [int(x) for x in args.length_buckets.split(",") if x]
+
+    def run_tx_jax(lines, beam, length_buckets=()):
+        return translate_lines(
+            loaded,
+            lines,
+            beam_size=beam,
+            alpha=0.6,
+            batch_size=args.batch,
+            length_buckets=length_buckets,
+        )
+
+    def run_tx_jax_buckets(lines, beam):
+        return run_tx_jax(lines, beam, buckets)
+
+    def warm_tx_jax_buckets(lines, beam):  # one batch per bucket: every program compiles
+        bounds = [0] + buckets + [loaded.config.data.max_eval_len]
+        for lo, hi in zip(bounds, bounds[1:]):
+            part = [s for s in lines if lo < len(tok.encode(s)) + 1 <= hi][: args.batch]
+            if part:
+                run_tx_jax_buckets(part, beam)
 
     def run_hf(lines, beam):
         out = []
@@ -95,16 +117,19 @@ def main() -> None:
 
     systems = {
         "tx_jax (jit, KV cache)": run_tx_jax,
+        f"tx_jax, length buckets {args.length_buckets}": run_tx_jax_buckets,
         "transformers generate": run_hf,
         "ctranslate2 float32": run_ct2("float32"),
         "ctranslate2 int8": run_ct2("int8"),
     }
+    warmups = {f"tx_jax, length buckets {args.length_buckets}": warm_tx_jax_buckets}
     rows, records = [], []
     for search in args.searches.split(","):
         beam = 1 if search == "greedy" else int(search.removeprefix("beam"))
         reference_hyps = None
         for name, run in systems.items():
-            run(sources[: args.batch], beam)  # warm-up: compilation, allocation
+            warm = warmups.get(name, lambda lines, beam, run=run: run(lines[: args.batch], beam))
+            warm(sources, beam)  # compilation, allocation
             start = time.perf_counter()
             hyps = run(sources, beam)
             seconds = time.perf_counter() - start

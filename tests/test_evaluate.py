@@ -119,6 +119,32 @@ def test_translate_keeps_line_count_and_alignment(workdir, greedy_validation):
     assert b"6/6 lines" in proc.stderr and b"translate:" not in proc.stdout  # 6 non-blank
 
 
+def test_length_buckets_change_shapes_not_translations(workdir, greedy_validation, monkeypatch):
+    """Batches padded to 8 or 16 tokens where they fit instead of max_eval_len (32): the same
+    greedy output wherever it ends before the smaller limit (bucket + 50 tokens)."""
+    _, hyps, sources = greedy_validation
+    loaded = restore.load(workdir)
+    lines = sources[:24]
+    lengths = [len(loaded.tokenizer.encode(s)) + 1 for s in lines]
+    assert min(lengths) <= 16 < max(lengths)  # a small bucket and max_len are both used
+    out = translation.translate_lines(loaded, lines, beam_size=1, length_buckets=(8, 16))
+    short = [len(loaded.tokenizer.encode(h)) < 50 for h in hyps[:24]]
+    assert sum(short) >= 12
+    assert [o for o, k in zip(out, short) if k] == [h for h, k in zip(hyps, short) if k]
+    # and the batches really were padded to the buckets
+    shapes = []
+    real = translation.scoring.translate_batches
+
+    def spy(config, params, batches, *args, **kwargs):
+        batches = list(batches)
+        shapes.extend(b["inputs"].shape[1] for b in batches)
+        return real(config, params, batches, *args, **kwargs)
+
+    monkeypatch.setattr(translation.scoring, "translate_batches", spy)
+    translation.translate_lines(loaded, lines, beam_size=1, batch_size=4, length_buckets=(8, 16))
+    assert {8, 16, 32} & set(shapes) == set(shapes) and len(set(shapes)) >= 2
+
+
 def _params(loaded):
     return {
         jax.tree_util.keystr(p): np.asarray(x)

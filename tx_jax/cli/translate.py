@@ -59,6 +59,7 @@ def _main(argv: list[str], overrides: dict[str, str]) -> None:
         batch_size=f.batch_size,
         max_len=f.max_len,
         progress=progress,
+        length_buckets=[int(x) for x in f.length_buckets],
     )
     if f.target_lang:  # a multilingual model: tag the sources (through a pivot if asked)
         from tx_jax.inference import multilingual
@@ -86,6 +87,13 @@ def main() -> None:
         "max_len",
         None,
         "Truncate sources to this many tokens (default: the checkpoint's data.max_eval_len).",
+    )
+    flags.DEFINE_list(
+        "length_buckets",
+        [],
+        "Pad each batch only to the smallest of these lengths that holds it (e.g. "
+        "16,32,64), not to the checkpoint's data.max_eval_len: faster for short lines; "
+        "the output limit becomes that length + 50.",
     )
     flags.DEFINE_string(
         "target_lang",

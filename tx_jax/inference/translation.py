@@ -51,13 +51,21 @@ def translate_lines(
     warn: Callable[[str], None] = _stderr,
     progress: Callable[[int, int], None] | None = None,
     source_prefix: Sequence[int] = (),
+    length_buckets: Sequence[int] = (),
 ) -> list[str]:
     """Translations of `lines`, aligned: one output per input, '' for blank inputs.
 
     Sources are truncated to `max_len` tokens (default `max_source_len`); `progress(done,
     total)` is called after every chunk of CHUNK_BATCHES batches. `source_prefix`: ids before
-    every source, e.g. a multilingual model's target-language tag (multilingual.py)."""
+    every source, e.g. a multilingual model's target-language tag (multilingual.py).
+
+    `length_buckets` (e.g. (16, 32, 64)): pad each batch only to the smallest of these (or
+    max_len) that holds its longest source, instead of to max_len, one compilation per
+    length used. Faster when most lines are much shorter than max_len; the output limit is
+    then that length + 50 (decoding.decode_length), so only a hypothesis that would run
+    past it differs from the padded (evaluation's) translation."""
     max_len = max_len or max_source_len(loaded)
+    buckets = sorted({int(b) for b in length_buckets if 0 < int(b) < max_len}) + [max_len]
     texts = [x.decode("utf-8", errors="replace") if isinstance(x, bytes) else x for x in lines]
     todo = [i for i, t in enumerate(texts) if t.strip()]
     _warn_truncated(loaded, texts, todo, max_len, warn, len(source_prefix))
@@ -70,7 +78,7 @@ def translate_lines(
             loaded.tokenizer,
             max_len=max_len,
             batch_size=batch_size,
-            bucket_boundaries=[max_len],
+            bucket_boundaries=buckets,
             sort_by_length=sort_by_length,
             source_prefix=source_prefix,
         )
