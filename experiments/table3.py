@@ -31,27 +31,31 @@ D_MODEL = 256  # the base config's model.d_model; the paper's numbers assume 512
 NUM_HEADS = 4  # the base config's model.num_heads: its d_v is D_MODEL // NUM_HEADS
 
 
-def _scale(paper_value: int) -> int:
-    """A width the paper gives for d_model = 512, at D_MODEL."""
-    return paper_value * D_MODEL // 512
+def rows(d_model: int = D_MODEL, num_heads: int = NUM_HEADS) -> dict[str, list[dict]]:
+    """The rows' points for a base of width d_model with num_heads heads (d_v = d_model / h):
+    widths the paper gives for d_model = 512 scale by d_model / 512; row B keeps the paper's
+    ratios d_k / d_v = 1/4, 1/2 (16 and 32 at d_v = 64)."""
+
+    def scale(paper_value: int) -> int:
+        return paper_value * d_model // 512
+
+    def layers(n: int) -> dict:
+        return {"model.num_encoder_layers": n, "model.num_decoder_layers": n}
+
+    d_v = d_model // num_heads
+    return {
+        "A": [{"model.num_heads": h} for h in (1, 4, 16, 32)],
+        "B": [{"model.head_dim": d_v * r // 4, "model.value_head_dim": d_v} for r in (1, 2)],
+        "C": [layers(n) for n in (2, 4, 8)]
+        + [{"model.d_model": scale(d)} for d in (256, 1024)]
+        + [{"model.d_ff": scale(f)} for f in (1024, 4096)],
+        "D": [{"model.dropout_rate": p} for p in (0.0, 0.2)]
+        + [{"train.label_smoothing": e} for e in (0.0, 0.2)],
+        "E": [{"model.positional": "learned"}],
+    }
 
 
-def _layers(n: int) -> dict:
-    return {"model.num_encoder_layers": n, "model.num_decoder_layers": n}
-
-
-ROWS: dict[str, list[dict]] = {
-    "A": [{"model.num_heads": h} for h in (1, 4, 16, 32)],
-    "B": [
-        {"model.head_dim": d_k, "model.value_head_dim": D_MODEL // NUM_HEADS} for d_k in (16, 32)
-    ],
-    "C": [_layers(n) for n in (2, 4, 8)]
-    + [{"model.d_model": _scale(d)} for d in (256, 1024)]
-    + [{"model.d_ff": _scale(f)} for f in (1024, 4096)],
-    "D": [{"model.dropout_rate": p} for p in (0.0, 0.2)]
-    + [{"train.label_smoothing": e} for e in (0.0, 0.2)],
-    "E": [{"model.positional": "learned"}],
-}
+ROWS: dict[str, list[dict]] = rows()
 
 
 def sweep() -> list[dict]:

@@ -57,6 +57,28 @@ def test_table3_keys_exist_in_its_base_config(tmp_path, monkeypatch):
         assert cfg.head_dim < cfg.value_head_dim
 
 
+def test_table3_cpu_scales_the_rows_to_its_base_and_base_is_under_every_point(
+    tmp_path, monkeypatch
+):
+    monkeypatch.chdir(ROOT)
+    small = sweep.load_sweep(ROOT / "experiments" / "table3_cpu.py")
+    assert small.base["model.d_model"] == 128 and small.base["train.num_steps"] == 600
+    assert small.points[0] == {} and {"model.num_heads": 4} not in small.points  # = the base
+    assert small.points[1:3] == [  # row B first: d_k = d_v / 4, d_v / 2 at the base's d_v 32
+        {"model.head_dim": 8, "model.value_head_dim": 32},
+        {"model.head_dim": 16, "model.value_head_dim": 32},
+    ]
+    assert {"model.d_model": 64} in small.points and {"model.d_ff": 1024} in small.points
+    points = sweep.expand(small, tmp_path)
+    assert points[0].name == "baseline" and points[0].overrides == small.base
+    d64 = next(p for p in points if p.name == "model.d_model=64")
+    assert d64.overrides["model.d_model"] == 64 and d64.overrides["model.d_ff"] == 512  # own wins
+    bad = tmp_path / "bad.py"
+    bad.write_text("CONFIG = 'configs/default.py'\nBASE = [1]\ndef sweep():\n    return [{}]\n")
+    with pytest.raises(ValueError, match="BASE is a dict"):
+        sweep.load_sweep(bad)
+
+
 def test_unknown_key_is_an_error_naming_it_and_the_point(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     bad = sweep.Sweep("bad", DEBUG, [{"model.dropout_rate": 0.0}, {"model.num_hedas": 2}])

@@ -6,7 +6,8 @@
 
 A sweep file defines `sweep() -> list[dict]` of dotted config overrides, `CONFIG =
 "configs/<file>.py:<arg>"` (the base config) and optionally `NAME` (the default root is
-runs/sweeps/NAME, else the file's stem). Every override key of every point is checked
+runs/sweeps/NAME, else the file's stem) and `BASE` (overrides under every point: a smaller
+base model, fewer steps; a point's own overrides win, and only they name it). Every override key of every point is checked
 against the base config before anything runs: a typo is an error naming the key and point.
 
 Point i runs as its own process, `python -m tx_jax.main --config=... --workdir=ROOT/<i>_<slug>
@@ -81,6 +82,7 @@ class Sweep:
     name: str
     config: str  # 'configs/x.py:arg', the base config
     points: list[dict[str, Any]]  # dotted overrides, one dict per point
+    base: dict[str, Any] = dataclasses.field(default_factory=dict)  # under every point
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,14 +94,17 @@ class Point:
 
 
 def load_sweep(path: str | os.PathLike) -> Sweep:
-    """An experiments/*.py file -> Sweep (its NAME, CONFIG and sweep())."""
+    """An experiments/*.py file -> Sweep (its NAME, CONFIG, BASE and sweep())."""
     path = pathlib.Path(path)
     module = load_module(path, f"tx_jax_sweep_{path.stem}")
     for attr in ("CONFIG", "sweep"):
         if not hasattr(module, attr):
             raise ValueError(f"{path}: a sweep file defines {attr}")
     points = [dict(p) for p in module.sweep()]
-    return Sweep(getattr(module, "NAME", path.stem), module.CONFIG, points)
+    base = getattr(module, "BASE", {})
+    if not isinstance(base, Mapping):
+        raise ValueError(f"{path}: BASE is a dict of dotted overrides, not {type(base).__name__}")
+    return Sweep(getattr(module, "NAME", path.stem), module.CONFIG, points, dict(base))
 
 
 def point_name(overrides: Mapping[str, Any]) -> str:
@@ -119,7 +124,7 @@ def expand(
     points = []
     for i, overrides in enumerate(sweep.points):
         name = point_name(overrides)
-        full = {**overrides, **(extra or {})}
+        full = {**sweep.base, **overrides, **(extra or {})}
         try:
             apply_overrides(copy.deepcopy(base), full)
         except (KeyError, TypeError, ValueError) as e:
