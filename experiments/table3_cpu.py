@@ -40,3 +40,57 @@ def sweep() -> list[dict]:
     rows = table3.rows(D_MODEL, NUM_HEADS)
     points = [p for row in ORDER for p in rows[row]]
     return [{}] + [p for p in points if p != {"model.num_heads": NUM_HEADS}]
+
+
+# The paper's Table 3 (newstest2013, EN-DE; perplexity per word piece, BLEU), by point.
+PAPER = {
+    "baseline": ("base: N 6, d_model 512, d_ff 2048, h 8, d_k = d_v 64", 4.92, 25.8),
+    "model.head_dim=8,model.value_head_dim=32": ("B: d_k 16", 5.16, 25.1),
+    "model.head_dim=16,model.value_head_dim=32": ("B: d_k 32", 5.01, 25.4),
+    "model.num_heads=1": ("A: h 1, d_k = d_v 512", 5.29, 24.9),
+    "model.num_heads=16": ("A: h 16, d_k = d_v 32", 4.91, 25.8),
+    "model.num_heads=32": ("A: h 32, d_k = d_v 16", 5.01, 25.4),
+    "model.dropout_rate=0.0": ("D: P_drop 0.0", 5.77, 24.6),
+    "model.dropout_rate=0.2": ("D: P_drop 0.2", 4.95, 25.5),
+    "train.label_smoothing=0.0": ("D: eps_ls 0.0", 4.67, 25.3),
+    "train.label_smoothing=0.2": ("D: eps_ls 0.2", 5.47, 25.7),
+    "model.positional=learned": ("E: learned positions", 4.92, 25.7),
+    "model.num_encoder_layers=2,model.num_decoder_layers=2": ("C: N 2", 6.11, 23.7),
+    "model.num_encoder_layers=4,model.num_decoder_layers=4": ("C: N 4", 5.19, 25.3),
+    "model.num_encoder_layers=8,model.num_decoder_layers=8": ("C: N 8", 4.88, 25.5),
+    "model.d_model=64": ("C: d_model 256", 5.75, 24.5),
+    "model.d_model=256": ("C: d_model 1024", 4.66, 26.0),
+    "model.d_ff=256": ("C: d_ff 1024", 5.12, 25.4),
+    "model.d_ff=1024": ("C: d_ff 4096", 4.75, 26.2),
+}
+
+
+def table(root: str) -> str:
+    """The README's table from a finished (or partly finished) sweep under `root`."""
+    import json
+    import pathlib
+
+    from tx_jax.experiment import sweep as sweep_lib
+
+    points = sweep_lib.expand(sweep_lib.load_sweep(__file__), root)
+    lines = [
+        "| point (here) | paper's row | paper PPL | paper BLEU | here: val PPL | here: val BLEU |",
+        "|---|---|---|---|---|---|",
+    ]
+    for p in points:
+        row, ppl, bleu = PAPER[p.name]
+        metrics = p.workdir / "metrics.jsonl"
+        done = (p.workdir / sweep_lib.DONE_FILE).exists() and metrics.exists()
+        here = "not run | not run"
+        if done:
+            records = [json.loads(x) for x in pathlib.Path(metrics).read_text().splitlines()]
+            last = [r for r in records if r["split"] == "validation"][-1]
+            here = f"{last['perplexity']:.2f} | {last['bleu']:.2f}"
+        lines.append(f"| {p.name} | {row} | {ppl} | {bleu} | {here} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(table(sys.argv[1] if len(sys.argv) > 1 else "runs/sweeps/table3_cpu"))

@@ -170,3 +170,19 @@ def test_launch_sh_sweep_dry_run(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "--config.model.dropout_rate=0.1" in out.stdout
     assert not list(pathlib.Path(tmp_path).iterdir())
+
+
+def test_table3_cpu_table_names_every_point_and_marks_what_did_not_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    module = load_module(ROOT / "experiments" / "table3_cpu.py", "table3_cpu_table")
+    names = [sweep.point_name(p) for p in module.sweep()]
+    assert set(names) == set(module.PAPER)
+    done = tmp_path / "00_baseline"  # one finished point, the rest never ran
+    done.mkdir()
+    (done / sweep.DONE_FILE).write_text("{}")
+    record = {"step": 600, "split": "validation", "perplexity": 27.2, "bleu": 10.03}
+    (done / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    lines = module.table(str(tmp_path)).splitlines()
+    assert lines[2].startswith("| baseline | base: N 6,")
+    assert lines[2].endswith("| 4.92 | 25.8 | 27.20 | 10.03 |")
+    assert sum("not run | not run" in line for line in lines) == len(names) - 1
