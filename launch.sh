@@ -29,7 +29,9 @@ ensure_venv() {
   fi
   local want have="" have_extras="" missing=""
   want=$(cat setup.cfg pyproject.toml | sha256sum | cut -d' ' -f1)
-  read -r have have_extras < "$VENV/.tx_jax-installed" 2>/dev/null || true
+  if [ -f "$VENV/.tx_jax-installed" ]; then
+    read -r have have_extras < "$VENV/.tx_jax-installed" || true
+  fi
   [ "$want" = "$have" ] || have_extras=""
   for e in ${extras//,/ }; do
     [[ ",$have_extras," == *",$e,"* ]] || missing=1
