@@ -7,8 +7,9 @@
 A sweep file defines `sweep() -> list[dict]` of dotted config overrides, `CONFIG =
 "configs/<file>.py:<arg>"` (the base config) and optionally `NAME` (the default root is
 runs/sweeps/NAME, else the file's stem) and `BASE` (overrides under every point: a smaller
-base model, fewer steps; a point's own overrides win, and only they name it). Every override key of every point is checked
-against the base config before anything runs: a typo is an error naming the key and point.
+base model, fewer steps; a point's own overrides win, and only they name it). Every override
+key of every point is checked against the base config before anything runs: a typo is an
+error naming the key and point.
 
 Point i runs as its own process, `python -m tx_jax.main --config=... --workdir=ROOT/<i>_<slug>
 --config.k=v ...`, N at a time (--parallel); its stdout/stderr go to WORKDIR/sweep.log and
