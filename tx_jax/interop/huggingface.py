@@ -118,15 +118,17 @@ def model_config(loaded: restore.Loaded) -> dict[str, Any]:
 def generation_config(loaded: restore.Loaded, beam_size: int, alpha: float) -> dict[str, Any]:
     """The run's test-time search. Transformers divides a beam's log-probability by
     length^alpha (tx_jax's 'fairseq' penalty), not GNMT's ((5 + length) / 6)^alpha."""
-    return {
+    out = {
         "decoder_start_token_id": loaded.model_config.bos_id,
         "eos_token_id": EOS_ID,
         "pad_token_id": PAD_ID,
         "num_beams": beam_size,
-        "length_penalty": alpha,
         "max_length": max_decode_len(loaded) + 1,  # + the decoder's start token
         "suppress_tokens": [PAD_ID],  # tx_jax's search never emits padding
     }
+    if beam_size > 1:  # transformers warns about a length penalty without beams
+        out["length_penalty"] = alpha
+    return out
 
 
 def write_tokenizer(loaded: restore.Loaded, out: epath.Path) -> None:
