@@ -13,7 +13,12 @@ rerunning the command resumes it. At this size the runs are far from converged: 
 ranks how fast each variant learns in 600 steps, not where it ends.
 """
 
+import json
+import pathlib
+import sys
+
 from tx_jax.config import sibling_module
+from tx_jax.experiment import sweep as sweep_lib
 
 table3 = sibling_module(__file__, "table3")
 
@@ -67,11 +72,6 @@ PAPER = {
 
 def table(root: str) -> str:
     """The README's table from a finished (or partly finished) sweep under `root`."""
-    import json
-    import pathlib
-
-    from tx_jax.experiment import sweep as sweep_lib
-
     points = sweep_lib.expand(sweep_lib.load_sweep(__file__), root)
     lines = [
         "| point (here) | paper's row | paper PPL | paper BLEU | here: val PPL | here: val BLEU |",
@@ -91,6 +91,4 @@ def table(root: str) -> str:
 
 
 if __name__ == "__main__":
-    import sys
-
     print(table(sys.argv[1] if len(sys.argv) > 1 else "runs/sweeps/table3_cpu"))

@@ -350,8 +350,7 @@ def test_translation_sampling_at_temperature_zero_is_greedy(translation):
 
 def test_decoding_loops_carry_the_cross_attention_cache_unchanged(translation):
     """The cross-attention keys/values are projected when the cache is made, so neither loop
-    holds a conditional (whose outputs XLA copies every step: 4 [B, S, H, D] copies per step
-    in the greedy loop before)."""
+    holds a conditional (XLA:CPU copies a conditional's outputs every step)."""
     cfg, params = translation
     for lowered in (
         decoding.translate_greedy.lower(cfg, params, SRC, eos_id=EOS),

@@ -67,12 +67,11 @@ def _layers(specs, layers: list[weights_lib.Layer]) -> None:
 
 def build_spec(loaded: restore.Loaded):
     """The checkpoint as a ctranslate2.specs.TransformerSpec, vocabulary registered."""
-    ct2 = _import_ct2()
+    _import_ct2()  # a clear message when the extra is missing
     from ctranslate2.specs import common_spec, transformer_spec
 
     cfg = loaded.model_config
-    weights_lib.check_exportable(cfg, loaded.task)
-    w = weights_lib.extract(loaded.params, cfg)
+    w = weights_lib.extract(loaded.params, cfg, loaded.task)
     activation = {"relu": common_spec.Activation.RELU, "gelu": common_spec.Activation.GELUTanh}
     spec = transformer_spec.TransformerSpec.from_config(
         (cfg.num_encoder_layers, cfg.num_decoder_layers),
@@ -98,7 +97,6 @@ def build_spec(loaded: restore.Loaded):
     spec.config.eos_token = pieces[EOS_ID]
     spec.config.decoder_start_token = pieces[cfg.bos_id]
     spec.config.add_source_eos = True
-    del ct2
     return spec
 
 

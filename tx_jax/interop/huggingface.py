@@ -33,7 +33,8 @@ from etils import epath
 
 from tx_jax.data.tokenizer import EOS_ID, PAD_ID, UNK_ID
 from tx_jax.inference import restore
-from tx_jax.inference.decoding import EXTRA_DECODE_LEN
+from tx_jax.inference.decoding import decode_length
+from tx_jax.inference.translation import max_source_len
 from tx_jax.interop import weights as weights_lib
 from tx_jax.model.config import ModelConfig
 
@@ -78,8 +79,8 @@ def state_dict(w: weights_lib.Weights, cfg: ModelConfig) -> dict[str, np.ndarray
 
 
 def max_decode_len(loaded: restore.Loaded) -> int:
-    """tx_jax's output limit for its padded eval sources: max_eval_len + 50 tokens."""
-    return loaded.config.data.max_eval_len + EXTRA_DECODE_LEN
+    """tx_jax's output limit for sources padded as `translate` pads them (length + 50)."""
+    return decode_length(max_source_len(loaded), config=loaded.model_config)
 
 
 def model_config(loaded: restore.Loaded) -> dict[str, Any]:
@@ -172,15 +173,13 @@ def export(
         from safetensors.numpy import save_file
     except ImportError as e:
         raise ImportError("exporting needs safetensors: pip install -e '.[export]'") from e
-    weights_lib.check_exportable(loaded.model_config, loaded.task)
+    cfg = loaded.model_config
+    tensors = state_dict(weights_lib.extract(loaded.params, cfg, loaded.task), cfg)
     ev = loaded.config.eval
     beam_size = beam_size or ev.get("test_beam_size") or ev.beam_size
     alpha = ev.alpha if alpha is None else alpha
     out = epath.Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = state_dict(
-        weights_lib.extract(loaded.params, loaded.model_config), loaded.model_config
-    )
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(model_config(loaded), indent=2))
     (out / "generation_config.json").write_text(

@@ -94,38 +94,38 @@ def _f32(x: Any) -> np.ndarray:
     return np.array(x, np.float32)  # a writable copy: CTranslate2 quantizes in place
 
 
-def _attention(p: dict, d_model: int) -> dict[str, Linear]:
+def _bias(p: dict, name: str, size: int) -> np.ndarray:
+    """The [size] bias `name`, or zeros where tx_jax has none (the same function)."""
+    bias = p.get(name)
+    return np.zeros(size, np.float32) if bias is None else _f32(bias).reshape(-1)
+
+
+def _attention(p: dict) -> dict[str, Linear]:
     out = {}
     for short, name in (("q", "query"), ("k", "key"), ("v", "value")):
         kernel = _f32(p[f"{name}_kernel"])  # [M, H, D]
         weight = kernel.reshape(kernel.shape[0], -1).T  # [H*D, M]: heads outermost, as torch
-        bias = p.get(f"{name}_bias")
-        out[short] = (
-            weight,
-            np.zeros(weight.shape[0], np.float32) if bias is None else _f32(bias).reshape(-1),
-        )
+        out[short] = (weight, _bias(p, f"{name}_bias", weight.shape[0]))
     kernel = _f32(p["out_kernel"])  # [H, D, M]
     weight = kernel.reshape(-1, kernel.shape[-1]).T  # [M, H*D]
-    bias = p.get("out_bias")
-    out["o"] = (weight, np.zeros(d_model, np.float32) if bias is None else _f32(bias))
+    out["o"] = (weight, _bias(p, "out_bias", weight.shape[0]))
     return out
 
 
 def _linear(p: dict, name: str) -> Linear:
     weight = _f32(p[f"{name}_kernel"]).T  # [in, out] -> [out, in]
-    bias = p.get(f"{name}_bias")
-    return weight, np.zeros(weight.shape[0], np.float32) if bias is None else _f32(bias)
+    return weight, _bias(p, f"{name}_bias", weight.shape[0])
 
 
 def _norm(p: dict) -> Norm:
     return _f32(p["scale"]), _f32(p["bias"])
 
 
-def _layer(p: dict, d_model: int, cross: bool) -> Layer:
+def _layer(p: dict, cross: bool) -> Layer:
     return Layer(
-        self_attention=_attention(p["self_attention"], d_model),
+        self_attention=_attention(p["self_attention"]),
         self_attention_norm=_norm(p["self_attention_norm"]),
-        cross=_attention(p["cross_attention"], d_model) if cross else None,
+        cross=_attention(p["cross_attention"]) if cross else None,
         cross_norm=_norm(p["cross_attention_norm"]) if cross else None,
         fc1=_linear(p["ffn"], "wi"),
         fc2=_linear(p["ffn"], "wo"),
@@ -133,20 +133,15 @@ def _layer(p: dict, d_model: int, cross: bool) -> Layer:
     )
 
 
-def extract(params: Any, cfg: ModelConfig) -> Weights:
-    """An EncoderDecoder's parameters (boxed or not, any device) -> Weights (float32)."""
-    check_exportable(cfg)
+def extract(params: Any, cfg: ModelConfig, task: str = "translation") -> Weights:
+    """An EncoderDecoder's parameters (boxed or not, any device) -> Weights (float32);
+    ExportError first if the model cannot be exported exactly."""
+    check_exportable(cfg, task)
     p = nn.meta.unbox(params)
     return Weights(
         embedding=_f32(p["source_embed"]["embedding"]),
-        encoder=[
-            _layer(p["encoder"][f"layer_{i}"], cfg.d_model, False)
-            for i in range(cfg.num_encoder_layers)
-        ],
-        decoder=[
-            _layer(p["decoder"][f"layer_{i}"], cfg.d_model, True)
-            for i in range(cfg.num_decoder_layers)
-        ],
+        encoder=[_layer(p["encoder"][f"layer_{i}"], False) for i in range(cfg.num_encoder_layers)],
+        decoder=[_layer(p["decoder"][f"layer_{i}"], True) for i in range(cfg.num_decoder_layers)],
     )
 
 
