@@ -30,6 +30,7 @@ from jax import lax
 
 from tx_jax.model.flash import flash_attention, to_kg
 from tx_jax.model.masks import dense_mask
+from tx_jax.ops import backend
 from tx_jax.ops.kernels import dropout
 
 Array = jax.Array
@@ -140,7 +141,7 @@ def _choose(impl: str, query: Array, key: Array, value: Array, dropout: bool, we
     if weights:
         return "xla"
     cudnn_ok = (
-        jax.default_backend() == "gpu"
+        backend.current() == "gpu"
         and query.dtype in (jnp.bfloat16, jnp.float16)
         and not dropout
         and value.shape[-1] == key.shape[-1]  # jax.nn.dot_product_attention: same shapes

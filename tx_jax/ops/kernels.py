@@ -5,9 +5,9 @@
     'generic'  plain einsums differentiated by autodiff, and dropout masks from
                jax.random.bernoulli: what XLA:GPU and XLA:TPU fuse best (the barriers of the
                CPU kernels block fusions there and copy activations for nothing).
-    'auto'     'cpu' when jax.default_backend() == 'cpu' at trace time, else 'generic'. A step
-               traced on a CPU host for another platform (jax.export, cross-lowering) should
-               name 'generic' explicitly, since the host's default backend decides 'auto'.
+    'auto'     'cpu' when ops.backend.current() == 'cpu' at trace time, else 'generic'. A step
+               traced on a CPU host for another platform names it with
+               `ops.backend.target(...)` (tx_jax.planning does) or sets 'generic' explicitly.
 
 Both give the same loss and gradients up to float rounding (tests/test_kernels.py), but not
 the same dropout masks: the CPU masks draw four 16-bit numbers per Threefry block, the generic
@@ -34,6 +34,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from tx_jax.ops import backend
 from tx_jax.ops import dropout as cpu_dropout
 from tx_jax.ops import matmul as cpu_matmul
 
@@ -46,7 +47,7 @@ def resolve(kernels: str) -> str:
     if kernels not in KERNELS:
         raise ValueError(f"model.kernels={kernels!r}; expected one of {KERNELS}")
     if kernels == "auto":
-        return "cpu" if jax.default_backend() == "cpu" else "generic"
+        return "cpu" if backend.current() == "cpu" else "generic"
     return kernels
 
 

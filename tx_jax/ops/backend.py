@@ -1,0 +1,39 @@
+"""The platform that 'auto' choices are made for: the host's default backend, or the target
+a step is being compiled for.
+
+    backend.current()                 'cpu' | 'gpu' | 'tpu': what 'auto' kernels and attention pick for
+    with backend.target('tpu'): ...   trace for a TPU from any host (tx_jax.planning compiles for
+                                      a TPU slice on a CPU host; 'auto' must pick the TPU's kernels)
+
+Only the *choice* reads this; the model code reads the same on every platform.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import jax
+
+PLATFORMS = ("cpu", "gpu", "tpu")
+_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("tx_jax_target", default=None)
+
+
+def current() -> str:
+    """The target set by `target(...)`, else jax.default_backend() ('cuda'/'rocm' -> 'gpu')."""
+    platform = _TARGET.get() or jax.default_backend()
+    return "gpu" if platform in ("cuda", "rocm") else platform
+
+
+@contextlib.contextmanager
+def target(platform: str):
+    """Make 'auto' choices for `platform` ('cpu', 'gpu', 'tpu'; 'cuda' means 'gpu') while
+    tracing inside this block."""
+    platform = "gpu" if platform in ("cuda", "rocm") else platform
+    if platform not in PLATFORMS:
+        raise ValueError(f"platform {platform!r}; expected one of {PLATFORMS}")
+    token = _TARGET.set(platform)
+    try:
+        yield platform
+    finally:
+        _TARGET.reset(token)
