@@ -1,7 +1,7 @@
 """The platform that 'auto' choices are made for: the host's default backend, or the target
 a step is being compiled for.
 
-    backend.current()                 'cpu' | 'gpu' | 'tpu': what 'auto' kernels and attention pick for
+    backend.current()                 'cpu' | 'gpu' | 'tpu': what 'auto' picks for
     with backend.target('tpu'): ...   trace for a TPU from any host (tx_jax.planning compiles for
                                       a TPU slice on a CPU host; 'auto' must pick the TPU's kernels)
 
