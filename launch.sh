@@ -17,7 +17,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")"
 VENV=.venv
 
 ensure_venv() {
-  # $1: the extras this command needs (test needs test,export); a venv that already has
+  # $1: the extras this command needs (test needs test,export,plan); a venv that already has
   # them for this setup.cfg is used as it is.
   local extras="${1:-}" py="${PYTHON:-python3}"
   if [ ! -x "$VENV/bin/python" ]; then
@@ -45,17 +45,27 @@ ensure_venv() {
   fi
 }
 
+cpu_host_platforms() {
+  # libtpu (the plan extra, installed by `test`) looks for TPU chips whenever JAX starts and
+  # prints errors where there are none: on a host without TPU chips, name the platforms.
+  [ -z "${JAX_PLATFORMS:-}" ] || return 0
+  compgen -G '/dev/accel*' >/dev/null || compgen -G '/dev/vfio/[0-9]*' >/dev/null && return 0
+  [ -d "$VENV/lib" ] && compgen -G "$VENV/lib/python3*/site-packages/libtpu" >/dev/null || return 0
+  if [ -e /dev/nvidiactl ]; then export JAX_PLATFORMS=cuda,cpu; else export JAX_PLATFORMS=cpu; fi
+}
+
 cmd="${1:-help}"
 [ $# -gt 0 ] && shift
 case "$cmd" in
   test)
-    ensure_venv test,export
+    ensure_venv test,export,plan
     "$VENV/bin/ruff" check .
     "$VENV/bin/ruff" format --check .
     "$VENV/bin/python" -m pytest -n "${TX_JAX_TEST_WORKERS:-2}" "$@"
     ;;
   train)
     ensure_venv
+    cpu_host_platforms
     export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$PWD/.jax_cache}"
     workdir="runs/default"
     if [ $# -gt 0 ] && [[ "$1" != --* ]]; then workdir="$1"; shift; fi
@@ -63,6 +73,7 @@ case "$cmd" in
     ;;
   sweep)
     ensure_venv
+    cpu_host_platforms
     export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$PWD/.jax_cache}"
     exec "$VENV/bin/python" -m tx_jax.sweep "$@"
     ;;

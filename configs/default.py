@@ -42,8 +42,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.share_embeddings = True  # joint vocabulary -> one embedding matrix
     c.model.tie_output = True  # logits = x E^T
     c.model.dtype = "float32"  # compute dtype; 'bfloat16' on accelerators
-    c.model.attention_impl = "auto"  # auto | xla | chunked | cudnn
+    c.model.attention_impl = "auto"  # auto | xla | chunked | cudnn | splash (Pallas, TPU)
     c.model.kernels = "auto"  # auto (XLA:CPU-tuned kernels on CPU only) | cpu | generic
+    c.model.remat = "none"  # none | full (recompute each layer) | dots (keep matmul outputs)
 
     # Data: TFDS dataset, SentencePiece vocabulary, token-budget batches.
     c.data = ml_collections.ConfigDict()

@@ -5,9 +5,11 @@
 #   tpu-create NAME [--zone Z] [--accelerator-type v4-8] [--version tpu-ubuntu2204-base]
 #                   [--project P] [--spot | --queued]
 #   tpu-setup NAME [--zone Z] [--project P]      copy the repo to all workers, make .venv there
-#   tpu-run NAME [--zone Z] [--project P] -- ARGS...
-#                   python -m tx_jax.main ARGS --config.parallel.distributed=True on every
-#                   worker, in the background (nohup; log ~/tx_jax/runs/tpu-run.log)
+#   tpu-run NAME [--zone Z] [--project P] [--accelerator-type T] [--no-plan] -- ARGS...
+#                   first plans the run for the slice here (python -m tx_jax.plan with ARGS'
+#                   --config flags; T defaults to what gcloud says of NAME) and refuses one that
+#                   does not fit; then python -m tx_jax.main ARGS --config.parallel.distributed=True
+#                   on every worker, in the background (nohup; log ~/tx_jax/runs/tpu-run.log)
 #   tpu-logs NAME [--worker N] [--zone Z] [--project P]          follow a worker's log
 #   tpu-delete NAME [--zone Z] [--project P]
 #
@@ -53,8 +55,8 @@ cmd="${1:-}"
 name="$1"
 shift
 
-zone="${TPU_ZONE:-}" project="${TPU_PROJECT:-}" accel="v4-8" version="tpu-ubuntu2204-base"
-spot=0 queued=0 worker=0
+zone="${TPU_ZONE:-}" project="${TPU_PROJECT:-}" accel="" version="tpu-ubuntu2204-base"
+spot=0 queued=0 worker=0 plan=1
 remote_args=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -71,6 +73,7 @@ while [ $# -gt 0 ]; do
     --queued) queued=1 ;;
     --worker) worker="$2"; shift ;;
     --worker=*) worker="${1#*=}" ;;
+    --no-plan|--no_plan) plan=0 ;;
     --) shift; remote_args=("$@"); break ;;
     *) die "$cmd: unknown option '$1'" ;;
   esac
@@ -85,17 +88,50 @@ ssh_all() {  # ssh_all REMOTE_COMMAND: run it on every worker
   run gcloud compute tpus tpu-vm ssh "$name" "${where[@]}" --worker=all --command="$1"
 }
 
+# Cloud's accelerator type -> tx_jax.plan's target (v5e is 'v5litepod' in Cloud's names).
+plan_target() {
+  case "$1" in
+    v5litepod-*) echo "tpu:v5e-${1#v5litepod-}" ;;
+    v4-*|v5p-*|v5e-*|v6e-*) echo "tpu:$1" ;;
+    *) die "tpu-run: cannot plan for accelerator type '$1'; pass --no-plan to skip the plan" ;;
+  esac
+}
+
+# Compile the run for the slice here (tx_jax/planning) and stop if it does not fit.
+plan_run() {
+  local type="$accel" args=() a
+  if [ -z "$type" ]; then
+    if [ "$DRY_RUN" = 1 ]; then
+      type="v4-8"  # what tpu-create makes by default; a real run asks gcloud
+      echo "+ $(quote_words gcloud compute tpus tpu-vm describe "$name" "${where[@]}" \
+        --format='value(acceleratorType)')"
+    else
+      type=$(gcloud compute tpus tpu-vm describe "$name" "${where[@]}" \
+        --format='value(acceleratorType)') || die "tpu-run: cannot read $name's accelerator type"
+    fi
+  fi
+  for a in "${remote_args[@]}"; do
+    case "$a" in --config=*|--config.*) args+=("$a") ;; esac
+  done
+  local target
+  target=$(plan_target "$type")
+  if ! run "${TX_JAX_PYTHON:-.venv/bin/python}" -m tx_jax.plan --target="$target" \
+      --programs=train,eval "${args[@]}"; then
+    die "tpu-run: not started: the plan above says the run does not fit on $type or cannot be built (fix the config, or pass --no-plan)"
+  fi
+}
+
 case "$cmd" in
   tpu-create)
     [ "$spot" = 1 ] && [ "$queued" = 1 ] && die "tpu-create: --spot or --queued, not both"
     if [ "$queued" = 1 ]; then
       run gcloud alpha compute tpus queued-resources create "$name" "${where[@]}" \
-        --node-id="$name" --accelerator-type="$accel" --runtime-version="$version"
+        --node-id="$name" --accelerator-type="${accel:-v4-8}" --runtime-version="$version"
     else
       extra=()
       [ "$spot" = 1 ] && extra+=(--spot)
       run gcloud compute tpus tpu-vm create "$name" "${where[@]}" \
-        --accelerator-type="$accel" --version="$version" "${extra[@]}"
+        --accelerator-type="${accel:-v4-8}" --version="$version" "${extra[@]}"
     fi
     ;;
   tpu-setup)
@@ -111,6 +147,7 @@ case "$cmd" in
     ;;
   tpu-run)
     [ ${#remote_args[@]} -gt 0 ] || die "tpu-run: expected -- ARGS... (e.g. -- --config=...)"
+    [ "$plan" = 1 ] && plan_run
     args="$(quote_words "${remote_args[@]}" --config.parallel.distributed=True)"
     ssh_all "cd $REMOTE_DIR && mkdir -p runs && nohup .venv/bin/python -m tx_jax.main \
 $args > $LOG 2>&1 < /dev/null &"

@@ -1,6 +1,7 @@
 """The package's layers: imports go one way (down, or sideways into data/ and ops/), no cycles.
 
-    config, ops <- data, model <- training <- inference <- analysis, interop <- experiment <- cli
+    config, ops <- data, model <- training <- inference <- analysis, interop <- experiment
+        <- planning <- cli
 
 A module may import its own layer and any layer to its left, never one to its right; only the
 entry points (tx_jax/main.py, evaluate.py, ...) import cli/. The modules are read with `ast`,
@@ -22,10 +23,13 @@ RANK = {
     "inference": 3,
     "analysis": 4, "interop": 4,
     "experiment": 5,
-    "cli": 6,
-    "entry": 7, "api": 7,
+    "planning": 6,
+    "cli": 7,
+    "entry": 8, "api": 8,
 }  # fmt: skip
-ENTRY_POINTS = {"main", "evaluate", "translate", "generate", "visualize", "sweep", "export"}
+ENTRY_POINTS = {
+    "main", "evaluate", "translate", "generate", "visualize", "sweep", "export", "plan"
+}  # fmt: skip
 
 
 def layer_of(module: str) -> str:

@@ -1,9 +1,12 @@
 """launch.sh tpu-*: --dry-run prints the gcloud commands (quoted so that each argument stays
 one word) and runs nothing; gcloud is not needed (PATH holds no gcloud here)."""
 
+import os
 import shlex
 import subprocess
+import sys
 
+import pytest
 from helpers import ROOT
 
 TRICKY = "--workdir=gs://b/run 1"
@@ -68,7 +71,7 @@ def test_setup_copies_to_all_workers_and_installs_jax_tpu():
 def test_run_quotes_user_arguments_as_one_word():
     big = "--config=configs/wmt14_ende.py:variant=big"
     (line,) = dry_run(
-        "tpu-run", "tx1", "--dry-run", "--", big, TRICKY, "--config.train.num_steps=10"
+        "tpu-run", "tx1", "--dry-run", "--no-plan", "--", big, TRICKY, "--config.train.num_steps=10"
     )
     assert line.startswith("+ gcloud compute tpus tpu-vm ssh tx1 --worker=all '--command=")
     assert r"'\''--workdir=gs://b/run 1'\''" in line  # exact, quoted inside the --command
@@ -86,7 +89,7 @@ def test_run_quotes_user_arguments_as_one_word():
 
 
 def test_quotes_dollar_and_single_quote():
-    (line,) = dry_run("tpu-run", "tx1", "--dry-run", "--", "--x=it's $HOME")
+    (line,) = dry_run("tpu-run", "tx1", "--dry-run", "--no-plan", "--", "--x=it's $HOME")
     remote = shlex.split(shlex.split(line[2:])[-1].removeprefix("--command="))
     assert "--x=it's $HOME" in remote
 
@@ -110,3 +113,36 @@ def test_bad_usage_fails_without_gcloud():
         timeout=60,
     )
     assert proc.returncode == 2 and "expected -- ARGS" in proc.stderr
+
+
+def test_run_plans_the_slice_first():
+    big = "--config=configs/wmt14_ende.py:variant=big"
+    args = ("--", big, TRICKY, "--config.train.num_steps=10")
+    plan, ssh = dry_run("tpu-run", "tx1", "--dry-run", "--accelerator-type=v5litepod-16", *args)
+    assert plan == (
+        "+ .venv/bin/python -m tx_jax.plan --target=tpu:v5e-16 --programs=train,eval "
+        f"{big} --config.train.num_steps=10"
+    )  # the config flags only, in order; the workdir is not the plan's
+    assert ssh.startswith("+ gcloud compute tpus tpu-vm ssh tx1 --worker=all")
+    # no type given: gcloud is asked what the TPU is (the dry run plans tpu-create's v4-8)
+    describe, plan, _ = dry_run("tpu-run", "tx1", "--zone=z", "--dry-run", *args)
+    assert describe == (
+        "+ gcloud compute tpus tpu-vm describe tx1 --zone=z '--format=value(acceleratorType)'"
+    )
+    assert "--target=tpu:v4-8" in plan
+
+
+def test_run_refuses_a_run_that_does_not_fit():
+    """The plan really runs (the TPU compiler, this host's CPU): a batch no v5e chip holds is
+    refused before anything reaches gcloud (which is not installed here)."""
+    pytest.importorskip("libtpu", reason="the TPU compiler (pip install -e '.[plan]')")
+    proc = subprocess.run(
+        ["./launch.sh", "tpu-run", "tx1", "--accelerator-type=v5litepod-4", "--",
+         "--config=configs/default.py:debug", "--config.data.tokens_per_batch=268435456",
+         "--workdir=gs://b/run"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "TX_JAX_PYTHON": sys.executable},
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "DOES NOT FIT" in proc.stdout
+    assert "tpu-run: not started" in proc.stderr and "gcloud" not in proc.stderr

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from tx_jax.data.batching import Batch, bucket_batch_sizes
-from tx_jax.data.pipeline import TrainIterator, TrainOptions
+from tx_jax.data.pipeline import TrainIterator, TrainOptions, batch_shapes
 
 Span = tuple[Fraction, Fraction]
 KEY = "data.input_shards"
@@ -68,6 +68,13 @@ def shard_options(options: TrainOptions, shard: int, input_shards: int) -> Train
             "process_count": input_shards,
         }
     )
+
+
+def global_batch_shapes(options: TrainOptions, input_shards: int) -> tuple[tuple[int, int], ...]:
+    """Every (B, L) of the global batch: each shard's rows times the number of shards."""
+    check_shape_rule(input_shards, options.packing, options.bucket_boundaries)
+    shard = shard_options(options, 0, input_shards)
+    return tuple((b * input_shards, n) for b, n in batch_shapes(shard))
 
 
 def check_shape_rule(input_shards: int, packing: bool, boundaries: Sequence[int] | None) -> None:

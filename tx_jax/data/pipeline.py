@@ -406,6 +406,22 @@ def shard_records(
     return records
 
 
+def batch_shapes(options: TrainOptions) -> tuple[tuple[int, int], ...]:
+    """Every (B, L) a train batch of `options` can have, smallest L first (module docstring)."""
+    o = options
+    boundaries = [o.max_len] if o.packing else check_boundaries(o.bucket_boundaries, o.max_len)
+    sizes = bucket_batch_sizes(boundaries, o.tokens_per_batch, o.batch_multiple)
+    return tuple(zip(sizes, boundaries))
+
+
+def batch_keys(keys: Sequence[str], packing: bool) -> tuple[str, ...]:
+    """The arrays of a train batch over feature `keys`: with packing also each key's
+    segmentation and position (module docstring)."""
+    if not packing:
+        return tuple(keys)
+    return tuple(f"{k}{suffix}" for k in keys for suffix in ("", "_segmentation", "_position"))
+
+
 def batch_iterator(
     kept: grain.IterDataset,
     keys: tuple[str, ...],
@@ -435,8 +451,8 @@ def batch_iterator(
     """
     pi, pc = shard
     o = options
-    boundaries = [o.max_len] if o.packing else check_boundaries(o.bucket_boundaries, o.max_len)
-    sizes = bucket_batch_sizes(boundaries, o.tokens_per_batch, o.batch_multiple)
+    shapes = batch_shapes(o)
+    boundaries, sizes = [n for _, n in shapes], [b for b, _ in shapes]
     if pc > 1 and len(boundaries) > 1:
         logging.warning("Length buckets differ across %d processes; see pipeline.py.", pc)
     spec = BatchSpec(keys, tuple(boundaries), tuple(sizes), o.packing)
@@ -452,7 +468,6 @@ def batch_iterator(
     }
     for k in _NOT_IN_FINGERPRINT:
         fingerprint.pop(k)
-    shapes = tuple(zip(sizes, boundaries))
     fingerprint["batch_shapes"] = [list(x) for x in shapes]
     return TrainIterator(
         ds,

@@ -131,6 +131,16 @@ def train_options(data: Any, *, seed: int, batch_multiple: int) -> pipeline.Trai
     )
 
 
+def train_batch_shapes(data: Any, *, batch_multiple: int, lm: bool) -> list[dict[str, tuple]]:
+    """The global train batches of config.data without reading any data: one {array name:
+    (B, L)} per bucket, as the train iterator would make them (rows a multiple of
+    `batch_multiple`: devices x grad_accum_steps)."""
+    options = train_options(data, seed=0, batch_multiple=batch_multiple)
+    shapes = input_shards.global_batch_shapes(options, int(data.get("input_shards", 1)))
+    keys = pipeline.batch_keys(("targets",) if lm else ("inputs", "targets"), data.packing)
+    return [dict.fromkeys(keys, shape) for shape in shapes]
+
+
 def sharded_train_iterator(
     data: Any,
     seed: int,

@@ -21,12 +21,11 @@ import numpy as np
 from tx_jax.experiment import console
 from tx_jax.experiment.evaluator import Evaluator
 from tx_jax.experiment.profiling import StepProfiler, profile_window
-from tx_jax.experiment.setup import Run, build_run, restore_or_init
+from tx_jax.experiment.setup import Run, build_run, restore_or_init, train_step_fn
 from tx_jax.experiment.signals import StopSignal
 from tx_jax.inference import averaging, restore
 from tx_jax.training import checkpoint as ckpt_lib
 from tx_jax.training import logs, parallel
-from tx_jax.training.step import train_step
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
@@ -120,15 +119,7 @@ def _open_checkpointer(run: Run) -> ckpt_lib.Checkpointer:
 def _compile_train_step(run: Run, shardings):
     """`train_step` for this run's model and optimizer, compiled for its devices; it donates
     the state it is given."""
-    cfg = run.config.train
-    step_fn = functools.partial(
-        train_step,
-        model=run.model,
-        tx=run.tx,
-        schedule=run.schedule,
-        label_smoothing=cfg.label_smoothing,
-        grad_accum_steps=cfg.grad_accum_steps,
-    )
+    step_fn = train_step_fn(run.config, run.model, run.tx, run.schedule)
     return run.strategy.compile_step(step_fn, donate=True, state_shardings=shardings)
 
 

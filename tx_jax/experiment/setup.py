@@ -24,6 +24,7 @@ from tx_jax.model import ModelConfig, make_model
 from tx_jax.training import checkpoint as ckpt_lib
 from tx_jax.training import optim, parallel
 from tx_jax.training.state import TrainState, init_state
+from tx_jax.training.step import train_step
 
 
 @dataclasses.dataclass
@@ -56,15 +57,38 @@ def build_run(config: ml_collections.ConfigDict, workdir: str | epath.Path) -> R
     if directions.is_multilingual(config.data):
         prepare = directions.prepare_multilingual_task
     source = _init_source(config, workdir)
-    tokenizer = source.tokenizer if source is not None else None
-    task = prepare(config.data, workdir, seed=config.seed, tokenizer=tokenizer)
-    model_config = ModelConfig.from_config(
-        config.model, vocab_size=task.tokenizer.vocab_size, bos_id=task.tokenizer.bos_id
-    )
+    task = prepare(config.data, workdir, seed=config.seed, tokenizer=task_tokenizer(source))
+    parts = build_model(config, task.tokenizer.vocab_size, task.tokenizer.bos_id)
+    return Run(config, workdir, strategy, task, *parts, source)
+
+
+def task_tokenizer(source):
+    """train.init_from's tokenizer, or None (the task trains or loads its own)."""
+    return source.tokenizer if source is not None else None
+
+
+def build_model(config: ml_collections.ConfigDict, vocab_size: int, bos_id: int):
+    """(model_config, model, tx, schedule, init_fn) of `config` for a vocabulary: what a run
+    trains, also built without data by tx_jax.planning (vocabulary from data.vocab_size)."""
+    model_config = ModelConfig.from_config(config.model, vocab_size=vocab_size, bos_id=bos_id)
     model = make_model(model_config, task_of(config))
     tx, schedule = optim.make_optimizer(config.train, model_config.d_model)
     init_fn = functools.partial(init_state, model, tx, config.seed)
-    return Run(config, workdir, strategy, task, model_config, model, tx, schedule, init_fn, source)
+    return model_config, model, tx, schedule, init_fn
+
+
+def train_step_fn(config: ml_collections.ConfigDict, model: nn.Module, tx, schedule) -> Callable:
+    """`train_step` bound to this run's model, optimizer and train settings: what the loop
+    compiles (donating the state) and what tx_jax.planning compiles for a target."""
+    cfg = config.train
+    return functools.partial(
+        train_step,
+        model=model,
+        tx=tx,
+        schedule=schedule,
+        label_smoothing=cfg.label_smoothing,
+        grad_accum_steps=cfg.grad_accum_steps,
+    )
 
 
 def _init_source(config: ml_collections.ConfigDict, workdir: epath.Path):

@@ -17,13 +17,18 @@ implementation never materialises an L x S array:
     segment ids:     q_segment_ids [B, L], kv_segment_ids [B, S], int; 0 marks padding.
                      A query attends to a key of the same non-zero segment (packing, padding).
 A query row that may attend to nothing returns zeros, never NaN.
+
+The 'splash' implementation is JAX's Pallas TPU kernel (splash attention: block-sparse flash
+attention); it takes the structured masks only, and pads L and S to multiples of its block.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Literal
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -34,9 +39,13 @@ from tx_jax.ops import backend
 from tx_jax.ops.kernels import dropout
 
 Array = jax.Array
-Implementation = Literal["auto", "xla", "chunked", "cudnn"]
-IMPLEMENTATIONS = ("auto", "xla", "chunked", "cudnn")
+Implementation = Literal["auto", "xla", "chunked", "cudnn", "splash"]
+IMPLEMENTATIONS = ("auto", "xla", "chunked", "cudnn", "splash")
 _NEG = -1e30  # finite "minus infinity": exp(_NEG - m) == 0 without inf - inf = NaN.
+_LANES = 128  # splash's block lengths are multiples of the TPU's 128 lanes
+# Pallas interpret mode for 'splash', so that tests run the TPU kernel on a CPU; tests set it
+# (monkeypatch), nothing else does: on a TPU the kernel must compile to Mosaic.
+_SPLASH_INTERPRET = False
 
 
 # ---------------------------------------------------------------- the pure function
@@ -74,7 +83,9 @@ def dot_product_attention(
       dropout_rate, dropout_rng, deterministic: dropout on the attention weights.
       implementation: 'xla' (einsum-softmax-einsum), 'chunked' (online softmax over key
         blocks of `chunk_size`: memory linear in S, same result), 'cudnn'
-        (jax.nn.dot_product_attention on a GPU, bf16/fp16, Dv == Dk), or 'auto'.
+        (jax.nn.dot_product_attention on a GPU, bf16/fp16, Dv == Dk), 'splash' (the Pallas
+        TPU kernel: is_causal and segment ids only; no mask, bias, dropout or weights), or
+        'auto' (by backend.current(): 'splash' on a TPU where it applies).
       return_weights: also return the [B, H, L, S] weights ('xla' only).
       kernels: whose dropout masks, 'auto' | 'cpu' | 'generic' (tx_jax/ops/kernels.py).
     Returns:
@@ -84,11 +95,21 @@ def dot_product_attention(
     dropout = dropout_rate > 0.0 and not deterministic
     if dropout and dropout_rng is None:
         raise ValueError("dropout_rate > 0 with deterministic=False needs a dropout_rng")
-    impl = _choose(implementation, query, key, value, dropout, return_weights)
+    dense = mask is not None or bias is not None
+    impl = _choose(implementation, query, key, value, dropout, return_weights, dense)
     if return_weights and impl != "xla":
         raise ValueError(f"return_weights=True needs implementation='xla', not {impl!r}")
     L, S = query.shape[1], key.shape[1]
     drop = (dropout_rate, dropout_rng, kernels) if dropout else None
+    if impl == "splash":
+        unsupported = {"mask": mask is not None, "bias": bias is not None, "dropout": dropout}
+        named = [name for name, given in unsupported.items() if given]
+        if named:
+            raise ValueError(
+                f"implementation='splash' (the Pallas TPU kernel) does not support "
+                f"{', '.join(named)}: use is_causal/segment ids, or 'xla' or 'chunked'"
+            )
+        return _attention_splash(query, key, value, is_causal, q_segment_ids, kv_segment_ids)
     if impl == "chunked":
         return _attention_chunked(
             query,
@@ -133,13 +154,32 @@ def _check_shapes(query: Array, key: Array, value: Array) -> None:
         raise ValueError(f"query heads {query.shape[2]} not divisible by kv heads {key.shape[2]}")
 
 
-def _choose(impl: str, query: Array, key: Array, value: Array, dropout: bool, weights: bool):
+def _choose(
+    impl: str,
+    query: Array,
+    key: Array,
+    value: Array,
+    dropout: bool,
+    weights: bool,
+    dense: bool = False,
+):
+    """The implementation for `impl`; `dense`: a mask or bias array is given."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={impl!r}; expected one of {IMPLEMENTATIONS}")
     if impl != "auto":
         return impl
     if weights:
         return "xla"
+    splash_ok = (
+        backend.current() == "tpu"
+        and not dropout
+        and not dense
+        # Shorter lengths would be padded to a whole block: mostly wasted work.
+        and query.shape[1] >= _LANES
+        and key.shape[1] >= _LANES
+    )
+    if splash_ok:
+        return "splash"
     cudnn_ok = (
         backend.current() == "gpu"
         and query.dtype in (jnp.bfloat16, jnp.float16)
@@ -315,3 +355,120 @@ def _attention_cudnn(query, key, value, mask, bias):
     if full is not None:  # cuDNN leaves fully masked rows undefined; ours are zeros
         out = jnp.where(jnp.moveaxis(full.any(-1), 1, 2)[..., None], out, 0)
     return out
+
+
+def _attention_splash(query, key, value, is_causal, q_seg, kv_seg):
+    """JAX's splash attention kernel (Pallas, TPU) over [B, L, H, Dk] queries.
+
+    Splash masks a key when the static mask (causal) or the segment ids differ; a query it
+    lets attend to nothing gets an average of masked values rather than zeros, so padding
+    keys take id -1 (never a query's) and rows without a key are zeroed here. L and S are
+    padded to whole blocks: padded queries get id 0 (zeroed), padded keys id -1.
+    """
+    if (q_seg is None) != (kv_seg is None):
+        raise ValueError("q_segment_ids and kv_segment_ids must be given together")
+    B, L, H, D = query.shape
+    S = key.shape[1]
+    Lp, Sp = -(-L // _LANES) * _LANES, -(-S // _LANES) * _LANES
+    # Eq. 1's 1/sqrt(d_k): the kernel does not scale its scores.
+    q = query * jnp.asarray(1.0 / math.sqrt(D), query.dtype)
+    q = jnp.swapaxes(_pad_axis(q, 1, Lp, 0), 1, 2)  # [B, H, Lp, Dk]
+    k = jnp.swapaxes(_pad_axis(key, 1, Sp, 0), 1, 2)  # [B, K, Sp, Dk]
+    v = jnp.swapaxes(_pad_axis(value, 1, Sp, 0), 1, 2)  # [B, K, Sp, Dv]
+    segmented = q_seg is not None
+    ids = None
+    if segmented or (Lp, Sp) != (L, S):
+        if not segmented:  # only the block padding to mask
+            q_seg, kv_seg = jnp.ones((B, L), jnp.int32), jnp.ones((B, S), jnp.int32)
+        q_ids = _pad_axis(q_seg.astype(jnp.int32), 1, Lp, 0)
+        kv_ids = _pad_axis(jnp.where(kv_seg == 0, -1, kv_seg).astype(jnp.int32), 1, Sp, -1)
+        ids = (q_ids, kv_ids)
+    out = _per_device(functools.partial(_splash_call, is_causal=is_causal), q, k, v, ids)
+    out = jnp.swapaxes(out, 1, 2)[:, :L]  # [B, L, H, Dv]
+    if segmented:  # without segment ids every query sees key 0
+        has_key = _has_key(q_seg, kv_seg, is_causal)
+        out = jnp.where(has_key[:, :, None, None], out, 0)
+    return out.astype(value.dtype)
+
+
+def _splash_call(q, k, v, ids, *, is_causal: bool) -> Array:
+    """[B, H, Lp, Dk], [B, K, Sp, Dk], [B, K, Sp, Dv], ids ([B, Lp], [B, Sp]) or None
+    -> [B, H, Lp, Dv]: the kernel vmapped over the batch (it takes one example)."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    H, Lp, Sp = q.shape[1], q.shape[2], k.shape[2]
+
+    def block(n: int) -> int:  # larger blocks amortise the per-step overhead
+        return next(b for b in (512, 256, 128) if n % b == 0)
+
+    bq, bk = block(Lp), block(Sp)
+    sizes = splash.BlockSizes(
+        block_q=bq,
+        block_kv=bk,
+        block_kv_compute=bk,
+        block_q_dkv=bq,
+        block_kv_dkv=bk,
+        block_kv_dkv_compute=bk,
+        block_q_dq=bq,
+        block_kv_dq=bk,
+    )
+    static = splash.CausalMask((Lp, Sp)) if is_causal else splash.FullMask((Lp, Sp))
+    kernel = splash.make_splash_mha(
+        splash.MultiHeadMask([static] * H),
+        block_sizes=sizes,
+        head_shards=1,
+        q_seq_shards=1,
+        interpret=_SPLASH_INTERPRET,
+    )
+    if ids is None:
+        return jax.vmap(kernel)(q, k, v)
+    return jax.vmap(kernel)(q, k, v, splash.SegmentIds(*ids))
+
+
+def _per_device(fn, q, k, v, ids):
+    """fn(q, k, v, ids) on each device's part of the batch and heads under the mesh being
+    traced for (training sets one), since XLA cannot partition a Mosaic kernel: batch over the
+    mesh axes the logical rules give 'batch', heads over those of 'heads' (where they divide).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return fn(q, k, v, ids)
+    rules = nn.logical_to_mesh_axes(("batch", "heads")) or (None, None)
+
+    def axes(logical, *sizes):
+        names = () if logical is None else (logical,) if isinstance(logical, str) else logical
+        names = tuple(a for a in names if a in mesh.axis_names)
+        n = math.prod(mesh.shape[a] for a in names)
+        return names if names and all(size % n == 0 for size in sizes) else None
+
+    batch = axes(rules[0], q.shape[0])
+    heads = axes(rules[1], q.shape[1], k.shape[1])
+    qkv = jax.P(batch, heads, None, None)
+    id_specs = None if ids is None else (jax.P(batch, None),) * 2
+    return jax.shard_map(
+        fn, mesh=mesh, in_specs=(qkv, qkv, qkv, id_specs), out_specs=qkv, check_vma=False
+    )(q, k, v, ids)
+
+
+def _pad_axis(x: Array, axis: int, length: int, fill) -> Array:
+    if x.shape[axis] == length:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, length - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=fill)
+
+
+def _has_key(q_seg: Array, kv_seg: Array, is_causal: bool) -> Array:
+    """[B, L] bool: query i has a key j of its own non-zero segment (and j <= i if causal).
+
+    Sorting the key ids finds each segment's first key in O(S log S), never an [L, S] mask.
+    """
+    order = jnp.argsort(kv_seg, axis=1, stable=True)  # [B, S]: a segment's first key first
+    ids = jnp.take_along_axis(kv_seg, order, axis=1)
+    at = jax.vmap(jnp.searchsorted)(ids, q_seg)  # [B, L]: where q's id would start
+    at = jnp.minimum(at, kv_seg.shape[1] - 1)
+    found = (jnp.take_along_axis(ids, at, axis=1) == q_seg) & (q_seg != 0)
+    if is_causal:
+        first = jnp.take_along_axis(order, at, axis=1)
+        found = found & (first <= jnp.arange(q_seg.shape[1])[None, :])
+    return found

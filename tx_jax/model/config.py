@@ -21,7 +21,7 @@ NORMS = ("layernorm", "rmsnorm")
 POSITIONALS = ("sinusoidal", "learned", "rope", "none")
 NORM_POSITIONS = ("post", "pre")
 POOLINGS = ("mean", "first")
-REMATS = ("none", "full")
+REMATS = ("none", "full", "dots")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -54,11 +54,13 @@ class ModelConfig:
     scale_embeddings: bool = True  # multiply embeddings by sqrt(d_model) (3.4)
     attention_bias: bool = False  # biases in the Q/K/V/O projections
     ffn_bias: bool = True  # biases in the FFN (eq. 2 has b1, b2)
-    attention_impl: str = "auto"  # auto | xla | chunked | cudnn
+    attention_impl: str = "auto"  # auto | xla | chunked | cudnn | splash (Pallas TPU kernel)
     kernels: str = "auto"  # auto | cpu | generic: projections and dropout (tx_jax/ops/kernels.py)
     dtype: str = "float32"  # compute dtype (activations, matmuls)
     param_dtype: str = "float32"  # storage dtype of the parameters
-    remat: str = "none"  # none | full: recompute each layer in the backward pass
+    remat: str = (
+        "none"  # none | full: recompute each layer in the backward pass | dots: keep matmul outputs
+    )
     bos_id: int = 2  # first decoder input (never 0: that is padding)
     num_classes: int = 0  # EncoderOnly: > 0 adds a classification head
     pooling: str = "mean"  # EncoderOnly: mean (over real tokens) | first

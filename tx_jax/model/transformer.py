@@ -80,10 +80,15 @@ def _embedding(cfg: ModelConfig, vocab: int, name: str) -> Embedding:
 
 def _layer_cls(cls: type[nn.Module], cfg: ModelConfig) -> type[nn.Module]:
     # Argument 0 is the module itself, so `deterministic` (the last one) is static.
-    if cfg.remat == "full":
-        n_args = {EncoderLayer: 4, DecoderLayer: 6}[cls]
-        return nn.remat(cls, static_argnums=(n_args,))
-    return cls
+    if cfg.remat == "none":
+        return cls
+    n_args = {EncoderLayer: 4, DecoderLayer: 6}[cls]
+    # 'dots': keep the outputs of matmuls without batch dimensions (the projections and the
+    # FFN), recompute the rest (norms, softmax, dropout, activations) in the backward pass.
+    policy = (
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable if cfg.remat == "dots" else None
+    )
+    return nn.remat(cls, static_argnums=(n_args,), policy=policy)
 
 
 class _Stack(nn.Module):

@@ -371,17 +371,20 @@ def replicate(tree: Any) -> Any:
     )
 
 
-def make_strategy(parallel: Any) -> Strategy:
-    """config.parallel (strategy, mesh, rules) -> Strategy, validated."""
+def make_strategy(parallel: Any, devices: Sequence[Any] | None = None) -> Strategy:
+    """config.parallel (strategy, mesh, rules) -> Strategy, validated.
+
+    `devices`: the mesh's devices (default jax.devices()); tx_jax.planning passes the devices
+    of a TPU/GPU topology that this host does not have, to compile (never run) for them."""
     kind = parallel.strategy
     if kind not in STRATEGIES:
         raise ValueError(f"parallel.strategy={kind!r}; expected one of {STRATEGIES}")
     rules = _rules(parallel)
     if kind == "pmap":
         return Strategy("pmap", rules=rules)
-    shape = mesh_shape(dict(parallel.mesh), jax.device_count())
-    devices = np.asarray(jax.devices()).reshape(shape)
-    return Strategy("mesh", Mesh(devices, MESH_AXES), rules)
+    devices = jax.devices() if devices is None else list(devices)
+    shape = mesh_shape(dict(parallel.mesh), len(devices))
+    return Strategy("mesh", Mesh(np.asarray(devices).reshape(shape), MESH_AXES), rules)
 
 
 def make_abstract_strategy(parallel: Any, num_devices: int) -> Strategy:

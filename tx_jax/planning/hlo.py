@@ -1,0 +1,197 @@
+"""Reading a compiled program's HLO text: its collectives (how many, how many bytes each
+moves per step) and its largest buffers.
+
+Collectives run as often as the computation holding them: a `while` body with a known trip
+count (gradient accumulation's scan) counts that many times; a loop whose count is decided at
+run time (a decoding loop that stops when every row is done) counts once, flagged `per_iteration`.
+
+Bytes per collective are the array it reduces or produces, per device: all-reduce its operand,
+all-gather its output, reduce-scatter its input (output x group), all-to-all and permute their
+operand. `sent` is what one device puts on the wire with ring algorithms (all-reduce
+2 (g-1)/g of the array, all-gather and reduce-scatter (g-1)/g, all-to-all (g-1)/g, permute 1),
+which the roofline divides by the chip's interconnect bandwidth.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2,
+    "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+}  # fmt: skip
+_ARRAY = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\]")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_OPCODE = re.compile(r"\s([a-z][a-z0-9\-]*)\(")
+_CALLS = re.compile(
+    r"\b(to_apply|calls|body|condition|true_computation|false_computation)=%?([\w.\-]+)"
+)
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_NOT_BUFFERS = ("parameter", "get-tuple-element", "tuple", "constant", "bitcast", "while")
+
+
+@dataclasses.dataclass
+class Instruction:
+    name: str
+    opcode: str
+    type_text: str  # the result type, e.g. 'bf16[8,512]{1,0}' or a tuple
+    rest: str  # operands and attributes
+
+    def arrays(self) -> list[int]:
+        """Bytes of each array in the result type, in order."""
+        out = []
+        for dtype, dims in _ARRAY.findall(self.type_text):
+            n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+            out.append(n * _BYTES[dtype])
+        return out
+
+
+@dataclasses.dataclass
+class Module:
+    computations: dict[str, list[Instruction]]
+    entry: str
+    multiplicity: dict[str, int]  # how many times each computation runs per execution
+    unknown_trip: set[str]  # computations inside a loop whose trip count is not static
+
+
+def parse(text: str) -> Module:
+    computations: dict[str, list[Instruction]] = {}
+    entry, current = "", None
+    for line in text.splitlines():
+        if current is None:
+            m = _HEADER.match(line)
+            if m and "=" not in line.split("(")[0]:
+                current = m.group(2)
+                computations[current] = []
+                entry = current if m.group(1) else entry
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        body = m.group(2)
+        op = _OPCODE.search(" " + body)
+        if op is None:
+            continue
+        type_text = body[: op.start()].strip()
+        computations[current].append(
+            Instruction(m.group(1), op.group(1), type_text, body[op.end() :])
+        )
+    multiplicity, unknown = _multiplicities(computations, entry)
+    return Module(computations, entry, multiplicity, unknown)
+
+
+def _edges(instruction: Instruction) -> list[tuple[str, int | None]]:
+    """(callee, times per call; None: a loop of unknown count) of one instruction."""
+    out: list[tuple[str, int | None]] = []
+    trip = None
+    if instruction.opcode == "while":
+        m = _TRIP.search(instruction.rest)
+        trip = int(m.group(1)) if m else None
+    for key, name in _CALLS.findall(instruction.rest):
+        out.append((name, trip if key in ("body", "condition") else 1))
+    for group in _BRANCHES.findall(instruction.rest):
+        out += [(b.strip().lstrip("%"), 1) for b in group.split(",") if b.strip()]
+    return out
+
+
+def _multiplicities(computations, entry):
+    mult: dict[str, int] = collections.defaultdict(int)
+    unknown: set[str] = set()
+
+    def visit(name: str, times: int, in_unknown: bool) -> None:
+        mult[name] += times
+        if in_unknown:
+            unknown.add(name)
+        for ins in computations.get(name, []):
+            for callee, per in _edges(ins):
+                if callee in computations:
+                    visit(callee, times * (per or 1), in_unknown or per is None)
+
+    if entry:
+        visit(entry, 1, False)
+    return dict(mult), unknown
+
+
+def _kind(opcode: str) -> str | None:
+    base = opcode.removesuffix("-start")
+    return base if base in KINDS and not opcode.endswith("-done") else None
+
+
+def _group_size(rest: str, num_devices: int) -> int:
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", rest)  # iota form [groups,size]<=[...]
+    if m:
+        return int(m.group(2))
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", rest)
+    if m:
+        sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", m.group(2)))
+    m = re.search(r"replica_groups=\{\{([\d,]*)\}", rest)
+    if m:
+        return len([x for x in m.group(1).split(",") if x])
+    return num_devices
+
+
+def _moved(kind: str, opcode: str, arrays: list[int], group: int) -> tuple[int, float]:
+    """(bytes of the collective's array, bytes one device sends) for one execution."""
+    if opcode.endswith("-start") and kind in ("all-gather", "collective-permute") and arrays:
+        # async starts return (operands..., outputs...[, context]): keep one side
+        half = len(arrays) // 2
+        arrays = arrays[half : 2 * half] if kind == "all-gather" else arrays[:1]
+    size = sum(arrays)
+    g = max(group, 1)
+    if kind == "reduce-scatter":
+        size *= g
+    factor = {"all-reduce": 2 * (g - 1) / g, "collective-permute": 1.0}.get(kind, (g - 1) / g)
+    return size, size * factor
+
+
+def collectives(module: Module, num_devices: int) -> dict[str, dict]:
+    """kind -> {'count', 'bytes', 'sent', 'per_iteration'} per execution of the program."""
+    out = {k: {"count": 0, "bytes": 0, "sent": 0.0, "per_iteration": False} for k in KINDS}
+    for name, instructions in module.computations.items():
+        times = module.multiplicity.get(name, 0)
+        for ins in instructions:
+            kind = _kind(ins.opcode)
+            if kind is None or not times:
+                continue
+            size, sent = _moved(kind, ins.opcode, ins.arrays(), _group_size(ins.rest, num_devices))
+            entry = out[kind]
+            entry["count"] += times
+            entry["bytes"] += size * times
+            entry["sent"] += sent * times
+            entry["per_iteration"] |= name in module.unknown_trip
+    return out
+
+
+def largest_buffers(module: Module, n: int = 5) -> list[dict]:
+    """The `n` largest arrays the program's control flow materialises (fusion internals are
+    not buffers), with the JAX operation that made them."""
+    control = {module.entry} | {
+        callee
+        for instructions in module.computations.values()
+        for ins in instructions
+        if ins.opcode in ("while", "conditional", "call")
+        for callee, _ in _edges(ins)
+    }
+    found = []
+    for name in control:
+        for ins in module.computations.get(name, []):
+            if ins.opcode in _NOT_BUFFERS or ins.type_text.startswith("("):
+                continue  # tuples and control ops alias the buffers they hold
+            size = sum(ins.arrays())
+            m = _OP_NAME.search(ins.rest)
+            found.append(
+                {"bytes": size, "shape": ins.type_text.split("{")[0], "opcode": ins.opcode,
+                 "op": m.group(1) if m else ins.name}
+            )  # fmt: skip
+    return sorted(found, key=lambda b: -b["bytes"])[:n]
