@@ -136,6 +136,10 @@ def test_auto_picks_splash_when_tracing_for_a_tpu_and_it_applies(rng):
     short = q[:, :64]
     assert A._choose("auto", q, k, v, False, False) == "xla"  # this CPU host: as before
     with backend.target("tpu"):
+        # outside a mesh (decoding a sharded model) XLA could not partition the kernel
+        assert A._choose("auto", q, k, v, False, False) == "xla"
+    mesh = jax.sharding.AbstractMesh((2,), ("data",))
+    with backend.target("tpu"), jax.sharding.use_abstract_mesh(mesh):
         assert A._choose("auto", q, k, v, False, False) == "splash"
         assert A._choose("auto", q, k, v, True, False) == "xla"  # dropout
         assert A._choose("auto", q, k, v, False, True) == "xla"  # weights

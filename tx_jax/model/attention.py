@@ -177,6 +177,10 @@ def _choose(
         # Shorter lengths would be padded to a whole block: mostly wasted work.
         and query.shape[1] >= _LANES
         and key.shape[1] >= _LANES
+        # Only under a mesh being traced for (the mesh strategy's steps), where _per_device
+        # can place the kernel: outside one (decoding a sharded model) XLA would have to
+        # partition it, which it cannot do for a Mosaic kernel.
+        and not jax.sharding.get_abstract_mesh().empty
     )
     if splash_ok:
         return "splash"
