@@ -99,6 +99,10 @@ def test_hlo_collectives_count_loop_trips_and_group_sizes():
     assert got["reduce-scatter"] == {"count": 1, "bytes": 128 * 4 * 8, "sent": 128 * 4 * 7,
                                      "per_iteration": False}  # fmt: skip
     assert got["all-to-all"]["count"] == 0
+    # top-level reads and writes: the loop body's two collectives (x3), then the
+    # reduce-scatter and the broadcast; parameters, tuples and constants move nothing
+    body = (4096 + 4096) + (4096 + 8 * 256 * 2)
+    assert hlo.hbm_traffic(module) == 3 * body + (4096 + 512) + (4096 + 4096 * 1024 * 4)
     biggest = hlo.largest_buffers(module, 1)[0]
     assert biggest["bytes"] == 4096 * 1024 * 4 and biggest["op"] == "jit(step)/big"
 
@@ -160,6 +164,11 @@ def test_roofline_bound_is_the_largest_term(debug_plan):
     assert p["step_time_bound_s"] == max(terms.values()) > 0
     chip = targets.parse(TARGET).chip
     assert terms["compute_s"] == pytest.approx(p["flops_per_step_per_device"] / chip.peak_f32)
+    train = p["programs"][0]
+    traffic = train["hbm_traffic_bytes_per_device"]
+    assert terms["memory_s"] == pytest.approx(traffic / chip.hbm_bandwidth)
+    # every parameter and Adam moment is read and written by the update at least once
+    assert traffic >= 2 * (p["bytes_per_device"]["params"] + p["bytes_per_device"]["optimizer"])
     tokens = 8 * 64  # the debug config's packed batch: 512 tokens of 64
     assert p["target_tokens_per_step"] == tokens
     assert p["tokens_per_second_bound"] == pytest.approx(tokens / p["step_time_bound_s"])

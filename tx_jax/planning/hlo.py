@@ -1,5 +1,5 @@
 """Reading a compiled program's HLO text: its collectives (how many, how many bytes each
-moves per step) and its largest buffers.
+moves per step), its memory traffic and its largest buffers.
 
 Collectives run as often as the computation holding them: a `while` body with a known trip
 count (gradient accumulation's scan) counts that many times; a loop whose count is decided at
@@ -82,9 +82,9 @@ def parse(text: str) -> Module:
         op = _OPCODE.search(" " + body)
         if op is None:
             continue
-        type_text = body[: op.start()].strip()
+        start, end = op.start() - 1, op.end() - 1  # offsets in `body` (searched with a space)
         computations[current].append(
-            Instruction(m.group(1), op.group(1), type_text, body[op.end() :])
+            Instruction(m.group(1), op.group(1), body[: max(start, 0)].strip(), body[end:])
         )
     multiplicity, unknown = _multiplicities(computations, entry)
     return Module(computations, entry, multiplicity, unknown)
@@ -173,18 +173,56 @@ def collectives(module: Module, num_devices: int) -> dict[str, dict]:
     return out
 
 
+_NO_TRAFFIC = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while",
+               "conditional", "call", "after-all", "partition-id", "replica-id")  # fmt: skip
+_NAME = re.compile(r"%([\w.\-]+)")
+
+
+def _control(module: Module) -> set[str]:
+    """The computations that run as programs (entry, loop bodies, branches), not fusion
+    bodies, whose instructions stay on chip."""
+    names = {module.entry}
+    for instructions in module.computations.values():
+        for ins in instructions:
+            if ins.opcode in ("while", "conditional", "call"):
+                names.update(callee for callee, _ in _edges(ins))
+    return names
+
+
+def _operands(rest: str) -> list[str]:
+    """The operand names of an instruction: its argument list up to the closing paren."""
+    depth, end = 1, len(rest)
+    for i, ch in enumerate(rest):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+            end = i
+            break
+    return _NAME.findall(rest[:end])
+
+
+def hbm_traffic(module: Module) -> int:
+    """Bytes read and written by the program's top-level operations per execution: each
+    fusion, matmul, copy or collective reads its operands from memory and writes its result
+    there (what stays inside a fusion never reaches HBM). A lower estimate of the traffic: an
+    operation that reads an operand more than once counts it once."""
+    total = 0
+    for name in _control(module):
+        times = module.multiplicity.get(name, 0)
+        instructions = module.computations.get(name, [])
+        sizes = {ins.name: sum(ins.arrays()) for ins in instructions}
+        for ins in instructions:
+            if ins.opcode in _NO_TRAFFIC or ins.opcode.endswith("-done"):
+                continue
+            read = sum(sizes.get(o, 0) for o in _operands(ins.rest))
+            total += times * (read + sum(ins.arrays()))
+    return total
+
+
 def largest_buffers(module: Module, n: int = 5) -> list[dict]:
     """The `n` largest arrays the program's control flow materialises (fusion internals are
     not buffers), with the JAX operation that made them."""
-    control = {module.entry} | {
-        callee
-        for instructions in module.computations.values()
-        for ins in instructions
-        if ins.opcode in ("while", "conditional", "call")
-        for callee, _ in _edges(ins)
-    }
     found = []
-    for name in control:
+    for name in _control(module):
         for ins in module.computations.get(name, []):
             if ins.opcode in _NOT_BUFFERS or ins.type_text.startswith("("):
                 continue  # tuples and control ops alias the buffers they hold

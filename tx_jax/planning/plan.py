@@ -2,10 +2,13 @@
 memory against the chip's (fits or not), FLOPs beside the analytic count, collectives, and a
 roofline bound on the train step's time, tokens/s and MFU.
 
-The bound is a bound, never a measurement: step time >= max(FLOPs / peak, bytes accessed / HBM
+The bound is a bound, never a measurement: step time >= max(FLOPs / peak, HBM traffic / HBM
 bandwidth, bytes sent / interconnect bandwidth), each per device from the compiled program
-and the chip table (chips.py). The compiler's own time estimate is not used (the TPU
-compiler's `optimal_seconds` came out negative for a train step).
+and the chip table (chips.py). HBM traffic is hlo.hbm_traffic's count of what the program's
+top-level operations read and write, not the cost analysis' "bytes accessed", which also
+counts traffic inside fusions (3.6x a fused matmul's operands and result on TPU). The
+compiler's own time estimate is not used (the TPU compiler's `optimal_seconds` came out
+negative for a train step).
 
 Memory per device of each program: the whole train state (the loop keeps it while it
 evaluates and decodes) + the program's other inputs (batch, sources) + its temporaries + its
@@ -49,14 +52,11 @@ def roofline(p: programs_lib.Program, chip, dtype: str) -> dict[str, float]:
     sent = sum(c["sent"] for c in p.collectives.values())
     terms = {
         "compute_s": p.flops / chip.peak(dtype),
-        "memory_s": p.bytes_accessed / chip.hbm_bandwidth,
+        "memory_s": p.hbm_bytes / chip.hbm_bandwidth,
         "interconnect_s": sent / (chip.interconnect / 2),
     }
-    # XLA:GPU has no cost analysis of its own: programs.py's fallback counts the bytes inside
-    # fusions too, so on GPU the HBM term overstates traffic and stays out of the bound.
-    used = {k: v for k, v in terms.items() if chip.platform == "tpu" or k != "memory_s"}
-    bound = max(used.values())
-    return terms | {"step_time_bound_s": bound, "bound_by": max(used, key=used.get)[:-2]}
+    bound = max(terms.values())
+    return terms | {"step_time_bound_s": bound, "bound_by": max(terms, key=terms.get)[:-2]}
 
 
 def make_plan(
@@ -86,7 +86,8 @@ def make_plan(
                 "inputs_bytes": p.extra_bytes,
                 "total_bytes": total,
                 "flops_per_device": p.flops,
-                "bytes_accessed_per_device": p.bytes_accessed,
+                "hbm_traffic_bytes_per_device": p.hbm_bytes,
+                "compiler_bytes_accessed_per_device": p.bytes_accessed,
                 "collectives": p.collectives,
                 "largest_buffers": p.largest_buffers,
                 "refused": p.refused,
@@ -175,6 +176,14 @@ def advice(built: programs_lib.Built, plan: dict[str, Any]) -> list[str]:
     out = []
     b = plan["bytes_per_device"]
     mesh, n = plan["mesh"], plan["num_devices"]
+    worst = next(r for r in plan["programs"] if r["name"] == b["program"])
+    if worst["kind"] in ("greedy", "beam"):
+        # every device decodes the whole eval batch (scoring.py): its rows set the caches
+        size = built.config.data.eval_batch_size
+        out.append(
+            f"decoding {worst['name']} needs {b['temp'] / GiB:.2f} GiB of temporaries (KV "
+            f"caches of every row and beam): --config.data.eval_batch_size={max(1, size // 2)}"
+        )
     state = b["params"] + b["optimizer"]
     if mesh["fsdp"] < n and state > 0.25 * plan["usable_bytes_per_device"]:
         f = min(n, mesh["fsdp"] * 4)
@@ -182,7 +191,7 @@ def advice(built: programs_lib.Built, plan: dict[str, Any]) -> list[str]:
             f"shard parameters and Adam moments over more devices (state {state / GiB:.2f} "
             f"GiB per device): --config.parallel.mesh.fsdp={f} --config.parallel.mesh.data=-1"
         )
-    if b["temp"] > 0.25 * plan["usable_bytes_per_device"]:
+    if worst["kind"] in ("train", "eval") and b["temp"] > 0.25 * plan["usable_bytes_per_device"]:
         if plan["model"]["remat"] == "none":
             out.append(
                 f"recompute activations in the backward pass (temporaries {b['temp'] / GiB:.2f} "

@@ -50,7 +50,8 @@ class Program:
     compile_seconds: float
     memory: dict[str, int]  # argument, output, alias, temp, code (bytes per device)
     flops: float  # per device, from the compiler's cost analysis
-    bytes_accessed: float  # per device, likewise
+    bytes_accessed: float  # per device, likewise (counts traffic inside fusions too)
+    hbm_bytes: float  # per device: hlo.hbm_traffic of the optimized program
     collectives: dict[str, dict]
     largest_buffers: list[dict]
     extra_bytes: int  # inputs other than the train state (batch, sources), per device
@@ -185,7 +186,7 @@ def _compile(built: Built, name: str, kind: str, lower, shapes, extra_bytes: int
             # The TPU compiler refuses a program whose temporaries exceed the HBM: that is
             # the plan's answer (does not fit), with the compiler's own figures.
             refused = Program(name, kind, shapes, time.perf_counter() - start, {}, 0.0, 0.0,
-                              {}, [], extra_bytes)  # fmt: skip
+                              0.0, {}, [], extra_bytes)  # fmt: skip
             refused.memory = dict.fromkeys(("argument", "output", "alias", "code"), 0)
             refused.memory["temp"] = int(float(m.group(1)) * 2**30)
             refused.refused = f"the compiler: {m.group(0)}"
@@ -209,6 +210,7 @@ def _compile(built: Built, name: str, kind: str, lower, shapes, extra_bytes: int
         memory,
         float(cost.get("flops", 0.0)),
         float(cost.get("bytes accessed", 0.0)),
+        float(hlo.hbm_traffic(module)),
         hlo.collectives(module, built.num_devices),
         hlo.largest_buffers(module),
         extra_bytes,
