@@ -3,6 +3,9 @@
     --config=configs/lm.py                   the synthetic corpus's target side, CPU, ~minutes
     --config=configs/lm.py:multi30k          Multi30k's English side (../shared/data/multi30k)
     --config=configs/lm.py:debug             seconds
+    --config=configs/lm.py:variant=long,length=32768   long context (seed 003): a base-size
+                                             model on packed rows of `length` tokens, sized for
+                                             accelerators (python -m tx_jax.plan plans it)
     python -m tx_jax.generate --workdir=DIR --prompt="the red"     samples from the result
 
 The model is a DecoderOnly (tx_jax/model/transformer.py): pre-LN and RoPE, the choices of
@@ -15,11 +18,11 @@ import ml_collections
 
 from tx_jax.config import parse_arg, repo_path, sibling_config
 
-VARIANTS = ("default", "multi30k", "debug")
+VARIANTS = ("default", "multi30k", "debug", "long")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    args = parse_arg(arg, variant="default")
+    args = parse_arg(arg, variant="default", length=8192)
     if args.variant not in VARIANTS:
         raise ValueError(f"configs/lm.py: unknown variant {args.variant!r} ({', '.join(VARIANTS)})")
     c = sibling_config(__file__, "default")
@@ -81,6 +84,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.train.update(num_steps=6000, warmup_steps=500, peak_lr=1e-3, log_every=100)
         c.eval.update(every=1000, test_split="test_2016_flickr")
         c.checkpoint.every = 1000
+    elif args.variant == "long":
+        # Long context: the paper's base width, 6 decoder layers, bf16, one packed row of
+        # `length` tokens per chip of a 16-chip slice; attention_impl 'auto' takes the
+        # accelerator's kernel ('splash' on TPU, 'chunked' elsewhere at this length).
+        c.model.update(d_model=512, num_heads=8, d_ff=2048, num_decoder_layers=6, dropout_rate=0.1)
+        c.model.dtype = "bfloat16"
+        c.data.vocab_size = 32_000
+        c.data.max_len = c.data.max_eval_len = int(args.length)
+        c.data.bucket_boundaries = [int(args.length)]
+        c.data.tokens_per_batch = 16 * int(args.length)  # 16 rows
+        c.data.eval_batch_size = 4  # rows per host per eval batch
+        c.parallel.strategy = "mesh"
     elif args.variant == "debug":
         c.model.update(d_model=32, num_heads=2, d_ff=64, num_decoder_layers=1, dropout_rate=0.0)
         c.data.synthetic.update(num_train=400, num_validation=40, num_test=40)

@@ -20,7 +20,7 @@ CONFIGS = sorted(CONFIG_DIR.glob("*.py"))
 # The documented variants and arguments of each config (module docstrings, README).
 DOCUMENTED = {
     "default": ["default"],
-    "lm": ["default", "multi30k"],
+    "lm": ["default", "multi30k", "long", "variant=long,length=32768"],
     "multi30k": ["small", "base", "pair=fr-cs", "pair=de-en,variant=base", "pair=cs-en,debug"],
     "wmt14_ende": ["base", "big", "direction=de-en", "variant=big,direction=de-en"],
     "multilingual": [
@@ -110,7 +110,7 @@ def test_config_values():
         ("wmt14_ende", "direction=en-fr", r"direction='en-fr'; expected one of en-de, de-en"),
         ("wmt14_ende", "variant=huge", r"unknown variant 'huge' \(base, big, debug\)"),
         ("wmt14_ende", "pair=en-de", r"unknown config argument 'pair'"),
-        ("lm", "huge", r"unknown variant 'huge' \(default, multi30k, debug\)"),
+        ("lm", "huge", r"unknown variant 'huge' \(default, multi30k, debug, long\)"),
         ("multilingual", "huge", r"unknown variant 'huge' \(default, debug\)"),
         ("multilingual", "directions=en-xx", r"en-xx is not a pair of en, de, fr, cs"),
         ("multilingual", "directions=en-de,de-en", r"variant 'de-en' .*join directions with '\+'"),
