@@ -117,6 +117,14 @@ def test_unknown_trip_count_is_per_iteration():
 # ---------------------------------------------------------------- compiled for a TPU slice
 
 
+@pytest.mark.parametrize("generation", ["v4", "v5e", "v5p", "v6e"])
+def test_usable_memory_is_what_the_tpu_compiler_makes_available(generation):
+    spec = {"v4": "tpu:v4-8", "v5p": "tpu:v5p-8"}.get(generation, f"tpu:{generation}-4")
+    target = targets.parse(spec)
+    assert programs.available_memory(target) == target.chip.available
+    assert target.chip.usable_hbm == int(target.chip.available * 2**30) < target.chip.hbm * 1.01
+
+
 def test_parameter_bytes_halve_when_fsdp_doubles():
     one = programs.state_bytes(_built(**{"parallel.mesh.fsdp": 1}))
     two = programs.state_bytes(_built(**{"parallel.mesh.fsdp": 2}))
@@ -142,6 +150,7 @@ def test_debug_model_fits_a_small_slice(debug_plan):
     assert b["total"] >= b["params"] + b["optimizer"] + b["inputs"] + b["temp"]
     assert p["headroom_bytes"] == p["usable_bytes_per_device"] - b["total"]
     assert p["hbm_bytes_per_device"] == 16 * 2**30
+    assert p["usable_bytes_per_device"] == int(15.75 * 2**30)  # the TPU compiler's figure
     # the train step's donated state is written in place: the aliased bytes hold the state
     train = p["programs"][0]
     assert train["memory"]["alias"] >= b["params"] + b["optimizer"]

@@ -217,6 +217,26 @@ def _compile(built: Built, name: str, kind: str, lower, shapes, extra_bytes: int
     )
 
 
+def available_memory(target: Target) -> float | None:
+    """GiB one program may use on a chip of `target`, as its compiler says: it compiles a
+    program needing 128 GiB of temporaries on one device and reads the refusal (None when
+    the compiler does not say). What chips.py's TPU `available` figures come from."""
+    from jax.sharding import Mesh
+
+    mesh = Mesh(target.devices()[:1], ("x",))
+    fn = jax.jit(
+        lambda x: jnp.cumsum(jnp.exp(x)) * jnp.cumsum(x[::-1]),
+        in_shardings=NamedSharding(mesh, P()),
+    )
+    try:
+        with _optimized():
+            fn.lower(jax.ShapeDtypeStruct((2**33,), jnp.float32)).compile()
+    except jax.errors.JaxRuntimeError as e:
+        m = _OOM.search(str(e))
+        return float(m.group(2)) if m else None
+    return None
+
+
 def _batch(built: Built, shapes: dict[str, tuple[int, ...]], sharding) -> dict:
     return {k: jax.ShapeDtypeStruct(v, jnp.int32, sharding=sharding) for k, v in shapes.items()}
 
