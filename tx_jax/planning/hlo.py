@@ -218,6 +218,21 @@ def hbm_traffic(module: Module) -> int:
     return total
 
 
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+
+
+def custom_calls(module: Module) -> dict[str, int]:
+    """Kernels the program calls by name (cuDNN attention, Pallas/Mosaic kernels), counted
+    per execution as collectives are."""
+    out: dict[str, int] = collections.Counter()
+    for name, instructions in module.computations.items():
+        for ins in instructions:
+            m = _TARGET.search(ins.rest) if ins.opcode == "custom-call" else None
+            if m and module.multiplicity.get(name, 0):
+                out[m.group(1)] += module.multiplicity[name]
+    return dict(out)
+
+
 def largest_buffers(module: Module, n: int = 5) -> list[dict]:
     """The `n` largest arrays the program's control flow materialises (fusion internals are
     not buffers), with the JAX operation that made them."""

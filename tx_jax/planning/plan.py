@@ -90,6 +90,7 @@ def make_plan(
                 "compiler_bytes_accessed_per_device": p.bytes_accessed,
                 "collectives": p.collectives,
                 "largest_buffers": p.largest_buffers,
+                "custom_calls": p.custom_calls,
                 "refused": p.refused,
             }
         )
@@ -244,9 +245,11 @@ def format_plan(plan: dict[str, Any]) -> str:
             for k, v in r["collectives"].items()
             if v["count"]
         )
+        kernels = ", ".join(f"{k} x{v}" for k, v in r["custom_calls"].items())
         lines.append(
             f"{r['name']:<24}{r['compile_seconds']:>8.1f}s{_gib(r['inputs_bytes']):>12}"
             f"{_gib(r['memory']['temp']):>12}{_gib(r['total_bytes']):>12}  {coll or 'none'}"
+            + (f"; kernels: {kernels}" if kernels else "")
         )
     b = plan["bytes_per_device"]
     verdict = "FITS" if plan["fits"] else "DOES NOT FIT"

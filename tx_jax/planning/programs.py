@@ -55,6 +55,7 @@ class Program:
     collectives: dict[str, dict]
     largest_buffers: list[dict]
     extra_bytes: int  # inputs other than the train state (batch, sources), per device
+    custom_calls: dict[str, int] = dataclasses.field(default_factory=dict)  # kernels by name
     refused: str = ""  # the compiler's reason when it would not compile the program
 
 
@@ -214,6 +215,7 @@ def _compile(built: Built, name: str, kind: str, lower, shapes, extra_bytes: int
         hlo.collectives(module, built.num_devices),
         hlo.largest_buffers(module),
         extra_bytes,
+        hlo.custom_calls(module),
     )
 
 
