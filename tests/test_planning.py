@@ -78,6 +78,9 @@ ENTRY %main (x: f32[1024]) -> f32[] {
   %w = (s32[], f32[1024]{0}) while(%t0), condition=%cond, body=%body, backend_config={TRIP}
   %rs = f32[128]{0} reduce-scatter(%x), replica_groups={}, dimensions={0}, to_apply=%add
   %big = f32[4096,1024]{1,0} broadcast(%x), dimensions={1}, metadata={op_name="jit(step)/big"}
+  %cs = ((f32[1024]{0}), f32[256]{0:S(3)}, u32[]) slice-start(%x), slice={[0:256]}
+  %sd = f32[256]{0:S(3)} slice-done(%cs)
+  %neg = f32[256]{0} negate(%sd)
   ROOT %r = f32[] constant(0)
 }
 """
@@ -100,9 +103,12 @@ def test_hlo_collectives_count_loop_trips_and_group_sizes():
                                      "per_iteration": False}  # fmt: skip
     assert got["all-to-all"]["count"] == 0
     # top-level reads and writes: the loop body's two collectives (x3), then the
-    # reduce-scatter and the broadcast; parameters, tuples and constants move nothing
+    # reduce-scatter and the broadcast; parameters, tuples and constants move nothing; the
+    # async slice reads its 1 KiB destination (+ a 4-byte context) from HBM into on-chip
+    # memory (S(3)), and the negate reads it there (no HBM) and writes 1 KiB to HBM
     body = (4096 + 4096) + (4096 + 8 * 256 * 2)
-    assert hlo.hbm_traffic(module) == 3 * body + (4096 + 512) + (4096 + 4096 * 1024 * 4)
+    main = (4096 + 512) + (4096 + 4096 * 1024 * 4) + (1024 + 4 + 4) + 1024
+    assert hlo.hbm_traffic(module) == 3 * body + main
     biggest = hlo.largest_buffers(module, 1)[0]
     assert biggest["bytes"] == 4096 * 1024 * 4 and biggest["op"] == "jit(step)/big"
 

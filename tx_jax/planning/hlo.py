@@ -24,7 +24,8 @@ _BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2,
     "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
 }  # fmt: skip
-_ARRAY = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\]")
+_ARRAY = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\](\{[^}]*\})?")
+_SPACE = re.compile(r"S\((\d+)\)")  # a layout's memory space; none or S(0) is HBM
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _OPCODE = re.compile(r"\s([a-z][a-z0-9\-]*)\(")
@@ -44,12 +45,15 @@ class Instruction:
     type_text: str  # the result type, e.g. 'bf16[8,512]{1,0}' or a tuple
     rest: str  # operands and attributes
 
-    def arrays(self) -> list[int]:
-        """Bytes of each array in the result type, in order."""
+    def arrays(self, hbm_only: bool = False) -> list[int]:
+        """Bytes of each array in the result type, in order; with `hbm_only`, those placed
+        in another memory space (TPU layouts' S(n), n > 0: on-chip memories) count 0."""
         out = []
-        for dtype, dims in _ARRAY.findall(self.type_text):
+        for dtype, dims, layout in _ARRAY.findall(self.type_text):
             n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-            out.append(n * _BYTES[dtype])
+            space = _SPACE.search(layout)
+            on_chip = hbm_only and space is not None and space.group(1) != "0"
+            out.append(0 if on_chip else n * _BYTES[dtype])
         return out
 
 
@@ -200,21 +204,38 @@ def _operands(rest: str) -> list[str]:
     return _NAME.findall(rest[:end])
 
 
+# Custom calls that move no data: views and allocations of XLA:TPU's own.
+_FREE_CALLS = ("ConcatBitcast", "AllocateBuffer", "AssumeGatherIndicesInBound")
+
+
 def hbm_traffic(module: Module) -> int:
-    """Bytes read and written by the program's top-level operations per execution: each
-    fusion, matmul, copy or collective reads its operands from memory and writes its result
-    there (what stays inside a fusion never reaches HBM). A lower estimate of the traffic: an
-    operation that reads an operand more than once counts it once."""
+    """Bytes the program's top-level operations read from and write to HBM per execution:
+    each fusion, matmul, kernel, copy or collective reads its operands and writes its result
+    (what stays inside a fusion never reaches memory; operands and results the TPU compiler
+    placed in on-chip memory, S(n) layouts, are not HBM traffic, only their copy from HBM is).
+    A lower estimate: an operation that reads an operand more than once counts it once."""
     total = 0
     for name in _control(module):
         times = module.multiplicity.get(name, 0)
         instructions = module.computations.get(name, [])
-        sizes = {ins.name: sum(ins.arrays()) for ins in instructions}
+        hbm = {ins.name: sum(ins.arrays(hbm_only=True)) for ins in instructions}
+        every = {ins.name: sum(ins.arrays()) for ins in instructions}
         for ins in instructions:
             if ins.opcode in _NO_TRAFFIC or ins.opcode.endswith("-done"):
                 continue
-            read = sum(sizes.get(o, 0) for o in _operands(ins.rest))
-            total += times * (read + sum(ins.arrays()))
+            target = _TARGET.search(ins.rest) if ins.opcode == "custom-call" else None
+            if target and target.group(1) in _FREE_CALLS:
+                continue
+            operands = _operands(ins.rest)
+            if ins.opcode.endswith("-start"):
+                # an async copy or slice: its result tuple repeats the operands, then holds the
+                # destination, read from HBM and, when the destination is HBM, written there
+                dest = sum(ins.arrays()) - sum(every.get(o, 0) for o in operands)
+                dest_hbm = sum(ins.arrays(hbm_only=True)) - sum(hbm.get(o, 0) for o in operands)
+                total += times * (max(dest, 0) + max(dest_hbm, 0))
+                continue
+            read = sum(hbm.get(o, 0) for o in operands)
+            total += times * (read + sum(ins.arrays(hbm_only=True)))
     return total
 
 

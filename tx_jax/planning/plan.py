@@ -30,6 +30,8 @@ from tx_jax.planning import programs as programs_lib
 from tx_jax.planning import targets
 
 PROGRAMS = ("train", "eval", "greedy", "beam")
+# the custom calls the text plan names: attention kernels (Pallas/Mosaic on TPU, cuDNN)
+_KERNELS = ("tpu_custom_call", "__cudnn$fmha")
 GiB = 1 << 30
 
 
@@ -245,7 +247,9 @@ def format_plan(plan: dict[str, Any]) -> str:
             for k, v in r["collectives"].items()
             if v["count"]
         )
-        kernels = ", ".join(f"{k} x{v}" for k, v in r["custom_calls"].items())
+        kernels = ", ".join(
+            f"{k} x{v}" for k, v in r["custom_calls"].items() if k.startswith(_KERNELS)
+        )
         lines.append(
             f"{r['name']:<24}{r['compile_seconds']:>8.1f}s{_gib(r['inputs_bytes']):>12}"
             f"{_gib(r['memory']['temp']):>12}{_gib(r['total_bytes']):>12}  {coll or 'none'}"
