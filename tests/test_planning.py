@@ -208,6 +208,15 @@ def test_data_parallel_all_reduces_and_fsdp_gathers():
     assert fsdp["bytes_per_device"]["params"] < dp["bytes_per_device"]["params"]
 
 
+def test_two_slices_plan_as_one_mesh():
+    """Multi-slice (Cloud TPU Multislice): the devices of both slices in one mesh, the
+    data axis across them; each slice's hosts are processes of their own."""
+    p = plan.make_plan(debug_config(), "tpu:v5e-4x2", programs=("train",))
+    assert (p["num_devices"], p["num_slices"], p["num_processes"]) == (8, 2, 2)
+    assert p["fits"] and p["mesh"] == {"data": 8, "fsdp": 1, "tensor": 1}
+    assert p["collectives"]["all-reduce"]["count"] >= 1
+
+
 def _plan_cli(*args, cache_dir) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "tx_jax.plan", "--config=configs/default.py:debug"]
     cmd += [f"--target={TARGET}", f"--cache_dir={cache_dir}", *args]

@@ -131,7 +131,15 @@ def make_plan(
         "programs": rows,
         "compile_seconds": round(sum(p.compile_seconds for p in compiled), 2),
         "chip_source": chip.source,
-        "notes": built.notes,
+        "notes": built.notes
+        + (
+            [
+                "collectives that cross slices go over the data-center network, far slower than "
+                "ICI; the bound's interconnect term counts every byte at ICI speed (a looser bound)"
+            ]
+            if target.num_slices > 1
+            else []
+        ),
     }
     trains = [(p, r) for p, r in zip(compiled, rows) if p.kind == "train"]
     if trains:
