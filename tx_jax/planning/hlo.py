@@ -213,7 +213,8 @@ def hbm_traffic(module: Module) -> int:
     each fusion, matmul, kernel, copy or collective reads its operands and writes its result
     (what stays inside a fusion never reaches memory; operands and results the TPU compiler
     placed in on-chip memory, S(n) layouts, are not HBM traffic, only their copy from HBM is).
-    A lower estimate: an operation that reads an operand more than once counts it once."""
+    An estimate: an operation that reads only part of an operand (a slice, a gather) is
+    counted with all of it, one that reads an operand several times once."""
     total = 0
     for name in _control(module):
         times = module.multiplicity.get(name, 0)
@@ -226,7 +227,7 @@ def hbm_traffic(module: Module) -> int:
             target = _TARGET.search(ins.rest) if ins.opcode == "custom-call" else None
             if target and target.group(1) in _FREE_CALLS:
                 continue
-            operands = _operands(ins.rest)
+            operands = set(_operands(ins.rest))  # an operand passed twice is read once
             if ins.opcode.endswith("-start"):
                 # an async copy or slice: its result tuple repeats the operands, then holds the
                 # destination, read from HBM and, when the destination is HBM, written there

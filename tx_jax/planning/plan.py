@@ -2,13 +2,15 @@
 memory against the chip's (fits or not), FLOPs beside the analytic count, collectives, and a
 roofline bound on the train step's time, tokens/s and MFU.
 
-The bound is a bound, never a measurement: step time >= max(FLOPs / peak, HBM traffic / HBM
-bandwidth, bytes sent / interconnect bandwidth), each per device from the compiled program
-and the chip table (chips.py). HBM traffic is hlo.hbm_traffic's count of what the program's
-top-level operations read and write, not the cost analysis' "bytes accessed", which also
-counts traffic inside fusions (3.6x a fused matmul's operands and result on TPU). The
-compiler's own time estimate is not used (the TPU compiler's `optimal_seconds` came out
-negative for a train step).
+The bound is a roofline estimate, never a measurement: step time >= max(FLOPs / peak, HBM
+traffic / HBM bandwidth, bytes sent / interconnect bandwidth), each per device from the
+compiled program and the chip table (chips.py). HBM traffic is the smaller of two counts that
+each overcount in their own way: hlo.hbm_traffic (the whole operands and results of each
+top-level operation) and the cost analysis' "bytes accessed" (which also counts traffic
+inside fusions: 3.6x a fused matmul's operands and result on TPU). FLOPs come from the cost
+analysis, which cannot see inside custom kernels (cuDNN attention, Pallas): with those the
+compute term is low. The compiler's own time estimate is not used (the TPU compiler's
+`optimal_seconds` came out negative for a train step).
 
 Memory per device of each program: the whole train state (the loop keeps it while it
 evaluates and decodes) + the program's other inputs (batch, sources) + its temporaries + its
@@ -50,11 +52,19 @@ def analytic_flops(built: programs_lib.Built, shapes: dict[str, tuple[int, int]]
     return flops.encoder_decoder_flops(mc, B, shapes["inputs"][1], L).train
 
 
+def _traffic(p: programs_lib.Program) -> float:
+    """HBM bytes per step: the smaller of two overcounts, hlo.hbm_traffic (whole operands of
+    each top-level operation) and the cost analysis' bytes accessed (traffic inside fusions
+    too; on GPU the CPU client's analysis of the GPU module)."""
+    counts = [x for x in (p.hbm_bytes, p.bytes_accessed) if x > 0]
+    return min(counts) if counts else 0.0
+
+
 def roofline(p: programs_lib.Program, chip, dtype: str) -> dict[str, float]:
     sent = sum(c["sent"] for c in p.collectives.values())
     terms = {
         "compute_s": p.flops / chip.peak(dtype),
-        "memory_s": p.hbm_bytes / chip.hbm_bandwidth,
+        "memory_s": _traffic(p) / chip.hbm_bandwidth,
         "interconnect_s": sent / (chip.interconnect / 2),
     }
     bound = max(terms.values())
