@@ -19,15 +19,11 @@ import os
 import re
 import sys
 
-# libtpu reads these when it initialises: without them it probes for a TPU that is not here.
-for _key, _value in {
-    "JAX_PLATFORMS": "cpu",
-    "TPU_SKIP_MDS_QUERY": "1",
-    "TPU_ACCELERATOR_TYPE": "v5litepod-4",
-    "TPU_WORKER_HOSTNAMES": "localhost",
-}.items():
-    os.environ.setdefault(_key, _value)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tx_jax.planning.targets import prepare_tpu_compiler  # noqa: E402
 
+prepare_tpu_compiler()  # before libtpu initialises: no probing for a TPU that is not here
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 

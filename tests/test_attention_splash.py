@@ -1,16 +1,11 @@
 """implementation='splash' (JAX's Pallas TPU kernel): run in Pallas interpret mode on the CPU
 against the float64 reference and 'xla', and compiled for a TPU v5e from this CPU host."""
 
-import os
+from tx_jax.planning.targets import prepare_tpu_compiler
 
-# libtpu reads these when it initialises (at the first TPU topology request): without them it
-# probes the metadata server and the host for a TPU that is not there, printing errors.
-for _key, _value in {
-    "TPU_SKIP_MDS_QUERY": "1",
-    "TPU_ACCELERATOR_TYPE": "v5litepod-4",
-    "TPU_WORKER_HOSTNAMES": "localhost",
-}.items():
-    os.environ.setdefault(_key, _value)
+# before libtpu initialises (at the first TPU topology request): no probing for a TPU, and
+# other processes (pytest workers, plans) may compile with it at the same time
+prepare_tpu_compiler()
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402

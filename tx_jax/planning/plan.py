@@ -20,7 +20,6 @@ is within the chip's usable memory.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -310,19 +309,3 @@ def format_plan(plan: dict[str, Any]) -> str:
             ))  # fmt: skip
         lines += [f"would help: {a}" for a in plan["advice"]]
     return "\n".join(lines)
-
-
-def summary_row(plan: dict[str, Any]) -> dict[str, Any]:
-    """The figures a table of plans shows (BENCHMARKS.md, the search)."""
-    return dataclasses.asdict(_Row(**{k: plan.get(k) for k in _Row.__annotations__}))
-
-
-@dataclasses.dataclass
-class _Row:
-    target: str
-    mesh: dict
-    fits: bool
-    compile_seconds: float
-    step_time_bound_s: float | None
-    tokens_per_second_bound: float | None
-    mfu_bound: float | None

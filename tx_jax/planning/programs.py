@@ -186,10 +186,10 @@ def _compile(built: Built, name: str, kind: str, lower, shapes, extra_bytes: int
                 raise
             # The TPU compiler refuses a program whose temporaries exceed the HBM: that is
             # the plan's answer (does not fit), with the compiler's own figures.
-            refused = Program(name, kind, shapes, time.perf_counter() - start, {}, 0.0, 0.0,
-                              0.0, {}, [], extra_bytes)  # fmt: skip
-            refused.memory = dict.fromkeys(("argument", "output", "alias", "code"), 0)
-            refused.memory["temp"] = int(float(m.group(1)) * 2**30)
+            memory = dict.fromkeys(("argument", "output", "alias", "code"), 0)
+            memory["temp"] = int(float(m.group(1)) * 2**30)
+            refused = Program(name, kind, shapes, time.perf_counter() - start, memory, 0.0,
+                              0.0, 0.0, {}, [], extra_bytes)  # fmt: skip
             refused.refused = f"the compiler: {m.group(0)}"
             return refused
     seconds = time.perf_counter() - start
