@@ -101,11 +101,11 @@ def test_cached_logits_equal_full_forward_encoder_decoder(translation, variant):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{use_cache=}")
         if use_cache:
             layer = cache["decoder"]["layer_0"]
-            if variant == "value_head_dim":
+            if variant == "value_head_dim":  # heads-major: keys [B, K, T, Dk], values [B, K, Dv, T]
                 for name, kv in (("self", "cached"), ("cross", "cross")):
                     c = layer[f"{name}_attention"]
-                    assert c[f"{kv}_key"].shape[-2:] == (2, 8), name
-                    assert c[f"{kv}_value"].shape[-2:] == (2, 12), name
+                    assert c[f"{kv}_key"].shape[1::2] == (2, 8), name
+                    assert c[f"{kv}_value"].shape[1:3] == (2, 12), name
             assert "cross_filled" not in layer["cross_attention"]  # projected when created
             assert int(layer["self_attention"]["cache_index"]) == TGT.shape[1]
 
@@ -121,6 +121,30 @@ def test_cached_logits_equal_full_forward_language_model(language_model):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{use_cache=}")
 
 
+@pytest.mark.parametrize("variant", ["sinusoidal", "rope", "value_head_dim"])
+def test_beam_shared_cache_logits_equal_full_forward(translation, variant):
+    """Two beams per source, never reordered: the beam-shared cache (every slot attended,
+    masked to the hypothesis' own history; grouped cross-attention) gives the model's
+    logits for each beam, with grouped-query heads and d_v != d_k too."""
+    cfg, params = translation
+    if variant == "rope":
+        cfg = _cfg(positional="rope", num_kv_heads=2, norm_position="pre")
+        params = _params(EncoderDecoder(cfg), SRC, TGT)
+    if variant == "value_head_dim":
+        cfg = _cfg(positional="rope", **DV)
+        params = _params(EncoderDecoder(cfg), SRC, TGT)
+    tgt = jnp.stack([TGT, TGT[::-1]], 1).reshape(-1, TGT.shape[1])  # beam 1: another target
+    want = jax.jit(EncoderDecoder(cfg).apply)({"params": params}, jnp.repeat(SRC, 2, 0), tgt)
+    build = lambda p: decoding.encoder_decoder_logits_fn(
+        cfg, p, SRC, max_decode_len=TGT.shape[1], num_beams=2
+    )
+    got, cache = _stepwise(build, params, shift_right(tgt, BOS))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    layer = cache["decoder"]["layer_0"]
+    np.testing.assert_array_equal(layer["self_attention"]["beam_origin"][0], [[0] * 6, [1] * 6])
+    assert layer["cross_attention"]["cross_key"].shape[0] == SRC.shape[0]  # once per source
+
+
 def test_gather_cache_reorders_beams_but_not_cross_attention():
     B, N = 2, 3
     rows = jnp.arange(B * N, dtype=jnp.float32)
@@ -134,6 +158,16 @@ def test_gather_cache_reorders_beams_but_not_cross_attention():
     )
     np.testing.assert_array_equal(out["cross_attention"]["cross_key"][:, 0], rows)
     assert int(out["self_attention"]["cache_index"]) == 4
+    # A beam-shared cache: only the origin table [B, N, T] moves, keys stay in their slots.
+    shared = {
+        "cached_key": rows.reshape(B, N, 1) * 10,
+        "beam_origin": jnp.array([[[0, 0], [1, 1], [2, 2]], [[0, 0], [1, 1], [2, 2]]]),
+    }
+    out = search.gather_cache({"self_attention": shared}, jnp.array([[2, 2, 0], [1, 0, 0]]))
+    np.testing.assert_array_equal(out["self_attention"]["cached_key"], shared["cached_key"])
+    np.testing.assert_array_equal(
+        out["self_attention"]["beam_origin"][..., 0], [[2, 2, 0], [1, 0, 0]]
+    )
 
 
 # -------------------------------------------------------------------------- greedy
@@ -143,8 +177,38 @@ def test_decode_length_is_source_plus_50_capped():
     assert decoding.decode_length(7) == 57
     assert decoding.decode_length(7, 20) == 20
     assert decoding.decode_length(None, 30, _cfg(positional="learned", max_len=16)) == 16
+    assert decoding.decode_length(10, max_len_a=1.5, max_len_b=3) == 18
     with pytest.raises(ValueError, match="max_decode_len"):
         decoding.decode_length(None)
+    limits = decoding.output_limits(SRC, 55)  # rows of 5 and 3 tokens
+    np.testing.assert_array_equal(limits, [55, 53])
+    np.testing.assert_array_equal(decoding.output_limits(SRC, 54), [54, 53])
+    np.testing.assert_array_equal(
+        decoding.output_limits(SRC, 9, max_len_a=0.5, max_len_b=1), [3, 2]
+    )
+    np.testing.assert_array_equal(decoding.output_limits(jnp.zeros((1, 4), jnp.int32), 9), [0])
+
+
+def test_outputs_depend_on_each_source_not_on_its_padding_or_batch(translation):
+    """Each row's output limit is its own source's (a * n + b), so padding a batch further,
+    or decoding a row with other rows, changes no token; an all-padding row decodes nothing."""
+    cfg, params = translation
+    kw = dict(max_len_a=1.0, max_len_b=2)  # limits 7 and 5: a random model runs into them
+    padded = jnp.pad(SRC, ((0, 1), (0, 4)))  # [3, 9]: four more padding columns, a padding row
+    for search, decode in (
+        ("greedy", lambda x: decoding.translate_greedy(cfg, params, x, **kw)),
+        ("beam", lambda x: decoding.translate_beam(cfg, params, x, beam_size=3, **kw)[0][:, 0]),
+        ("sample", lambda x: decoding.sample(cfg, params, jax.random.key(1), inputs=x, **kw)),
+    ):
+        want = np.asarray(decode(SRC))  # T = 5 + 2
+        lengths = (want != 0).sum(1)
+        assert (lengths <= [7, 5]).all() and (lengths == [7, 5]).any()  # cut at its own limit
+        got = np.asarray(decode(padded))  # T = 9 + 2
+        np.testing.assert_array_equal(got[:2, :7], want)
+        assert not got[:2, 7:].any() and not got[2].any()
+        if search != "sample":  # a sample's random draws depend on the batch's shape
+            alone = np.asarray(decode(SRC[1:, :3]))  # row 1 by itself, unpadded: T = 3 + 2
+            np.testing.assert_array_equal(alone[0], want[1, :5])
 
 
 @pytest.mark.parametrize("fixture", ["translation", "translation_dv"])
@@ -178,9 +242,11 @@ def test_beam_size_one_is_greedy(translation):
     assert np.isfinite(scores).all()
 
 
-def test_beam_search_with_and_without_cache_agree(translation):
-    """The no-cache path keeps no model state, so this checks the cache gathering."""
-    cfg, params = translation
+@pytest.mark.parametrize("fixture", ["translation", "translation_dv"])
+def test_beam_search_with_and_without_cache_agree(request, fixture):
+    """The no-cache path keeps no model state, so this checks the beam-shared cache (its
+    origin table moving with the hypotheses), with grouped-query heads and d_v != d_k too."""
+    cfg, params = request.getfixturevalue(fixture)
     kw = dict(beam_size=3, alpha=0.6, max_decode_len=T_OUT)
     tokens, scores = decoding.translate_beam(cfg, params, SRC, **kw)
     ref_tokens, ref_scores = decoding.translate_beam(cfg, params, SRC, use_cache=False, **kw)

@@ -119,19 +119,28 @@ def test_translate_keeps_line_count_and_alignment(workdir, greedy_validation):
     assert b"6/6 lines" in proc.stderr and b"translate:" not in proc.stdout  # 6 non-blank
 
 
-def test_length_buckets_change_shapes_not_translations(workdir, greedy_validation, monkeypatch):
-    """Batches padded to 8 or 16 tokens where they fit instead of max_eval_len (32): the same
-    greedy output wherever it ends before the smaller limit (bucket + 50 tokens)."""
+def test_translations_do_not_depend_on_order_batching_or_padding(workdir, greedy_validation):
+    """A split decoded in corpus order, in length order, padded to max_eval_len or to small
+    buckets, in batches of 4, 16 or 40: the same hypotheses, greedy and beam, as evaluate's
+    (sorted, bucketed) ones; each sentence's output limit is its own (n + 50)."""
     _, hyps, sources = greedy_validation
     loaded = restore.load(workdir)
-    lines = sources[:24]
-    lengths = [len(loaded.tokenizer.encode(s)) + 1 for s in lines]
-    assert min(lengths) <= 16 < max(lengths)  # a small bucket and max_len are both used
-    out = translation.translate_lines(loaded, lines, beam_size=1, length_buckets=(8, 16))
-    short = [len(loaded.tokenizer.encode(h)) < 50 for h in hyps[:24]]
-    assert sum(short) >= 12
-    assert [o for o, k in zip(out, short) if k] == [h for h, k in zip(hyps, short) if k]
-    # and the batches really were padded to the buckets
+    lengths = [len(loaded.tokenizer.encode(s)) + 1 for s in sources]
+    assert min(lengths) <= 8 and max(lengths) > 16  # several buckets are used
+    ways = [
+        dict(sort_by_length=False, batch_size=16, length_buckets=()),  # corpus order, padded
+        dict(sort_by_length=True, batch_size=4),  # length order, evaluation's buckets
+        dict(sort_by_length=False, batch_size=40, length_buckets=(8, 16)),
+    ]
+    for beam in (1, 3):
+        outs = [translation.translate_lines(loaded, sources, beam_size=beam, **w) for w in ways]
+        assert outs[0] == outs[1] == outs[2], f"beam {beam}"
+        if beam == 1:
+            assert outs[0] == hyps
+        else:
+            record = evaluation.evaluate(workdir, split="validation", beam_size=3)
+            assert outs[0] == pathlib.Path(record["hypotheses"]).read_text().split("\n")[:-1]
+    # and the batches really were padded to evaluation's buckets (8, 16, 24, 32)
     shapes = []
     real = translation.scoring.translate_batches
 
@@ -140,9 +149,11 @@ def test_length_buckets_change_shapes_not_translations(workdir, greedy_validatio
         shapes.extend(b["inputs"].shape[1] for b in batches)
         return real(config, params, batches, *args, **kwargs)
 
-    monkeypatch.setattr(translation.scoring, "translate_batches", spy)
-    translation.translate_lines(loaded, lines, beam_size=1, batch_size=4, length_buckets=(8, 16))
-    assert {8, 16, 32} & set(shapes) == set(shapes) and len(set(shapes)) >= 2
+    monkeypatch = pytest.MonkeyPatch()
+    with monkeypatch.context() as m:
+        m.setattr(translation.scoring, "translate_batches", spy)
+        translation.translate_lines(loaded, sources, beam_size=1, batch_size=4)
+    assert set(shapes) <= {8, 16, 24, 32} and len(set(shapes)) >= 3
 
 
 def _params(loaded):

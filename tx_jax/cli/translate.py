@@ -59,7 +59,7 @@ def _main(argv: list[str], overrides: dict[str, str]) -> None:
         batch_size=f.batch_size,
         max_len=f.max_len,
         progress=progress,
-        length_buckets=[int(x) for x in f.length_buckets],
+        length_buckets=None if f.length_buckets is None else [int(x) for x in f.length_buckets],
     )
     if f.target_lang:  # a multilingual model: tag the sources (through a pivot if asked)
         from tx_jax.inference import multilingual
@@ -90,10 +90,10 @@ def main() -> None:
     )
     flags.DEFINE_list(
         "length_buckets",
-        [],
-        "Pad each batch only to the smallest of these lengths that holds it (e.g. "
-        "16,32,64), not to the checkpoint's data.max_eval_len: faster for short lines; "
-        "the output limit becomes that length + 50.",
+        None,
+        "Pad each batch to the smallest of these lengths that holds it (e.g. 16,32,64; "
+        "default: the checkpoint's eval buckets, 8, 16, 24, 40, ... up to "
+        "data.max_eval_len). Shapes to compile, not translations: those do not depend on it.",
     )
     flags.DEFINE_string(
         "target_lang",

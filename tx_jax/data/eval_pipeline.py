@@ -27,10 +27,22 @@ from typing import Any
 
 import numpy as np
 
-from tx_jax.data.batching import Batch, check_boundaries, pad_rows
+from tx_jax.data.batching import Batch, check_boundaries, default_bucket_boundaries, pad_rows
 from tx_jax.data.featurize import Featurizer, Text
 from tx_jax.data.pipeline import process_shard
 from tx_jax.data.tokenizer import Tokenizer
+
+# Eval bucket lengths grow by 1.5x (8, 16, 24, 40, 64, 96 for max_len 96): a few shapes to
+# compile, at most a third of each batch padding.
+EVAL_BUCKET_GROWTH = 1.5
+
+
+def eval_bucket_boundaries(max_len: int, configured: Sequence[int] | None = None) -> list[int]:
+    """The lengths eval batches are padded to: `configured` (data.eval_bucket_boundaries;
+    [max_len] gives one shape), else geometric ones ending at max_len."""
+    if configured:
+        return check_boundaries(configured, max_len)
+    return default_bucket_boundaries(max_len, growth=EVAL_BUCKET_GROWTH)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +93,10 @@ def eval_batches(
         (counted in `stats['truncated']`).
       batch_size: B of every batch (a multiple of `batch_multiple`); the last batches are
         filled with all-zero rows, `example_mask` 0, `example_index` -1.
-      bucket_boundaries: if given, each batch gets the smallest boundary >= its longest side.
-      sort_by_length: order longest first (faster decoding); `example_index` restores order.
+      bucket_boundaries: if given, each batch gets the smallest boundary >= its longest side
+        (batch b's longest on any process: all processes' batch b have one shape).
+      sort_by_length: order longest first (decoding stops sooner, padding is less);
+        `example_index` restores corpus order.
       process_index, process_count: shard [process_index::process_count]; every process gets
         the same number of batches.
       source_prefix: ids before every source's pieces (a target-language tag), as in training.
@@ -96,29 +110,47 @@ def eval_batches(
         [max_len] if bucket_boundaries is None else check_boundaries(bucket_boundaries, max_len)
     )
     featurize = Featurizer(tokenizer, keys, max_len, True, tuple(source_prefix))
-    indices = range(pi, len(items), pc)
-    feats = [featurize(items[i]) for i in indices]
+    one_length = len(boundaries) == 1
+    # Batch b's length must agree on every process (a step under a global mesh has one
+    # shape), so with buckets every shard's order is worked out here from every item.
+    shards = [pi] if one_length or pc == 1 else range(pc)
+    feats: dict[int, Any] = {}
+    for p in shards:
+        for i in range(p, len(items), pc):
+            feats[i] = featurize(items[i])
+    lengths = {i: max(len(v) for v in rec.features.values()) for i, rec in feats.items()}
+
+    def shard_order(p: int) -> list[int]:
+        indices = list(range(p, len(items), pc))
+        if sort_by_length:  # longest first; ties keep corpus order
+            indices.sort(key=lambda i: -lengths[i])
+        return indices
+
+    num_batches = math.ceil(math.ceil(len(items) / pc) / batch_size)  # same on every process
+    orders = {p: shard_order(p) for p in shards}
+
+    def batch_length(b: int) -> int:
+        rows = slice(b * batch_size, (b + 1) * batch_size)
+        longest = max((lengths[i] for p in shards for i in orders[p][rows]), default=1)
+        return boundaries[bisect.bisect_left(boundaries, longest)]
+
+    order = orders[pi]
+    mine = [feats[i] for i in range(pi, len(items), pc)]
     stats = dict.fromkeys(("examples", "empty", "truncated", "invalid_utf8"), 0)
-    stats["examples"] = len(feats)
-    for rec in feats:
+    stats["examples"] = len(mine)
+    for rec in mine:
         for note in rec.notes:
             stats[note] += 1
-    lengths = [max(len(v) for v in rec.features.values()) for rec in feats]
-    order = list(range(len(feats)))
-    if sort_by_length:
-        order.sort(key=lambda j: -lengths[j])
-    num_batches = math.ceil(math.ceil(len(items) / pc) / batch_size)  # same on every process
     batches = []
     for b in range(num_batches):
         chunk = order[b * batch_size : (b + 1) * batch_size]
-        longest = max((lengths[j] for j in chunk), default=1)
-        length = boundaries[bisect.bisect_left(boundaries, longest)]
-        batch = pad_rows([feats[j].features for j in chunk], keys, batch_size, length)
+        length = max_len if one_length else batch_length(b)
+        batch = pad_rows([feats[i].features for i in chunk], keys, batch_size, length)
         batch["example_index"] = np.full((batch_size,), -1, np.int32)
-        batch["example_index"][: len(chunk)] = [indices[j] for j in chunk]
+        batch["example_index"][: len(chunk)] = chunk
         batch["example_mask"] = (batch["example_index"] >= 0).astype(np.int32)
         batches.append(batch)
-    return EvalBatches(batches, len(feats), stats)
+    return EvalBatches(batches, len(mine), stats)
 
 
 def make_eval_batches(

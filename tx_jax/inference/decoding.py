@@ -14,8 +14,8 @@ instead: its "cache" is the token prefix, which it runs through the full (non-de
 at every step. Benchmarks compare the two for speed and tests check that they agree.
 
 The searches (search.py: `greedy_decode`, `beam_search`, `sample_decode`) see only the
-logits function; each is one `lax.while_loop` with static shapes that stops as soon as every
-row is finished. `translate_greedy`, `translate_beam` and `sample` are the jitted entry points:
+logits function; each is a `lax.while_loop` with static shapes that stops as soon as every
+row is finished (two, for translation: the cache starts short and grows only if needed). `translate_greedy`, `translate_beam` and `sample` are the jitted entry points:
 a ModelConfig, the 'params' collection and token arrays in, tokens out.
 
 Conventions: outputs never contain BOS. A sequence ends with its EOS and holds padding (0)
@@ -45,24 +45,51 @@ from tx_jax.model.config import ModelConfig
 from tx_jax.model.transformer import DecoderOnly, EncoderDecoder
 
 Array = jax.Array
-EXTRA_DECODE_LEN = 50  # section 6.1: maximum output length = input length + 50
+# Section 6.1: "maximum output length to input length + 50". A source's own length, not its
+# padded one, so a sentence's translation does not depend on its batch (fairseq's max_len_a
+# and max_len_b generalise it to a * length + b).
+MAX_LEN_A = 1.0
+MAX_LEN_B = 50
+EXTRA_DECODE_LEN = MAX_LEN_B
 
 
 def decode_length(
-    source_length: int | None, max_decode_len: int | None = None, config: ModelConfig | None = None
+    source_length: int | None,
+    max_decode_len: int | None = None,
+    config: ModelConfig | None = None,
+    *,
+    max_len_a: float = MAX_LEN_A,
+    max_len_b: int = MAX_LEN_B,
 ) -> int:
-    """T: the paper's output limit, source length + 50 (section 6.1), capped by max_decode_len
+    """T, the static length of the output arrays: the output limit of the longest possible
+    source, a * source_length + b (section 6.1: a = 1, b = 50), capped by max_decode_len
     (alone when source_length is None: language models) and, for learned positions, by the
     position table (config.max_len)."""
     lengths = [max_decode_len]
     if source_length is not None:
-        lengths.append(source_length + EXTRA_DECODE_LEN)
+        lengths.append(_limit(source_length, max_len_a, max_len_b))
     if config is not None and config.positional == "learned":
         lengths.append(config.max_len)
     lengths = [n for n in lengths if n is not None]
     if not lengths:
         raise ValueError("a language model needs max_decode_len")
-    return min(lengths)
+    return max(min(lengths), 1)
+
+
+def _limit(length, a: float, b: int):
+    """a * length + b, rounded down (fairseq's rule); a is a Python float, length int or array."""
+    if isinstance(length, int):
+        return int(a * length + b)
+    return jnp.floor(a * length.astype(jnp.float32) + b).astype(jnp.int32)
+
+
+def output_limits(
+    inputs: Array, length: int, *, max_len_a: float = MAX_LEN_A, max_len_b: int = MAX_LEN_B
+) -> Array:
+    """[B, S] 0-padded sources -> [B] output limits: a * (the row's tokens, EOS and tags
+    included) + b, capped by T = `length`; 0 for an all-padding row (nothing to decode)."""
+    n = (inputs != 0).sum(axis=1)
+    return jnp.where(n > 0, jnp.minimum(_limit(n, max_len_a, max_len_b), length), 0)
 
 
 # ------------------------------------------------------------------ logits functions
@@ -87,6 +114,29 @@ def _cached_logits_fn(
         return logits[:, -1], updated["cache"]
 
     return tokens_to_logits, init["cache"]
+
+
+def share_beam_cache(cache: Cache, batch: int, beams: int, length: int) -> Cache:
+    """Prepare a [batch * beams]-row cache for beam search without cache reordering: every
+    self-attention cache gets a 'beam_origin' [B, N, T] table (which slot wrote each position
+    of each hypothesis: the search reorders only this) and its keys and values are viewed
+    per example, [B, N, K, ...] (attention.beam_cache_attention); cross-attention keys and
+    values are kept once per example, [B, ...] (MultiHeadAttention._grouped_cross)."""
+
+    def visit(node):
+        if not isinstance(node, dict):
+            return node
+        out = {name: visit(x) for name, x in node.items()}
+        if "cached_key" in node:
+            for name in ("cached_key", "cached_value"):  # [B * N, K, ...] -> [B, N, K, ...]
+                out[name] = node[name].reshape(batch, beams, *node[name].shape[1:])
+            out["beam_origin"] = jnp.zeros((batch, beams, length), jnp.int32)
+        for name in ("cross_key", "cross_value"):  # the same for an example's every beam
+            if name in node:
+                out[name] = node[name][::beams]
+        return out
+
+    return visit(cache)
 
 
 def _prefix_logits_fn(
@@ -130,9 +180,12 @@ def encoder_decoder_logits_fn(
     batch = inputs.shape[0]
     if use_cache:
         decoder = EncoderDecoder(config.replace(decode=True))
-        return _cached_logits_fn(
+        fn, cache = _cached_logits_fn(
             decoder, params, batch, max_decode_len, encoded, inputs, method="decode"
         )
+        if num_beams > 1 and not __import__("os").environ.get("NOSHARE"):
+            cache = share_beam_cache(cache, batch // num_beams, num_beams, max_decode_len)
+        return fn, cache
 
     def full_logits(prefix: Array) -> Array:
         return model.apply(
@@ -175,7 +228,47 @@ def decoder_only_logits_fn(
 # ------------------------------------------------------------------- entry points
 
 
-@functools.partial(jax.jit, static_argnames=("config", "max_decode_len", "eos_id", "use_cache"))
+_LIMIT_ARGS = ("max_decode_len", "max_len_a", "max_len_b")
+# The searches first run with a cache of S + FIRST_STAGE positions (S: the padded source
+# length) and grow it to T only if a row is still unfinished there: attention's cost per step
+# follows the cache's length, and translations are rarely much longer than their sources.
+FIRST_STAGE = 10
+
+
+def _translation_cache(
+    config: ModelConfig, params: Any, inputs: Array, T: int, num_beams: int, use_cache: bool
+):
+    """-> (logits function, cache of the first stage's length, grow or None): search.py's
+    two-stage loop; grow's function pads every cache entry to its length-T shape."""
+    first = min(T, inputs.shape[1] + FIRST_STAGE)
+
+    def build(length: int):
+        return encoder_decoder_logits_fn(
+            config,
+            params,
+            inputs,
+            max_decode_len=length,
+            num_beams=num_beams,
+            use_cache=use_cache,
+        )
+
+    fn, cache = build(first)
+    if first >= T:
+        return fn, cache, None
+    full = jax.eval_shape(lambda: build(T)[1])
+
+    def grow_cache(cache: Cache) -> Cache:  # new positions are empty: zeros after the old
+        def pad(x: Array, like: Any) -> Array:
+            if x.shape == like.shape:
+                return x
+            return jnp.pad(x, [(0, b - a) for a, b in zip(x.shape, like.shape)])
+
+        return jax.tree.map(pad, cache, full)
+
+    return fn, cache, (first, grow_cache)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "eos_id", "use_cache", *_LIMIT_ARGS))
 def translate_greedy(
     config: ModelConfig,
     params: Any,
@@ -184,19 +277,29 @@ def translate_greedy(
     max_decode_len: int | None = None,
     eos_id: int = EOS_ID,
     use_cache: bool = True,
+    max_len_a: float = MAX_LEN_A,
+    max_len_b: int = MAX_LEN_B,
 ) -> Array:
     """Greedy translation of inputs [B, S] (0-padded) -> tokens [B, T].
 
-    T = decode_length(S, max_decode_len, config): S + 50, capped by max_decode_len.
-    use_cache=False recomputes the whole prefix each step (the reference, for benchmarks).
+    A row's output limit is a * n + b (n: its source tokens, EOS included; the paper's
+    n + 50), capped by max_decode_len; T = decode_length(S, ...) holds every row's. An
+    all-padding row decodes nothing. use_cache=False recomputes the whole prefix each step (the
+    reference, for benchmarks).
     """
     B, S = inputs.shape
-    T = decode_length(S, max_decode_len, config)
-    fn, cache = encoder_decoder_logits_fn(
-        config, params, inputs, max_decode_len=T, use_cache=use_cache
-    )
+    T = decode_length(S, max_decode_len, config, max_len_a=max_len_a, max_len_b=max_len_b)
+    limits = output_limits(inputs, T, max_len_a=max_len_a, max_len_b=max_len_b)
+    fn, cache, grow = _translation_cache(config, params, inputs, T, 1, use_cache)
     return greedy_decode(
-        fn, cache, batch_size=B, max_decode_len=T, bos_id=config.bos_id, eos_id=eos_id
+        fn,
+        cache,
+        batch_size=B,
+        max_decode_len=T,
+        bos_id=config.bos_id,
+        eos_id=eos_id,
+        limits=limits,
+        grow=grow,
     )
 
 
@@ -206,10 +309,10 @@ def translate_greedy(
         "config",
         "beam_size",
         "alpha",
-        "max_decode_len",
         "eos_id",
         "length_penalty",
         "use_cache",
+        *_LIMIT_ARGS,
     ),
 )
 def translate_beam(
@@ -223,15 +326,17 @@ def translate_beam(
     eos_id: int = EOS_ID,
     length_penalty: str = "gnmt",
     use_cache: bool = True,
+    max_len_a: float = MAX_LEN_A,
+    max_len_b: int = MAX_LEN_B,
 ) -> tuple[Array, Array]:
     """Beam-search translation of inputs [B, S] -> tokens [B, N, T], scores [B, N], best
-    first. Defaults are the paper's (beam 4, alpha 0.6, T = S + 50); `length_penalty` is
-    'gnmt' or 'fairseq' (see `length_penalty` and `beam_search`)."""
+    first. Defaults are the paper's (beam 4, alpha 0.6, output limit n + 50 per row, as
+    translate_greedy's); `length_penalty` is 'gnmt' or 'fairseq' (see `length_penalty` and
+    `beam_search`)."""
     B, S = inputs.shape
-    T = decode_length(S, max_decode_len, config)
-    fn, cache = encoder_decoder_logits_fn(
-        config, params, inputs, max_decode_len=T, num_beams=beam_size, use_cache=use_cache
-    )
+    T = decode_length(S, max_decode_len, config, max_len_a=max_len_a, max_len_b=max_len_b)
+    limits = output_limits(inputs, T, max_len_a=max_len_a, max_len_b=max_len_b)
+    fn, cache, grow = _translation_cache(config, params, inputs, T, beam_size, use_cache)
     return beam_search(
         fn,
         cache,
@@ -242,6 +347,8 @@ def translate_beam(
         eos_id=eos_id,
         alpha=alpha,
         length_penalty_kind=length_penalty,
+        limits=limits,
+        grow=grow,
     )
 
 
@@ -255,6 +362,8 @@ def translate_beam(
         "top_p",
         "eos_id",
         "use_cache",
+        "max_len_a",
+        "max_len_b",
     ),
 )
 def sample(
@@ -271,21 +380,23 @@ def sample(
     top_p: float = 1.0,
     eos_id: int = EOS_ID,
     use_cache: bool = True,
+    max_len_a: float = MAX_LEN_A,
+    max_len_b: int = MAX_LEN_B,
 ) -> Array:
     """Sample tokens [B, T] from a language model (inputs=None: DecoderOnly) or a
     translation model (inputs [B, S]: EncoderDecoder).
 
     prompt [B, P] (0-padded on the right) is forced first and is part of the output; B comes
     from inputs, prompt or batch_size. T = max_decode_len (required for a language model;
-    for translation it defaults to S + 50). temperature is traced (0: greedy); top_k and
-    top_p are static. The same rng gives the same samples.
+    for translation each row's limit is a * n + b, as translate_greedy's). temperature is
+    traced (0: greedy); top_k and top_p are static. The same rng gives the same samples.
     """
+    limits = grow = None
     if inputs is not None:
         B, S = inputs.shape
-        T = decode_length(S, max_decode_len, config)
-        fn, cache = encoder_decoder_logits_fn(
-            config, params, inputs, max_decode_len=T, use_cache=use_cache
-        )
+        T = decode_length(S, max_decode_len, config, max_len_a=max_len_a, max_len_b=max_len_b)
+        limits = output_limits(inputs, T, max_len_a=max_len_a, max_len_b=max_len_b)
+        fn, cache, grow = _translation_cache(config, params, inputs, T, 1, use_cache)
     else:
         B = prompt.shape[0] if prompt is not None else batch_size
         if B is None:
@@ -304,4 +415,6 @@ def sample(
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
+        limits=limits,
+        grow=grow,
     )

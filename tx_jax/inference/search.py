@@ -10,12 +10,21 @@ Each search sees only a *logits function*
 shapes that stops as soon as every row is finished. Outputs never contain BOS; a sequence
 ends with its EOS and holds padding (0) after it; padding is never generated (its
 log-probability is -inf).
+
+`grow` = (T1, grow_cache) runs the loop in two stages: first with a cache of T1 positions, then,
+only while a row is unfinished at T1, with grow_cache(cache) holding all T: the per-step
+cost of attention follows the cache's length, and most outputs end well before T.
+
+`limits` [B] gives every row its own output limit (<= T, the arrays' length): a row that
+reaches it is cut there, as if T were its length, and a row with limit 0 (a padding row) is
+finished before the first step. A row's output thus depends on its own limit only, not on the
+T its batch was compiled for (decoding.output_limits derives it from the row's source).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -25,12 +34,15 @@ from jax import lax
 Array = jax.Array
 Cache = Any
 LogitsFn = Callable[[Array, Cache], tuple[Array, Cache]]
+Grow = tuple[int, Callable[[Cache], Cache]]  # (first stage's cache length, grow_cache)
 
 PAD_ID = 0
 EOS_ID = 3
 LENGTH_PENALTIES = ("gnmt", "fairseq")
 # Cross-attention keys/values are the same for every beam of an example: never gathered.
 _NOT_GATHERED = frozenset({"cross_key", "cross_value", "cross_filled"})
+# Keys and values of a beam-shared self-attention cache stay in the slot that wrote them.
+_SLOTTED = frozenset({"cached_key", "cached_value"})
 
 
 # ------------------------------------------------------------- greedy and sampling
@@ -80,14 +92,18 @@ def sample_decode(
     temperature: float | Array = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
+    limits: Array | None = None,
+    grow: Grow | None = None,
 ) -> Array:
     """Ancestral sampling (greedy at temperature 0) -> tokens [B, T].
 
     prompt [B, P]: right-padded with 0; row b's first (prompt[b] != 0).sum() tokens are
     forced (they appear in the output) before sampling starts. Step i draws with the key
-    fold_in(rng, i). A row ends at its first non-forced EOS; padding follows.
+    fold_in(rng, i). A row ends at its first non-forced EOS or at its limit (module
+    docstring; default T); padding follows.
     """
     B, T = batch_size, max_decode_len
+    limits = _row_limits(limits, B, T)
     if prompt is None:
         prompt = jnp.zeros((B, 0), jnp.int32)
     prompt_len = (prompt != PAD_ID).sum(axis=1)  # [B]
@@ -102,15 +118,32 @@ def sample_decode(
         forced = i < prompt_len
         token = jnp.where(forced, forced_tokens[:, i], token)
         token = jnp.where(done, PAD_ID, token).astype(jnp.int32)
-        done = done | (~forced & (token == eos_id))
+        done = done | (~forced & (token == eos_id)) | (i + 1 >= limits)
         return i + 1, out.at[:, i].set(token), done, cache
 
-    def cond(state):
-        i, _, done, _ = state
-        return (i < T) & ~jnp.all(done)
+    def cond(stop):
+        return lambda state: (state[0] < stop) & ~jnp.all(state[2])
 
-    init = (jnp.array(0, jnp.int32), jnp.zeros((B, T), jnp.int32), jnp.zeros(B, bool), cache)
-    return lax.while_loop(cond, body, init)[1]
+    init = (jnp.array(0, jnp.int32), jnp.zeros((B, T), jnp.int32), limits <= 0, cache)
+    return _staged(cond, body, init, T, grow, lambda s, f: (*s[:3], f(s[3])))[1]
+
+
+def _staged(cond, body, init, T: int, grow: Grow | None, map_cache):
+    """lax.while_loop(cond(T), body, init), in two stages when `grow` is given: up to step
+    T1 with the cache as it is, then up to T with it grown (a stage whose rows are all
+    finished runs no step). map_cache(state, f) applies f to the state's cache."""
+    if grow is None or grow[0] >= T:
+        return lax.while_loop(cond(T), body, init)
+    first, grow_cache = grow
+    state = lax.while_loop(cond(first), body, init)
+    return lax.while_loop(cond(T), body, map_cache(state, grow_cache))
+
+
+def _row_limits(limits: Array | None, batch: int, length: int) -> Array:
+    """limits [B] (None: T for every row) capped at T, as int32."""
+    if limits is None:
+        return jnp.full((batch,), length, jnp.int32)
+    return jnp.minimum(jnp.asarray(limits, jnp.int32), length)
 
 
 def greedy_decode(
@@ -122,6 +155,8 @@ def greedy_decode(
     bos_id: int,
     eos_id: int = EOS_ID,
     prompt: Array | None = None,
+    limits: Array | None = None,
+    grow: Grow | None = None,
 ) -> Array:
     """Greedy search (argmax every step) -> tokens [B, T]; see `sample_decode`."""
     return sample_decode(
@@ -134,6 +169,8 @@ def greedy_decode(
         eos_id=eos_id,
         prompt=prompt,
         temperature=0.0,
+        limits=limits,
+        grow=grow,
     )
 
 
@@ -170,20 +207,35 @@ def _take_beams(x: Array, index: Array) -> Array:
 
 def gather_cache(cache: Cache, beam_index: Array) -> Cache:
     """Reorder every [B * N, ...] cache entry by beam_index [B, N] (sources within each
-    example). Scalars (cache_index, position) and cross-attention entries stay as they are."""
+    example). Scalars (cache_index, position) and cross-attention entries stay as they are.
+    A cache dict holding 'beam_origin' [B, N, T] (a beam-shared self-attention cache:
+    attention.beam_cache_attention) has only that table reordered; its keys and values stay
+    in their slots."""
     B, N = beam_index.shape
     rows = (jnp.arange(B)[:, None] * N + beam_index).reshape(-1)
 
-    def gather(path, x):
-        name = getattr(path[-1], "key", None)
-        if x.ndim == 0 or name in _NOT_GATHERED:
-            return x
-        return jnp.take(x, rows, axis=0)
+    def visit(node: Any) -> Any:
+        if isinstance(node, Mapping):
+            shared = "beam_origin" in node
+            out = {}
+            for name, x in node.items():
+                if name == "beam_origin":
+                    out[name] = _take_beams(x, beam_index)
+                elif name in _NOT_GATHERED or (shared and name in _SLOTTED):
+                    out[name] = x
+                else:
+                    out[name] = visit(x)
+            return type(node)(out) if not isinstance(node, dict) else out
+        if node.ndim == 0:
+            return node
+        return jnp.take(node, rows, axis=0)
 
-    return jax.tree_util.tree_map_with_path(gather, cache)
+    return visit(cache)
 
 
-def _beam_step(state: _Beams, tokens_to_logits: LogitsFn, bos_id, eos_id, penalty) -> _Beams:
+def _beam_step(
+    state: _Beams, tokens_to_logits: LogitsFn, bos_id, eos_id, penalty, limits
+) -> _Beams:
     """Extend every live beam by every token; keep the best N live and N finished."""
     B, N, T = state.live_seqs.shape
     i = state.i
@@ -198,13 +250,15 @@ def _beam_step(state: _Beams, tokens_to_logits: LogitsFn, bos_id, eos_id, penalt
     seqs = _take_beams(state.live_seqs, source_beam)  # [B, 2N, T]
     seqs = lax.dynamic_update_slice(seqs, token[..., None].astype(jnp.int32), (0, 0, i))
 
-    # Finished: ended with EOS, or reached the length limit (scored as they stand).
-    ends = (token == eos_id) | (i == T - 1)
+    # Finished: ended with EOS, or reached the row's length limit (scored as they stand).
+    last = (i + 1 >= limits)[:, None]  # [B, 1]
+    ends = (token == eos_id) | last
     new_scores = jnp.where(ends, top_logp / penalty(i + 1), -jnp.inf)
     fin_scores, k = lax.top_k(jnp.concatenate([state.fin_scores, new_scores], 1), N)
     fin_seqs = _take_beams(jnp.concatenate([state.fin_seqs, seqs], 1), k)
 
     live_logp, k = lax.top_k(jnp.where(token == eos_id, -jnp.inf, top_logp), N)
+    live_logp = jnp.where(last, -jnp.inf, live_logp)  # nothing may grow past the limit
     cache = gather_cache(cache, jnp.take_along_axis(source_beam, k, axis=1))
     return _Beams(i + 1, _take_beams(seqs, k), live_logp, fin_seqs, fin_scores, cache)
 
@@ -220,32 +274,40 @@ def beam_search(
     eos_id: int = EOS_ID,
     alpha: float = 0.6,
     length_penalty_kind: str = "gnmt",
+    limits: Array | None = None,
+    grow: Grow | None = None,
 ) -> tuple[Array, Array]:
     """Beam search (section 6.1) -> tokens [B, N, T] and scores [B, N], best first.
 
     `tokens_to_logits` and `cache` work on B * N rows (row b * N + n = beam n of example b).
     A hypothesis' score is its log-probability / length_penalty(length, alpha, kind);
-    finished hypotheses (EOS, or cut at T) are kept apart from the N live ones. The search
-    stops once no live beam can beat the worst of N finished: with alpha >= 0 the penalty
-    only grows with length and log-probabilities only fall, so a live beam's score is at
-    most log p / penalty(T) (the bound of flax's WMT beam search).
+    finished hypotheses (EOS, or cut at the row's limit, default T) are kept apart from the
+    N live ones. A row stops once no live beam can beat the worst of its N finished: with
+    alpha >= 0 the penalty only grows with length and log-probabilities only fall, so a live
+    beam's score is at most log p / penalty(limit) (the bound of flax's WMT beam search, with
+    the row's own limit for T); the loop stops when every row has.
     """
     if alpha < 0:
         raise ValueError(f"alpha={alpha} must be >= 0 (the early-stopping bound needs it)")
     length_penalty(1, alpha, length_penalty_kind)  # validate the kind
     B, N, T = batch_size, beam_size, max_decode_len
     penalty = functools.partial(length_penalty, alpha=alpha, kind=length_penalty_kind)
-    best_possible = penalty(T)
+    limits = _row_limits(limits, B, T)
+    best_possible = penalty(jnp.maximum(limits, 1))  # [B]
 
-    def cond(state: _Beams) -> Array:
-        best_live = state.live_logp[:, 0] / best_possible
-        worst_finished = state.fin_scores[:, -1]
-        hopeless = (worst_finished > best_live) | (best_live == -jnp.inf)
-        return (state.i < T) & ~jnp.all(hopeless)
+    def cond(stop: int):
+        def going(state: _Beams) -> Array:
+            best_live = state.live_logp[:, 0] / best_possible
+            worst_finished = state.fin_scores[:, -1]
+            hopeless = (worst_finished > best_live) | (best_live == -jnp.inf)
+            return (state.i < stop) & ~jnp.all(hopeless)
+
+        return going
 
     # All beams start as the same empty hypothesis: only beam 0 is live, or the first
-    # step would return N copies of the best token.
+    # step would return N copies of the best token. Rows with limit 0 have none.
     live_logp = jnp.tile(jnp.array([0.0] + [-jnp.inf] * (N - 1)), (B, 1))
+    live_logp = jnp.where((limits > 0)[:, None], live_logp, -jnp.inf)
     init = _Beams(
         i=jnp.array(0, jnp.int32),
         live_seqs=jnp.zeros((B, N, T), jnp.int32),
@@ -255,7 +317,12 @@ def beam_search(
         cache=cache,
     )
     step = functools.partial(
-        _beam_step, tokens_to_logits=tokens_to_logits, bos_id=bos_id, eos_id=eos_id, penalty=penalty
+        _beam_step,
+        tokens_to_logits=tokens_to_logits,
+        bos_id=bos_id,
+        eos_id=eos_id,
+        penalty=penalty,
+        limits=limits,
     )
-    final = lax.while_loop(cond, step, init)
+    final = _staged(cond, step, init, T, grow, lambda s, f: s._replace(cache=f(s.cache)))
     return final.fin_seqs, final.fin_scores

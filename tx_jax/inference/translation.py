@@ -1,8 +1,10 @@
 """Translating lines of text with a loaded checkpoint, in batches, aligned line for line.
 
-Sources are encoded as the evaluation pipeline encodes them (padded to the checkpoint's
-data.max_eval_len tokens), so the same line gets the same translation here and in
-evaluation; a line longer than that (EOS included) is truncated, with a warning.
+Sources are encoded as the evaluation pipeline encodes them (sorted by length, each batch
+padded to the smallest of the checkpoint's eval buckets that holds it), and a translation
+depends only on its own source (decoding.output_limits), so the same line gets the same
+translation here and in evaluation; a line longer than data.max_eval_len tokens (EOS
+included) is truncated, with a warning.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def translate_lines(
     warn: Callable[[str], None] = _stderr,
     progress: Callable[[int, int], None] | None = None,
     source_prefix: Sequence[int] = (),
-    length_buckets: Sequence[int] = (),
+    length_buckets: Sequence[int] | None = None,
 ) -> list[str]:
     """Translations of `lines`, aligned: one output per input, '' for blank inputs.
 
@@ -59,12 +61,14 @@ def translate_lines(
     total)` is called after every chunk of CHUNK_BATCHES batches. `source_prefix`: ids before
     every source, e.g. a multilingual model's target-language tag (multilingual.py).
 
-    `length_buckets` (e.g. (16, 32, 64)): pad each batch only to the smallest of these (or
-    max_len) that holds its longest source, instead of to max_len, one compilation per
-    length used. Faster when most lines are much shorter than max_len; the output limit is
-    then that length + 50 (decoding.decode_length), so only a hypothesis that would run
-    past it differs from the padded (evaluation's) translation."""
+    `length_buckets` (e.g. (16, 32, 64)): the lengths batches are padded to (each to the
+    smallest that holds its longest source; max_len is always one), one compilation per
+    length used; default: evaluation's (data.eval_bucket_boundaries, or 8, 16, 24, 40, ...).
+    The translations do not depend on them, nor on `batch_size` or `sort_by_length`."""
     max_len = max_len or max_source_len(loaded)
+    if length_buckets is None:
+        configured = loaded.config.data.get("eval_bucket_boundaries")
+        length_buckets = configured or eval_pipeline.eval_bucket_boundaries(max_len)
     buckets = sorted({int(b) for b in length_buckets if 0 < int(b) < max_len}) + [max_len]
     texts = [x.decode("utf-8", errors="replace") if isinstance(x, bytes) else x for x in lines]
     todo = [i for i, t in enumerate(texts) if t.strip()]

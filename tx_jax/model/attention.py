@@ -138,6 +138,61 @@ def dot_product_attention(
     return (out, weights) if return_weights else out
 
 
+def beam_cache_attention(
+    query: Array,
+    key_cache: Array,
+    value_cache: Array,
+    origin: Array,
+    index: Array,
+    *,
+    precision: Any = None,
+) -> Array:
+    """One decoding step of self-attention over a KV cache that beam search never reorders.
+
+    Beam search moves hypotheses between beam slots every step; instead of copying every
+    slot's cache to follow them, each hypothesis keeps `origin`, the slot that wrote each of
+    its positions, and attends over all N slots of its example, masked to its own history:
+    one read of the cache per step instead of a gather (read + write) and a read.
+
+    Args:
+      query: [B * N, 1, H, Dk]; row b * N + n is hypothesis n of example b.
+      key_cache: [B, N, K, T, Dk], value_cache: [B, N, K, Dv, T]: what slot n of example b
+        wrote at each position, 0 .. index included.
+      origin: [B, N, T] int32: origin[b, n, t] is the slot holding position t of hypothesis n.
+      index: the position being decoded.
+    Returns:
+      [B * N, 1, H, Dv] in value's dtype: softmax over the hypothesis' own positions 0 ..
+      index, as `dot_product_attention` with a causal mask over a reordered cache gives it.
+    """
+    BN, L, H, D = query.shape
+    B, N, T = origin.shape
+    K, Dv = key_cache.shape[2], value_cache.shape[3]
+    G = H // K
+    if L != 1 or BN != B * N:
+        raise ValueError(f"query {query.shape}: one position of {B} x {N} hypotheses expected")
+    q = query.reshape(B, N, K, G, D) * jnp.asarray(1.0 / math.sqrt(D), query.dtype)
+    # Every slot m of the example sees every hypothesis' query: batch dims (b, m, k) are the
+    # caches' leading axes, so the products read them where the step wrote them (another
+    # layout costs XLA:CPU a copy of the cache per step).
+    q = jnp.broadcast_to(jnp.transpose(q, (0, 2, 1, 3, 4))[:, None], (B, N, K, N, G, D))
+    q = q.reshape(B, N, K, N * G, D)
+    logits = jnp.einsum("bmkqd,bmktd->bmkqt", q, key_cache, precision=precision)
+    logits = logits.astype(jnp.float32).reshape(B, N, K, N, G, T)
+    slots = jnp.arange(N, dtype=origin.dtype)
+    # valid[b, m, n, t]: slot m wrote position t <= index of hypothesis n
+    valid = (origin[:, None] == slots[None, :, None, None]) & (jnp.arange(T) <= index)
+    valid = valid[:, :, None, :, None, :]  # [B, M, 1, N, 1, T]
+    logits = jnp.where(valid, logits, _NEG)
+    top = jnp.max(logits, axis=(1, 5), keepdims=True)
+    e = jnp.where(valid, jnp.exp(logits - top), 0.0)
+    weights = (e / jnp.sum(e, axis=(1, 5), keepdims=True)).reshape(B, N, K, N * G, T)
+    out = jnp.einsum(
+        "bmkqt,bmkvt->bmkqv", weights.astype(value_cache.dtype), value_cache, precision=precision
+    ).sum(axis=1)  # [B, K, N * G, Dv]
+    out = jnp.transpose(out.reshape(B, K, N, G, Dv), (0, 2, 1, 3, 4))
+    return out.reshape(BN, 1, H, Dv)
+
+
 def _check_shapes(query: Array, key: Array, value: Array) -> None:
     if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
         raise ValueError(
