@@ -8,7 +8,8 @@ import sys
 from absl import app, flags, logging
 
 from tx_jax.config import parse_assignments
-from tx_jax.inference import restore
+from tx_jax.inference import compilation, restore
+from tx_jax.ops import backend
 
 
 def define_checkpoint_flags() -> None:
@@ -40,8 +41,12 @@ def split_config_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
 
 def run_cli(main, argv: list[str] | None = None) -> None:
     """absl's app.run with '--config.*' overrides taken out first; user errors (no such
-    checkpoint, step or split, unfit config) exit with a one-line message."""
+    checkpoint, step or split, unfit config) exit with a one-line message. JAX's persistent
+    compilation cache is on (inference/compilation.py: $JAX_COMPILATION_CACHE_DIR, default
+    ~/.cache/tx_jax/jax; '' turns it off)."""
     argv = list(sys.argv if argv is None else argv)
+    backend.skip_absent_tpu()
+    compilation.use_persistent_cache()
     try:
         argv, overrides = split_config_args(argv)
     except ValueError as e:

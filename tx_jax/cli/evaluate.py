@@ -4,6 +4,7 @@ python -m tx_jax.evaluate --workdir=runs/default                  test split, be
 python -m tx_jax.evaluate --workdir=runs/default --average_last=3
 python -m tx_jax.evaluate --workdir=runs/default --sweep --beams=1,4 --alphas=0.6,1.0
 python -m tx_jax.evaluate --workdir=runs/multi --direction=de-fr [--pivot=en]
+python -m tx_jax.evaluate --workdir=runs/default --profile         where decoding's time goes
 """
 
 from __future__ import annotations
@@ -63,10 +64,25 @@ def _main(argv: list[str], overrides: dict[str, str]) -> None:
         print(f"best: {search}, BLEU {best['bleu']:.2f}")
         return
     record = evaluate(
-        f.workdir, split=f.split, beam_size=f.beam_size, alpha=f.alpha, pivot=f.pivot, **common
+        f.workdir,
+        split=f.split,
+        beam_size=f.beam_size,
+        alpha=f.alpha,
+        pivot=f.pivot,
+        profile=f.profile,
+        **common,
     )
     print(result_line(record))
     print(f"hypotheses: {record['hypotheses']}")
+    if record["profile"]:
+        from tx_jax.analysis import trace_summary
+
+        rows = trace_summary.top_ops(record["profile"])
+        print(
+            f"profile of the decode after compilation ({record['decode_seconds']:.2f} s, "
+            f"time summed over threads): {record['profile']}"
+        )
+        print(trace_summary.format_rows(rows, wall=record["decode_seconds"]))
 
 
 def main() -> None:
@@ -76,6 +92,12 @@ def main() -> None:
     flags.DEFINE_float("alpha", 0.6, "GNMT length penalty alpha (paper: 0.6).")
     flags.DEFINE_integer("limit", None, "Evaluate only the first N examples.")
     flags.DEFINE_bool("sweep", False, "Decode the validation split over --beams x --alphas.")
+    flags.DEFINE_bool(
+        "profile",
+        False,
+        "Decode the split a second time under jax.profiler (into WORKDIR/tensorboard) and "
+        "print the XLA operations that took the most time.",
+    )
     flags.DEFINE_list("beams", [str(b) for b in SWEEP_BEAMS], "Sweep: beam sizes.")
     flags.DEFINE_list("alphas", [str(a) for a in SWEEP_ALPHAS], "Sweep: length penalties.")
     flags.DEFINE_string(

@@ -8,6 +8,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from tx_jax.experiment.loop import train_and_evaluate
+from tx_jax.ops import backend
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and the tokenizer.")
@@ -21,6 +22,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.set_verbosity(logging.WARNING)
+    backend.skip_absent_tpu()
     train_and_evaluate(FLAGS.config, FLAGS.workdir)
 
 

@@ -20,7 +20,10 @@ local device whatever layout trained it; `--config.key=value` overrides the stor
         one JSON record appended per evaluation: step, split, beam, alpha, bleu, signature
         (sacreBLEU's), chrf, chrf_signature, loss, accuracy, perplexity (teacher-forced on
         the split), examples, averaged (K or null), averaged_steps, seconds (wall, all of
-        it), decode_seconds, hypotheses (path), checkpoint, limit, sweep, time, direction
+        it), decode_seconds, compile_seconds (tracing and compiling, or loading from the
+        persistent cache, within `seconds`), compiled_programs, compile_cache_hits,
+        profile (the trace directory, or null), hypotheses (path), checkpoint, limit,
+        sweep, time, direction
         and pivot (multilingual; else null)
     stdout: one result line per evaluation (and the grid for --sweep)
 
@@ -48,7 +51,7 @@ import numpy as np
 from etils import epath
 
 from tx_jax.data import directions, tasks
-from tx_jax.inference import multilingual, restore, scoring
+from tx_jax.inference import compilation, multilingual, restore, scoring
 from tx_jax.training.step import eval_sums, model_inputs
 from tx_jax.training.step import loss_metrics as reduce_loss_metrics
 
@@ -161,33 +164,12 @@ class _Split:
         self.metrics = loss_metrics(loaded, self.batches)
 
 
-def _decode(
-    loaded: restore.Loaded,
-    data: _Split,
-    beam_size: int,
-    alpha: float,
-    *,
-    write: bool,
-    pivot: str | None = None,
-) -> dict[str, Any]:
-    """Translate and score one split; write the hypotheses -> the record (no totals yet)."""
-    start = time.time()
-    if pivot:
-        if not data.direction:
-            raise restore.CheckpointError("a pivot needs a direction of a multilingual model")
-        sources = [data.pairs[i][0] for i in range(len(data.pairs))]
-        hyps = multilingual.translate_to(
-            loaded,
-            sources,
-            data.direction.split("-")[1],
-            pivot=pivot,
-            beam_size=beam_size,
-            alpha=alpha,
-            batch_size=loaded.config.data.eval_batch_size,
-            warn=lambda m: None,
-        )
-    else:
-        hyps = scoring.translate_batches(
+def _translate(
+    loaded: restore.Loaded, data: _Split, beam_size: int, alpha: float, pivot: str | None
+) -> list[str]:
+    """The split's hypotheses, in corpus order."""
+    if not pivot:
+        return scoring.translate_batches(
             loaded.model_config,
             loaded.params,
             data.batches,
@@ -196,7 +178,42 @@ def _decode(
             beam_size=beam_size,
             alpha=alpha,
         )
+    if not data.direction:
+        raise restore.CheckpointError("a pivot needs a direction of a multilingual model")
+    sources = [data.pairs[i][0] for i in range(len(data.pairs))]
+    return multilingual.translate_to(
+        loaded,
+        sources,
+        data.direction.split("-")[1],
+        pivot=pivot,
+        beam_size=beam_size,
+        alpha=alpha,
+        batch_size=loaded.config.data.eval_batch_size,
+        warn=lambda m: None,
+    )
+
+
+def _decode(
+    loaded: restore.Loaded,
+    data: _Split,
+    beam_size: int,
+    alpha: float,
+    *,
+    write: bool,
+    pivot: str | None = None,
+    profile_dir: str | epath.Path | None = None,
+) -> dict[str, Any]:
+    """Translate and score one split; write the hypotheses -> the record (no totals yet).
+    With `profile_dir`, the split is decoded a second time under jax.profiler, compiled by
+    then, so that the trace (profile_dir/plugins/profile/<time>/) shows decoding alone."""
+    start = time.time()
+    hyps = _translate(loaded, data, beam_size, alpha, pivot)
     seconds = time.time() - start
+    if profile_dir is not None:
+        with jax.profiler.trace(str(profile_dir)):
+            start = time.time()
+            _translate(loaded, data, beam_size, alpha, pivot)
+            seconds = time.time() - start  # the traced (compiled) pass's
     bleu, chrf, sig, chrf_sig = scoring.score(hyps, data.references)
     averaged = len(loaded.averaged_steps) if loaded.averaged_steps else None
     path = hypotheses_path(
@@ -244,6 +261,13 @@ def _finish(record: dict, start: float, *, write: bool, sweep: bool, workdir) ->
     return record
 
 
+def _compiled(r: Mapping[str, Any]) -> str:
+    if r.get("compile_seconds") is None:
+        return ""
+    cached = f", {r['compile_cache_hits']} from cache" if r.get("compile_cache_hits") else ""
+    return f", of which compiling {r['compile_seconds']:.1f} s ({r['compiled_programs']}{cached})"
+
+
 def result_line(r: Mapping[str, Any]) -> str:
     search = f"beam {r['beam']}" + (f" alpha {r['alpha']:g}" if r["alpha"] is not None else "")
     avg = f" (average of {r['averaged']})" if r["averaged"] else ""
@@ -252,7 +276,7 @@ def result_line(r: Mapping[str, Any]) -> str:
     return (
         f"{r['split']}{way} step {r['step']}{avg} {search}: BLEU {r['bleu']:.2f} chrF "
         f"{r['chrf']:.2f} loss {r['loss']:.4f} ppl {r['perplexity']:.2f} "
-        f"[{r['examples']} examples, {r['seconds']:.1f} s]  {r['signature']}"
+        f"[{r['examples']} examples, {r['seconds']:.1f} s{_compiled(r)}]  {r['signature']}"
     )
 
 
@@ -273,12 +297,15 @@ def evaluate(
     write: bool = True,
     direction: str | None = None,
     pivot: str | None = None,
+    profile: bool = False,
 ) -> dict[str, Any]:
     """Decode `split` of a checkpoint (restore.load's arguments) and score it -> the record
     appended to WORKDIR/eval_results.jsonl (module docstring); `write=False` writes nothing.
     `split` is 'validation', 'test' (the config's eval/test splits) or any split name;
     `limit` keeps the first N examples. A multilingual checkpoint needs `direction`
-    ('de-fr', trained or zero-shot); `pivot` ('en') translates through that language."""
+    ('de-fr', trained or zero-shot); `pivot` ('en') translates through that language.
+    `profile`: decode once more under jax.profiler, into WORKDIR/tensorboard (the record's
+    'profile'; TensorBoard's Profile tab, or analysis/trace_summary.py)."""
     start = time.time()
     loaded = load(workdir, checkpoint, step, average_last, overrides)
     return evaluate_loaded(
@@ -291,6 +318,7 @@ def evaluate(
         direction=direction,
         pivot=pivot,
         start=start,
+        profile=profile,
     )
 
 
@@ -305,12 +333,26 @@ def evaluate_loaded(
     direction: str | None = None,
     pivot: str | None = None,
     start: float | None = None,
+    profile: bool = False,
 ) -> dict[str, Any]:
     """`evaluate` of an already loaded checkpoint (load once, evaluate many directions)."""
     start = time.time() if start is None else start
-    data = _Split(loaded, split, limit, direction)
-    record = _decode(loaded, data, beam_size, alpha, write=write, pivot=pivot)
+    trace = loaded.workdir / "tensorboard" if profile else None
+    with compilation.CompileTimer() as compiled:
+        data = _Split(loaded, split, limit, direction)
+        record = _decode(
+            loaded, data, beam_size, alpha, write=write, pivot=pivot, profile_dir=trace
+        )
+    record.update(_compile_fields(compiled), profile=str(trace) if trace else None)
     return _finish(record, start, write=write, sweep=False, workdir=loaded.workdir)
+
+
+def _compile_fields(compiled: compilation.CompileTimer) -> dict[str, Any]:
+    return {
+        "compile_seconds": round(compiled.seconds, 3),
+        "compiled_programs": compiled.programs,
+        "compile_cache_hits": compiled.cache_hits,
+    }
 
 
 def evaluate_directions(
@@ -357,7 +399,9 @@ def sweep(
     points = []
     for beam in sorted(set(beams)):
         for alpha in sorted(set(alphas)) if beam > 1 else [None]:
-            record = _decode(loaded, data, beam, alpha or 0.0, write=write)
+            with compilation.CompileTimer() as compiled:
+                record = _decode(loaded, data, beam, alpha or 0.0, write=write)
+            record.update(_compile_fields(compiled))
             points.append(_finish(record, start, write=write, sweep=True, workdir=loaded.workdir))
     best = points[int(np.argmax([p["bleu"] for p in points]))]
     return {"best": best, "points": points}

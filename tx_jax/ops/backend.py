@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import glob
+import importlib.util
+import os
 
 import jax
 
@@ -37,3 +40,19 @@ def target(platform: str):
         yield platform
     finally:
         _TARGET.reset(token)
+
+
+def skip_absent_tpu() -> str | None:
+    """On a host without TPU chips, keep JAX from starting libtpu (tx_jax's `plan` extra
+    installs it; it then probes for chips at start-up and prints errors): name the host's
+    platforms instead, as launch.sh does -> the platforms set, or None (JAX_PLATFORMS
+    already set, TPU chips present, or no libtpu)."""
+    if os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms:
+        return None
+    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+        return None
+    if importlib.util.find_spec("libtpu") is None:
+        return None
+    platforms = "cuda,cpu" if os.path.exists("/dev/nvidiactl") else "cpu"
+    jax.config.update("jax_platforms", platforms)
+    return platforms
