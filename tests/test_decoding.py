@@ -195,7 +195,7 @@ def test_outputs_depend_on_each_source_not_on_its_padding_or_batch(translation):
     cfg, params = translation
     kw = dict(max_len_a=1.0, max_len_b=2)  # limits 7 and 5: a random model runs into them
     padded = jnp.pad(SRC, ((0, 1), (0, 4)))  # [3, 9]: four more padding columns, a padding row
-    for search, decode in (
+    for way, decode in (
         ("greedy", lambda x: decoding.translate_greedy(cfg, params, x, **kw)),
         ("beam", lambda x: decoding.translate_beam(cfg, params, x, beam_size=3, **kw)[0][:, 0]),
         ("sample", lambda x: decoding.sample(cfg, params, jax.random.key(1), inputs=x, **kw)),
@@ -206,7 +206,7 @@ def test_outputs_depend_on_each_source_not_on_its_padding_or_batch(translation):
         got = np.asarray(decode(padded))  # T = 9 + 2
         np.testing.assert_array_equal(got[:2, :7], want)
         assert not got[:2, 7:].any() and not got[2].any()
-        if search != "sample":  # a sample's random draws depend on the batch's shape
+        if way != "sample":  # a sample's random draws depend on the batch's shape
             alone = np.asarray(decode(SRC[1:, :3]))  # row 1 by itself, unpadded: T = 3 + 2
             np.testing.assert_array_equal(alone[0], want[1, :5])
 

@@ -15,8 +15,9 @@ at every step. Benchmarks compare the two for speed and tests check that they ag
 
 The searches (search.py: `greedy_decode`, `beam_search`, `sample_decode`) see only the
 logits function; each is a `lax.while_loop` with static shapes that stops as soon as every
-row is finished (two, for translation: the cache starts short and grows only if needed). `translate_greedy`, `translate_beam` and `sample` are the jitted entry points:
-a ModelConfig, the 'params' collection and token arrays in, tokens out.
+row is finished (two, for translation: the cache starts short and grows only if needed).
+`translate_greedy`, `translate_beam` and `sample` are the jitted entry points: a
+ModelConfig, the 'params' collection and token arrays in, tokens out.
 
 Conventions: outputs never contain BOS. A sequence ends with its EOS and holds padding (0)
 after it. Padding is never generated: its log-probability is set to -inf.
