@@ -73,7 +73,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.input_shards = 1
     c.data.eval_split = "validation"
     c.data.test_split = "test"
-    c.data.eval_batch_size = 128  # rows per eval/decode batch
+    # Sentences per eval/decode batch: on a 2-core CPU small batches decode fastest (sorted by
+    # length, they finish together; BENCHMARKS.md "Evaluation speed"); accelerators want more.
+    c.data.eval_batch_size = 16
     c.data.lm_side = "target"  # task='lm': the side of the pairs modelled (target|source|both)
     # Multilingual (tx_jax/data/directions.py; configs/multilingual.py): one model, several
     # directions, a '<2xx>' target-language tag before each source, one shared vocabulary.

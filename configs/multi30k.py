@@ -62,7 +62,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.packing = True  # several pairs per row, separated by segment ids
     c.data.eval_split = "validation"  # 1,014 pairs (val.*.gz)
     c.data.test_split = "test_2016_flickr"  # 1,000 pairs: the usual Multi30k test set
-    c.data.eval_batch_size = 128  # rows per eval/decode batch
+    c.data.eval_batch_size = 16  # sentences per eval/decode batch (CPU: small is fastest)
 
     # Training: ~110 steps per epoch at 4k tokens; ~90 epochs with warmup 1/10 of the paper's.
     c.train.num_steps = 10_000

@@ -82,7 +82,9 @@ def main() -> None:
     common.define_checkpoint_flags()
     flags.DEFINE_integer("beam_size", 4, "Beam size; 1 is greedy (paper: 4).")
     flags.DEFINE_float("alpha", 0.6, "GNMT length penalty alpha (paper: 0.6).")
-    flags.DEFINE_integer("batch_size", 64, "Source lines per decoding batch.")
+    flags.DEFINE_integer(
+        "batch_size", None, "Source lines per decoding batch (default: data.eval_batch_size)."
+    )
     flags.DEFINE_integer(
         "max_len",
         None,

@@ -217,11 +217,14 @@ class MultilingualTask:
         )
         return tasks.sharded_train_iterator(self.data, self.seed, build, batch_multiple, spans)
 
-    def eval_batches(self, split: str, batch_multiple: int, limit: int | None = None):
+    def eval_batches(
+        self, split: str, batch_multiple: int, limit: int | None = None, *, one_shape=False
+    ):
         """Every training direction's eval batches, one after another (for the loss: their
-        'example_index' counts within each direction)."""
+        'example_index' counts within each direction); `one_shape` as TranslationTask's."""
         parts = [
-            self.direction(n).eval_batches(split, batch_multiple, limit) for n in self.directions
+            self.direction(n).eval_batches(split, batch_multiple, limit, one_shape=one_shape)
+            for n in self.directions
         ]
         stats = {k: sum(p.stats[k] for p in parts) for k in parts[0].stats}
         batches = [b for p in parts for b in p.batches]

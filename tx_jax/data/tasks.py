@@ -207,23 +207,31 @@ class TranslationTask:
         )
         return sharded_train_iterator(self.data, self.seed, build, batch_multiple, spans)
 
-    def eval_batches(self, split: str, batch_multiple: int, limit: int | None = None):
-        """This process's share of the examples (every example when `shard_eval` is False)."""
+    def eval_batches(
+        self, split: str, batch_multiple: int, limit: int | None = None, *, one_shape=False
+    ):
+        """This process's share of the examples (every example when `shard_eval` is False):
+        sorted by length and padded to the eval buckets, for decoding (a sentence's output
+        limit is its own, so padding changes no hypothesis, and short batches decode in a
+        fraction of the time); `one_shape`: in corpus order, all padded to max_eval_len, for
+        the teacher-forced loss (one program to compile, and its cost is small)."""
         d = self.data
         every = {} if self.shard_eval else {"process_index": 0, "process_count": 1}
+        if one_shape:
+            shapes = dict(bucket_boundaries=[d.max_eval_len])
+        else:
+            buckets = eval_pipeline.eval_bucket_boundaries(
+                d.max_eval_len, d.get("eval_bucket_boundaries")
+            )
+            shapes = dict(bucket_boundaries=buckets, sort_by_length=True)
         return eval_pipeline.make_eval_batches(
             self.pairs(split, limit),
             self.tokenizer,
             max_len=d.max_eval_len,
             batch_size=d.eval_batch_size,
             batch_multiple=batch_multiple,
-            # Sorted and bucketed: decoding no longer depends on padding (each sentence's
-            # output limit is its own), and short batches decode in a fraction of the time.
-            bucket_boundaries=eval_pipeline.eval_bucket_boundaries(
-                d.max_eval_len, d.get("eval_bucket_boundaries")
-            ),
-            sort_by_length=True,
             source_prefix=self.source_prefix,
+            **shapes,
             **every,
         )
 
@@ -398,8 +406,11 @@ class LMTask:
         )
         return sharded_train_iterator(self.data, self.seed, build, batch_multiple, spans)
 
-    def eval_batches(self, split: str, batch_multiple: int, limit: int | None = None):
-        """This process's share of the texts (all of them when `shard_eval` is False)."""
+    def eval_batches(
+        self, split: str, batch_multiple: int, limit: int | None = None, *, one_shape=True
+    ):
+        """This process's share of the texts (all of them when `shard_eval` is False), in
+        corpus order, every batch [eval_batch_size, max_eval_len]."""
         d = self.data
         every = {} if self.shard_eval else {"process_index": 0, "process_count": 1}
         return eval_pipeline.make_lm_eval_batches(

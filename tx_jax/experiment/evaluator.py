@@ -39,7 +39,8 @@ class Evaluator:
     def evaluate(self, state, step: int, logger, *, bleu: bool) -> dict[str, float]:
         run = self.run
         multiple = run.strategy.local_batch_multiple
-        metrics = self._loss_metrics(state, run.task.eval_batches("validation", multiple))
+        batches = run.task.eval_batches("validation", multiple, one_shape=True)
+        metrics = self._loss_metrics(state, batches)
         if bleu and run.config.eval.bleu_examples > 0 and task_of(run.config) != "lm":
             metrics.update(self._bleu(state, "validation", run.config.eval.bleu_examples))
         logger.write(step, "validation", {k: v for k, v in metrics.items() if _is_num(v)})
@@ -68,7 +69,9 @@ class Evaluator:
         if task_of(self.run.config) != "lm":
             return self.test_bleu(state, step, logger)
         split, multiple = self.run.config.eval.test_split, self.run.strategy.local_batch_multiple
-        result = self._loss_metrics(state, self.run.task.eval_batches(split, multiple))
+        result = self._loss_metrics(
+            state, self.run.task.eval_batches(split, multiple, one_shape=True)
+        )
         logger.write(step, split, result)
         console.language_model_test(step, result)
         return {f"test_{k}": v for k, v in result.items()}

@@ -240,33 +240,42 @@ def _translation_cache(
     config: ModelConfig, params: Any, inputs: Array, T: int, num_beams: int, use_cache: bool
 ):
     """-> (logits function, cache of the first stage's length, grow or None): search.py's
-    two-stage loop; grow's function pads every cache entry to its length-T shape."""
+    two-stage loop; grow's function pads the cache's positions to T (`grow_cache`)."""
     first = min(T, inputs.shape[1] + FIRST_STAGE)
-
-    def build(length: int):
-        return encoder_decoder_logits_fn(
-            config,
-            params,
-            inputs,
-            max_decode_len=length,
-            num_beams=num_beams,
-            use_cache=use_cache,
-        )
-
-    fn, cache = build(first)
+    fn, cache = encoder_decoder_logits_fn(
+        config, params, inputs, max_decode_len=first, num_beams=num_beams, use_cache=use_cache
+    )
     if first >= T:
         return fn, cache, None
-    full = jax.eval_shape(lambda: build(T)[1])
+    return fn, cache, (first, functools.partial(grow_cache, old=first, new=T))
 
-    def grow_cache(cache: Cache) -> Cache:  # new positions are empty: zeros after the old
-        def pad(x: Array, like: Any) -> Array:
-            if x.shape == like.shape:
-                return x
-            return jnp.pad(x, [(0, b - a) for a, b in zip(x.shape, like.shape)])
 
-        return jax.tree.map(pad, cache, full)
+# Where each cache entry keeps its positions (MultiHeadAttention's heads-major layout, the
+# beam origin table, the no-cache reference's token prefix).
+_POSITION_AXIS = {"cached_key": -2, "cached_value": -1, "beam_origin": -1, "tokens": -1}
 
-    return fn, cache, (first, grow_cache)
+
+def grow_cache(cache: Cache, *, old: int, new: int) -> Cache:
+    """A cache of `old` positions -> the same with `new`: every positional entry padded with
+    empty (zero) positions after its own."""
+
+    def visit(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for name, x in node.items():
+            axis = _POSITION_AXIS.get(name)
+            if axis is None or isinstance(x, dict):
+                out[name] = visit(x)
+                continue
+            if x.shape[axis] != old:
+                raise ValueError(f"cache entry {name!r} {x.shape}: expected {old} positions")
+            pad = [(0, 0)] * x.ndim
+            pad[axis] = (0, new - old)
+            out[name] = jnp.pad(x, pad)
+        return out
+
+    return visit(cache)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "eos_id", "use_cache", *_LIMIT_ARGS))

@@ -39,7 +39,7 @@ def translate_to(
     pivot: str | None = None,
     beam_size: int = 4,
     alpha: float = 0.6,
-    batch_size: int = 64,
+    batch_size: int | None = None,
     **kwargs: Any,
 ) -> list[str]:
     """Hypotheses in `target_lang`, one per source ('' for a blank one), in order.

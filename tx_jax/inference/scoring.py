@@ -11,12 +11,13 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import flax.linen as nn
 import jax
 import numpy as np
 import sacrebleu
 
 from tx_jax.data.tokenizer import Tokenizer
-from tx_jax.inference import decoding
+from tx_jax.inference import compilation, decoding
 from tx_jax.model.config import ModelConfig
 
 
@@ -65,6 +66,14 @@ def score(hypotheses: Sequence[str], references: Sequence[str]) -> tuple[float, 
     return b.score, c.score, str(bleu.get_signature()), str(chrf.get_signature())
 
 
+def _greedy(params: Any, inputs: jax.Array, *, config: ModelConfig, **kw: Any):
+    return decoding.translate_greedy(config, params, inputs, **kw)
+
+
+def _beam(params: Any, inputs: jax.Array, *, config: ModelConfig, **kw: Any):
+    return decoding.translate_beam(config, params, inputs, **kw)
+
+
 def translate_batches(
     model_config: ModelConfig,
     params: Any,
@@ -81,24 +90,22 @@ def translate_batches(
     Batches carry 'inputs' [B, S], 'example_index' [B] and 'example_mask' [B]."""
     out: list[str | None] = [None] * num_examples
     eos = tokenizer.eos_id
+    params = nn.meta.unbox(params)
+    batches = list(batches)
+    pending = []  # dispatched, not yet fetched: JAX runs them while Python moves on
     for batch in batches:
         inputs = jax.numpy.asarray(batch["inputs"])
+        static = dict(config=model_config, max_decode_len=max_decode_len, eos_id=eos)
         if beam_size == 1:
-            tokens = decoding.translate_greedy(
-                model_config, params, inputs, max_decode_len=max_decode_len, eos_id=eos
-            )
+            tokens = compilation.cached_call(_greedy, static, params, inputs)
         else:
-            tokens, _ = decoding.translate_beam(
-                model_config,
-                params,
-                inputs,
-                beam_size=beam_size,
-                alpha=alpha,
-                max_decode_len=max_decode_len,
-                eos_id=eos,
-            )
-            tokens = tokens[:, 0]  # best first
+            static.update(beam_size=beam_size, alpha=alpha)
+            tokens, _ = compilation.cached_call(_beam, static, params, inputs)
+        pending.append((batch, tokens))
+    for batch, tokens in pending:
         tokens = np.asarray(jax.device_get(tokens))
+        if beam_size > 1:
+            tokens = tokens[:, 0]  # best first
         for row, (index, valid) in enumerate(zip(batch["example_index"], batch["example_mask"])):
             if valid:
                 out[int(index)] = tokenizer.decode(tokens[row].tolist())

@@ -47,7 +47,7 @@ def translate_lines(
     *,
     beam_size: int = 4,
     alpha: float = 0.6,
-    batch_size: int = 64,
+    batch_size: int | None = None,
     max_len: int | None = None,
     sort_by_length: bool = True,
     warn: Callable[[str], None] = _stderr,
@@ -57,15 +57,18 @@ def translate_lines(
 ) -> list[str]:
     """Translations of `lines`, aligned: one output per input, '' for blank inputs.
 
-    Sources are truncated to `max_len` tokens (default `max_source_len`); `progress(done,
-    total)` is called after every chunk of CHUNK_BATCHES batches. `source_prefix`: ids before
-    every source, e.g. a multilingual model's target-language tag (multilingual.py).
+    `batch_size`: sentences per decoding batch (default the checkpoint's
+    data.eval_batch_size). Sources are truncated to `max_len` tokens (default
+    `max_source_len`); `progress(done, total)` is called after every chunk of CHUNK_BATCHES
+    batches. `source_prefix`: ids before every source, e.g. a multilingual model's
+    target-language tag (multilingual.py).
 
     `length_buckets` (e.g. (16, 32, 64)): the lengths batches are padded to (each to the
     smallest that holds its longest source; max_len is always one), one compilation per
     length used; default: evaluation's (data.eval_bucket_boundaries, or 8, 16, 24, 40, ...).
     The translations do not depend on them, nor on `batch_size` or `sort_by_length`."""
     max_len = max_len or max_source_len(loaded)
+    batch_size = batch_size or loaded.config.data.eval_batch_size
     if length_buckets is None:
         configured = loaded.config.data.get("eval_bucket_boundaries")
         length_buckets = configured or eval_pipeline.eval_bucket_boundaries(max_len)
