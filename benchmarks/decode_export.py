@@ -1,19 +1,29 @@
-"""Decoding speed of one trained model in tx_jax, Transformers and CTranslate2.
+"""Decoding speed of one trained model in tx_jax, Transformers and CTranslate2: in process
+after compilation, and whole processes timed from outside.
 
     python benchmarks/decode_export.py --workdir=runs/default [--n 1000] [--threads 2]
-        [--batch 64] [--searches greedy,beam4]
+        [--batch 64] [--searches greedy,beam4] [--processes 2] [--skip_in_process]
 
 The checkpoint is exported (tx_jax.interop) to a Transformers MarianMT directory and to
 CTranslate2 (float32 and int8) under WORKDIR/export_bench/, then the first N sentences of
-the run's test split are translated by each, greedy and beam 4 (alpha 0.6), in batches of
---batch sentences, on --threads CPU threads each (JAX: the process's CPU affinity; torch:
-set_num_threads; CTranslate2: intra_threads, one translator). tx_jax runs twice: every
-source padded to data.max_eval_len, as evaluation pads it, and with --length_buckets (each
-batch padded to the smallest bucket that holds it). Each system first translates one batch
-(one per bucket: compilation, allocation), then the N sentences are timed once, whole.
-Target tokens are the hypotheses' SentencePiece pieces plus EOS, counted the same way for
-every system. Also reported: sacreBLEU against the references, and the share of hypotheses
-identical to tx_jax's (padded). Writes benchmarks/results/decode_export.json.
+the run's test split are translated by each, greedy and beam 4 (alpha 0.6), on --threads CPU
+threads each (JAX: the process's CPU affinity; torch: set_num_threads; CTranslate2:
+intra_threads, one translator).
+
+In process: tx_jax runs as evaluation and `translate` run it by default (sources sorted by
+length, each batch padded to the smallest eval bucket that holds it) and, for reference,
+with every source padded to data.max_eval_len (the old default); Transformers and
+CTranslate2 get batches of --batch sentences. Each system first translates the N sentences
+once (compilation, allocation), then they are timed once, whole. Target tokens are the
+hypotheses' SentencePiece pieces plus EOS, counted the same way for every system. Also
+reported: sacreBLEU against the references, and the share of hypotheses identical to
+tx_jax's.
+
+Whole processes (--processes R > 0, R runs each, the median reported): `python -m
+tx_jax.evaluate --workdir=W --split=test --beam_size=B` with a cold JAX compilation cache (a
+new directory) and a warm one (the same directory, second run), and a process that loads
+the CTranslate2 (float32) or Transformers export, translates the split and scores it with
+sacreBLEU, as a user of those would. Writes benchmarks/results/decode_export.json.
 """
 
 from __future__ import annotations
@@ -34,7 +44,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--searches", default="greedy,beam4")
-    parser.add_argument("--length_buckets", default="16,32,64", help="tx_jax's second row")
+    parser.add_argument("--processes", type=int, default=2, help="runs per whole process")
+    parser.add_argument("--skip_in_process", action="store_true")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     threads = _common.pin_threads(args.threads)
@@ -68,27 +79,19 @@ def main() -> None:
         )
     max_len = huggingface.max_decode_len(loaded)
 
-    buckets = [int(x) for x in args.length_buckets.split(",") if x]
-
-    def run_tx_jax(lines, beam, length_buckets=()):
+    def run_tx_jax(lines, beam, length_buckets=None):
         return translate_lines(
             loaded,
             lines,
             beam_size=beam,
             alpha=0.6,
-            batch_size=args.batch,
+            batch_size=loaded.config.data.eval_batch_size,
             length_buckets=length_buckets,
+            warn=lambda m: None,
         )
 
-    def run_tx_jax_buckets(lines, beam):
-        return run_tx_jax(lines, beam, buckets)
-
-    def warm_tx_jax_buckets(lines, beam):  # one batch per bucket: every program compiles
-        bounds = [0] + buckets + [loaded.config.data.max_eval_len]
-        for lo, hi in zip(bounds, bounds[1:]):
-            part = [s for s in lines if lo < len(tok.encode(s)) + 1 <= hi][: args.batch]
-            if part:
-                run_tx_jax_buckets(part, beam)
+    def run_tx_jax_padded(lines, beam):
+        return run_tx_jax(lines, beam, length_buckets=())
 
     def run_hf(lines, beam):
         out = []
@@ -116,20 +119,18 @@ def main() -> None:
         return run
 
     systems = {
-        "tx_jax (jit, KV cache)": run_tx_jax,
-        f"tx_jax, length buckets {args.length_buckets}": run_tx_jax_buckets,
+        "tx_jax (sorted, eval buckets: the default)": run_tx_jax,
+        "tx_jax, every source padded to max_eval_len": run_tx_jax_padded,
         "transformers generate": run_hf,
         "ctranslate2 float32": run_ct2("float32"),
         "ctranslate2 int8": run_ct2("int8"),
     }
-    warmups = {f"tx_jax, length buckets {args.length_buckets}": warm_tx_jax_buckets}
     rows, records = [], []
-    for search in args.searches.split(","):
+    for search in args.searches.split(",") if not args.skip_in_process else []:
         beam = 1 if search == "greedy" else int(search.removeprefix("beam"))
         reference_hyps = None
         for name, run in systems.items():
-            warm = warmups.get(name, lambda lines, beam, run=run: run(lines[: args.batch], beam))
-            warm(sources, beam)  # compilation, allocation
+            run(sources, beam)  # compilation, allocation
             start = time.perf_counter()
             hyps = run(sources, beam)
             seconds = time.perf_counter() - start
@@ -148,17 +149,7 @@ def main() -> None:
                 same_as_tx_jax=same,
             )
             records.append(record)
-            rows.append(
-                [
-                    name,
-                    search,
-                    seconds,
-                    record["sentences_per_s"],
-                    record["target_tokens_per_s"],
-                    bleu,
-                    same,
-                ]
-            )
+            rows.append([name, search, seconds, len(hyps) / seconds, tokens / seconds, bleu, same])
             print(rows[-1], flush=True)
     headers = [
         "system",
@@ -169,7 +160,9 @@ def main() -> None:
         "BLEU",
         "same as tx_jax",
     ]
-    print(_common.table(headers, rows))
+    if rows:
+        print(_common.table(headers, rows))
+    processes = whole_processes(args, loaded, out_dir, len(sources), threads)
     meta = dict(
         n=len(sources),
         threads=threads,
@@ -181,9 +174,130 @@ def main() -> None:
             "ctranslate2": ctranslate2.__version__,
         },
     )
+    payload = dict(meta, results=records, processes=processes)
+    print("wrote", _common.write_json("decode_export", payload, args.out or None))
+
+
+# A user of the exports: load, translate the test split, score it (the references and
+# sources come from a file the benchmark writes).
+_CT2_PROCESS = """
+import json, sys, ctranslate2, sacrebleu, sentencepiece as spm
+d = json.load(open(sys.argv[1]))
+tok = spm.SentencePieceProcessor(model_file=d["tokenizer"])
+tr = ctranslate2.Translator(d["model"], device="cpu", inter_threads=1, intra_threads=d["threads"])
+pieces = [tok.encode(s, out_type=str) for s in d["sources"]]
+out = tr.translate_batch(pieces, max_batch_size=64, beam_size=d["beam"], length_penalty=0.6,
+                         max_decoding_length=d["max_len"])
+hyps = [tok.decode(r.hypotheses[0]) for r in out]
+print(sacrebleu.corpus_bleu(hyps, [d["refs"]]).score)
+"""
+_HF_PROCESS = """
+import json, sys, torch, transformers, sacrebleu, sentencepiece as spm
+d = json.load(open(sys.argv[1]))
+torch.set_num_threads(d["threads"])
+tok = spm.SentencePieceProcessor(model_file=d["tokenizer"])
+model = transformers.AutoModelForSeq2SeqLM.from_pretrained(d["model"]).eval()
+hf_tok = transformers.AutoTokenizer.from_pretrained(d["model"])
+hyps = []
+for i in range(0, len(d["sources"]), 64):
+    batch = hf_tok(d["sources"][i : i + 64], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        ids = model.generate(**batch, num_beams=d["beam"], length_penalty=0.6, do_sample=False)
+    hyps += [tok.decode(x[1:].tolist()) for x in ids]
+print(sacrebleu.corpus_bleu(hyps, [d["refs"]]).score)
+"""
+
+
+def whole_processes(args, loaded, out_dir: str, n: int, threads: int) -> list[dict]:
+    """Each whole process, timed from outside: tx_jax's evaluate (cold and warm compilation
+    cache), CTranslate2 float32 and Transformers; the median of args.processes runs."""
+    if args.processes < 1:
+        return []
+    import json
+    import subprocess
+    import tempfile
+
+    from tx_jax.data import tasks
+    from tx_jax.interop import huggingface
+
+    split = tasks.load_split(loaded.config.data, "test")
+    pairs = [split[i] for i in range(n)]
+    work = tempfile.mkdtemp(prefix="decode_export_")
+    cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    pin = ["taskset", "-c", cpus]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    results = []
+
+    def timed(name: str, search: str, command: list[str], extra_env=None, fresh=None) -> None:
+        times, outputs = [], []
+        for _ in range(args.processes):
+            if fresh:
+                fresh()
+            start = time.perf_counter()
+            proc = subprocess.run(
+                pin + command, env=dict(env, **(extra_env or {})), capture_output=True, text=True
+            )
+            times.append(time.perf_counter() - start)
+            if proc.returncode:
+                raise RuntimeError(f"{name}: {proc.stderr[-2000:]}")
+            outputs.append(proc.stdout.strip().splitlines()[0])
+        record = dict(
+            system=name,
+            search=search,
+            seconds=_common.median(times),
+            runs=times,
+            output=outputs[-1],
+        )
+        results.append(record)
+        print(f"process: {name} {search}: {record['seconds']:.2f} s (runs {times})", flush=True)
+
+    exports = {
+        "ctranslate2 float32": (_CT2_PROCESS, os.path.join(out_dir, "ct2_float32")),
+        "transformers generate": (_HF_PROCESS, os.path.join(out_dir, "hf")),
+    }
+    for search in args.searches.split(","):
+        beam = 1 if search == "greedy" else int(search.removeprefix("beam"))
+        evaluate = [
+            sys.executable,
+            "-m",
+            "tx_jax.evaluate",
+            f"--workdir={args.workdir}",
+            "--split=test",
+            f"--beam_size={beam}",
+        ]
+        if n < len(split):
+            evaluate.append(f"--limit={n}")
+        cold_dir = os.path.join(work, f"jax_cache_cold_{beam}")
+
+        def empty(path=cold_dir):
+            subprocess.run(["rm", "-rf", path], check=True)
+
+        cache = {"JAX_COMPILATION_CACHE_DIR": cold_dir, "JAX_PLATFORMS": "cpu"}
+        timed("tx_jax evaluate, cold compilation cache", search, evaluate, cache, fresh=empty)
+        timed("tx_jax evaluate, warm compilation cache", search, evaluate, cache)
+        for name, (code, model) in exports.items():
+            spec = os.path.join(work, f"{beam}.json")
+            with open(spec, "w") as f:
+                json.dump(
+                    dict(
+                        sources=[s for s, _ in pairs],
+                        refs=[r for _, r in pairs],
+                        tokenizer=str(loaded.workdir / "tokenizer.model"),
+                        model=model,
+                        beam=beam,
+                        threads=threads,
+                        max_len=huggingface.max_decode_len(loaded),
+                    ),
+                    f,
+                )
+            timed(name, search, [sys.executable, "-c", code, spec])
     print(
-        "wrote", _common.write_json("decode_export", dict(meta, results=records), args.out or None)
+        _common.table(
+            ["whole process", "search", "seconds (median)", "first line of output"],
+            [[r["system"], r["search"], r["seconds"], r["output"][:60]] for r in results],
+        )
     )
+    return results
 
 
 if __name__ == "__main__":

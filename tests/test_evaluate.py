@@ -301,3 +301,18 @@ def test_clear_errors(workdir, tmp_path):
         f"error: no checkpoint for step 7 in {workdir}/checkpoints; available steps: [30, 60, 90]"
         in err
     )
+
+
+def test_profile_traces_a_compiled_decode_and_names_its_operations(workdir):
+    from tx_jax.analysis import trace_summary
+
+    record = evaluation.evaluate(workdir, split="test", beam_size=2, limit=8, profile=True)
+    assert record["profile"] == str(workdir / "tensorboard")
+    assert record["compiled_programs"] >= 1 and record["compile_seconds"] > 0
+    rows = trace_summary.top_ops(record["profile"], n=10)
+    assert rows and all(ms > 0 and runs >= 1 for _, ms, runs in rows)
+    names = " ".join(name for name, _, _ in rows)
+    assert "fusion" in names or "dot" in names  # XLA's operations, not Python frames
+    assert "np.asarray" not in names and "PjitFunction" not in names
+    table = trace_summary.format_rows(rows, wall=record["decode_seconds"])
+    assert table.splitlines()[0].split()[:3] == ["operation", "ms", "runs"]

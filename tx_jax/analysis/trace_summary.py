@@ -4,10 +4,11 @@ TensorBoard: the XLA operations (fusions, dots, copies) of the traced programs, 
     rows = trace_summary.top_ops(trace_dir)            [(name, total ms, calls), ...]
     print(trace_summary.format_rows(rows, wall=...))
 
-On CPU, XLA's thunk executor records one event per operation run, named as in the compiled
-HLO (`jax.jit(f).lower(...).compile().as_text()` shows what each fusion holds); the same
-operation is counted once per loop iteration. Events of the executor itself and of Python
-are left out. `python -m tx_jax.evaluate --profile` prints this for a decode.
+On CPU, XLA's thunk executor records one event per operation run on its worker threads,
+named as in the compiled HLO (`jax.jit(f).lower(...).compile().as_text()` shows what each
+fusion holds); the same operation is counted once per loop iteration. Events of the
+executor itself and of Python are left out. `python -m tx_jax.evaluate --profile` prints
+this for a decode.
 """
 
 from __future__ import annotations
@@ -18,13 +19,16 @@ from collections.abc import Sequence
 import jax
 from etils import epath
 
-# Events that enclose others (the executor, Python frames, thread-pool waits), not operations.
+# Where operations run: XLA:CPU's thunk-executor threads; an accelerator's "XLA Ops" line.
+_OP_LINES = ("tf_XLAEigen", "XLA Ops")
+# Events there that enclose others (the executor, thread-pool waits), not operations.
 _ENCLOSING = ("ThunkExecutor", "Await", "$", "PjRt", "TfrtCpu", "XlaModule", "Execute")
 
 
 def latest_trace(trace_dir: str | epath.Path) -> epath.Path:
     """The newest *.xplane.pb under `trace_dir` (jax.profiler writes plugins/profile/<time>/)."""
-    files = sorted(epath.Path(trace_dir).glob("**/*.xplane.pb"), key=lambda p: p.stat().mtime)
+    found = epath.Path(trace_dir).glob("plugins/profile/*/*.xplane.pb")  # jax.profiler's layout
+    files = sorted(found, key=lambda p: p.stat().mtime)
     if not files:
         raise FileNotFoundError(f"no *.xplane.pb trace under {trace_dir}")
     return files[-1]
@@ -38,7 +42,7 @@ def top_ops(trace_dir: str | epath.Path, n: int = 15) -> list[tuple[str, float, 
     calls: collections.Counter[str] = collections.Counter()
     for plane in data.planes:
         for line in plane.lines:
-            if line.name == "python":
+            if not line.name.startswith(_OP_LINES):
                 continue
             for event in line.events:
                 if any(event.name.startswith(p) or p in event.name for p in _ENCLOSING):
