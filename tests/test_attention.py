@@ -498,7 +498,7 @@ def test_kv_cache_equals_full_causal_attention(rope):
     want = full.apply({"params": params}, x, is_causal=True)
     step = MultiHeadAttention(num_heads=4, num_kv_heads=2, rope_base=rope, decode=True)
     cache = step.init(jax.random.key(0), x)["cache"]
-    assert cache["cached_key"].shape == (B, L, 2, 4)
+    assert cache["cached_key"].shape == (B, 2, L, 4)  # heads-major: [B, K, T, Dk]
     outs = []
     for t in [0, 1, 2]:  # one token at a time ...
         o, upd = step.apply({"params": params, "cache": cache}, x[:, t : t + 1], mutable="cache")

@@ -157,8 +157,16 @@ def test_greedy_translations_identical_in_all_three(hf, loaded, sources, tmp_pat
     assert longest <= loaded.config.data.max_eval_len  # nothing truncated by tx_jax alone
     ours = translate_lines(loaded, sources, beam_size=1)
     assert len(set(ours)) > 3  # a model that says something different per sentence
-    assert _hf_greedy(hf, loaded, sources) == ours
-    assert _ct2_translate(_ct2(loaded, tmp_path / "ct2"), loaded, sources) == ours
+    # tx_jax cuts each sentence at its own n + 50 tokens; an export carries one maximum (the
+    # longest source's + 50), so only sentences that ended with EOS must be the same.
+    tok = loaded.tokenizer
+    ended = [len(tok.encode(h)) + 1 < len(tok.encode(s)) + 1 + 50 for s, h in zip(sources, ours)]
+    assert sum(ended) >= 0.5 * len(sources)
+    same = lambda theirs: (
+        [t for t, e in zip(theirs, ended) if e] == [o for o, e in zip(ours, ended) if e]
+    )
+    assert same(_hf_greedy(hf, loaded, sources))
+    assert same(_ct2_translate(_ct2(loaded, tmp_path / "ct2"), loaded, sources))
 
 
 def test_beam_search_agrees_on_most(hf, loaded, sources, tmp_path):
