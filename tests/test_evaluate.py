@@ -314,5 +314,6 @@ def test_profile_traces_a_compiled_decode_and_names_its_operations(workdir):
     names = " ".join(name for name, _, _ in rows)
     assert "fusion" in names or "dot" in names  # XLA's operations, not Python frames
     assert "np.asarray" not in names and "PjitFunction" not in names
+    assert not any(name.startswith("while") for name, _, _ in rows)  # loops enclose their ops
     table = trace_summary.format_rows(rows, wall=record["decode_seconds"])
     assert table.splitlines()[0].split()[:3] == ["operation", "ms", "runs"]

@@ -14,6 +14,7 @@ this for a decode.
 from __future__ import annotations
 
 import collections
+import re
 from collections.abc import Sequence
 
 import jax
@@ -21,8 +22,10 @@ from etils import epath
 
 # Where operations run: XLA:CPU's thunk-executor threads; an accelerator's "XLA Ops" line.
 _OP_LINES = ("tf_XLAEigen", "XLA Ops")
-# Events there that enclose others (the executor, thread-pool waits), not operations.
+# Events there that enclose others (the executor, thread-pool waits, a loop or branch around
+# its body's operations), not operations.
 _ENCLOSING = ("ThunkExecutor", "Await", "$", "PjRt", "TfrtCpu", "XlaModule", "Execute")
+_CONTROL = re.compile(r"(while|conditional|call)(\.\d+)?$")
 
 
 def latest_trace(trace_dir: str | epath.Path) -> epath.Path:
@@ -45,7 +48,7 @@ def top_ops(trace_dir: str | epath.Path, n: int = 15) -> list[tuple[str, float, 
             if not line.name.startswith(_OP_LINES):
                 continue
             for event in line.events:
-                if any(event.name.startswith(p) or p in event.name for p in _ENCLOSING):
+                if any(p in event.name for p in _ENCLOSING) or _CONTROL.match(event.name):
                     continue
                 total[event.name] += event.duration_ns / 1e6
                 calls[event.name] += 1
