@@ -236,18 +236,30 @@ _LIMIT_ARGS = ("max_decode_len", "max_len_a", "max_len_b")
 FIRST_STAGE = 10
 
 
-def _translation_cache(
-    config: ModelConfig, params: Any, inputs: Array, T: int, num_beams: int, use_cache: bool
+def _translation_setup(
+    config: ModelConfig,
+    params: Any,
+    inputs: Array,
+    max_decode_len: int | None,
+    max_len_a: float,
+    max_len_b: int,
+    num_beams: int,
+    use_cache: bool,
 ):
-    """-> (logits function, cache of the first stage's length, grow or None): search.py's
-    two-stage loop; grow's function pads the cache's positions to T (`grow_cache`)."""
+    """What every translation search starts from -> (T, each row's limit [B], logits
+    function, cache of the first stage's length, grow or None): search.py's two-stage loop;
+    grow's function pads the cache's positions to T (`grow_cache`)."""
+    T = decode_length(
+        inputs.shape[1], max_decode_len, config, max_len_a=max_len_a, max_len_b=max_len_b
+    )
+    limits = output_limits(inputs, T, max_len_a=max_len_a, max_len_b=max_len_b)
     first = min(T, inputs.shape[1] + FIRST_STAGE)
     fn, cache = encoder_decoder_logits_fn(
         config, params, inputs, max_decode_len=first, num_beams=num_beams, use_cache=use_cache
     )
     if first >= T:
-        return fn, cache, None
-    return fn, cache, (first, functools.partial(grow_cache, old=first, new=T))
+        return T, limits, fn, cache, None
+    return T, limits, fn, cache, (first, functools.partial(grow_cache, old=first, new=T))
 
 
 # Where each cache entry keeps its positions (MultiHeadAttention's heads-major layout, the
@@ -297,10 +309,10 @@ def translate_greedy(
     all-padding row decodes nothing. use_cache=False recomputes the whole prefix each step (the
     reference, for benchmarks).
     """
-    B, S = inputs.shape
-    T = decode_length(S, max_decode_len, config, max_len_a=max_len_a, max_len_b=max_len_b)
-    limits = output_limits(inputs, T, max_len_a=max_len_a, max_len_b=max_len_b)
-    fn, cache, grow = _translation_cache(config, params, inputs, T, 1, use_cache)
+    B = inputs.shape[0]
+    T, limits, fn, cache, grow = _translation_setup(
+        config, params, inputs, max_decode_len, max_len_a, max_len_b, 1, use_cache
+    )
     return greedy_decode(
         fn,
         cache,
@@ -343,10 +355,10 @@ def translate_beam(
     first. Defaults are the paper's (beam 4, alpha 0.6, output limit n + 50 per row, as
     translate_greedy's); `length_penalty` is 'gnmt' or 'fairseq' (see `length_penalty` and
     `beam_search`)."""
-    B, S = inputs.shape
-    T = decode_length(S, max_decode_len, config, max_len_a=max_len_a, max_len_b=max_len_b)
-    limits = output_limits(inputs, T, max_len_a=max_len_a, max_len_b=max_len_b)
-    fn, cache, grow = _translation_cache(config, params, inputs, T, beam_size, use_cache)
+    B = inputs.shape[0]
+    T, limits, fn, cache, grow = _translation_setup(
+        config, params, inputs, max_decode_len, max_len_a, max_len_b, beam_size, use_cache
+    )
     return beam_search(
         fn,
         cache,
@@ -403,10 +415,10 @@ def sample(
     """
     limits = grow = None
     if inputs is not None:
-        B, S = inputs.shape
-        T = decode_length(S, max_decode_len, config, max_len_a=max_len_a, max_len_b=max_len_b)
-        limits = output_limits(inputs, T, max_len_a=max_len_a, max_len_b=max_len_b)
-        fn, cache, grow = _translation_cache(config, params, inputs, T, 1, use_cache)
+        B = inputs.shape[0]
+        T, limits, fn, cache, grow = _translation_setup(
+            config, params, inputs, max_decode_len, max_len_a, max_len_b, 1, use_cache
+        )
     else:
         B = prompt.shape[0] if prompt is not None else batch_size
         if B is None:
