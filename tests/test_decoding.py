@@ -100,7 +100,7 @@ def test_cached_logits_equal_full_forward_encoder_decoder(translation, variant):
         got, cache = _stepwise(build, params, shift_right(TGT, BOS))
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{use_cache=}")
         if use_cache:
-            layer = cache["decoder"]["layer_0"]
+            layer = cache["model"]["decoder"]["layer_0"]
             if variant == "value_head_dim":  # heads-major: keys [B, K, T, Dk], values [B, K, Dv, T]
                 for name, kv in (("self", "cached"), ("cross", "cross")):
                     c = layer[f"{name}_attention"]
@@ -140,7 +140,7 @@ def test_beam_shared_cache_logits_equal_full_forward(translation, variant):
     )
     got, cache = _stepwise(build, params, shift_right(tgt, BOS))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    layer = cache["decoder"]["layer_0"]
+    layer = cache["model"]["decoder"]["layer_0"]
     np.testing.assert_array_equal(layer["self_attention"]["beam_origin"][0], [[0] * 6, [1] * 6])
     assert layer["cross_attention"]["cross_key"].shape[0] == SRC.shape[0]  # once per source
 
@@ -209,6 +209,36 @@ def test_outputs_depend_on_each_source_not_on_its_padding_or_batch(translation):
         if way != "sample":  # a sample's random draws depend on the batch's shape
             alone = np.asarray(decode(SRC[1:, :3]))  # row 1 by itself, unpadded: T = 3 + 2
             np.testing.assert_array_equal(alone[0], want[1, :5])
+
+
+def test_compaction_changes_no_output(translation):
+    """Rows that finish at different steps (their own limits, a padding row), some past the
+    first stage's cache: moving the unfinished ones into batches of 8 // c (compact=c) gives
+    the same tokens as decoding the whole batch to the end (compact=1), and the same scores
+    up to float rounding (XLA sums in another order for another batch size)."""
+    cfg, params = translation
+    lengths = [1, 9, 3, 0, 7, 2, 9, 5]  # row 3: all padding
+    src = np.zeros((8, 9), np.int32)
+    for r, n in enumerate(lengths):
+        src[r, :n] = np.arange(n) % 7 + 4  # tokens 4..10
+    src = jnp.asarray(src)
+    kw = dict(max_len_b=15)  # limits n + 15 = 16..24; the first stage holds 9 + 10 = 19
+    greedy = lambda c: np.asarray(decoding.translate_greedy(cfg, params, src, compact=c, **kw))
+    beam = lambda c: decoding.translate_beam(cfg, params, src, beam_size=3, compact=c, **kw)
+    want, (want_beams, want_scores) = greedy(1), beam(1)
+    assert np.isfinite(np.delete(np.asarray(want_scores), 3, 0)).all()
+    ends = (want != 0).sum(1)
+    assert len(set(ends.tolist())) >= 4 and ends.max() > 19 and ends[3] == 0
+    for c in (2, 4, 8):
+        np.testing.assert_array_equal(greedy(c), want, err_msg=f"greedy, {c=}")
+        beams, scores = beam(c)
+        np.testing.assert_array_equal(beams, want_beams, err_msg=f"beam, {c=}")
+        np.testing.assert_allclose(scores, want_scores, rtol=1e-6, err_msg=f"beam, {c=}")
+    # compact=4 does run a loop over batches of 2 rows ([2, T] tokens in its carry).
+    jaxpr = jax.make_jaxpr(lambda x: decoding.translate_greedy(cfg, params, x, compact=4, **kw))
+    loops = [e for e in jaxpr(src).jaxpr.eqns[0].params["jaxpr"].jaxpr.eqns]
+    shapes = str(loops)
+    assert "i32[2,24]" in shapes and "i32[8,24]" in shapes
 
 
 @pytest.mark.parametrize("fixture", ["translation", "translation_dv"])

@@ -44,6 +44,7 @@ from tx_jax.inference.search import (
 )
 from tx_jax.model.config import ModelConfig
 from tx_jax.model.transformer import DecoderOnly, EncoderDecoder
+from tx_jax.ops import backend
 
 Array = jax.Array
 # Section 6.1: "maximum output length to input length + 50". A source's own length, not its
@@ -102,19 +103,22 @@ def _cached_logits_fn(
     """A decode-mode `model.apply(variables, *args, tokens)` as a logits function.
 
     The first call, without a cache, creates it; its [batch, length] dummy input fixes the
-    cache length. Inside jit only the (all-zero) cache survives, the rest is dead code.
+    cache length. Inside jit only the cache survives, the rest is dead code. The per-row
+    `args` (encoder output, source tokens) travel in the cache, {'model': ..., 'inputs':
+    args}, not in the function's closure: a search may then move rows between batches
+    (search.py's compaction).
     """
 
-    def run(variables, tokens):
-        return model.apply(variables, *args, tokens, method=method, mutable=["cache"])
+    def run(variables, inputs, tokens):
+        return model.apply(variables, *inputs, tokens, method=method, mutable=["cache"])
 
-    _, init = run({"params": params}, jnp.zeros((batch, length), jnp.int32))
+    _, init = run({"params": params}, args, jnp.zeros((batch, length), jnp.int32))
 
     def tokens_to_logits(tokens: Array, cache: Cache) -> tuple[Array, Cache]:
-        logits, updated = run({"params": params, "cache": cache}, tokens)
-        return logits[:, -1], updated["cache"]
+        logits, updated = run({"params": params, "cache": cache["model"]}, cache["inputs"], tokens)
+        return logits[:, -1], {"model": updated["cache"], "inputs": cache["inputs"]}
 
-    return tokens_to_logits, init["cache"]
+    return tokens_to_logits, {"model": init["cache"], "inputs": args}
 
 
 def share_beam_cache(cache: Cache, batch: int, beams: int, length: int) -> Cache:
@@ -184,7 +188,7 @@ def encoder_decoder_logits_fn(
         fn, cache = _cached_logits_fn(
             decoder, params, batch, max_decode_len, encoded, inputs, method="decode"
         )
-        if num_beams > 1 and not __import__("os").environ.get("NOSHARE"):
+        if num_beams > 1:
             cache = share_beam_cache(cache, batch // num_beams, num_beams, max_decode_len)
         return fn, cache
 
@@ -229,11 +233,25 @@ def decoder_only_logits_fn(
 # ------------------------------------------------------------------- entry points
 
 
-_LIMIT_ARGS = ("max_decode_len", "max_len_a", "max_len_b")
+_LIMIT_ARGS = ("max_decode_len", "max_len_a", "max_len_b", "compact")
 # The searches first run with a cache of S + FIRST_STAGE positions (S: the padded source
 # length) and grow it to T only if a row is still unfinished there: attention's cost per step
 # follows the cache's length, and translations are rarely much longer than their sources.
 FIRST_STAGE = 10
+# On CPU a finished row costs as much as a live one: once at most B / COMPACT rows of a batch
+# are unfinished, they go on alone (search.py, `compact`). Accelerators run small batches at
+# nearly the cost of large ones, so they keep the whole batch.
+COMPACT = 4
+
+
+def _compaction(compact: int | None, use_cache: bool) -> int:
+    if not use_cache:  # the no-cache reference closes over its batch's source
+        return 1
+    if compact is None:
+        return COMPACT if backend.current() == "cpu" else 1
+    if compact < 1:
+        raise ValueError(f"compact={compact}: expected >= 1 (1: off)")
+    return compact
 
 
 def _translation_setup(
@@ -301,13 +319,15 @@ def translate_greedy(
     use_cache: bool = True,
     max_len_a: float = MAX_LEN_A,
     max_len_b: int = MAX_LEN_B,
+    compact: int | None = None,
 ) -> Array:
     """Greedy translation of inputs [B, S] (0-padded) -> tokens [B, T].
 
     A row's output limit is a * n + b (n: its source tokens, EOS included; the paper's
     n + 50), capped by max_decode_len; T = decode_length(S, ...) holds every row's. An
     all-padding row decodes nothing. use_cache=False recomputes the whole prefix each step (the
-    reference, for benchmarks).
+    reference, for benchmarks). compact=c: once at most B // c rows are unfinished they go
+    on in batches of B // c (search.py; None: COMPACT on CPU, off elsewhere; 1: off).
     """
     B = inputs.shape[0]
     T, limits, fn, cache, grow = _translation_setup(
@@ -322,6 +342,7 @@ def translate_greedy(
         eos_id=eos_id,
         limits=limits,
         grow=grow,
+        compact=_compaction(compact, use_cache),
     )
 
 
@@ -350,11 +371,12 @@ def translate_beam(
     use_cache: bool = True,
     max_len_a: float = MAX_LEN_A,
     max_len_b: int = MAX_LEN_B,
+    compact: int | None = None,
 ) -> tuple[Array, Array]:
     """Beam-search translation of inputs [B, S] -> tokens [B, N, T], scores [B, N], best
     first. Defaults are the paper's (beam 4, alpha 0.6, output limit n + 50 per row, as
     translate_greedy's); `length_penalty` is 'gnmt' or 'fairseq' (see `length_penalty` and
-    `beam_search`)."""
+    `beam_search`; compact as translate_greedy's)."""
     B = inputs.shape[0]
     T, limits, fn, cache, grow = _translation_setup(
         config, params, inputs, max_decode_len, max_len_a, max_len_b, beam_size, use_cache
@@ -371,6 +393,7 @@ def translate_beam(
         length_penalty_kind=length_penalty,
         limits=limits,
         grow=grow,
+        compact=_compaction(compact, use_cache),
     )
 
 
@@ -386,6 +409,7 @@ def translate_beam(
         "use_cache",
         "max_len_a",
         "max_len_b",
+        "compact",
     ),
 )
 def sample(
@@ -404,6 +428,7 @@ def sample(
     use_cache: bool = True,
     max_len_a: float = MAX_LEN_A,
     max_len_b: int = MAX_LEN_B,
+    compact: int = 1,
 ) -> Array:
     """Sample tokens [B, T] from a language model (inputs=None: DecoderOnly) or a
     translation model (inputs [B, S]: EncoderDecoder).
@@ -412,6 +437,8 @@ def sample(
     from inputs, prompt or batch_size. T = max_decode_len (required for a language model;
     for translation each row's limit is a * n + b, as translate_greedy's). temperature is
     traced (0: greedy); top_k and top_p are static. The same rng gives the same samples.
+    compact (translate_greedy's) is off by default: a row's random draws follow its place in
+    the batch, which compaction changes.
     """
     limits = grow = None
     if inputs is not None:
@@ -439,4 +466,5 @@ def sample(
         top_p=top_p,
         limits=limits,
         grow=grow,
+        compact=_compaction(compact, use_cache),
     )

@@ -14,6 +14,9 @@ log-probability is -inf).
 `grow` = (T1, grow_cache) runs the loop in two stages: first with a cache of T1 positions, then,
 only while a row is unfinished at T1, with grow_cache(cache) holding all T: the per-step
 cost of attention follows the cache's length, and most outputs end well before T.
+`compact` = c > 1 moves the rows still unfinished once at most B / c are (or at T1) into
+batches of B / c that run on alone (`_staged`), so that finished rows stop costing steps;
+a search's per-row values (limits, the cache, the source in it) are its state for that.
 
 `limits` [B] gives every row its own output limit (<= T, the arrays' length): a row that
 reaches it is cut there, as if T were its length, and a row with limit 0 (a padding row) is
@@ -39,8 +42,9 @@ Grow = tuple[int, Callable[[Cache], Cache]]  # (first stage's cache length, grow
 PAD_ID = 0
 EOS_ID = 3
 LENGTH_PENALTIES = ("gnmt", "fairseq")
-# Cross-attention keys/values are the same for every beam of an example: never gathered.
-_NOT_GATHERED = frozenset({"cross_key", "cross_value", "cross_filled"})
+# Cross-attention keys/values and the source ('inputs': decoding._cached_logits_fn) are the
+# same for every beam of an example: never gathered.
+_NOT_GATHERED = frozenset({"cross_key", "cross_value", "cross_filled", "inputs"})
 # Keys and values of a beam-shared self-attention cache stay in the slot that wrote them.
 _SLOTTED = frozenset({"cached_key", "cached_value"})
 
@@ -94,6 +98,7 @@ def sample_decode(
     top_p: float = 1.0,
     limits: Array | None = None,
     grow: Grow | None = None,
+    compact: int = 1,
 ) -> Array:
     """Ancestral sampling (greedy at temperature 0) -> tokens [B, T].
 
@@ -110,7 +115,8 @@ def sample_decode(
     forced_tokens = jnp.pad(prompt, ((0, 0), (0, max(T - prompt.shape[1], 0))))[:, :T]
 
     def body(state):
-        i, out, done, cache = state
+        i, out, done, cache, rows = state
+        limits, prompt_len, forced_tokens = rows  # per row: they move with it (compaction)
         prev = jnp.where(i == 0, bos_id, out[:, jnp.maximum(i - 1, 0)])  # [B]
         logits, cache = tokens_to_logits(prev[:, None], cache)
         logits = logits.astype(jnp.float32).at[:, PAD_ID].set(-jnp.inf)
@@ -119,24 +125,97 @@ def sample_decode(
         token = jnp.where(forced, forced_tokens[:, i], token)
         token = jnp.where(done, PAD_ID, token).astype(jnp.int32)
         done = done | (~forced & (token == eos_id)) | (i + 1 >= limits)
-        return i + 1, out.at[:, i].set(token), done, cache
+        return i + 1, out.at[:, i].set(token), done, cache, rows
 
-    def cond(stop):
-        return lambda state: (state[0] < stop) & ~jnp.all(state[2])
+    rows = (limits, prompt_len, forced_tokens)
+    init = (jnp.array(0, jnp.int32), jnp.zeros((B, T), jnp.int32), limits <= 0, cache, rows)
+    return _staged(
+        lambda s: (s[0], ~s[2]),
+        body,
+        init,
+        T,
+        grow,
+        lambda s, f: (*s[:3], f(s[3]), s[4]),
+        compact,
+        lambda s: s[1],
+    )
 
-    init = (jnp.array(0, jnp.int32), jnp.zeros((B, T), jnp.int32), limits <= 0, cache)
-    return _staged(cond, body, init, T, grow, lambda s, f: (*s[:3], f(s[3])))[1]
+
+def _staged(going, body, init, T: int, grow: Grow | None, map_cache, compact: int, outputs):
+    """lax.while_loop over `body` from `init` until step T or until no row is going
+    (going(state) -> (step, going [B])), in stages:
+
+    - with `grow` = (T1, f), the cache keeps T1 positions up to step T1 and is grown by f
+      (map_cache(state, f) applies f to the state's cache) only for rows still going then;
+    - with compact = c > 1, once at most B // c rows are going (or at T1), those rows are
+      gathered into batches of B // c rows (every [B, ...] or [B * N, ...] entry of the
+      state: take_rows) that run on alone, one after another: finished rows are no longer
+      computed, which is most of a sorted batch's late steps (CTranslate2 drops finished
+      rows the same way).
+
+    -> outputs(state): the final [B, ...] outputs of every row. A row's result depends on it
+    alone, so its stage and batch-mates do not change it (tests/test_decoding.py)."""
+    # The barriers keep XLA from sinking loop-invariant entries' producers (the transposes
+    # that lay out the cross-attention cache) into a loop body, to run every step.
+    init = lax.optimization_barrier(init)
+    first = T if grow is None else min(grow[0], T)
+    B = going(init)[1].shape[0]
+    small = max(1, B // compact) if compact > 1 else B
+
+    def cond(stop: int, most: int):
+        def go(state):
+            step, rows = going(state)
+            return (step < stop) & (jnp.sum(rows) > most)
+
+        return go
+
+    def finish(state):  # the steps from the state's to T, growing its cache first if needed
+        if grow is not None and first < T:
+            state = map_cache(state, grow[1])
+        return lax.while_loop(cond(T, 0), body, lax.optimization_barrier(state))
+
+    if small >= B:  # no compaction: the two stages at the full batch
+        state = lax.while_loop(cond(first, 0), body, init)
+        return outputs(finish(state) if first < T else state)
+
+    state = lax.while_loop(cond(first, small), body, init)
+    rows = going(state)[1]
+    order = jnp.argsort(~rows, stable=True)  # rows still going first
+    groups = (jnp.sum(rows) + small - 1) // small
+
+    def group(carry):
+        k, out = carry
+        # The last group may overlap the one before (clamped start): a row decoded twice
+        # gives the same result twice.
+        idx = lax.dynamic_slice_in_dim(order, jnp.minimum(k * small, B - small), small)
+        done = outputs(finish(take_rows(state, idx, B)))
+        keep = rows[idx]
+
+        def put(full, part):
+            mask = keep.reshape(-1, *([1] * (part.ndim - 1)))
+            return full.at[idx].set(jnp.where(mask, part, full[idx]))
+
+        return k + 1, jax.tree.map(put, out, done)
+
+    return lax.while_loop(lambda c: c[0] < groups, group, (jnp.array(0), outputs(state)))[1]
 
 
-def _staged(cond, body, init, T: int, grow: Grow | None, map_cache):
-    """lax.while_loop(cond(T), body, init), in two stages when `grow` is given: up to step
-    T1 with the cache as it is, then up to T with it grown (a stage whose rows are all
-    finished runs no step). map_cache(state, f) applies f to the state's cache."""
-    if grow is None or grow[0] >= T:
-        return lax.while_loop(cond(T), body, init)
-    first, grow_cache = grow
-    state = lax.while_loop(cond(first), body, init)
-    return lax.while_loop(cond(T), body, map_cache(state, grow_cache))
+def take_rows(tree: Any, idx: Array, batch: int) -> Any:
+    """The rows `idx` [b] of every per-row entry of a search state: [batch, ...] arrays
+    and [batch * N, ...] ones (N > 1: a beam cache's rows, example-major); scalars (the step,
+    cache indices) stay as they are."""
+
+    def take(x):
+        if x.ndim == 0:
+            return x
+        if x.shape[0] == batch:
+            return jnp.take(x, idx, axis=0)
+        if x.shape[0] % batch == 0:
+            per = x.reshape(batch, x.shape[0] // batch, *x.shape[1:])
+            return jnp.take(per, idx, axis=0).reshape(-1, *x.shape[1:])
+        raise ValueError(f"search state entry {x.shape}: not per row of a batch of {batch}")
+
+    return jax.tree.map(take, tree)
 
 
 def _row_limits(limits: Array | None, batch: int, length: int) -> Array:
@@ -157,6 +236,7 @@ def greedy_decode(
     prompt: Array | None = None,
     limits: Array | None = None,
     grow: Grow | None = None,
+    compact: int = 1,
 ) -> Array:
     """Greedy search (argmax every step) -> tokens [B, T]; see `sample_decode`."""
     return sample_decode(
@@ -171,6 +251,7 @@ def greedy_decode(
         temperature=0.0,
         limits=limits,
         grow=grow,
+        compact=compact,
     )
 
 
@@ -198,6 +279,8 @@ class _Beams(NamedTuple):
     fin_seqs: Array  # [B, N, T] finished hypotheses (EOS, or cut at T)
     fin_scores: Array  # [B, N] their penalised scores, descending; -inf: empty slot
     cache: Cache  # rows b * N + n
+    limits: Array  # [B] each row's output limit
+    best_possible: Array  # [B] penalty(limit): a live beam's score is at most logp / this
 
 
 def _take_beams(x: Array, index: Array) -> Array:
@@ -233,9 +316,7 @@ def gather_cache(cache: Cache, beam_index: Array) -> Cache:
     return visit(cache)
 
 
-def _beam_step(
-    state: _Beams, tokens_to_logits: LogitsFn, bos_id, eos_id, penalty, limits
-) -> _Beams:
+def _beam_step(state: _Beams, tokens_to_logits: LogitsFn, bos_id, eos_id, penalty) -> _Beams:
     """Extend every live beam by every token; keep the best N live and N finished."""
     B, N, T = state.live_seqs.shape
     i = state.i
@@ -251,7 +332,7 @@ def _beam_step(
     seqs = lax.dynamic_update_slice(seqs, token[..., None].astype(jnp.int32), (0, 0, i))
 
     # Finished: ended with EOS, or reached the row's length limit (scored as they stand).
-    last = (i + 1 >= limits)[:, None]  # [B, 1]
+    last = (i + 1 >= state.limits)[:, None]  # [B, 1]
     ends = (token == eos_id) | last
     new_scores = jnp.where(ends, top_logp / penalty(i + 1), -jnp.inf)
     fin_scores, k = lax.top_k(jnp.concatenate([state.fin_scores, new_scores], 1), N)
@@ -260,7 +341,15 @@ def _beam_step(
     live_logp, k = lax.top_k(jnp.where(token == eos_id, -jnp.inf, top_logp), N)
     live_logp = jnp.where(last, -jnp.inf, live_logp)  # nothing may grow past the limit
     cache = gather_cache(cache, jnp.take_along_axis(source_beam, k, axis=1))
-    return _Beams(i + 1, _take_beams(seqs, k), live_logp, fin_seqs, fin_scores, cache)
+    seqs = _take_beams(seqs, k)
+    return state._replace(
+        i=i + 1,
+        live_seqs=seqs,
+        live_logp=live_logp,
+        fin_seqs=fin_seqs,
+        fin_scores=fin_scores,
+        cache=cache,
+    )
 
 
 def beam_search(
@@ -276,6 +365,7 @@ def beam_search(
     length_penalty_kind: str = "gnmt",
     limits: Array | None = None,
     grow: Grow | None = None,
+    compact: int = 1,
 ) -> tuple[Array, Array]:
     """Beam search (section 6.1) -> tokens [B, N, T] and scores [B, N], best first.
 
@@ -293,16 +383,11 @@ def beam_search(
     B, N, T = batch_size, beam_size, max_decode_len
     penalty = functools.partial(length_penalty, alpha=alpha, kind=length_penalty_kind)
     limits = _row_limits(limits, B, T)
-    best_possible = penalty(jnp.maximum(limits, 1))  # [B]
 
-    def cond(stop: int):
-        def going(state: _Beams) -> Array:
-            best_live = state.live_logp[:, 0] / best_possible
-            worst_finished = state.fin_scores[:, -1]
-            hopeless = (worst_finished > best_live) | (best_live == -jnp.inf)
-            return (state.i < stop) & ~jnp.all(hopeless)
-
-        return going
+    def going(state: _Beams) -> tuple[Array, Array]:
+        best_live = state.live_logp[:, 0] / state.best_possible
+        worst_finished = state.fin_scores[:, -1]
+        return state.i, ~((worst_finished > best_live) | (best_live == -jnp.inf))
 
     # All beams start as the same empty hypothesis: only beam 0 is live, or the first
     # step would return N copies of the best token. Rows with limit 0 have none.
@@ -315,6 +400,8 @@ def beam_search(
         fin_seqs=jnp.zeros((B, N, T), jnp.int32),
         fin_scores=jnp.full((B, N), -jnp.inf),
         cache=cache,
+        limits=limits,
+        best_possible=penalty(jnp.maximum(limits, 1)),
     )
     step = functools.partial(
         _beam_step,
@@ -322,7 +409,14 @@ def beam_search(
         bos_id=bos_id,
         eos_id=eos_id,
         penalty=penalty,
-        limits=limits,
     )
-    final = _staged(cond, step, init, T, grow, lambda s, f: s._replace(cache=f(s.cache)))
-    return final.fin_seqs, final.fin_scores
+    return _staged(
+        going,
+        step,
+        init,
+        T,
+        grow,
+        lambda s, f: s._replace(cache=f(s.cache)),
+        compact,
+        lambda s: (s.fin_seqs, s.fin_scores),
+    )
