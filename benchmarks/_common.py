@@ -112,13 +112,21 @@ def portable_path(path: str) -> str:
     return os.path.basename(path)
 
 
+def _portable_arg(arg: str) -> str:
+    """A command-line argument with its absolute path (bare or as --flag=PATH) made portable."""
+    flag, eq, value = arg.partition("=")
+    if eq and flag.startswith("-") and os.path.isabs(value):
+        return f"{flag}={portable_path(value)}"
+    return portable_path(arg) if os.path.isabs(arg) else arg
+
+
 def write_json(name: str, payload: dict[str, Any], path: str | None = None) -> str:
     """Write `payload` (plus the machine description) to benchmarks/results/NAME.json.
 
     Absolute paths among the command-line arguments are recorded by `portable_path`."""
     path = path or os.path.join(RESULTS, f"{name}.json")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    argv = [portable_path(a) if os.path.isabs(a) else a for a in sys.argv[1:]]
+    argv = [_portable_arg(a) for a in sys.argv[1:]]
     payload = {"benchmark": name, "machine": machine(), "argv": argv, **payload}
     with open(path, "w") as f:
         json.dump(payload, f, indent=1, default=float)

@@ -41,6 +41,8 @@ def test_results_record_paths_relative_to_the_repository(tmp_path):
     assert _common.portable_path(os.path.join(_common.ROOT, "tx_jax")) == "tx_jax"
     assert _common.portable_path(_common.ROOT) == "."
     assert _common.portable_path(str(tmp_path / "lib_abc1234")) == "lib_abc1234"
+    assert _common._portable_arg(f"--workdir={tmp_path / 'run'}") == "--workdir=run"
+    assert _common._portable_arg("--beam=4") == "--beam=4"
 
 
 def test_committed_results_hold_no_absolute_path():
