@@ -1,5 +1,8 @@
 """Compilation paid once: traced programs kept with jax.export, compile time measured."""
 
+import threading
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,3 +84,46 @@ def test_default_cache_dir_follows_jax_variable(monkeypatch):
     assert compilation.default_cache_dir() == "/xdg/tx_jax/jax"
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "")
     assert compilation.use_persistent_cache() is None  # '' turns it off
+
+
+def test_dispatch_returns_every_result_in_order_and_builds_each_key_first():
+    """Results in call order whatever thread ran them; a key's first call ends before any
+    other call of that key starts (it builds the program the others use)."""
+    log, lock = [], threading.Lock()
+    keys = ["a", "b", "a", "c", "b", "a", "c", "a"]
+
+    def make(i):
+        def call():
+            with lock:
+                log.append(("start", i))
+            time.sleep(0.01 if i < 4 else 0.0)
+            with lock:
+                log.append(("end", i))
+            return i * i
+
+        return call
+
+    out = compilation.dispatch([make(i) for i in range(len(keys))], keys, workers=3)
+    assert out == [i * i for i in range(len(keys))]
+    for key in set(keys):
+        first = keys.index(key)
+        first_end = log.index(("end", first))
+        for i in (j for j, k in enumerate(keys) if k == key and j != first):
+            assert log.index(("start", i)) > first_end, (key, i)
+
+
+def test_dispatch_builds_different_keys_side_by_side_and_reraises():
+    """Two keys' first calls run at the same time (each waits for the other: run one after
+    the other, they would time out), and a call's error reaches the caller."""
+    both = threading.Barrier(2, timeout=10)
+    out = compilation.dispatch(
+        [lambda: both.wait() * 0 + 1, lambda: both.wait() * 0 + 2], [1, 2], workers=2
+    )
+    assert out == [1, 2]
+
+    def fails():
+        raise ValueError("bad batch")
+
+    with pytest.raises(ValueError, match="bad batch"):
+        compilation.dispatch([lambda: 1, fails, lambda: 3, lambda: 4], [0, 1, 0, 1], workers=2)
+    assert compilation.dispatch([lambda: 5], ["only"], workers=4) == [5]

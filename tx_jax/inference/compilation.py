@@ -21,13 +21,14 @@ nor compiles.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import hashlib
 import os
 import pathlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
@@ -74,7 +75,8 @@ def _source_digest() -> str:
     return h.hexdigest()
 
 
-def _one_device(args: Any) -> bool:
+def on_one_device(args: Any) -> bool:
+    """Whether every jax.Array in `args` lives on a single device."""
     leaves = jax.tree.leaves(args)
     return all(
         len(getattr(x, "sharding", None).device_set) == 1
@@ -89,8 +91,37 @@ def cached_call(fn: Callable, static: dict[str, Any], *args: Any) -> Any:
 
     `static` must have a stable repr (numbers, strings, frozen dataclasses such as
     ModelConfig); `args` a pytree of arrays (plain dicts, lists, tuples)."""
-    if _export_dir is None or not _one_device(args):
+    if _export_dir is None or not on_one_device(args):
         return fn(*args, **static)
+    return program(fn, static, *args)(*args)
+
+
+def program(fn: Callable, static: dict[str, Any], *args: Any) -> Callable:
+    """The traceable function behind cached_call for arguments shaped as `args` (arrays or
+    jax.ShapeDtypeStructs): jax.jit of the traced program kept on disk when the persistent
+    cache is on, else fn with `static` bound. Callable inside other transformations (a
+    shard_map over devices: data_parallel.py)."""
+    if _export_dir is None:
+        return functools.partial(fn, **static)
+    key = _key(fn, static, args)
+    call = _calls.get(key)
+    if call is None:
+        path = _export_dir / f"{key}.jaxexport"
+        exported = None
+        if path.exists():
+            try:
+                exported = jax.export.deserialize(bytearray(path.read_bytes()))
+            except Exception:  # a partial or foreign file: trace again and replace it
+                exported = None
+        if exported is None:
+            shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+            exported = jax.export.export(jax.jit(lambda *a: fn(*a, **static)))(*shapes)
+            _save(path, exported.serialize())
+        call = _calls[key] = jax.jit(exported.call)
+    return call
+
+
+def _key(fn: Callable, static: dict[str, Any], args: Any) -> str:
     specs = jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), args)
     key_text = repr(
         (
@@ -104,24 +135,87 @@ def cached_call(fn: Callable, static: dict[str, Any], *args: Any) -> Any:
             _source_digest(),
         )
     )
-    key = hashlib.sha256(key_text.encode()).hexdigest()[:32]
-    call = _calls.get(key)
-    if call is None:
-        path = _export_dir / f"{key}.jaxexport"
-        exported = None
-        if path.exists():
+    return hashlib.sha256(key_text.encode()).hexdigest()[:32]
+
+
+def _save(path: pathlib.Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
+    tmp.write_bytes(data)
+    tmp.replace(path)  # atomic: concurrent processes never read half a file
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def dispatch(calls: Sequence[Callable[[], Any]], keys: Sequence[Hashable], workers=None) -> list:
+    """[calls[i]() for i] on `workers` threads (default: the usable cores), where each call
+    runs jitted work and returns its result (unfetched where JAX dispatches asynchronously),
+    and calls with the same key (argument shapes) share one program.
+
+    The first call of each key builds its program (traces, compiles or loads it) while the
+    other threads build other keys' or run calls whose program is ready, so an evaluation's
+    programs compile side by side (XLA compiles one program on one core, without the GIL).
+    On CPU, XLA runs a program in the thread that calls it, and a small decoding batch keeps
+    about one core busy: the threads are what runs batches side by side there. Programs with
+    collectives (a mesh's) need workers=1: every device must receive them in one order."""
+    queues: dict[Hashable, collections.deque[int]] = {}
+    for i, key in enumerate(keys):
+        queues.setdefault(key, collections.deque()).append(i)
+    workers = max(1, min(workers or usable_cores(), len(calls)))
+    out: list[Any] = [None] * len(calls)
+    if workers == 1:
+        return [call() for call in calls]
+    started: set[Hashable] = set()
+    ready: set[Hashable] = set()
+    errors: list[BaseException] = []
+    cond = threading.Condition()
+
+    def take() -> tuple[Hashable, int] | None:  # under cond
+        for key, queue in queues.items():  # a program nobody builds yet: build it
+            if key not in started and queue:
+                started.add(key)
+                return key, queue.popleft()
+        for key, queue in queues.items():
+            if key in ready and queue:
+                return key, queue.popleft()
+        return None
+
+    def work() -> None:
+        while True:
+            with cond:
+                task = take()
+                while task is None and not errors and any(queues.values()):
+                    cond.wait()  # what is left waits for a program being built
+                    task = take()
+                if task is None or errors:
+                    return
+            key, i = task
             try:
-                exported = jax.export.deserialize(bytearray(path.read_bytes()))
-            except Exception:  # a partial or foreign file: trace again and replace it
-                exported = None
-        if exported is None:
-            exported = jax.export.export(jax.jit(lambda *a: fn(*a, **static)))(*args)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_bytes(exported.serialize())
-            tmp.replace(path)  # atomic: concurrent processes never read half a file
-        call = _calls[key] = jax.jit(exported.call)
-    return call(*args)
+                out[i] = calls[i]()
+            except BaseException as e:  # noqa: BLE001  (re-raised by the caller's thread)
+                with cond:
+                    errors.append(e)
+                    cond.notify_all()
+                return
+            if key not in ready:
+                with cond:
+                    ready.add(key)
+                    cond.notify_all()
+
+    threads = [threading.Thread(target=work, name=f"tx_jax-dispatch-{n}") for n in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
 
 
 # ------------------------------------------------------------------------ time spent

@@ -21,10 +21,10 @@ local device whatever layout trained it; `--config.key=value` overrides the stor
         (sacreBLEU's), chrf, chrf_signature, loss, accuracy, perplexity (teacher-forced on
         the split), examples, averaged (K or null), averaged_steps, seconds (wall, all of
         it), decode_seconds, compile_seconds (tracing and compiling, or loading from the
-        persistent cache, within `seconds`), compiled_programs, compile_cache_hits,
-        profile (the trace directory, or null), hypotheses (path), checkpoint, limit,
-        sweep, time, direction
-        and pivot (multilingual; else null)
+        persistent cache, summed over the threads that build programs side by side),
+        compiled_programs, compile_cache_hits, profile (the trace directory, or null),
+        hypotheses (path), checkpoint, limit, sweep, time, direction and pivot
+        (multilingual; else null)
     stdout: one result line per evaluation (and the grid for --sweep)
 
 A multilingual checkpoint (trained with data.directions) needs --direction: any SRC-TGT whose
@@ -39,6 +39,8 @@ point to eval_results.jsonl, prints the grid and the best pair.
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import json
 import re
 import time
@@ -68,10 +70,12 @@ def loss_metrics(loaded: restore.Loaded, batches: Sequence[dict]) -> dict[str, f
     """Teacher-forced NLL per target token, accuracy and perplexity over eval batches."""
     params = nn.meta.unbox(loaded.params)
     static = {"model": loaded.model}
-    sums = [
-        compilation.cached_call(_eval_sums, static, params, model_inputs(batch))
-        for batch in batches
-    ]  # all dispatched, then fetched
+    inputs = [model_inputs(batch) for batch in batches]
+    sums = compilation.dispatch(  # all dispatched, then fetched
+        [functools.partial(compilation.cached_call, _eval_sums, static, params, x) for x in inputs],
+        [tuple(sorted((k, v.shape) for k, v in x.items())) for x in inputs],
+        workers=None if compilation.on_one_device(params) else 1,  # collectives: one order
+    )
     return reduce_loss_metrics(jax.device_get(s) for s in sums)
 
 
@@ -168,7 +172,15 @@ class _Split:
         self.pairs = task.pairs(split, limit)
         self.batches = task.eval_batches(split, 1, limit)  # sorted, bucketed
         self.references = [self.pairs[i][1] for i in range(len(self.pairs))]
-        self.metrics = loss_metrics(loaded, self.batches)  # sums: the order does not matter
+        # Computed beside the decoding that follows (a thread of its own): sums, in any order.
+        pool = concurrent.futures.ThreadPoolExecutor(1, "tx_jax-loss")
+        self._metrics = pool.submit(loss_metrics, loaded, self.batches)
+        pool.shutdown(wait=False)
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The teacher-forced loss metrics (waits for them)."""
+        return self._metrics.result()
 
 
 def _translate(

@@ -17,7 +17,7 @@ import numpy as np
 import sacrebleu
 
 from tx_jax.data.tokenizer import Tokenizer
-from tx_jax.inference import compilation, decoding
+from tx_jax.inference import compilation, data_parallel, decoding
 from tx_jax.model.config import ModelConfig
 
 
@@ -84,26 +84,44 @@ def translate_batches(
     beam_size: int = 1,
     alpha: float = 0.6,
     max_decode_len: int | None = None,
+    devices: Sequence[jax.Device] | None = None,
 ) -> list[str]:
     """Decode every batch (greedy when beam_size == 1) -> hypotheses in corpus order.
 
-    Batches carry 'inputs' [B, S], 'example_index' [B] and 'example_mask' [B]."""
+    Batches carry 'inputs' [B, S], 'example_index' [B] and 'example_mask' [B]. Parameters on
+    one device are decoded on every local device of its platform (data_parallel.py:
+    `devices`, default all of them; D consecutive batches at a time, batch k on device k);
+    parameters spread over a mesh, on that mesh. The programs of different batch shapes
+    compile concurrently (compilation.dispatch)."""
     out: list[str | None] = [None] * num_examples
     eos = tokenizer.eos_id
     params = nn.meta.unbox(params)
-    batches = list(batches)
-    pending = []  # dispatched, not yet fetched: JAX runs them while Python moves on
-    for batch in batches:
-        inputs = jax.numpy.asarray(batch["inputs"])
-        static = dict(config=model_config, max_decode_len=max_decode_len, eos_id=eos)
-        if beam_size == 1:
-            tokens = compilation.cached_call(_greedy, static, params, inputs)
-        else:
-            static.update(beam_size=beam_size, alpha=alpha)
-            tokens, _ = compilation.cached_call(_beam, static, params, inputs)
-        pending.append((batch, tokens))
-    for batch, tokens in pending:
-        tokens = np.asarray(jax.device_get(tokens))
+    devices = data_parallel.devices_for(params) if devices is None else list(devices)
+    static = dict(config=model_config, max_decode_len=max_decode_len, eos_id=eos)
+    if beam_size > 1:
+        static.update(beam_size=beam_size, alpha=alpha)
+    fn = _greedy if beam_size == 1 else _beam
+    if devices:
+        rows = data_parallel.Rows(devices)
+        batches = data_parallel.group_batches(list(batches), len(devices))
+        rows.replicated(params)  # once, before the threads
+
+        def call(inputs: np.ndarray):
+            return lambda: rows(fn, static, params, inputs)
+    else:  # on the mesh the parameters live on
+        batches = list(batches)
+
+        def call(inputs: np.ndarray):
+            return lambda: compilation.cached_call(fn, static, params, jax.numpy.asarray(inputs))
+
+    pending = compilation.dispatch(  # all dispatched, then fetched: JAX runs them meanwhile
+        [call(b["inputs"]) for b in batches],
+        [b["inputs"].shape for b in batches],
+        # A mesh's programs hold collectives: every device must see them in one order.
+        workers=None if devices else 1,
+    )
+    for batch, tokens in zip(batches, pending):
+        tokens = np.asarray(jax.device_get(tokens[0] if beam_size > 1 else tokens))
         if beam_size > 1:
             tokens = tokens[:, 0]  # best first
         for row, (index, valid) in enumerate(zip(batch["example_index"], batch["example_mask"])):
