@@ -112,14 +112,36 @@ def test_dispatch_returns_every_result_in_order_and_builds_each_key_first():
             assert log.index(("start", i)) > first_end, (key, i)
 
 
-def test_dispatch_builds_different_keys_side_by_side_and_reraises():
-    """Two keys' first calls run at the same time (each waits for the other: run one after
-    the other, they would time out), and a call's error reaches the caller."""
-    both = threading.Barrier(2, timeout=10)
-    out = compilation.dispatch(
-        [lambda: both.wait() * 0 + 1, lambda: both.wait() * 0 + 2], [1, 2], workers=2
-    )
-    assert out == [1, 2]
+def test_dispatch_builds_one_program_at_a_time_and_runs_ready_calls_meanwhile(monkeypatch):
+    """With one build slot, keys' first calls never overlap; a ready key's call runs while
+    another key builds (here the build waits for it: run one after the other, it would time
+    out), and a call's error reaches the caller."""
+    monkeypatch.setattr(compilation, "_build_slots", threading.BoundedSemaphore(1))
+    ran = threading.Event()
+    running, most, lock = [0], [0], threading.Lock()
+
+    def build(result, wait=False):
+        def call():
+            with lock:
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+            if wait:
+                assert ran.wait(timeout=10), "the ready call did not run during the build"
+            else:
+                time.sleep(0.02)
+            with lock:
+                running[0] -= 1
+            return result
+
+        return call
+
+    def ready_call():
+        ran.set()
+        return "a2"
+
+    calls = [build("a0"), build("b1", wait=True), ready_call, build("c3")]
+    out = compilation.dispatch(calls, ["a", "b", "a", "c"], workers=2)
+    assert out == ["a0", "b1", "a2", "c3"] and most[0] == 1
 
     def fails():
         raise ValueError("bad batch")
@@ -127,3 +149,4 @@ def test_dispatch_builds_different_keys_side_by_side_and_reraises():
     with pytest.raises(ValueError, match="bad batch"):
         compilation.dispatch([lambda: 1, fails, lambda: 3, lambda: 4], [0, 1, 0, 1], workers=2)
     assert compilation.dispatch([lambda: 5], ["only"], workers=4) == [5]
+    assert compilation._build_slots.acquire(blocking=False)  # every slot given back

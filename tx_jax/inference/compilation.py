@@ -145,6 +145,12 @@ def _save(path: pathlib.Path, data: bytes) -> None:
     tmp.replace(path)  # atomic: concurrent processes never read half a file
 
 
+# Programs built at a time in this process (dispatch): XLA:CPU's compiler already uses the
+# cores, so on a small host more at once only makes each slower.
+BUILDS = max(1, (os.cpu_count() or 1) // 4)
+_build_slots = threading.BoundedSemaphore(BUILDS)
+
+
 def usable_cores() -> int:
     """The CPU cores this process may run on."""
     try:
@@ -158,12 +164,13 @@ def dispatch(calls: Sequence[Callable[[], Any]], keys: Sequence[Hashable], worke
     runs jitted work and returns its result (unfetched where JAX dispatches asynchronously),
     and calls with the same key (argument shapes) share one program.
 
-    The first call of each key builds its program (traces, compiles or loads it) while the
-    other threads build other keys' or run calls whose program is ready, so an evaluation's
-    programs compile side by side (XLA compiles one program on one core, without the GIL).
-    On CPU, XLA runs a program in the thread that calls it, and a small decoding batch keeps
-    about one core busy: the threads are what runs batches side by side there. Programs with
-    collectives (a mesh's) need workers=1: every device must receive them in one order."""
+    The first call of each key builds its program (traces, compiles or loads it); at most
+    BUILDS programs are built at a time in the process (XLA:CPU's compiler already uses the
+    cores: two compiles side by side take as long as one after the other), and the other
+    threads meanwhile run the calls whose program is ready. On CPU, XLA runs a program in the
+    thread that calls it, and a small decoding batch keeps about one core busy: the threads
+    are what runs batches side by side there. Programs with collectives (a mesh's) need
+    workers=1: every device must receive them in one order."""
     queues: dict[Hashable, collections.deque[int]] = {}
     for i, key in enumerate(keys):
         queues.setdefault(key, collections.deque()).append(i)
@@ -177,8 +184,8 @@ def dispatch(calls: Sequence[Callable[[], Any]], keys: Sequence[Hashable], worke
     cond = threading.Condition()
 
     def take() -> tuple[Hashable, int] | None:  # under cond
-        for key, queue in queues.items():  # a program nobody builds yet: build it
-            if key not in started and queue:
+        for key, queue in queues.items():  # a program nobody builds yet, if a slot is free
+            if key not in started and queue and _build_slots.acquire(blocking=False):
                 started.add(key)
                 return key, queue.popleft()
         for key, queue in queues.items():
@@ -191,11 +198,14 @@ def dispatch(calls: Sequence[Callable[[], Any]], keys: Sequence[Hashable], worke
             with cond:
                 task = take()
                 while task is None and not errors and any(queues.values()):
-                    cond.wait()  # what is left waits for a program being built
+                    # a program being built here, or a build slot taken by another dispatch
+                    # (which does not notify this one)
+                    cond.wait(timeout=0.05)
                     task = take()
                 if task is None or errors:
                     return
             key, i = task
+            building = key not in ready
             try:
                 out[i] = calls[i]()
             except BaseException as e:  # noqa: BLE001  (re-raised by the caller's thread)
@@ -203,7 +213,10 @@ def dispatch(calls: Sequence[Callable[[], Any]], keys: Sequence[Hashable], worke
                     errors.append(e)
                     cond.notify_all()
                 return
-            if key not in ready:
+            finally:
+                if building:
+                    _build_slots.release()
+            if building:
                 with cond:
                     ready.add(key)
                     cond.notify_all()
