@@ -13,9 +13,9 @@ intra_threads, one translator).
 In process: tx_jax runs as evaluation and `translate` run it by default (sources sorted by
 length, each batch padded to the smallest eval bucket that holds it) and, for reference,
 with every source padded to data.max_eval_len (the old default); Transformers and
-CTranslate2 get batches of --batch sentences. Each system first translates the N sentences
-once (compilation, allocation), then they are timed whole --reps times, the systems in
-turn (a slow spell of a shared VM then hits all of them), and the fastest run reported.
+CTranslate2 get batches of --batch sentences. Each system runs in a process of its own
+(their thread pools would compete in one), first translates the N sentences once
+(compilation, allocation), then is timed whole --reps times, the fastest run reported.
 Target tokens are the hypotheses' SentencePiece pieces plus EOS, counted the same way for
 every system. Also reported: sacreBLEU against the references, and the share of
 hypotheses identical to tx_jax's.
@@ -30,6 +30,8 @@ sacreBLEU, as a user of those would. Writes benchmarks/results/decode_export.jso
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import json
 import os
 import sys
 import time
@@ -49,37 +51,59 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=2, help="runs per whole process")
     parser.add_argument("--skip_in_process", action="store_true")
     parser.add_argument("--out", default="")
+    parser.add_argument("--one", default="", help=argparse.SUPPRESS)  # SYSTEM#:SEARCH:OUT.json
     args = parser.parse_args()
     threads = _common.pin_threads(args.threads)
 
-    import ctranslate2
     import sacrebleu
-    import torch
-    import transformers
 
     from tx_jax.data import tasks
     from tx_jax.inference import restore
     from tx_jax.inference.translation import translate_lines
-    from tx_jax.interop import ctranslate2 as ct2_export
     from tx_jax.interop import huggingface
 
-    torch.set_num_threads(threads)
     loaded = restore.load(args.workdir)
     tok = loaded.tokenizer
     split = tasks.load_split(loaded.config.data, "test")
     pairs = [split[i] for i in range(min(args.n, len(split)))]
     sources, refs = [s for s, _ in pairs], [r for _, r in pairs]
     out_dir = os.path.join(str(loaded.workdir), "export_bench")
-    hf_dir = huggingface.export(loaded, os.path.join(out_dir, "hf"))
-    hf_model = transformers.AutoModelForSeq2SeqLM.from_pretrained(str(hf_dir)).eval()
-    hf_tok = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
-    translators = {}
-    for q in ("float32", "int8"):
-        path = ct2_export.export(loaded, os.path.join(out_dir, f"ct2_{q}"), quantization=q)
-        translators[q] = ctranslate2.Translator(
-            str(path), device="cpu", inter_threads=1, intra_threads=threads
-        )
+    hf_dir = os.path.join(out_dir, "hf")
     max_len = huggingface.max_decode_len(loaded)
+    if not args.one:  # the parent exports; each --one process reads what it wrote
+        from tx_jax.interop import ctranslate2 as ct2_export
+
+        huggingface.export(loaded, hf_dir)
+        for q in ("float32", "int8"):
+            ct2_export.export(loaded, os.path.join(out_dir, f"ct2_{q}"), quantization=q)
+    # Each library is imported only by the process that times it: with torch and a
+    # Transformers model loaded, CTranslate2 ran 3.5x slower in the same process.
+    hf = {}
+
+    def hf_model():
+        if not hf:
+            import torch
+            import transformers
+
+            torch.set_num_threads(threads)
+            hf["torch"] = torch
+            hf["model"] = transformers.AutoModelForSeq2SeqLM.from_pretrained(hf_dir).eval()
+            hf["tok"] = transformers.AutoTokenizer.from_pretrained(hf_dir)
+        return hf["torch"], hf["model"], hf["tok"]
+
+    translators = {}
+
+    def translator(q):
+        if q not in translators:
+            import ctranslate2
+
+            translators[q] = ctranslate2.Translator(
+                os.path.join(out_dir, f"ct2_{q}"),
+                device="cpu",
+                inter_threads=1,
+                intra_threads=threads,
+            )
+        return translators[q]
 
     def run_tx_jax(lines, beam, length_buckets=None):
         return translate_lines(
@@ -96,20 +120,19 @@ def main() -> None:
         return run_tx_jax(lines, beam, length_buckets=())
 
     def run_hf(lines, beam):
+        torch, model, hf_tok = hf_model()
         out = []
         for i in range(0, len(lines), args.batch):
             batch = hf_tok(lines[i : i + args.batch], return_tensors="pt", padding=True)
             with torch.no_grad():
-                ids = hf_model.generate(
-                    **batch, num_beams=beam, length_penalty=0.6, do_sample=False
-                )
+                ids = model.generate(**batch, num_beams=beam, length_penalty=0.6, do_sample=False)
             out += [tok.decode(x[1:].tolist()) for x in ids]
         return out
 
     def run_ct2(q):
         def run(lines, beam):
             pieces = [[tok.id_to_piece(i) for i in tok.encode(s)] for s in lines]
-            results = translators[q].translate_batch(
+            results = translator(q).translate_batch(
                 pieces,
                 max_batch_size=args.batch,
                 beam_size=beam,
@@ -127,21 +150,25 @@ def main() -> None:
         "ctranslate2 float32": run_ct2("float32"),
         "ctranslate2 int8": run_ct2("int8"),
     }
+    if args.one:  # one system, one search, in this process alone: times and hypotheses
+        index, search, out = args.one.split(":", 2)
+        name = list(systems)[int(index)]
+        beam = 1 if search == "greedy" else int(search.removeprefix("beam"))
+        systems[name](sources, beam)  # compilation, allocation
+        times = []
+        for _ in range(args.reps):
+            start = time.perf_counter()
+            hyps = systems[name](sources, beam)
+            times.append(time.perf_counter() - start)
+        with open(out, "w") as f:
+            json.dump({"times": times, "hyps": hyps}, f)
+        return
     rows, records = [], []
     for search in args.searches.split(",") if not args.skip_in_process else []:
-        beam = 1 if search == "greedy" else int(search.removeprefix("beam"))
-        for run in systems.values():
-            run(sources, beam)  # compilation, allocation
-        times = {name: [] for name in systems}
-        for _ in range(args.reps):
-            for name, run in systems.items():
-                start = time.perf_counter()
-                hyps = run(sources, beam)
-                times[name].append(time.perf_counter() - start)
+        runs = {name: _alone(args, k, name, search) for k, name in enumerate(systems)}
         reference_hyps = None
-        for name, run in systems.items():
-            hyps = run(sources, beam)
-            seconds = min(times[name])
+        for name, run in runs.items():
+            hyps, seconds = run["hyps"], min(run["times"])
             tokens = sum(len(tok.encode(h)) + 1 for h in hyps)
             if reference_hyps is None:
                 reference_hyps = hyps
@@ -151,7 +178,7 @@ def main() -> None:
                 system=name,
                 search=search,
                 seconds=seconds,
-                all_seconds=[round(t, 3) for t in times[name]],
+                all_seconds=[round(t, 3) for t in run["times"]],
                 sentences_per_s=len(hyps) / seconds,
                 target_tokens_per_s=tokens / seconds,
                 bleu=bleu,
@@ -159,7 +186,7 @@ def main() -> None:
             )
             records.append(record)
             rows.append([name, search, seconds, len(hyps) / seconds, tokens / seconds, bleu, same])
-            print(rows[-1], times[name], flush=True)
+            print(rows[-1], run["times"], flush=True)
     headers = [
         "system",
         "search",
@@ -180,12 +207,30 @@ def main() -> None:
         workdir=_common.portable_path(str(loaded.workdir)),
         step=loaded.step,
         versions={
-            "transformers": transformers.__version__,
-            "ctranslate2": ctranslate2.__version__,
+            name: importlib.metadata.version(name)
+            for name in ("transformers", "ctranslate2", "torch", "jax")
         },
     )
     payload = dict(meta, results=records, processes=processes)
     print("wrote", _common.write_json("decode_export", payload, args.out or None))
+
+
+def _alone(args, index: int, name: str, search: str) -> dict:
+    """Time one system in a process of its own (`--one`): the libraries' thread pools (XLA,
+    PyTorch's and CTranslate2's OpenMP) then never compete, which in one shared process
+    slowed CTranslate2 2-3x."""
+    import subprocess
+    import tempfile
+
+    out = os.path.join(tempfile.mkdtemp(prefix="decode_alone_"), "run.json")
+    argv = [a for a in sys.argv[1:] if not a.startswith("--one")]
+    command = [sys.executable, os.path.abspath(__file__), *argv, f"--one={index}:{search}:{out}"]
+    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+    proc = subprocess.run(command, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"{name} {search}: {proc.stderr[-2000:]}")
+    with open(out) as f:
+        return json.load(f)
 
 
 # A user of the exports: load, translate the test split, score it (the references and

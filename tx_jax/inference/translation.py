@@ -15,7 +15,9 @@ from collections.abc import Callable, Sequence
 from tx_jax.data import eval_pipeline
 from tx_jax.inference import restore, scoring
 
-CHUNK_BATCHES = 8  # batches encoded and decoded between progress reports
+# Batches encoded and decoded between progress reports: few and large, since each chunk's tail
+# runs on fewer threads than there are cores.
+CHUNK_BATCHES = 64
 
 
 def _stderr(message: str) -> None:
@@ -31,10 +33,14 @@ def max_source_len(loaded: restore.Loaded) -> int:
     return n
 
 
-def _warn_truncated(loaded, lines, indices, max_len, warn, extra: int = 0) -> None:
+def _source_lengths(loaded, lines, indices, max_len, extra: int = 0) -> dict[int, int]:
+    """Each line's source tokens before truncation (EOS and `extra` prefix ids included)."""
     cap = max_len * loaded.tokenizer.max_piece_chars * 4  # the pipeline's character bound
-    n = lambda i: len(loaded.tokenizer.encode(lines[i][:cap])) + 1 + extra  # EOS, prefix
-    long = [i for i in indices if n(i) > max_len]
+    return {i: len(loaded.tokenizer.encode(lines[i][:cap])) + 1 + extra for i in indices}
+
+
+def _warn_truncated(lengths: dict[int, int], max_len: int, warn) -> None:
+    long = [i for i, n in lengths.items() if n > max_len]
     for i in long[:5]:
         warn(f"warning: line {i + 1} is longer than {max_len} tokens; truncated")
     if len(long) > 5:
@@ -75,7 +81,10 @@ def translate_lines(
     buckets = sorted({int(b) for b in length_buckets if 0 < int(b) < max_len}) + [max_len]
     texts = [x.decode("utf-8", errors="replace") if isinstance(x, bytes) else x for x in lines]
     todo = [i for i, t in enumerate(texts) if t.strip()]
-    _warn_truncated(loaded, texts, todo, max_len, warn, len(source_prefix))
+    lengths = _source_lengths(loaded, texts, todo, max_len, len(source_prefix))
+    _warn_truncated(lengths, max_len, warn)
+    if sort_by_length:  # longest first over all lines, then chunks: batches of like lengths
+        todo.sort(key=lambda i: -min(lengths[i], max_len))
     out = [""] * len(texts)
     chunk = batch_size * CHUNK_BATCHES
     for start in range(0, len(todo), chunk):
