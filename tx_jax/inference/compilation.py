@@ -3,6 +3,8 @@ how much time a piece of work spent compiling.
 
     compilation.use_persistent_cache()           evaluate / translate / export: on by default
     compilation.cached_call(fn, static, *args)   fn(*args, **static), traced once per machine
+    compilation.program(fn, static, *specs)      the traceable program cached_call runs
+    compilation.dispatch(calls, keys)            calls on one thread per core, programs built once
     with compilation.CompileTimer() as t: ...    t.seconds, t.programs, t.cache_hits
 
 Decoding compiles one program per (search, batch shape): a handful per evaluation, each 1-3 s
@@ -145,18 +147,18 @@ def _save(path: pathlib.Path, data: bytes) -> None:
     tmp.replace(path)  # atomic: concurrent processes never read half a file
 
 
-# Programs built at a time in this process (dispatch): XLA:CPU's compiler already uses the
-# cores, so on a small host more at once only makes each slower.
-BUILDS = max(1, (os.cpu_count() or 1) // 4)
-_build_slots = threading.BoundedSemaphore(BUILDS)
-
-
 def usable_cores() -> int:
     """The CPU cores this process may run on."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+# Programs built at a time in this process (dispatch): XLA:CPU's compiler already uses the
+# cores, so on a small host more at once only makes each slower.
+BUILDS = max(1, usable_cores() // 4)
+_build_slots = threading.BoundedSemaphore(BUILDS)
 
 
 def dispatch(calls: Sequence[Callable[[], Any]], keys: Sequence[Hashable], workers=None) -> list:

@@ -1,21 +1,21 @@
 """Decoding data-parallel over a process's local devices.
 
-    devices = data_parallel.devices_for(params)      # [d]: decode where params are
+    devices = data_parallel.devices_for(params)      # where params are; [] for a mesh
     groups = data_parallel.group_batches(batches, len(devices))
-    run = data_parallel.Rows(devices)
-    tokens = run(fn, static, params, group["inputs"])  # fn(params, inputs [b, S], **static)
+    run = data_parallel.Rows(devices, params)
+    tokens = run(fn, static, group["inputs"])       # fn(params, inputs [b, S], **static)
 
 A translation depends on its own source only (decoding.output_limits), so a batch's rows can
 be split across devices, each running its own search loop over its share: a shard_map with
 no collective, so a device whose rows are finished stops while the others go on. Evaluation
 and `translate` use every local device of the parameters' platform when the parameters sit on
-one device: a TPU VM's or GPU host's chips, or a CPU host's cores, which the checkpoint CLIs
-make into as many XLA devices (backend.split_host_cpu): small decoding batches keep one core
-busy each far better than XLA:CPU splits one batch's small operations over two.
+one device: a GPU host's or TPU VM's chips, or forced CPU devices
+(XLA_FLAGS=--xla_force_host_platform_device_count=N). A CPU host keeps its one device by
+default: threads (compilation.dispatch) already run its batches side by side.
 
 `group_batches` stacks D consecutive eval batches (sorted by length, so of like lengths) into
 one batch of D x B rows, batch k's rows on device k: a device decodes exactly what it would
-have decoded alone, and the outputs are the same for any D (tests/test_evaluate.py).
+have decoded alone, and the outputs are the same for any D (tests/test_data_parallel.py).
 """
 
 from __future__ import annotations
@@ -36,13 +36,13 @@ _programs: dict[Any, Callable] = {}  # (devices, fn, static, shape) -> the shard
 
 def devices_for(params: Any) -> list[jax.Device]:
     """Where to decode with `params`: every local device of their platform when they all sit on
-    one device (a restored checkpoint), else that one device's list or, for parameters spread
-    over a mesh (a training run's), the empty list (decode on the mesh as it is)."""
+    one device (a restored checkpoint); [] for parameters spread over a mesh (a training
+    run's: decode on the mesh as it is)."""
     placed = {d for x in jax.tree.leaves(params) if isinstance(x, jax.Array) for d in x.devices()}
     if len(placed) != 1:
         return []
     (device,) = placed
-    return [d for d in jax.local_devices(backend=device.platform)] or [device]
+    return jax.local_devices(backend=device.platform) or [device]
 
 
 def group_batches(batches: Sequence[dict[str, np.ndarray]], n: int) -> list[dict[str, np.ndarray]]:
@@ -72,33 +72,28 @@ class Rows:
 
     fn's outputs are pytrees of [rows, ...] arrays. The per-device program is
     compilation.program's (kept on disk with the persistent cache); one sharded program per
-    (fn, static, shape), built on first use."""
+    (devices, fn, static, shape), built on first use."""
 
-    def __init__(self, devices: Sequence[jax.Device]):
+    def __init__(self, devices: Sequence[jax.Device], params: Any):
         self.devices = list(devices)
         self.mesh = Mesh(np.array(self.devices), (AXIS,))
-        self._params: tuple[int, Any] | None = None
+        if len(self.devices) == 1:
+            self.params = jax.device_put(params, self.devices[0])
+        else:
+            self.params = jax.device_put(params, NamedSharding(self.mesh, P()))
 
-    def replicated(self, params: Any) -> Any:
-        """params on every device (copied once per params object)."""
-        if self._params is None or self._params[0] != id(params):
-            self._params = (id(params), jax.device_put(params, NamedSharding(self.mesh, P())))
-        return self._params[1]
-
-    def __call__(self, fn: Callable, static: dict[str, Any], params: Any, inputs: Any) -> Any:
+    def __call__(self, fn: Callable, static: dict[str, Any], inputs: Any) -> Any:
         n = len(self.devices)
         if n == 1:
-            return compilation.cached_call(
-                fn, static, params, jax.device_put(inputs, self.devices[0])
-            )
+            inputs = jax.device_put(inputs, self.devices[0])
+            return compilation.cached_call(fn, static, self.params, inputs)
         if inputs.shape[0] % n:
             raise ValueError(f"{inputs.shape[0]} rows do not split over {n} devices")
-        params = self.replicated(params)
         key = (tuple(self.devices), fn, repr(sorted(static.items())), inputs.shape, inputs.dtype)
         call = _programs.get(key)
         if call is None:
             shard = jax.ShapeDtypeStruct((inputs.shape[0] // n, *inputs.shape[1:]), inputs.dtype)
-            spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+            spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.params)
             per_device = compilation.program(fn, static, spec, shard)
             call = jax.jit(
                 jax.shard_map(
@@ -106,4 +101,4 @@ class Rows:
                 )
             )
             _programs[key] = call
-        return call(params, jax.device_put(inputs, NamedSharding(self.mesh, P(AXIS))))
+        return call(self.params, jax.device_put(inputs, NamedSharding(self.mesh, P(AXIS))))

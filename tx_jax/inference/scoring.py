@@ -102,12 +102,11 @@ def translate_batches(
         static.update(beam_size=beam_size, alpha=alpha)
     fn = _greedy if beam_size == 1 else _beam
     if devices:
-        rows = data_parallel.Rows(devices)
+        rows = data_parallel.Rows(devices, params)
         batches = data_parallel.group_batches(list(batches), len(devices))
-        rows.replicated(params)  # once, before the threads
 
         def call(inputs: np.ndarray):
-            return lambda: rows(fn, static, params, inputs)
+            return lambda: rows(fn, static, inputs)
     else:  # on the mesh the parameters live on
         batches = list(batches)
 
