@@ -62,7 +62,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.max_len = 64  # train pairs with a longer side (in tokens, EOS included) are dropped
     c.data.max_eval_len = 96  # eval sources/references are truncated to this
     # Eval/decode batches are sorted by length and padded to these ([]: x1.5 steps up to
-    # max_eval_len, 8, 16, 24, 40, 64, 96; [max_eval_len]: one shape).
+    # max_eval_len, 16, 24, 40, 64, 96; [max_eval_len]: one shape).
     c.data.eval_bucket_boundaries = []
     c.data.tokens_per_batch = 2048  # global token budget per batch (padded, per side)
     # Static shapes: one compilation per bucket (None: every 8 tokens up to max_len).

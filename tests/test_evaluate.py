@@ -88,6 +88,32 @@ def test_evaluate_loss_matches_training_validation_loss(workdir, greedy_validati
     assert len(hyps) == record["examples"] == 40
 
 
+def test_loss_batches_restack_rows_in_order_into_one_shape():
+    """evaluate's teacher-forced pass: every row once, in order, one [rows, longest] shape."""
+    rng = np.random.default_rng(0)
+    batches = [
+        {
+            "inputs": rng.integers(1, 9, (4, n)),
+            "targets": rng.integers(1, 9, (4, n)),
+            "example_index": np.arange(4),
+        }
+        for n in (16, 8, 24)
+    ]
+    out = evaluation.loss_batches(batches, rows=5)
+    assert [b["inputs"].shape for b in out] == [(5, 24)] * 3 and set(out[0]) == {
+        "inputs",
+        "targets",
+    }
+    for key in ("inputs", "targets"):
+        got = np.concatenate([b[key] for b in out])
+        for i, b in enumerate(batches):
+            n = b[key].shape[1]
+            np.testing.assert_array_equal(got[4 * i : 4 * i + 4, :n], b[key])
+            assert not got[4 * i : 4 * i + 4, n:].any()
+        assert not got[12:].any()  # the filling rows are all padding
+    assert evaluation.loss_batches([], rows=5) == []
+
+
 def test_translate_keeps_line_count_and_alignment(workdir, greedy_validation):
     _, hyps, sources = greedy_validation
     lines = [
@@ -140,7 +166,7 @@ def test_translations_do_not_depend_on_order_batching_or_padding(workdir, greedy
         else:
             record = evaluation.evaluate(workdir, split="validation", beam_size=3)
             assert outs[0] == pathlib.Path(record["hypotheses"]).read_text().split("\n")[:-1]
-    # and the batches really were padded to evaluation's buckets (8, 16, 24, 32)
+    # and the batches really were padded to evaluation's buckets (16, 24, 32: 8 is no longer one)
     shapes = []
     real = translation.scoring.translate_batches
 
@@ -153,7 +179,7 @@ def test_translations_do_not_depend_on_order_batching_or_padding(workdir, greedy
     with monkeypatch.context() as m:
         m.setattr(translation.scoring, "translate_batches", spy)
         translation.translate_lines(loaded, sources, beam_size=1, batch_size=4)
-    assert set(shapes) <= {8, 16, 24, 32} and len(set(shapes)) >= 3
+    assert set(shapes) == {16, 24, 32}
 
 
 def _params(loaded):

@@ -94,7 +94,7 @@ def main() -> None:
         "length_buckets",
         None,
         "Pad each batch to the smallest of these lengths that holds it (e.g. 16,32,64; "
-        "default: the checkpoint's eval buckets, 8, 16, 24, 40, ... up to "
+        "default: the checkpoint's eval buckets, 16, 24, 40, 64, ... up to "
         "data.max_eval_len). Shapes to compile, not translations: those do not depend on it.",
     )
     flags.DEFINE_string(

@@ -71,7 +71,7 @@ def translate_lines(
 
     `length_buckets` (e.g. (16, 32, 64)): the lengths batches are padded to (each to the
     smallest that holds its longest source; max_len is always one), one compilation per
-    length used; default: evaluation's (data.eval_bucket_boundaries, or 8, 16, 24, 40, ...).
+    length used; default: evaluation's (data.eval_bucket_boundaries, or 16, 24, 40, 64, ...).
     The translations do not depend on them, nor on `batch_size` or `sort_by_length`."""
     max_len = max_len or max_source_len(loaded)
     batch_size = batch_size or loaded.config.data.eval_batch_size
