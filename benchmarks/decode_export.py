@@ -8,7 +8,8 @@ The checkpoint is exported (tx_jax.interop) to a Transformers MarianMT directory
 CTranslate2 (float32 and int8) under WORKDIR/export_bench/, then the first N sentences of
 the run's test split are translated by each, greedy and beam 4 (alpha 0.6), on --threads CPU
 threads each (JAX: the process's CPU affinity; torch: set_num_threads; CTranslate2:
-intra_threads, one translator).
+intra_threads, one translator; each CTranslate2 model with its two x86 matrix libraries,
+MKL and oneDNN: CT2_BACKENDS).
 
 In process: tx_jax runs as evaluation and `translate` run it by default (sources sorted by
 length, each batch padded to the smallest eval bucket that holds it) and, for reference,
@@ -23,8 +24,9 @@ hypotheses identical to tx_jax's.
 Whole processes (--processes R > 0, R runs each, the median reported): `python -m
 tx_jax.evaluate --workdir=W --split=test --beam_size=B` with a cold JAX compilation cache (a
 new directory) and a warm one (the same directory, second run), and a process that loads
-the CTranslate2 (float32) or Transformers export, translates the split and scores it with
-sacreBLEU, as a user of those would. Writes benchmarks/results/decode_export.json.
+the CTranslate2 (float32, both libraries) or Transformers export, translates the split and
+scores it with sacreBLEU, as a user of those would. Writes
+benchmarks/results/decode_export.json.
 """
 
 from __future__ import annotations
@@ -147,9 +149,10 @@ def main() -> None:
         "tx_jax (sorted, eval buckets: the default)": run_tx_jax,
         "tx_jax, every source padded to max_eval_len": run_tx_jax_padded,
         "transformers generate": run_hf,
-        "ctranslate2 float32": run_ct2("float32"),
-        "ctranslate2 int8": run_ct2("int8"),
     }
+    for q in ("float32", "int8"):
+        for backend in CT2_BACKENDS:
+            systems[f"ctranslate2 {q} ({backend})"] = run_ct2(q)
     if args.one:  # one system, one search, in this process alone: times and hypotheses
         index, search, out = args.one.split(":", 2)
         name = list(systems)[int(index)]
@@ -215,6 +218,19 @@ def main() -> None:
     print("wrote", _common.write_json("decode_export", payload, args.out or None))
 
 
+# CTranslate2's matrix library on x86 CPUs (its CT2_USE_MKL): it picks Intel MKL on Intel CPUs
+# and oneDNN elsewhere, and neither is fastest everywhere (on a 2-core Sapphire Rapids VM MKL
+# made its float32 greedy 4x slower than oneDNN), so it is timed with both.
+CT2_BACKENDS = {"MKL": "1", "oneDNN": "0"}
+
+
+def _ct2_env(name: str) -> dict[str, str]:
+    for backend, flag in CT2_BACKENDS.items():
+        if name.startswith("ctranslate2") and name.endswith(f"({backend})"):
+            return {"CT2_USE_MKL": flag}
+    return {}
+
+
 def _alone(args, index: int, name: str, search: str) -> dict:
     """Time one system in a process of its own (`--one`): the libraries' thread pools (XLA,
     PyTorch's and CTranslate2's OpenMP) then never compete, which in one shared process
@@ -226,6 +242,7 @@ def _alone(args, index: int, name: str, search: str) -> dict:
     argv = [a for a in sys.argv[1:] if not a.startswith("--one")]
     command = [sys.executable, os.path.abspath(__file__), *argv, f"--one={index}:{search}:{out}"]
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+    env.update(_ct2_env(name))
     proc = subprocess.run(command, env=env, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"{name} {search}: {proc.stderr[-2000:]}")
@@ -307,9 +324,10 @@ def whole_processes(args, loaded, out_dir: str, n: int, threads: int) -> list[di
         print(f"process: {name} {search}: {record['seconds']:.2f} s (runs {times})", flush=True)
 
     exports = {
-        "ctranslate2 float32": (_CT2_PROCESS, os.path.join(out_dir, "ct2_float32")),
-        "transformers generate": (_HF_PROCESS, os.path.join(out_dir, "hf")),
+        f"ctranslate2 float32 ({backend})": (_CT2_PROCESS, os.path.join(out_dir, "ct2_float32"))
+        for backend in CT2_BACKENDS
     }
+    exports["transformers generate"] = (_HF_PROCESS, os.path.join(out_dir, "hf"))
     for search in args.searches.split(","):
         beam = 1 if search == "greedy" else int(search.removeprefix("beam"))
         evaluate = [
@@ -345,7 +363,7 @@ def whole_processes(args, loaded, out_dir: str, n: int, threads: int) -> list[di
                     ),
                     f,
                 )
-            timed(name, search, [sys.executable, "-c", code, spec])
+            timed(name, search, [sys.executable, "-c", code, spec], _ct2_env(name))
     print(
         _common.table(
             ["whole process", "search", "seconds (median)", "first line of output"],
