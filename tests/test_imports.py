@@ -1,6 +1,6 @@
 """The package's layers: imports go one way (down, or sideways into data/ and ops/), no cycles.
 
-    config, ops <- data, model <- training <- inference <- analysis, interop <- experiment
+    config, paths, ops <- data, model <- training <- inference <- analysis, interop <- experiment
         <- planning <- cli
 
 A module may import its own layer and any layer to its left, never one to its right; only the
@@ -17,7 +17,7 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "tx_jax"
 RANK = {
-    "config": 0, "ops": 0,
+    "config": 0, "ops": 0, "paths": 0,
     "data": 1, "model": 1,
     "training": 2,
     "inference": 3,

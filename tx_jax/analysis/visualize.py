@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from matplotlib.figure import Figure
 
+from tx_jax import paths as paths_lib
 from tx_jax.analysis.similarity import correlation, off_diagonal, pair_labels
 from tx_jax.data.tokenizer import Tokenizer
 from tx_jax.inference import decoding, search
@@ -276,7 +277,7 @@ def read_metrics(path: PathLike) -> list[dict[str, Any]]:
     """
     records: dict[tuple[str, int], dict] = {}
     offset, last = 0.0, 0.0
-    for i, line in enumerate(pathlib.Path(path).read_text().splitlines()):
+    for i, line in enumerate(paths_lib.Path(path).read_text().splitlines()):  # or gs://
         if not line.strip():
             continue
         record = json.loads(line)
@@ -366,7 +367,7 @@ def plot_curves(
     labels default to each file's directory name (the workdir; its path if names repeat).
     x: 'step' or 'elapsed' (wall-clock, cumulative over restarts)."""
     paths = [metrics] if isinstance(metrics, (str, pathlib.Path)) else list(metrics)
-    paths = [pathlib.Path(p) for p in paths]
+    paths = [paths_lib.Path(p) for p in paths]  # local or gs://
     if labels is None:
         labels = [p.parent.name or str(p) for p in paths]
         if len(set(labels)) < len(labels):

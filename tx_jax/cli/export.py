@@ -19,6 +19,7 @@ import sys
 
 from absl import flags
 
+from tx_jax import paths
 from tx_jax.cli import common
 from tx_jax.inference import restore
 from tx_jax.interop import ctranslate2 as ct2_export
@@ -33,17 +34,20 @@ def _main(argv: list[str], overrides: dict[str, str]) -> None:
     if f.out is None:
         raise ValueError("give --out (the directory to write)")
     loaded = restore.load(f.workdir, **where, overrides=overrides)
-    if f.format == "hf":
-        out = huggingface.export(loaded, f.out, beam_size=f.beam_size, alpha=f.alpha)
-    else:
-        out = ct2_export.export(loaded, f.out, quantization=f.quantization)
-    print(f"export: {loaded.path} (step {loaded.step}) -> {out} ({f.format})", file=sys.stderr)
+    with paths.staged_dir(f.out) as local:  # --out may be gs://: written here, copied there
+        if f.format == "hf":
+            huggingface.export(loaded, local, beam_size=f.beam_size, alpha=f.alpha)
+        else:
+            ct2_export.export(loaded, local, quantization=f.quantization)
+    print(f"export: {loaded.path} (step {loaded.step}) -> {f.out} ({f.format})", file=sys.stderr)
 
 
 def main() -> None:
     common.define_checkpoint_flags()
     flags.DEFINE_enum("format", "hf", FORMATS, "hf: Transformers MarianMT; ct2: CTranslate2.")
-    flags.DEFINE_string("out", None, "Output directory (created; its files are replaced).")
+    flags.DEFINE_string(
+        "out", None, "Output directory, local or gs:// (created; its files are replaced)."
+    )
     flags.DEFINE_integer(
         "beam_size", None, "hf: generation_config num_beams (default: the run's test beam)."
     )

@@ -19,6 +19,7 @@ import pathlib
 import sys
 from collections.abc import Sequence
 
+from tx_jax import paths
 from tx_jax.config import apply_overrides, load_config, parse_assignments
 
 
@@ -91,7 +92,7 @@ def _write_json(path: str | None, obj) -> None:
     if path == "-":
         print(text)
     else:
-        pathlib.Path(path).write_text(text + "\n")
+        paths.Path(path).write_text(text + "\n")  # local or gs://
 
 
 def _search(args, config, overrides, target, cache_dir) -> int:

@@ -4,6 +4,10 @@ r"""Command line: flags -> experiment.loop.train_and_evaluate(config, workdir). 
         --config.train.num_steps=2000 --config.model.d_model=256
 """
 
+import os
+import sys
+import traceback
+
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -23,7 +27,17 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.set_verbosity(logging.WARNING)
     backend.skip_absent_tpu()
-    train_and_evaluate(FLAGS.config, FLAGS.workdir)
+    try:
+        train_and_evaluate(FLAGS.config, FLAGS.workdir)
+    except OSError as e:  # the workdir's storage failed (CheckpointSaveError is one)
+        traceback.print_exc()
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # Stop now: a checkpoint save still retrying in the background (TensorStore gives an
+        # unreachable store 32 tries, about 15 minutes) would hold the process until it gives
+        # up, and nothing it could still write would count (a checkpoint counts once its
+        # checksums are written); the next launch resumes from the last complete one.
+        os._exit(1)
 
 
 if __name__ == "__main__":

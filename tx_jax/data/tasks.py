@@ -43,6 +43,7 @@ import jax
 from etils import epath
 from jax.experimental import multihost_utils
 
+from tx_jax import paths
 from tx_jax.data import datasets, eval_pipeline, input_shards, pipeline
 from tx_jax.data.tokenizer import Tokenizer, iter_pair_texts, train_tokenizer
 
@@ -329,10 +330,10 @@ def load_or_train_tokenizer(
 def _train_tokenizer_to(
     path: epath.Path, texts: Iterable[str], vocab_size: int, symbols: Sequence[str]
 ) -> None:
-    """Trains a tokenizer on `texts` and writes it to `path`. For a gs:// path it is trained
-    into a temporary directory of this run (train_tokenizer writes a local file and renames
-    it), so concurrent runs never share the file; the directory is removed afterwards."""
-    if not str(path).startswith("gs://"):
+    """Trains a tokenizer on `texts` and writes it to `path`. For a remote (gs://) path it is
+    trained into a temporary directory of this run (train_tokenizer writes a local file and
+    renames it), so concurrent runs never share the file; the directory is removed afterwards."""
+    if not paths.is_remote(path):
         train_tokenizer(texts, vocab_size, str(path), user_defined_symbols=symbols)
         return
     with tempfile.TemporaryDirectory(prefix="tx_jax_tokenizer_") as local:

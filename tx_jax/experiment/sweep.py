@@ -28,8 +28,9 @@ val_* are the last validation record of WORKDIR/metrics.jsonl; test_bleu the las
 the test split (written at the end of training when eval.test_split is set) or, with
 --test_split_eval, `python -m tx_jax.evaluate --split=test --beam_size=B` on the final
 checkpoint. A failed point is reported (status 'failed (rc N)') and the others go on; the
-exit status is 1 if any point failed (2 for a bad sweep file or override). ROOT is a local
-directory (the runner writes its files with pathlib).
+exit status is 1 if any point failed (2 for a bad sweep file or override). ROOT may be a
+gs:// path (tx_jax/paths.py): a point's log is then copied there when its process ends, and a
+generated config is loaded from a local copy.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ import concurrent.futures
 import copy
 import csv
 import dataclasses
+import hashlib
+import io
 import json
 import os
 import pathlib
@@ -45,10 +48,14 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from etils import epath
+
+from tx_jax import paths
 from tx_jax.config import (
     apply_overrides,
     convert_text,
@@ -91,7 +98,7 @@ class Point:
     index: int
     name: str  # 'model.num_heads=16,model.d_model=256' ('baseline' for no overrides)
     overrides: dict[str, Any]
-    workdir: pathlib.Path
+    workdir: epath.Path  # local or gs://
 
 
 def load_sweep(path: str | os.PathLike) -> Sweep:
@@ -131,7 +138,7 @@ def expand(
         except (KeyError, TypeError, ValueError) as e:
             message = e.args[0] if e.args else e
             raise ValueError(f"sweep point {i} ({name}): {message}") from None
-        workdir = pathlib.Path(root) / f"{i:02d}_{_slug(name)}"
+        workdir = paths.Path(root) / f"{i:02d}_{_slug(name)}"
         points.append(Point(i, name, full, workdir))
     return points
 
@@ -164,9 +171,18 @@ def command(point: Point, config: str, python: str = sys.executable) -> tuple[li
             f"    apply_overrides(config, {other!r})\n"
             "    return config\n"
         )
-        config = str(point.workdir / "sweep_config.py")
+        config = _config_file(point)
     argv = [python, "-m", "tx_jax.main", f"--config={config}", f"--workdir={point.workdir}"]
     return argv + [f"--config.{k}={_flag_value(v)}" for k, v in flag_items.items()], wrapper
+
+
+def _config_file(point: Point) -> str:
+    """Where the point's generated config is loaded from: its workdir, or, for a gs:// one, a
+    local copy (a config is Python, imported from a file); the workdir keeps a copy too."""
+    if not paths.is_remote(point.workdir):
+        return str(point.workdir / "sweep_config.py")
+    key = hashlib.sha256(str(point.workdir).encode()).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), "tx_jax_sweeps", key, "sweep_config.py")
 
 
 def _env(parallel: int) -> dict[str, str]:
@@ -203,6 +219,10 @@ def run_point(
     point.workdir.mkdir(parents=True, exist_ok=True)
     if wrapper:
         (point.workdir / "sweep_config.py").write_text(wrapper)
+        local = _config_file(point)
+        if paths.is_remote(point.workdir):
+            os.makedirs(os.path.dirname(local), exist_ok=True)
+            pathlib.Path(local).write_text(wrapper)
     (point.workdir / "sweep_command.sh").write_text(shlex.join(argv) + "\n")
     start = time.time()
     rc = _run_logged(argv, point, parallel)
@@ -223,13 +243,23 @@ def run_point(
 
 
 def _run_logged(argv: list[str], point: Point, parallel: int) -> int:
-    """Run `argv` with its output appended to the point's log (command line first)."""
-    with open(point.workdir / LOG_FILE, "a") as log:
+    """Run `argv` with its output appended to the point's log (command line first); a gs://
+    workdir's log gets the output when the process ends (it is written locally meanwhile)."""
+    log_path = point.workdir / LOG_FILE
+    if not paths.is_remote(log_path):
+        with open(log_path, "a") as log:
+            log.write(f"$ {shlex.join(argv)}\n")
+            log.flush()
+            return subprocess.run(
+                argv, stdout=log, stderr=subprocess.STDOUT, env=_env(parallel)
+            ).returncode
+    with tempfile.TemporaryFile("w+") as log:
         log.write(f"$ {shlex.join(argv)}\n")
         log.flush()
-        return subprocess.run(
-            argv, stdout=log, stderr=subprocess.STDOUT, env=_env(parallel)
-        ).returncode
+        rc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=_env(parallel))
+        log.seek(0)
+        paths.append_text(log_path, log.read())
+    return rc.returncode
 
 
 def _evaluate_test(point: Point, beam_size: int, parallel: int) -> dict | None:
@@ -253,7 +283,7 @@ def _evaluate_test(point: Point, beam_size: int, parallel: int) -> dict | None:
 # ---------------------------------------------------------------------- results
 
 
-def _metrics(workdir: pathlib.Path) -> list[dict]:
+def _metrics(workdir: epath.Path) -> list[dict]:
     path = workdir / "metrics.jsonl"
     if not path.exists():
         return []
@@ -293,12 +323,13 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
-def write_results(root: pathlib.Path, rows: Sequence[Mapping[str, Any]]) -> None:
+def write_results(root: epath.Path, rows: Sequence[Mapping[str, Any]]) -> None:
     """ROOT/results.csv and ROOT/results.md (markdown; overrides as the config diff)."""
-    with open(root / "results.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows({k: ("" if row[k] is None else row[k]) for k in COLUMNS} for row in rows)
+    table = io.StringIO(newline="")
+    writer = csv.DictWriter(table, fieldnames=COLUMNS)
+    writer.writeheader()
+    writer.writerows({k: ("" if row[k] is None else row[k]) for k in COLUMNS} for row in rows)
+    paths.write_atomic(paths.Path(root) / "results.csv", table.getvalue())
     shown = [c for c in COLUMNS if c not in ("overrides", "workdir")]
     lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
     for row in rows:
@@ -307,17 +338,19 @@ def write_results(root: pathlib.Path, rows: Sequence[Mapping[str, Any]]) -> None
     (root / "results.md").write_text("\n".join(lines) + "\n")
 
 
-def write_curves(root: pathlib.Path, points: Sequence[Point]) -> pathlib.Path | None:
+def write_curves(root: epath.Path, points: Sequence[Point]) -> epath.Path | None:
     from tx_jax.analysis import visualize  # matplotlib: only when there is something to draw
 
     have = [p for p in points if (p.workdir / "metrics.jsonl").exists()]
     if not have:
         return None
-    return visualize.plot_curves(
-        [p.workdir / "metrics.jsonl" for p in have],
-        root / "curves.png",
-        labels=[p.name for p in have],
-    )
+    with paths.staged_dir(root) as local:  # matplotlib writes local files
+        visualize.plot_curves(
+            [p.workdir / "metrics.jsonl" for p in have],
+            os.path.join(local, "curves.png"),
+            labels=[p.name for p in have],
+        )
+    return paths.Path(root) / "curves.png"
 
 
 def run_sweep(
@@ -334,7 +367,7 @@ def run_sweep(
 ) -> list[dict[str, Any]]:
     """Validate, run (or with dry_run print) every point, write the results -> the rows."""
     sweep = load_sweep(path)
-    root = pathlib.Path(root or pathlib.Path("runs/sweeps") / sweep.name)
+    root = paths.Path(root or pathlib.Path("runs/sweeps") / sweep.name)
     points = expand(sweep, root, overrides)
     if only is not None:
         unknown = sorted(set(only) - {p.index for p in points})

@@ -52,6 +52,7 @@ import jax
 import numpy as np
 from etils import epath
 
+from tx_jax import paths
 from tx_jax.data import directions, tasks
 from tx_jax.inference import compilation, multilingual, restore, scoring
 from tx_jax.training.step import eval_sums, model_inputs
@@ -170,8 +171,7 @@ def write_lines(path: epath.Path, lines: Sequence[str]) -> None:
 
 
 def append_record(workdir: epath.Path, record: Mapping[str, Any]) -> None:
-    with (workdir / RESULTS_FILE).open("a") as f:
-        f.write(json.dumps(record) + "\n")
+    paths.append_text(workdir / RESULTS_FILE, json.dumps(record) + "\n")
 
 
 class _Split:

@@ -23,13 +23,14 @@ import base64
 import hashlib
 import json
 import logging
-import os
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_managers as cm
+
+from tx_jax import paths
 
 ITEMS = ("state", "data", "meta")
 MANIFEST = "checksums.json"
@@ -80,6 +81,7 @@ class Checkpointer:
         )
         self.manager = ocp.CheckpointManager(self.directory, item_names=ITEMS, options=options)
         self._unsealed: list[int] = []  # saves of this process still without a manifest
+        self._last_started: int | None = None
 
     # ------------------------------------------------------------------ queries
     def latest_step(self) -> int | None:
@@ -102,9 +104,13 @@ class Checkpointer:
         force: bool = True,
         extra_meta: dict | None = None,
     ) -> bool:
-        """Start an (async) save of everything at `step`; returns whether a save started.
+        """Start an (async) save of everything at `step`; returns whether a save started:
+        not when `step` is saved already or being saved (a stop right after a periodic save
+        has nothing new to save).
 
         `extra_meta` adds JSON keys to `meta` (e.g. 'averaged': the steps an average holds)."""
+        if step == self._last_started or step == self.manager.latest_step():
+            return False
         meta = {
             "config": config,
             "tokenizer": base64.b64encode(tokenizer_bytes).decode("ascii"),
@@ -126,6 +132,7 @@ class Checkpointer:
             ) from e
         if started:
             self._unsealed.append(step)
+            self._last_started = step
         return started
 
     def wait(self) -> None:
@@ -152,14 +159,15 @@ class Checkpointer:
         for step in pending:
             if step in existing:  # retention may already have removed it
                 step_dir = self.directory / str(step)
-                manifest = {rel: _sha256(step_dir / rel) for rel in _files(step_dir)}
-                tmp = step_dir / (MANIFEST + ".tmp")
                 try:
-                    tmp.write_text(json.dumps(manifest, indent=0, sort_keys=True))
-                    tmp.rename(step_dir / MANIFEST)
+                    manifest = {rel: _sha256(step_dir / rel) for rel in _files(step_dir)}
+                    paths.write_atomic(
+                        step_dir / MANIFEST, json.dumps(manifest, indent=0, sort_keys=True)
+                    )
                 except OSError as e:
                     raise CheckpointSaveError(
-                        f"writing the checksums of checkpoint step {step} ({tmp}) failed: {e}"
+                        f"writing the checksums of checkpoint step {step} ({step_dir / MANIFEST})"
+                        f" failed: {e}; the checkpoints verified before it are intact"
                     ) from e
 
     def verify(self, step: int) -> bool:
@@ -194,7 +202,7 @@ class Checkpointer:
             n += 1
         if jax.process_index() == 0:
             target_dir.mkdir(parents=True, exist_ok=True)
-            (self.directory / str(step)).rename(target)
+            paths.rename(self.directory / str(step), target)
         self.manager.reload()
         return target
 
@@ -260,24 +268,13 @@ class Checkpointer:
 
 
 def _files(step_dir: epath.Path) -> list[str]:
-    """Every file under a step directory, relative, except the manifest itself."""
-    root = str(step_dir)
-    out = []
-    for dirpath, _, names in os.walk(root) if "://" not in root else _walk_remote(step_dir):
-        for name in names:
-            rel = os.path.relpath(os.path.join(dirpath, name), root)
-            if rel not in (MANIFEST, MANIFEST + ".tmp"):
-                out.append(rel)
-    return sorted(out)
-
-
-def _walk_remote(step_dir: epath.Path):
-    stack = [step_dir]
-    while stack:
-        d = stack.pop()
-        children = list(d.iterdir())
-        yield str(d), None, [c.name for c in children if not c.is_dir()]
-        stack.extend(c for c in children if c.is_dir())
+    """Every file under a step directory, relative, except the manifest itself (and the
+    temporary files of an interrupted local manifest write)."""
+    return [
+        rel
+        for rel in paths.files(step_dir)
+        if rel != MANIFEST and not (rel.startswith(f".{MANIFEST}.tmp") or rel == MANIFEST + ".tmp")
+    ]
 
 
 def _sha256(path: epath.Path) -> str:
@@ -288,10 +285,7 @@ def _sha256(path: epath.Path) -> str:
     return h.hexdigest()
 
 
-def absolute(path: str | epath.Path) -> epath.Path:
-    """Orbax wants absolute paths; gs:// and other URLs are left alone."""
-    path = epath.Path(path)
-    return path if "://" in str(path) else epath.Path(os.path.abspath(path))
+absolute = paths.absolute  # Orbax wants absolute paths; gs:// and other URLs as they are
 
 
 def decode_meta(meta: dict) -> dict:

@@ -1,6 +1,10 @@
 """Run logs: TensorBoard event files, WORKDIR/metrics.jsonl, and a console progress line.
 
 Only process 0 writes. Each metrics.jsonl line is {"step": N, "split": "train", ...floats}.
+On a gs:// workdir the event files are written in a local directory and copied to
+WORKDIR/tensorboard through tx_jax.paths (at most every TB_SYNC_SECONDS, and when the logger
+closes), so that every write to the workdir goes through one client and one retry policy,
+and an unreachable store fails a write instead of a writer's finalizer at exit.
 """
 
 from __future__ import annotations
@@ -8,13 +12,18 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import json
+import os
 import platform
+import shutil
 import sys
+import tempfile
 import time
 from typing import Any
 
 import jax
 from etils import epath
+
+from tx_jax import paths
 
 PACKAGES = (
     "jax",
@@ -45,6 +54,10 @@ def versions() -> dict[str, str]:
     return out
 
 
+# How often a gs:// workdir's TensorBoard files are copied up (each copy is the whole file).
+TB_SYNC_SECONDS = 30.0
+
+
 class MetricLogger:
     """Writes scalars to TensorBoard and metrics.jsonl; prints the console line."""
 
@@ -55,32 +68,54 @@ class MetricLogger:
         self._tb = None
         self._created = self._start = time.time()
         self._start_step: int | None = None
+        self._staging: str | None = None  # local TensorBoard dir of a remote workdir
+        self._synced: dict[str, int] = {}  # staged file -> size copied up
+        self._last_sync = 0.0
         if self.enabled:
             self.workdir.mkdir(parents=True, exist_ok=True)
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.workdir / "tensorboard"))
+            tb_dir = str(self.workdir / "tensorboard")
+            if paths.is_remote(self.workdir):
+                self._staging = tb_dir = tempfile.mkdtemp(prefix="tx_jax_tensorboard_")
+            self._tb = SummaryWriter(tb_dir)
 
     def write(self, step: int, split: str, scalars: dict[str, float]) -> None:
         if not self.enabled:
             return
         try:
             self._write(step, split, scalars)
-        except OSError as e:
-            raise OSError(f"writing the logs in {self.workdir} failed at step {step}: {e}") from e
+        except Exception as e:  # noqa: BLE001 - storage clients raise their own types
+            raise OSError(
+                f"writing the logs in {self.workdir} failed at step {step}: {type(e).__name__}: {e}"
+            ) from e
 
     def _write(self, step: int, split: str, scalars: dict[str, float]) -> None:
-        for key, value in scalars.items():
-            self._tb.add_scalar(f"{split}/{key}", value, step)
-        self._tb.flush()
         record = {
             "step": int(step),
             "split": split,
             "elapsed": round(time.time() - self._created, 3),  # seconds since the run started
             **{k: float(v) for k, v in scalars.items()},
         }
-        with (self.workdir / "metrics.jsonl").open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        paths.append_text(self.workdir / "metrics.jsonl", json.dumps(record) + "\n")
+        for key, value in scalars.items():
+            self._tb.add_scalar(f"{split}/{key}", value, step)
+        self._tb.flush()
+        if self._staging and time.time() - self._last_sync >= TB_SYNC_SECONDS:
+            self._sync()
+
+    def _sync(self) -> None:
+        """Copy the staged event files that grew to WORKDIR/tensorboard."""
+        self._last_sync = time.time()
+        for rel in paths.files(self._staging):
+            local = os.path.join(self._staging, rel)
+            size = os.path.getsize(local)
+            if self._synced.get(rel) != size:
+                remote = self.workdir / "tensorboard" / rel
+                remote.parent.mkdir(parents=True, exist_ok=True)
+                with open(local, "rb") as f:
+                    remote.write_bytes(f.read())
+                self._synced[rel] = size
 
     def progress(self, step: int, scalars: dict[str, float]) -> None:
         """step, loss, lr, tokens/s, ETA on one line."""
@@ -98,9 +133,27 @@ class MetricLogger:
             flush=True,
         )
 
-    def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
+    def close(self, quiet: bool = False, copy: bool = True) -> None:
+        """Close the TensorBoard writer and copy a remote workdir's last events up (again:
+        nothing). `quiet`: a failure is printed, not raised (the run is failing already, and
+        its own error is the one to see); `copy=False` leaves the events (the store fails)."""
+        if self._tb is None:
+            return
+        tb, self._tb = self._tb, None
+        try:
+            tb.close()  # flushes: a full local disk fails here
+            if self._staging and copy:
+                self._sync()
+            elif self._staging:
+                print(f"warning: the last TensorBoard events were not copied to {self.workdir}")
+        except Exception as e:  # noqa: BLE001 - storage clients raise their own types
+            if not quiet:
+                raise OSError(f"closing the logs in {self.workdir} failed: {e}") from e
+            print(f"warning: closing the logs in {self.workdir} failed: {e}")
+        finally:
+            if self._staging:
+                shutil.rmtree(self._staging, ignore_errors=True)
+                self._staging = None
 
 
 def write_json(path: epath.Path, obj: Any) -> None:

@@ -1,0 +1,143 @@
+"""Workdir paths, local or on Cloud Storage (gs://): the one place that decides how a file is
+opened, listed, appended to and renamed.
+
+    paths.Path("gs://bucket/run") / "metrics.jsonl"     etils.epath (gcsfs behind gs://)
+    paths.is_remote(path)                               an object store (gs://, s3://, ...)
+    paths.absolute(path)                                what Orbax wants: absolute, URLs as they are
+    paths.append_text(path, text)                       add to the end of a text file
+    paths.write_atomic(path, data)                      readers see the old or the new file, whole
+    paths.rename(src, dst)                              a file or a directory tree
+    paths.files(root)                                   every file under root, relative, sorted
+    with paths.staged_dir(out) as local: ...            a library that writes only local files
+
+An object store has no append and no rename: an object is written whole, and replacing it is
+atomic (a reader sees the old or the new object, never half of one). So on gs:// an append
+rewrites the object with the new text at its end (the files appended to, metrics.jsonl and
+eval_results.jsonl, are small), an atomic write needs no temporary file, and a rename copies
+then deletes (gcsfs). Locally they are what POSIX gives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+from etils import epath
+
+Path = epath.Path
+
+
+def _see_other_writers() -> None:
+    """gcsfs caches directory listings for the life of a process, so a process that watches a
+    workdir another one writes (evaluating a running training, a test comparing runs) would
+    not see new checkpoints: every listing asks the store."""
+    try:
+        import fsspec
+    except ImportError:  # no gs:// support installed: nothing to configure
+        return
+    for protocol in ("gcs", "gs"):
+        fsspec.config.conf.setdefault(protocol, {})["use_listings_cache"] = False
+
+
+_see_other_writers()
+
+
+def is_remote(path: Any) -> bool:
+    """Whether `path` names an object store (a URL such as gs://bucket/run), not a local file."""
+    return "://" in os.fspath(path)
+
+
+def absolute(path: Any) -> epath.Path:
+    """An absolute path (Orbax wants one); URLs are returned as they are."""
+    path = epath.Path(path)
+    return path if is_remote(path) else epath.Path(os.path.abspath(path))
+
+
+def append_text(path: Any, text: str) -> None:
+    """Add `text` at the end of a text file (created if missing)."""
+    path = epath.Path(path)
+    if not is_remote(path):
+        with open(path, "a") as f:
+            f.write(text)
+        return
+    old = path.read_text() if path.exists() else ""
+    path.write_text(old + text)  # one object, replaced whole
+
+
+def write_atomic(path: Any, data: str | bytes) -> None:
+    """Write a file so that a reader (or a crash) sees the old content or the new, whole."""
+    path = epath.Path(path)
+    write = path.write_bytes if isinstance(data, bytes) else path.write_text
+    if is_remote(path):
+        write(data)  # an object upload replaces the object atomically
+        return
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    (tmp.write_bytes if isinstance(data, bytes) else tmp.write_text)(data)
+    os.replace(tmp, path)
+
+
+def rename(src: Any, dst: Any) -> epath.Path:
+    """Move a file or a whole directory to `dst` (which must not exist) -> dst."""
+    src, dst = epath.Path(src), epath.Path(dst)
+    if dst.exists():
+        raise FileExistsError(f"cannot move {src} to {dst}: it exists")
+    if not is_remote(src):
+        os.rename(src, dst)
+        return dst
+    if not src.is_dir():
+        src.rename(dst)
+        return dst
+    for rel in files(src):  # objects one by one: a store's "directory" is a name prefix
+        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).copy(dst / rel)
+    src.rmtree()
+    return dst
+
+
+def files(root: Any) -> list[str]:
+    """Every file under `root`, as paths relative to it ('a/b.txt'), sorted."""
+    root = epath.Path(root)
+    out = []
+    if not is_remote(root):
+        for dirpath, _, names in os.walk(root):
+            out += [os.path.relpath(os.path.join(dirpath, n), root) for n in names]
+        return sorted(out)
+    stack = [root]
+    while stack:
+        d = stack.pop()
+        for child in d.iterdir():
+            if child.is_dir():
+                stack.append(child)
+            else:
+                out.append(str(child)[len(str(root)) :].lstrip("/"))
+    return sorted(out)
+
+
+def upload_tree(local: Any, dst: Any) -> None:
+    """Copy every file under the local directory `local` to `dst` (files there replaced)."""
+    dst = epath.Path(dst)
+    for rel in files(local):
+        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+        with open(os.path.join(local, rel), "rb") as f:
+            (dst / rel).write_bytes(f.read())
+
+
+@contextlib.contextmanager
+def staged_dir(out: Any) -> Iterator[str]:
+    """A local directory for code that can only write local files (safetensors,
+    CTranslate2's converter): `out` itself when local (created), else a temporary directory
+    whose files are copied to `out` when the block ends without an error."""
+    if not is_remote(out):
+        os.makedirs(out, exist_ok=True)
+        yield os.fspath(out)
+        return
+    local = tempfile.mkdtemp(prefix="tx_jax_staged_")
+    try:
+        yield local
+        upload_tree(local, out)
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
