@@ -1,0 +1,298 @@
+"""Workdirs on Cloud Storage: training, SIGTERM, kill -9, resume, evaluate, translate, export and
+averaging on gs://, against a local GCS server (tests/gcs_server.py: gcp-storage-emulator behind
+a proxy that fills its gaps and injects faults), compared with the same run on local disk.
+
+The trainers run in subprocesses (they are signalled and killed); the server is one process for
+the module, on 127.0.0.1, stopping with pytest or after its lifetime.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import gcs_server
+import jax
+import numpy as np
+import pytest
+from etils import epath
+from helpers import ROOT, tiny_config
+
+from tx_jax.experiment.loop import train_and_evaluate
+from tx_jax.inference import evaluation, restore, translation
+from tx_jax.interop import huggingface
+from tx_jax.training.checkpoint import Checkpointer
+
+STEPS = 12
+BUCKET = "gs://tx-jax-test"
+# Saves every 2 steps, asynchronous as in the default experiment: signals and kills land
+# next to saves in flight.
+OVERRIDES = {
+    "train.num_steps": STEPS,
+    "checkpoint.every": 2,
+    "checkpoint.async_save": True,
+    "checkpoint.keep": 10,
+}
+
+
+@pytest.fixture(scope="module")
+def gcs(tmp_path_factory):
+    """The server, and this process's clients pointed at it."""
+    server = gcs_server.start(str(tmp_path_factory.mktemp("gcs_data")), lifetime=1800)
+    saved = {k: os.environ.get(k) for k in server.env}
+    os.environ.update(server.env)
+    yield server
+    server.stop()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory, tfds_dir):
+    """The reference: the same run on local disk, uninterrupted."""
+    workdir = tmp_path_factory.mktemp("local") / "run"
+    train_and_evaluate(tiny_config(tfds_dir, **OVERRIDES), workdir)
+    return workdir
+
+
+def _launch(workdir: str, tfds_dir, steps: int = STEPS, **extra) -> subprocess.Popen:
+    """`python -m tx_jax.main` (what a user runs) on the tiny config."""
+    overrides = {**OVERRIDES, "train.num_steps": steps, **extra}
+    config = pathlib.Path(str(tfds_dir)).parent / f"gcs_config_{abs(hash(repr(overrides)))}.py"
+    config.write_text(
+        f"import sys\nsys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+        "from helpers import tiny_config\n\n\ndef get_config():\n"
+        f"    return tiny_config({str(tfds_dir)!r}, **{overrides!r})\n"
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    return subprocess.Popen(
+        [sys.executable, "-m", "tx_jax.main", f"--config={config}", f"--workdir={workdir}"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _losses(workdir) -> dict[int, float]:
+    """step -> train loss from WORKDIR/metrics.jsonl (local or gs://; the last record wins)."""
+    path = epath.Path(workdir) / "metrics.jsonl"
+    out = {}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        r = json.loads(line)
+        if r["split"] == "train":
+            out[r["step"]] = r["loss"]
+    return out
+
+
+def _wait_for_step(proc: subprocess.Popen, step: int, timeout: float = 300) -> str:
+    """Read the trainer's output until its progress line for `step` -> what it printed."""
+    seen, deadline = [], time.time() + timeout
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("step ") and int(line.split()[1].split("/")[0]) >= step:
+            return "".join(seen)
+        if time.time() > deadline:
+            break
+    proc.kill()
+    raise AssertionError(f"no step {step}: {''.join(seen)[-3000:]}")
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 300) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    return out
+
+
+def _params(workdir) -> dict[str, np.ndarray]:
+    loaded = restore.load(workdir, average_last=None)
+    return {
+        jax.tree_util.keystr(p): np.asarray(x)
+        for p, x in jax.tree_util.tree_leaves_with_path(loaded.params)
+    }
+
+
+def _assert_same_params(a, b) -> None:
+    pa, pb = _params(a), _params(b)
+    assert pa.keys() == pb.keys()
+    for k in pa:
+        np.testing.assert_array_equal(pa[k], pb[k], err_msg=k)
+
+
+@pytest.fixture(scope="module")
+def gs_run(gcs, tfds_dir, local_run):
+    """The run on gs://, stopped by SIGTERM after step 3, killed (-9) after step 7, resumed to
+    the end -> (workdir, the three segments' outputs)."""
+    workdir = f"{BUCKET}/preempted"
+    outs = []
+    first = _launch(workdir, tfds_dir)
+    outs.append(_wait_for_step(first, 3))
+    first.send_signal(signal.SIGTERM)
+    outs[-1] += _finish(first)
+    assert first.returncode == 0, outs[-1][-3000:]
+    second = _launch(workdir, tfds_dir)
+    outs.append(_wait_for_step(second, 7))
+    second.kill()
+    outs[-1] += _finish(second)
+    third = _launch(workdir, tfds_dir)
+    outs.append(_finish(third))
+    assert third.returncode == 0, outs[-1][-3000:]
+    return workdir, outs
+
+
+def test_training_on_gs_survives_sigterm_and_kill_9_and_matches_local_disk(gs_run, local_run):
+    workdir, (first, second, third) = gs_run
+    assert "SIGTERM at step" in first and f"checkpoints: {workdir}/checkpoints" not in first
+    stopped = int(first.split("SIGTERM at step ")[1].split(":")[0])
+    assert stopped >= 3
+    # the relaunches resumed (no step 1 again) and the last one finished
+    assert "step      1/" not in second and "step      1/" not in third
+    assert f"checkpoints: {workdir}/checkpoints" in third
+    # the interrupted run ends where the uninterrupted one does, bit for bit
+    _assert_same_params(workdir, local_run)
+    # metrics.jsonl kept every segment's records (appends on an object store), and the losses
+    # of the resumed steps are the uninterrupted run's
+    gs_losses, local_losses = _losses(workdir), _losses(local_run)
+    assert sorted(gs_losses) == list(range(1, STEPS + 1)) == sorted(local_losses)
+    assert gs_losses == local_losses
+    records = (epath.Path(workdir) / "metrics.jsonl").read_text().splitlines()
+    assert len(records) > STEPS  # steps redone after the kill are logged again
+    # every checkpoint left is complete and verifies against its checksums
+    ckpt = Checkpointer(f"{workdir}/checkpoints", read_only=True)
+    steps = ckpt.all_steps()
+    assert steps[-1] == STEPS and stopped in steps
+    assert all(ckpt.verify(s) for s in steps)
+    # the run's other files, and TensorBoard events from each segment that logged
+    run = epath.Path(workdir)
+    for name in ("config.json", "versions.json", "tokenizer.model"):
+        assert (run / name).exists(), name
+    events = [p for p in (run / "tensorboard").iterdir() if "tfevents" in p.name]
+    assert len(events) >= 2 and all(p.stat().length > 0 for p in events)
+    for out in (first, second, third):  # nothing failed quietly at exit
+        assert "Exception ignored" not in out and "already exists" not in out, out[-3000:]
+
+
+def test_evaluate_translate_average_and_export_from_gs(gs_run, local_run, tmp_path):
+    workdir, _ = gs_run
+    record = evaluation.evaluate(workdir, split="validation", beam_size=2)
+    reference = evaluation.evaluate(local_run, split="validation", beam_size=2)
+    assert record["bleu"] == reference["bleu"] and record["loss"] == reference["loss"]
+    hyps = epath.Path(record["hypotheses"])
+    assert str(hyps).startswith(f"{workdir}/eval/")
+    assert hyps.read_text() == epath.Path(reference["hypotheses"]).read_text()
+    # a second evaluation is appended to the first, on the store as on disk
+    evaluation.evaluate(workdir, split="validation", beam_size=1)
+    results = (epath.Path(workdir) / evaluation.RESULTS_FILE).read_text().splitlines()
+    assert [json.loads(r)["beam"] for r in results] == [2, 1]
+    # averaging writes its checkpoint into the gs:// workdir and reads it back
+    averaged = evaluation.evaluate(workdir, split="validation", beam_size=1, average_last=2)
+    local_avg = evaluation.evaluate(local_run, split="validation", beam_size=1, average_last=2)
+    assert averaged["averaged_steps"] == [STEPS - 2, STEPS] == local_avg["averaged_steps"]
+    assert averaged["loss"] == local_avg["loss"]
+    assert (epath.Path(workdir) / "averaged" / "last2" / str(STEPS)).exists()
+    # translate reads the gs:// run like a local one
+    lines = ["a small test", "", "another line to translate"]
+    assert translation.translate(lines, workdir, beam_size=1) == translation.translate(
+        lines, str(local_run), beam_size=1
+    )
+    # export: `python -m tx_jax.export` from the gs:// workdir to gs://, the same files as the
+    # local run's export written locally
+    out = f"{BUCKET}/exported/hf"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tx_jax.export", f"--workdir={workdir}", f"--out={out}"],
+        cwd=ROOT,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    huggingface.export(restore.load(local_run), tmp_path / "hf")
+    local_files = {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()}
+    assert {p.name: p.read_bytes() for p in epath.Path(out).iterdir()} == local_files
+    assert "model.safetensors" in local_files
+
+
+def test_faults_the_clients_retry_leave_the_run_unchanged(gcs, tfds_dir, local_run):
+    """429s, 503s, reset connections and slow replies at rates the clients' retries absorb:
+    the run finishes with the uninterrupted local run's parameters."""
+    before = gcs_server.stats(gcs.port)
+    gcs_server.set_faults(gcs.port, rate=0.04, reset=0.02, delay=0.05, seed=3)
+    try:
+        proc = _launch(f"{BUCKET}/faulty", tfds_dir, **{"checkpoint.every": 4})
+        out = _finish(proc, timeout=600)
+    finally:
+        gcs_server.set_faults(gcs.port, rate=0, reset=0, delay=0)
+    after = gcs_server.stats(gcs.port)
+    injected = {k: after[k] - before[k] for k in after}
+    assert proc.returncode == 0, out[-3000:]
+    assert injected["failed"] > 0 and injected["reset"] > 0 and injected["delayed"] > 0, injected
+    print(f"faults injected and absorbed: {injected}")
+    _assert_same_params(f"{BUCKET}/faulty", local_run)
+    assert _losses(f"{BUCKET}/faulty") == _losses(local_run)
+
+
+def test_server_gone_mid_run_stops_with_a_clear_error_and_resumes(gcs, tfds_dir, local_run):
+    """The server disappears while checkpoints are being saved: the trainer stops with an
+    error naming the workdir, the checkpoints verified before stay intact, and the next
+    launch (server back) resumes from the newest of them and finishes like the local run."""
+    workdir = f"{BUCKET}/outage"
+    proc = _launch(workdir, tfds_dir)
+    _wait_for_step(proc, 5)
+    gcs_server.set_faults(gcs.port, down=1)
+    try:
+        out = _finish(proc, timeout=900)
+    finally:
+        gcs_server.set_faults(gcs.port, down=0)
+    assert proc.returncode == 1, out[-3000:]
+    error = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert error and "failed" in error[-1] and workdir in error[-1], out[-3000:]
+    print(error[-1][:300])
+    ckpt = Checkpointer(f"{workdir}/checkpoints", read_only=True)
+    verified = [s for s in ckpt.all_steps() if ckpt.verify(s)]
+    assert verified and verified[-1] >= 2
+    resumed = _launch(workdir, tfds_dir)
+    out = _finish(resumed)
+    assert resumed.returncode == 0, out[-3000:]
+    assert "step      1/" not in out
+    _assert_same_params(workdir, local_run)
+
+
+def test_sweep_with_a_gs_root_writes_its_logs_and_tables_there(gcs, tfds_dir):
+    """A sweep point trains in ROOT/<point> on gs:// (a list override goes through a generated
+    config, loaded from a local copy); its log, results tables and curves land in ROOT."""
+    from tx_jax.experiment import sweep
+
+    root = f"{BUCKET}/sweep"
+    tiny = {
+        "data.data_dir": str(tfds_dir),
+        "data.bucket_boundaries": [32],
+        "data.max_len": 32,
+        "data.max_eval_len": 32,
+        "data.packing": False,
+        "train.num_steps": 2,
+        "eval.every": 2,
+        "eval.bleu_examples": 4,
+        "checkpoint.async_save": False,
+    }
+    smoke = ROOT / "experiments" / "default_smoke.py"
+    rows = sweep.run_sweep(smoke, root, only=[0], overrides=tiny, echo=lambda _: None)
+    assert [(r["status"], r["steps"]) for r in rows] == [("ok", 2)]
+    base = epath.Path(root)
+    table = (base / "results.csv").read_text().splitlines()
+    assert len(table) == 2 and table[1].startswith("0,model.dropout_rate=0.0,ok,")
+    assert "| 0 | model.dropout_rate=0.0 | ok | 2 |" in (base / "results.md").read_text()
+    assert (base / "curves.png").stat().length > 1000
+    point = base / "00_model.dropout_rate=0.0"
+    log = (point / sweep.LOG_FILE).read_text()
+    assert log.startswith("$ ") and "--config=" in log and "step      2/2" in log
+    assert "bucket_boundaries" in (point / "sweep_config.py").read_text()
+    assert (point / sweep.DONE_FILE).exists() and (point / "checkpoints" / "2").exists()
