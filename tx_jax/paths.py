@@ -48,7 +48,7 @@ _see_other_writers()
 
 def is_remote(path: Any) -> bool:
     """Whether `path` names an object store (a URL such as gs://bucket/run), not a local file."""
-    return "://" in os.fspath(path)
+    return "://" in str(path)
 
 
 def absolute(path: Any) -> epath.Path:
