@@ -23,6 +23,7 @@ import pytest
 from etils import epath
 from helpers import ROOT, tiny_config
 
+from tx_jax import paths
 from tx_jax.experiment.loop import train_and_evaluate
 from tx_jax.inference import evaluation, restore, translation
 from tx_jax.interop import huggingface
@@ -238,6 +239,28 @@ def test_faults_the_clients_retry_leave_the_run_unchanged(gcs, tfds_dir, local_r
     print(f"faults injected and absorbed: {injected}")
     _assert_same_params(f"{BUCKET}/faulty", local_run)
     assert _losses(f"{BUCKET}/faulty") == _losses(local_run)
+
+
+def test_damaged_checkpoint_on_gs_is_quarantined_and_training_falls_back(gcs, tfds_dir, local_run):
+    """A flipped byte in the newest checkpoint's data on gs://: the relaunch reports it, moves
+    the step to checkpoints.damaged/ (every object, nothing deleted), resumes from the
+    previous step and ends with the local run's parameters."""
+    workdir = f"{BUCKET}/damaged"
+    out = _finish(_launch(workdir, tfds_dir, **{"checkpoint.every": 6}))
+    step_dir = epath.Path(f"{workdir}/checkpoints/{STEPS}")
+    names = paths.files(step_dir)
+    victim = max((step_dir / n for n in names if "/d/" in n), key=lambda p: p.stat().length)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    proc = _launch(workdir, tfds_dir)
+    out = _finish(proc)
+    assert proc.returncode == 0, out[-3000:]
+    moved = epath.Path(f"{workdir}/checkpoints.damaged/{STEPS}-0")
+    assert "checksum mismatch" in out and f"moved to {moved}" in out, out[-3000:]
+    assert paths.files(moved) == names
+    assert _losses(workdir)[STEPS] == _losses(local_run)[STEPS]
+    _assert_same_params(workdir, local_run)
 
 
 def test_server_gone_mid_run_stops_with_a_clear_error_and_resumes(gcs, tfds_dir, local_run):
