@@ -246,7 +246,9 @@ def test_damaged_checkpoint_on_gs_is_quarantined_and_training_falls_back(gcs, tf
     the step to checkpoints.damaged/ (every object, nothing deleted), resumes from the
     previous step and ends with the local run's parameters."""
     workdir = f"{BUCKET}/damaged"
-    out = _finish(_launch(workdir, tfds_dir, **{"checkpoint.every": 6}))
+    first = _launch(workdir, tfds_dir, **{"checkpoint.every": 6})
+    out = _finish(first)
+    assert first.returncode == 0, out[-3000:]
     step_dir = epath.Path(f"{workdir}/checkpoints/{STEPS}")
     names = paths.files(step_dir)
     victim = max((step_dir / n for n in names if "/d/" in n), key=lambda p: p.stat().length)

@@ -71,13 +71,11 @@ def append_text(path: Any, text: str) -> None:
 def write_atomic(path: Any, data: str | bytes) -> None:
     """Write a file so that a reader (or a crash) sees the old content or the new, whole."""
     path = epath.Path(path)
-    write = path.write_bytes if isinstance(data, bytes) else path.write_text
-    if is_remote(path):
-        write(data)  # an object upload replaces the object atomically
-        return
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    (tmp.write_bytes if isinstance(data, bytes) else tmp.write_text)(data)
-    os.replace(tmp, path)
+    # An object upload replaces the object atomically; a local file is renamed into place.
+    target = path if is_remote(path) else path.with_name(f".{path.name}.tmp{os.getpid()}")
+    (target.write_bytes if isinstance(data, bytes) else target.write_text)(data)
+    if target != path:
+        os.replace(target, path)
 
 
 def rename(src: Any, dst: Any) -> epath.Path:

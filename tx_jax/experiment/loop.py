@@ -49,68 +49,70 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     p_train = _compile_train_step(run, shardings)
     evaluator = Evaluator(run, shardings)
     logger = logs.MetricLogger(run.workdir, cfg.num_steps)
-    # Closed on every way out: a gs:// TensorBoard writer left to its finalizer would
-    # try to upload at interpreter exit, when it no longer can.
     try:
-        step = int(jax.device_get(run.strategy.for_checkpoint(state).step))
-        save = functools.partial(_save, run, checkpointer, train_iter)
-        pending: list[dict] = []
-        last_log, final = time.time(), {}
-        stop = StopSignal(checkpointer)
-        window = profile_window(cfg.get("profile_steps"), cfg.num_steps)
-        profiler = StepProfiler(window, run.workdir / "tensorboard")
-        while step < cfg.num_steps:
-            if stop.requested(step):
-                profiler.stop()
-                save(step, state)
-                checkpointer.close()
-                stop.restore()
-                console.stopped(stop.name, step, checkpointer.directory)
-                return {"stopped_at": float(step)}
-            batch = next(train_iter)
-            profiler.before(step + 1)
-            state, metrics = p_train(
-                state, run.strategy.place_process_rows(batch, train_iter.share)
-            )
-            step += 1
-            profiler.after(step, metrics)
-            pending.append(metrics)
-            # At most one step in flight: JAX dispatches asynchronously, so without this wait the
-            # loop could queue up to log_every steps before the logging device_get, and a stop (a
-            # TPU preemption notice gives about 30 s) would wait for all of them before the save.
-            # Waiting for step N-1 once N is dispatched keeps the device busy (N is queued, the
-            # next batch is prepared meanwhile) and answers a stop within about one step.
-            if len(pending) > 1:
-                jax.block_until_ready(pending[-2])
-            is_last = step == cfg.num_steps
-            if step % cfg.log_every == 0 or is_last:
-                jax.block_until_ready(pending[-1])  # the window ends when its last step has run
-                scalars = _summarise(run.strategy, pending, time.time() - last_log)
-                pending, last_log = [], time.time()
-                scalars.update({f"data_{k}": v for k, v in train_iter.stats().items()})
-                logger.write(step, "train", scalars)
-                logger.progress(step, scalars)
-                _check_finite(scalars, cfg.max_nonfinite_steps, step)
-            if step % config.eval.every == 0 or is_last:
-                final = evaluator.evaluate(state, step, logger, bleu=True)
-                save(step, state, metrics=final)
-            elif step % config.checkpoint.every == 0:
-                save(step, state)
-        stop.restore()
-        checkpointer.wait()
-        checkpointer.close()
-        if config.eval.test_split and step == cfg.num_steps:  # every process decodes (SPMD)
-            k = config.eval.get("average_last", 0)
-            test_state = _averaged(run, state, k) if k else state
-            final.update(evaluator.test_metrics(test_state, step, logger))
-            if k:
-                final["test_average_last"] = float(k)
-        console.summary(run, final)
-        return final
-    finally:
+        return _loop(run, config, checkpointer, state, train_iter, p_train, evaluator, logger)
+    finally:  # on every way out: a gs:// workdir's last TensorBoard events are copied up
         failing = sys.exc_info()[1]
         # A storage error: the store is failing, so the last events stay where they are.
         logger.close(quiet=failing is not None, copy=not isinstance(failing, OSError))
+
+
+def _loop(run: Run, config, checkpointer, state, train_iter, p_train, evaluator, logger):
+    """The training steps, evaluations and saves from `state` on -> the final metrics."""
+    cfg = config.train
+    step = int(jax.device_get(run.strategy.for_checkpoint(state).step))
+    save = functools.partial(_save, run, checkpointer, train_iter)
+    pending: list[dict] = []
+    last_log, final = time.time(), {}
+    stop = StopSignal(checkpointer)
+    window = profile_window(cfg.get("profile_steps"), cfg.num_steps)
+    profiler = StepProfiler(window, run.workdir / "tensorboard")
+    while step < cfg.num_steps:
+        if stop.requested(step):
+            profiler.stop()
+            save(step, state)
+            checkpointer.close()
+            stop.restore()
+            console.stopped(stop.name, step, checkpointer.directory)
+            return {"stopped_at": float(step)}
+        batch = next(train_iter)
+        profiler.before(step + 1)
+        state, metrics = p_train(state, run.strategy.place_process_rows(batch, train_iter.share))
+        step += 1
+        profiler.after(step, metrics)
+        pending.append(metrics)
+        # At most one step in flight: JAX dispatches asynchronously, so without this wait the
+        # loop could queue up to log_every steps before the logging device_get, and a stop (a
+        # TPU preemption notice gives about 30 s) would wait for all of them before the save.
+        # Waiting for step N-1 once N is dispatched keeps the device busy (N is queued, the
+        # next batch is prepared meanwhile) and answers a stop within about one step.
+        if len(pending) > 1:
+            jax.block_until_ready(pending[-2])
+        is_last = step == cfg.num_steps
+        if step % cfg.log_every == 0 or is_last:
+            jax.block_until_ready(pending[-1])  # the window ends when its last step has run
+            scalars = _summarise(run.strategy, pending, time.time() - last_log)
+            pending, last_log = [], time.time()
+            scalars.update({f"data_{k}": v for k, v in train_iter.stats().items()})
+            logger.write(step, "train", scalars)
+            logger.progress(step, scalars)
+            _check_finite(scalars, cfg.max_nonfinite_steps, step)
+        if step % config.eval.every == 0 or is_last:
+            final = evaluator.evaluate(state, step, logger, bleu=True)
+            save(step, state, metrics=final)
+        elif step % config.checkpoint.every == 0:
+            save(step, state)
+    stop.restore()
+    checkpointer.wait()
+    checkpointer.close()
+    if config.eval.test_split and step == cfg.num_steps:  # every process decodes (SPMD)
+        k = config.eval.get("average_last", 0)
+        test_state = _averaged(run, state, k) if k else state
+        final.update(evaluator.test_metrics(test_state, step, logger))
+        if k:
+            final["test_average_last"] = float(k)
+    console.summary(run, final)
+    return final
 
 
 def _open_checkpointer(run: Run) -> ckpt_lib.Checkpointer:

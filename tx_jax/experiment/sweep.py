@@ -246,19 +246,14 @@ def _run_logged(argv: list[str], point: Point, parallel: int) -> int:
     """Run `argv` with its output appended to the point's log (command line first); a gs://
     workdir's log gets the output when the process ends (it is written locally meanwhile)."""
     log_path = point.workdir / LOG_FILE
-    if not paths.is_remote(log_path):
-        with open(log_path, "a") as log:
-            log.write(f"$ {shlex.join(argv)}\n")
-            log.flush()
-            return subprocess.run(
-                argv, stdout=log, stderr=subprocess.STDOUT, env=_env(parallel)
-            ).returncode
-    with tempfile.TemporaryFile("w+") as log:
+    remote = paths.is_remote(log_path)
+    with tempfile.TemporaryFile("w+") if remote else open(log_path, "a") as log:
         log.write(f"$ {shlex.join(argv)}\n")
         log.flush()
         rc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=_env(parallel))
-        log.seek(0)
-        paths.append_text(log_path, log.read())
+        if remote:
+            log.seek(0)
+            paths.append_text(log_path, log.read())
     return rc.returncode
 
 
