@@ -247,3 +247,35 @@ print(json.dumps({
     "pmap_loss_nodrop": pmap_nodrop, "single_loss_nodrop": single_nodrop,
 }))
 """
+
+
+def test_cpu_bfloat16_matmuls_accumulate_in_float32_and_round_once():
+    """bfloat16 operands: the CPU kernels' dots produce float32 (XLA:CPU then uses the CPU's
+    bfloat16 matrix units where it has them) and round the result once; forward and
+    gradients equal float32 arithmetic on the same bfloat16 inputs, rounded to bfloat16."""
+    from tx_jax.ops import matmul
+
+    rng = np.random.default_rng(0)
+    bf = jnp.bfloat16
+    x = jnp.asarray(rng.normal(size=(2, 6, 32)), bf)
+    w = jnp.asarray(rng.normal(size=(32, 48)), bf)
+    table = jnp.asarray(rng.normal(size=(40, 32)), bf)
+    f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
+    np.testing.assert_array_equal(f32(matmul.dense(x, w)), f32(jnp.asarray(f32(x) @ f32(w), bf)))
+    np.testing.assert_array_equal(
+        f32(matmul.tied_logits(x, table)), f32(jnp.asarray(f32(x) @ f32(table).T, bf))
+    )
+    hlo = jax.jit(matmul.dense).lower(x, w).as_text()
+    assert "-> tensor<2x6x48xf32>" in hlo  # the dot's own result is float32
+
+    def loss(fn, a, b):
+        return jnp.sum(fn(a, b).astype(jnp.float32) ** 2)
+
+    for fn, b in ((matmul.dense, w), (matmul.tied_logits, table)):
+        got = jax.grad(functools.partial(loss, fn), argnums=(0, 1))(x, b)
+        ref = jax.grad(functools.partial(loss, fn), argnums=(0, 1))(
+            x.astype(jnp.float32), b.astype(jnp.float32)
+        )
+        for g, r in zip(got, ref):
+            assert g.dtype == bf
+            np.testing.assert_allclose(f32(g), f32(r), rtol=0.05, atol=0.05 * np.abs(r).max())

@@ -27,10 +27,20 @@ import jax.numpy as jnp
 Array = jax.Array
 
 
+def _dot(spec: str, a: Array, b: Array, precision: Any = None) -> Array:
+    """einsum in a's dtype; bfloat16 operands accumulate and return float32 from the dot, then
+    round: XLA:CPU's bfloat16-out dots are slower than float32 ones, its float32-out ones use
+    the CPU's bfloat16 matrix units (AMX) where it has them."""
+    if a.dtype == jnp.bfloat16 and b.dtype == jnp.bfloat16:
+        out = jnp.einsum(spec, a, b, precision=precision, preferred_element_type=jnp.float32)
+        return out.astype(a.dtype)
+    return jnp.einsum(spec, a, b, precision=precision)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def dense(x: Array, w: Array, precision: Any = None) -> Array:
     """x [..., K], w [K, N] -> [..., N] (x's dtype; cast w beforehand)."""
-    return jnp.einsum("...k,kn->...n", x, w, precision=precision)
+    return _dot("...k,kn->...n", x, w, precision)
 
 
 def _dense_fwd(x, w, precision):
@@ -40,14 +50,14 @@ def _dense_fwd(x, w, precision):
 def _dense_bwd(precision, residuals, g):
     x, w = residuals
     K, N = w.shape
-    dx = jnp.einsum("...n,kn->...k", g, w.astype(g.dtype), precision=precision)
+    dx = _dot("...n,kn->...k", g, w.astype(g.dtype), precision)
     x, g = x.reshape(-1, K).astype(g.dtype), g.reshape(-1, N)
     if K <= N:  # dw = x^T g with x^T [K, T] materialised
         x_t = jax.lax.optimization_barrier(x.T)
-        dw = jnp.einsum("kt,tn->kn", x_t, g, precision=precision)
+        dw = _dot("kt,tn->kn", x_t, g, precision)
     else:  # the FFN's second matrix: dw^T = g^T x with g^T [N, T], then transpose [N, K]
         g_t = jax.lax.optimization_barrier(g.T)
-        dw_t = jnp.einsum("nt,tk->nk", g_t, x, precision=precision)
+        dw_t = _dot("nt,tk->nk", g_t, x, precision)
         dw = jax.lax.optimization_barrier(dw_t).T
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
@@ -64,7 +74,7 @@ def tied_logits(x: Array, table: Array) -> Array:
     dE^T = x^T g ('blm,blv->mv': the transpose falls on the small x), then transposing the
     [M, V] result, is the same arithmetic without that copy.
     """
-    return jnp.einsum("blm,vm->blv", x, table)
+    return _dot("blm,vm->blv", x, table)
 
 
 def _tied_logits_fwd(x: Array, table: Array):
@@ -73,8 +83,8 @@ def _tied_logits_fwd(x: Array, table: Array):
 
 def _tied_logits_bwd(residuals, g: Array):
     x, table = residuals
-    dx = jnp.einsum("blv,vm->blm", g, table.astype(g.dtype)).astype(x.dtype)
-    d_table_t = jnp.einsum("blm,blv->mv", x.astype(g.dtype), g)
+    dx = _dot("blv,vm->blm", g, table.astype(g.dtype)).astype(x.dtype)
+    d_table_t = _dot("blm,blv->mv", x.astype(g.dtype), g)
     # Without the barrier XLA folds the transpose back into the dot (and the copy returns).
     d_table_t = jax.lax.optimization_barrier(d_table_t)
     return dx, d_table_t.T.astype(table.dtype)
