@@ -61,6 +61,16 @@ def test_exact_resume_and_its_control(tmp_path, tfds_dir):
     # without the iterator state the second half sees other batches: the losses differ
     assert [control[s] for s in range(1, n + 1)] == [straight[s] for s in range(1, n + 1)]
     assert all(control[s] != straight[s] for s in range(n + 1, 2 * n + 1))
+    # train_seconds sums the segments: the second one starts from the checkpoint's time
+    saved = Checkpointer(tmp_path / "resumed" / "checkpoints", read_only=True).restore_meta(n)
+    records = [
+        json.loads(x) for x in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
+    ]
+    first = [r for r in records if r["step"] <= n]
+    second = [r for r in records if r["step"] > n]
+    assert first and second and 0 < first[-1]["train_seconds"] <= saved["train_seconds"]
+    assert all(r["train_seconds"] - r["elapsed"] >= saved["train_seconds"] for r in second)
+    assert all(r["train_seconds"] >= r["elapsed"] for r in first)
 
 
 def test_gradient_accumulation_equals_the_full_batch(tmp_path, tfds_dir):

@@ -31,6 +31,7 @@ from tx_jax.training import logs, parallel
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     """Train `config` in `workdir` (resuming if it holds checkpoints); return final metrics."""
+    started = time.time()
     run = build_run(config, workdir)
     cfg = config.train
     logs.write_json(run.workdir / "config.json", config.to_dict())
@@ -48,7 +49,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         shardings = run.strategy.state_shardings(jax.eval_shape(run.init_fn))
     p_train = _compile_train_step(run, shardings)
     evaluator = Evaluator(run, shardings)
-    logger = logs.MetricLogger(run.workdir, cfg.num_steps)
+    logger = logs.MetricLogger(
+        run.workdir,
+        cfg.num_steps,
+        train_seconds=_train_seconds_before(run, checkpointer, state),
+        started=started,
+    )
     try:
         return _loop(run, config, checkpointer, state, train_iter, p_train, evaluator, logger)
     finally:  # on every way out: a gs:// workdir's last TensorBoard events are copied up
@@ -61,7 +67,7 @@ def _loop(run: Run, config, checkpointer, state, train_iter, p_train, evaluator,
     """The training steps, evaluations and saves from `state` on -> the final metrics."""
     cfg = config.train
     step = int(jax.device_get(run.strategy.for_checkpoint(state).step))
-    save = functools.partial(_save, run, checkpointer, train_iter)
+    save = functools.partial(_save, run, checkpointer, train_iter, logger)
     pending: list[dict] = []
     last_log, final = time.time(), {}
     stop = StopSignal(checkpointer)
@@ -144,7 +150,16 @@ def _averaged(run: Run, state, k: int):
     return state.replace(params=run.strategy.place_restored(params))
 
 
-def _save(run: Run, checkpointer, train_iter, step: int, state, *, metrics=None) -> None:
+def _train_seconds_before(run: Run, checkpointer, state) -> float:
+    """The training time of the segments before this one: the restored checkpoint's (0 for a
+    new run, or a checkpoint written before train_seconds was kept)."""
+    step = int(jax.device_get(run.strategy.for_checkpoint(state).step))
+    if step == 0 or step not in checkpointer.all_steps():
+        return 0.0
+    return float(checkpointer.restore_meta(step).get("train_seconds", 0.0))
+
+
+def _save(run: Run, checkpointer, train_iter, logger, step: int, state, *, metrics=None) -> None:
     metrics = {k: v for k, v in (metrics or {}).items() if k == run.config.checkpoint.best_metric}
     checkpointer.save(
         step,
@@ -154,6 +169,7 @@ def _save(run: Run, checkpointer, train_iter, step: int, state, *, metrics=None)
         tokenizer_bytes=run.task.tokenizer.to_bytes(),
         versions=logs.versions(),
         metrics=metrics or None,
+        extra_meta={"train_seconds": round(logger.train_seconds(), 3)},
     )
 
 

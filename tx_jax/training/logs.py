@@ -61,12 +61,24 @@ TB_SYNC_SECONDS = 30.0
 class MetricLogger:
     """Writes scalars to TensorBoard and metrics.jsonl; prints the console line."""
 
-    def __init__(self, workdir: str | epath.Path, total_steps: int):
+    def __init__(
+        self,
+        workdir: str | epath.Path,
+        total_steps: int,
+        *,
+        train_seconds: float = 0.0,
+        started: float | None = None,
+    ):
+        """`train_seconds`: the run's training time before this process (a resumed run's,
+        from its checkpoint); `started`: when this process's part began (time.time(); default
+        now). Records carry train_seconds = the sum of every segment's time so far."""
         self.workdir = epath.Path(workdir)
         self.total_steps = total_steps
         self.enabled = jax.process_index() == 0
         self._tb = None
         self._created = self._start = time.time()
+        self._segment_start = self._created if started is None else started
+        self._train_seconds = float(train_seconds)
         self._start_step: int | None = None
         self._staging: str | None = None  # local TensorBoard dir of a remote workdir
         self._synced: dict[str, int] = {}  # staged file -> size copied up
@@ -94,7 +106,8 @@ class MetricLogger:
         record = {
             "step": int(step),
             "split": split,
-            "elapsed": round(time.time() - self._created, 3),  # seconds since the run started
+            "elapsed": round(time.time() - self._created, 3),  # seconds since the logger started
+            "train_seconds": round(self.train_seconds(), 3),  # every segment's, compile included
             **{k: float(v) for k, v in scalars.items()},
         }
         paths.append_text(self.workdir / "metrics.jsonl", json.dumps(record) + "\n")
@@ -103,6 +116,11 @@ class MetricLogger:
         self._tb.flush()
         if self._staging and time.time() - self._last_sync >= TB_SYNC_SECONDS:
             self._sync()
+
+    def train_seconds(self) -> float:
+        """Wall seconds of training in every segment of the run so far (a segment from its
+        process's start: set-up, compilation and periodic evaluation included)."""
+        return self._train_seconds + time.time() - self._segment_start
 
     def _sync(self) -> None:
         """Copy the staged event files that grew to WORKDIR/tensorboard."""
