@@ -99,6 +99,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train.lr_scale = 0.5  # multiplies the paper's d_model^-0.5 * min(...) schedule
     c.train.peak_lr = 1e-3  # for linear_rsqrt / cosine / constant
     c.train.final_lr_fraction = 0.1  # cosine: end at peak_lr * this
+    c.train.cooldown_steps = 0  # > 0: the last N updates ramp the rate linearly down to 0
     c.train.beta1 = 0.9
     c.train.beta2 = 0.98
     c.train.eps = 1e-9

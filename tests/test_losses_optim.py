@@ -117,6 +117,18 @@ def test_other_schedules():
         optim.make_schedule(_train_cfg(schedule="exp"), 512)
 
 
+def test_cooldown_ramps_the_last_updates_down_and_leaves_the_rest():
+    """cooldown_steps=C: updates before num_steps - C follow the schedule exactly; then the
+    rate falls linearly, to 1/C of the schedule at the last update."""
+    plain = optim.make_schedule(_train_cfg(warmup_steps=10, num_steps=100), 512)
+    cool = optim.make_schedule(_train_cfg(warmup_steps=10, num_steps=100, cooldown_steps=20), 512)
+    counts = np.arange(100)
+    got, ref = np.asarray([cool(c) for c in counts]), np.asarray([plain(c) for c in counts])
+    np.testing.assert_array_equal(got[:80], ref[:80])
+    np.testing.assert_allclose(got[80:], ref[80:] * (100 - counts[80:]) / 20, rtol=1e-6)
+    assert got[99] == pytest.approx(ref[99] / 20, rel=1e-6) and float(cool(100)) == 0.0
+
+
 def test_optimizer_is_adam_with_paper_betas_and_clipping():
     tx, _ = optim.make_optimizer(_train_cfg(clip_grad_norm=1.0, schedule="constant"), 512)
     params = {"w": jnp.zeros(3)}

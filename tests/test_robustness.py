@@ -28,6 +28,7 @@ from tx_jax.training.checkpoint import Checkpointer
         ("train.grad_accum_steps", 32, "train.grad_accum_steps=32"),
         ("checkpoint.best_metric", "bleuu", "checkpoint.best_metric='bleuu'"),
         ("train.num_steps", 0, "train.num_steps=0 must be positive"),
+        ("train.cooldown_steps", -1, "train.cooldown_steps=-1 must be in [0, train.num_steps="),
     ],
 )
 def test_config_errors_name_the_key_before_anything_compiles(tmp_path, key, value, message):

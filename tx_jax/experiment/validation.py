@@ -63,6 +63,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         if config[section][name] <= 0:
             raise ValueError(f"{key}={config[section][name]} must be positive")
     profile_window(config.train.get("profile_steps"), config.train.num_steps)
+    cooldown = config.train.get("cooldown_steps", 0)
+    if not 0 <= cooldown <= config.train.num_steps:
+        raise ValueError(
+            f"train.cooldown_steps={cooldown} must be in [0, train.num_steps="
+            f"{config.train.num_steps}]"
+        )
     k = config.eval.get("average_last", 0)
     if not 0 <= k <= config.checkpoint.keep:
         raise ValueError(

@@ -4,6 +4,10 @@
     linear_rsqrt:       linear warmup to peak_lr, then peak_lr * sqrt(warmup / step)
     cosine:             linear warmup to peak_lr, cosine decay to peak_lr * final_lr_fraction
 
+train.cooldown_steps = C > 0 multiplies any of them by a linear ramp from 1 down to 1/C over
+the last C of num_steps updates (a warmup-stable-decay cooldown): the run is free of a
+decay before then, so its earlier checkpoints are the same as a longer run's.
+
 `step` counts optimizer updates from 1 (Optax's count + 1), so the first update uses step 1.
 """
 
@@ -29,7 +33,22 @@ def rsqrt_schedule(d_model: int, warmup_steps: int, scale: float = 1.0) -> optax
 
 
 def make_schedule(train: Any, d_model: int) -> optax.Schedule:
-    """`train` is the config's train section (schedule, warmup_steps, peak_lr, ...)."""
+    """`train` is the config's train section (schedule, warmup_steps, peak_lr, ...), with
+    its cooldown (train.cooldown_steps) applied."""
+    base = _base_schedule(train, d_model)
+    cooldown = int(train.get("cooldown_steps", 0))
+    if cooldown <= 0:
+        return base
+    end = int(train.num_steps)
+
+    def schedule(count):
+        ramp = jnp.clip((end - jnp.asarray(count, jnp.float32)) / cooldown, 0.0, 1.0)
+        return base(count) * ramp
+
+    return schedule
+
+
+def _base_schedule(train: Any, d_model: int) -> optax.Schedule:
     kind, warmup = train.schedule, int(train.warmup_steps)
     if kind == "rsqrt":
         return rsqrt_schedule(d_model, warmup, train.lr_scale)
