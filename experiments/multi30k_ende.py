@@ -2,6 +2,7 @@
 
     python experiments/multi30k_ende.py [--root=runs/multi30k_ende] [--seeds=0,1]
         [--config=configs/multi30k.py:variant=small] [--override train.num_steps=3000 ...]
+        [--budgets=60,150] [--beams=4,6 --alphas=0.6,1.0]
         [--manual_dir=../shared/data/multi30k] [--data_dir=TFDS_DIR] [--debug]
 
 For every seed, in ROOT/seed<N>:
@@ -10,11 +11,16 @@ For every seed, in ROOT/seed<N>:
      the last checkpoint, and the average of the last --average_last checkpoints;
   3. decode the validation split with each candidate (beam --beam_size, alpha --alpha) and
      keep the one with the highest validation BLEU (ties: the earlier candidate in that order);
+     with --beams / --alphas, decode validation with the kept one at each beam x alpha and
+     keep the best point;
   4. decode test_2016_flickr with the kept candidate alone and print its BLEU with the
      sacreBLEU signature.
-The test split is decoded once per seed, after the choice: no test score chooses anything.
+--budgets=60,150 runs steps 2-4 once per budget, over the checkpoints saved within that many
+minutes of training (the run's train_seconds, summed over its segments when it was stopped and
+resumed, kept in each checkpoint): a time-to-quality result from one run, with the test split
+decoded once per budget, after that budget's choice; no test score chooses anything.
 ROOT/results.json and ROOT/RESULTS.md hold every seed's candidates, choice, test BLEU / chrF,
-wall times and the machine, and the mean and spread over the seeds.
+training minutes and the machine, and the mean and spread over the seeds (per budget).
 """
 
 from __future__ import annotations
@@ -53,20 +59,77 @@ def validation_best_step(workdir: pathlib.Path, kept: list[int]) -> int:
     return max(sorted(bleu), key=lambda s: bleu[s])
 
 
-def candidates(workdir: pathlib.Path, average_last: int) -> list[dict[str, Any]]:
-    """evaluate()'s arguments of each candidate: best-by-validation, last, average of last K."""
+def kept_minutes(workdir: pathlib.Path) -> dict[int, float | None]:
+    """Every kept checkpoint -> the run's training minutes when it was saved (the sum of the
+    segments, from its meta; None for a checkpoint saved before tx_jax kept that)."""
     ckpt = locate.open_checkpoints(workdir / locate.CHECKPOINTS_DIR)
-    kept = ckpt.all_steps()
+    out = {}
+    for step in ckpt.all_steps():
+        seconds = ckpt.restore_meta(step).get("train_seconds")
+        out[step] = None if seconds is None else seconds / 60
     ckpt.close()
+    return out
+
+
+def candidates(workdir: pathlib.Path, kept: list[int], average_last: int) -> list[dict[str, Any]]:
+    """evaluate()'s arguments of each candidate among `kept`: best-by-validation, last, and
+    the average of the last K up to the last."""
     out = [
         {"name": "best_validation", "step": validation_best_step(workdir, kept), "average_last": 0},
         {"name": "last", "step": kept[-1], "average_last": 0},
     ]
     if average_last > 1 and len(kept) >= average_last:
         out.append(
-            {"name": f"average_last{average_last}", "step": None, "average_last": average_last}
+            {"name": f"average_last{average_last}", "step": kept[-1], "average_last": average_last}
         )
     return out
+
+
+def within(minutes: dict[int, float | None], budget: float | None, workdir) -> list[int]:
+    """The kept steps saved within `budget` training minutes (all for None)."""
+    if budget is None:
+        return sorted(minutes)
+    unknown = [s for s, m in minutes.items() if m is None]
+    if unknown:
+        raise SystemExit(
+            f"{workdir}: checkpoints {unknown} have no train_seconds (saved by an older "
+            "tx_jax); --budgets needs them"
+        )
+    return sorted(s for s, m in minutes.items() if m <= budget)
+
+
+def choose_and_test(workdir: pathlib.Path, kept: list[int], minutes, args) -> dict[str, Any]:
+    """Decode validation with each candidate among `kept` (beam --beam_size, alpha --alpha),
+    keep the best; then each --beams x --alphas point of it on validation, keep the best;
+    decode the test split once with what was kept."""
+    decode = dict(beam_size=args.beam_size, alpha=args.alpha)
+    scored = []
+    for c in candidates(workdir, kept, args.average_last):
+        where = {"step": c["step"], "average_last": c["average_last"]}
+        record = evaluation.evaluate(workdir, split="validation", **where, **decode)
+        scored.append({**c, "validation_bleu": record["bleu"]})
+    chosen = max(scored, key=lambda c: c["validation_bleu"])  # first of equals: max is stable
+    where = {"step": chosen["step"], "average_last": chosen["average_last"]}
+    beams, alphas = _ints(args.beams) or [args.beam_size], _floats(args.alphas) or [args.alpha]
+    grid = []
+    if len(beams) * len(alphas) > 1:
+        swept = evaluation.sweep(workdir, split="validation", beams=beams, alphas=alphas, **where)
+        grid = [{k: p[k] for k in ("beam", "alpha", "bleu")} for p in swept["points"]]
+        decode = dict(beam_size=swept["best"]["beam"], alpha=swept["best"]["alpha"] or 0.0)
+    test = evaluation.evaluate(workdir, split=TEST_SPLIT, **where, **decode)
+    return {
+        "candidates": scored,
+        "chosen": chosen["name"],
+        "chosen_step": chosen["step"],
+        "chosen_minutes": None
+        if minutes[chosen["step"]] is None
+        else round(minutes[chosen["step"]], 3),
+        "decode_grid": grid,
+        "decode": decode,
+        "test_bleu": test["bleu"],
+        "test_chrf": test["chrf"],
+        "signature": test["signature"],
+    }
 
 
 def run_seed(config, workdir: pathlib.Path, args) -> dict[str, Any]:
@@ -75,39 +138,55 @@ def run_seed(config, workdir: pathlib.Path, args) -> dict[str, Any]:
     if "stopped_at" in final:
         raise SystemExit(f"{workdir}: stopped at step {int(final['stopped_at'])}; rerun to resume")
     train_s = time.time() - start
-    decode = dict(beam_size=args.beam_size, alpha=args.alpha)
-    scored = []
-    for c in candidates(workdir, args.average_last):
-        where = {"step": c["step"], "average_last": c["average_last"]}
-        record = evaluation.evaluate(workdir, split="validation", **where, **decode)
-        scored.append({**c, "validation_bleu": record["bleu"], "step": record["step"]})
-    chosen = max(scored, key=lambda c: c["validation_bleu"])  # first of equals: max is stable
-    # (an average's step is its last one: averaging the last K up to it is the same average)
-    where = {"step": chosen["step"], "average_last": chosen["average_last"]}
-    test = evaluation.evaluate(workdir, split=TEST_SPLIT, **where, **decode)
+    minutes = kept_minutes(workdir)
+    budgets = _floats(args.budgets) or [None]
+    results = []
+    for budget in budgets:
+        kept = within(minutes, budget, workdir)
+        if not kept:
+            raise SystemExit(f"{workdir}: no checkpoint within {budget} training minutes")
+        results.append({"budget_minutes": budget, **choose_and_test(workdir, kept, minutes, args)})
+    last = max(minutes)
     return {
         "seed": int(config.seed),
         "workdir": str(workdir),
-        "candidates": scored,
-        "chosen": chosen["name"],
-        "test_bleu": test["bleu"],
-        "test_chrf": test["chrf"],
-        "signature": test["signature"],
-        "train_seconds": round(train_s, 1),
+        **results[-1],  # the whole run's (or the largest budget's) result
+        "budgets": results,
+        "train_seconds": round(train_s, 1),  # this process's part
+        "run_train_minutes": None if minutes[last] is None else round(minutes[last], 3),
         "total_seconds": round(time.time() - start, 1),
         "steps": int(config.train.num_steps),
     }
 
 
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    bleu = [r["test_bleu"] for r in rows]
-    return {
-        "test_bleu_mean": round(statistics.mean(bleu), 2),
-        "test_bleu_std": round(statistics.stdev(bleu), 2) if len(bleu) > 1 else 0.0,
-        "test_bleu_min": round(min(bleu), 2),
-        "test_bleu_max": round(max(bleu), 2),
-        "seeds": len(rows),
-    }
+    """Mean, spread and range of the seeds' test BLEU: the whole run's, and per budget."""
+
+    def stats(bleu: list[float]) -> dict[str, Any]:
+        return {
+            "test_bleu_mean": round(statistics.mean(bleu), 2),
+            "test_bleu_std": round(statistics.stdev(bleu), 2) if len(bleu) > 1 else 0.0,
+            "test_bleu_min": round(min(bleu), 2),
+            "test_bleu_max": round(max(bleu), 2),
+            "seeds": len(bleu),
+        }
+
+    out = stats([r["test_bleu"] for r in rows])
+    budgets = [b["budget_minutes"] for b in rows[0]["budgets"] if b["budget_minutes"] is not None]
+    if budgets:
+        out["budgets"] = {
+            str(budget): stats([r["budgets"][i]["test_bleu"] for r in rows])
+            for i, budget in enumerate(budgets)
+        }
+    return out
 
 
 def machine() -> str:
@@ -126,21 +205,40 @@ def write_results(root: pathlib.Path, spec: str, rows: list[dict], args) -> path
     lines = [
         f"# {spec} on {TEST_SPLIT}",
         "",
-        f"Machine: {result['machine']}. Beam {args.beam_size}, alpha {args.alpha}. "
-        f"Test BLEU {s['test_bleu_mean']:.2f} +- {s['test_bleu_std']:.2f} over {s['seeds']} "
-        f"seed(s) (min {s['test_bleu_min']:.2f}, max {s['test_bleu_max']:.2f}).",
+        f"Machine: {result['machine']}. Candidates scored with beam {args.beam_size}, alpha "
+        f"{args.alpha}. Test BLEU {s['test_bleu_mean']:.2f} +- {s['test_bleu_std']:.2f} over "
+        f"{s['seeds']} seed(s) (min {s['test_bleu_min']:.2f}, max {s['test_bleu_max']:.2f}).",
+    ]
+    for budget, b in s.get("budgets", {}).items():
+        lines.append(
+            f"Within {float(budget):g} training minutes: {b['test_bleu_mean']:.2f} +- "
+            f"{b['test_bleu_std']:.2f} (min {b['test_bleu_min']:.2f}, "
+            f"max {b['test_bleu_max']:.2f})."
+        )
+    lines += [
         "",
-        "| seed | steps | chosen on validation | validation BLEU of the candidates | test BLEU | "
-        "test chrF | train wall |",
+        "| seed | budget | chosen on validation (step, training minutes) | validation BLEU of "
+        "the candidates | beam, alpha | test BLEU | test chrF |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        cands = ", ".join(f"{c['name']} {c['validation_bleu']:.2f}" for c in r["candidates"])
-        lines.append(
-            f"| {r['seed']} | {r['steps']} | {r['chosen']} | {cands} | {r['test_bleu']:.2f} | "
-            f"{r['test_chrf']:.2f} | {r['train_seconds'] / 60:.1f} min |"
-        )
-    lines += ["", f"Signature: {rows[0]['signature']}", ""]
+        for b in r["budgets"]:
+            cands = ", ".join(f"{c['name']} {c['validation_bleu']:.2f}" for c in b["candidates"])
+            budget = "whole run" if b["budget_minutes"] is None else f"{b['budget_minutes']:g} min"
+            when = f"{b['chosen_step']}" + (
+                "" if b["chosen_minutes"] is None else f", {b['chosen_minutes']:.1f} min"
+            )
+            lines.append(
+                f"| {r['seed']} | {budget} | {b['chosen']} ({when}) | {cands} | "
+                f"{b['decode']['beam_size']}, {b['decode']['alpha']:g} | {b['test_bleu']:.2f} | "
+                f"{b['test_chrf']:.2f} |"
+            )
+    trained = ", ".join(
+        f"seed {r['seed']} {r['steps']} steps"
+        + ("" if r["run_train_minutes"] is None else f" in {r['run_train_minutes']:.1f} min")
+        for r in rows
+    )
+    lines += ["", f"Training: {trained}.", "", f"Signature: {rows[0]['signature']}", ""]
     path = root / "RESULTS.md"
     path.write_text("\n".join(lines))
     return path
@@ -157,6 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--beam_size", type=int, default=4)
     parser.add_argument("--alpha", type=float, default=0.6)
     parser.add_argument("--average_last", type=int, default=3, help="candidate: mean of last K")
+    parser.add_argument(
+        "--budgets",
+        default="",
+        help="training minutes, comma-separated: choose and test once within each (e.g. 60,150)",
+    )
+    parser.add_argument("--beams", default="", help="beam sizes tried on validation (e.g. 4,6)")
+    parser.add_argument("--alphas", default="", help="alphas tried on validation (e.g. 0.6,1.0)")
     parser.add_argument("--manual_dir", default=None, help="raw Multi30k files")
     parser.add_argument("--data_dir", default=None, help="TFDS data dir")
     parser.add_argument("--debug", action="store_true", help="configs/multi30k.py:debug (CI)")

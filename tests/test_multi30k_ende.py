@@ -51,3 +51,47 @@ def test_two_seeds_choose_on_validation_and_score_test_once(tmp_path):
     # the two seeds trained differently
     losses = [(root / f"seed{s}" / "metrics.jsonl").read_text().splitlines()[0] for s in (0, 1)]
     assert json.loads(losses[0])["loss"] != json.loads(losses[1])["loss"]
+
+
+def test_budgets_choose_among_the_checkpoints_saved_in_time(tmp_path):
+    """--budgets: one choice and one test decode per budget, each over the checkpoints whose
+    training minutes (kept in their meta) fit in it."""
+    raw = write_fixture(tmp_path / "raw")
+    root = tmp_path / "study"
+    common = [
+        "--debug",
+        f"--root={root}",
+        f"--manual_dir={raw}",
+        f"--data_dir={tmp_path / 'tfds'}",
+        "--override=train.num_steps=12",
+        "--override=checkpoint.keep=10",
+        "--average_last=2",
+        "--beam_size=2",
+    ]
+    assert multi30k_ende.main(common) == 0  # trains; checkpoints every 4 steps
+    minutes = multi30k_ende.kept_minutes(root / "seed0")
+    assert sorted(minutes) == [4, 8, 12]
+    assert minutes[4] < minutes[8] < minutes[12]
+    cut = (minutes[8] + minutes[12]) / 2  # checkpoints 4 and 8 fit, 12 does not
+    argv = [*common, f"--budgets={cut!r},1000", "--beams=1,2", "--alphas=0.6,1.0"]
+    assert multi30k_ende.main(argv) == 0  # the finished run is reused
+    row = json.loads((root / "results.json").read_text())["seeds"][0]
+    early, whole = row["budgets"]
+    assert early["budget_minutes"] == cut and whole["budget_minutes"] == 1000
+    assert {c["step"] for c in early["candidates"]} <= {4, 8}
+    assert [c["step"] for c in whole["candidates"]][1:] == [12, 12]  # last, average to 12
+    assert early["chosen_minutes"] <= cut
+    # beam 1 once and beam 2 at both alphas, on validation; the best point decodes the test
+    for b in (early, whole):
+        grid = [(p["beam"], p["alpha"]) for p in b["decode_grid"]]
+        assert grid == [(1, None), (2, 0.6), (2, 1.0)]
+        best = max(b["decode_grid"], key=lambda p: p["bleu"])
+        assert b["decode"]["beam_size"] == best["beam"]
+    records = [
+        json.loads(x) for x in (root / "seed0" / "eval_results.jsonl").read_text().splitlines()
+    ]
+    tests = [r for r in records if r["split"] == "test_2016_flickr"]
+    assert len(tests) == 3  # the first main's one, then one per budget
+    assert [r["bleu"] for r in tests[1:]] == [early["test_bleu"], whole["test_bleu"]]
+    report = (root / "RESULTS.md").read_text()
+    assert f"Within {cut:g} training minutes" in report and "Within 1000 training minutes" in report
