@@ -44,7 +44,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.dropout_rate = 0.3  # 29k pairs overfit quickly: heavy dropout helps most
     c.model.attention_dropout_rate = 0.1
     c.model.norm_position = "post"  # the paper's post-LN (3 layers train fine without pre-LN)
-    c.model.dtype = "float32"  # 'bfloat16' on accelerators (--config.model.dtype=bfloat16)
+    # bfloat16 compute, float32 parameters and optimizer state: on a CPU with bfloat16 matrix
+    # units (AMX: Intel Sapphire Rapids and later) the CPU kernels' dots run on them, 1.8x
+    # float32's step rate here (BENCHMARKS.md); on a CPU without them use float32.
+    c.model.dtype = "bfloat16"
 
     # Data: the raw Multi30k release, read through the TFDS builder in tx_jax/data/multi30k.py.
     c.data.dataset = "multi30k"
@@ -64,26 +67,31 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.test_split = "test_2016_flickr"  # 1,000 pairs: the usual Multi30k test set
     c.data.eval_batch_size = 16  # sentences per eval/decode batch (CPU: small is fastest)
 
-    # Training: ~110 steps per epoch at 4k tokens; ~90 epochs with warmup 1/10 of the paper's.
-    c.train.num_steps = 10_000
+    # Training: ~7.5 updates per 1,000 pairs (~3,850 target tokens each): ~230 per epoch of the
+    # 29k pairs; 9,000 updates (~39 epochs) are ~140 min on the 2-core Sapphire Rapids CPU.
+    c.train.num_steps = 9_000
     c.train.schedule = "rsqrt"  # the paper's warmup then 1/sqrt(step) decay
     c.train.warmup_steps = 1000  # shorter than the paper's 4000: far fewer steps in all
+    # then a linear cooldown to 0 over the last 20%: the earlier checkpoints (e.g. the 60-minute
+    # one) are those of an undecayed run, and the last one is decayed.
+    c.train.cooldown_steps = 1_800
     c.train.lr_scale = 1.0  # peak d_model^-0.5 * warmup^-0.5 = 2.0e-3
     c.train.label_smoothing = 0.1  # section 5.4
     c.train.clip_grad_norm = 1.0  # global-norm clipping
     c.train.log_every = 100
 
     # Evaluation: greedy BLEU on validation during training; beam 4, alpha 0.6 on the test set.
-    c.eval.every = 1000
+    c.eval.every = 1000  # ~20 s of greedy decoding each
     c.eval.bleu_examples = 1014  # the whole validation split
     c.eval.beam_size = 1  # greedy during training (fast)
     c.eval.alpha = 0.6  # GNMT length penalty (beam search only)
     c.eval.test_beam_size = 4  # the final test_2016_flickr score uses beam 4
     c.eval.test_split = "test_2016_flickr"  # scored at the end of training
 
-    # Checkpoints: keep the best validation BLEU as well as the latest.
-    c.checkpoint.every = 1000
-    c.checkpoint.keep = 3  # latest K, plus the best by best_metric
+    # Checkpoints: every ~8 minutes, all kept (averaging candidates, and the choice within a
+    # time budget: experiments/multi30k_ende.py --budgets), plus the best validation BLEU.
+    c.checkpoint.every = 500
+    c.checkpoint.keep = 20  # latest K, plus the best by best_metric
     c.checkpoint.best_metric = "bleu"
     c.checkpoint.best_mode = "max"
 
@@ -93,6 +101,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.train.warmup_steps = 4000  # the paper's warmup
         c.train.lr_scale = 1.0  # peak 512^-0.5 * 4000^-0.5 = 7.0e-4
         c.train.num_steps = 20_000
+        c.train.cooldown_steps = 4_000
     elif args.variant == "debug":
         shrink_to_debug(c, bleu_examples=16)
     return c
@@ -102,6 +111,7 @@ def shrink_to_debug(c: ml_collections.ConfigDict, bleu_examples: int) -> None:
     """The `debug` variant over the real Multi30k files (also configs/multilingual.py's):
     a one-layer model and one batch shape, so that a run takes seconds."""
     c.model.update(sibling_module(__file__, "default").DEBUG_MODEL, attention_dropout_rate=0.0)
+    c.model.dtype = "float32"
     c.data.vocab_size = 200  # small enough for a few hundred fixture lines per language
     c.data.tokenizer_pairs = 500
     c.data.max_len = 32
@@ -109,6 +119,6 @@ def shrink_to_debug(c: ml_collections.ConfigDict, bleu_examples: int) -> None:
     c.data.bucket_boundaries = [32]
     c.data.tokens_per_batch = 512  # 16 rows of 32
     c.data.eval_batch_size = 16
-    c.train.update(num_steps=8, warmup_steps=4, lr_scale=0.5, log_every=2)
+    c.train.update(num_steps=8, warmup_steps=4, lr_scale=0.5, log_every=2, cooldown_steps=0)
     c.eval.update(every=4, bleu_examples=bleu_examples, test_beam_size=2)
     c.checkpoint.every = 4

@@ -257,7 +257,7 @@ def test_cpu_bfloat16_matmuls_accumulate_in_float32_and_round_once():
 
     rng = np.random.default_rng(0)
     bf = jnp.bfloat16
-    x = jnp.asarray(rng.normal(size=(2, 6, 32)), bf)
+    x = jnp.asarray(rng.normal(size=(4, 16, 32)), bf)  # 64 rows: split 64 x 1 in backward
     w = jnp.asarray(rng.normal(size=(32, 48)), bf)
     table = jnp.asarray(rng.normal(size=(40, 32)), bf)
     f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
@@ -266,7 +266,7 @@ def test_cpu_bfloat16_matmuls_accumulate_in_float32_and_round_once():
         f32(matmul.tied_logits(x, table)), f32(jnp.asarray(f32(x) @ f32(table).T, bf))
     )
     hlo = jax.jit(matmul.dense).lower(x, w).as_text()
-    assert "-> tensor<2x6x48xf32>" in hlo  # the dot's own result is float32
+    assert "-> tensor<4x16x48xf32>" in hlo  # the dot's own result is float32
 
     def loss(fn, a, b):
         return jnp.sum(fn(a, b).astype(jnp.float32) ** 2)
@@ -279,3 +279,21 @@ def test_cpu_bfloat16_matmuls_accumulate_in_float32_and_round_once():
         for g, r in zip(got, ref):
             assert g.dtype == bf
             np.testing.assert_allclose(f32(g), f32(r), rtol=0.05, atol=0.05 * np.abs(r).max())
+    # the weight gradient's split contraction is the plain one's sum
+    g = jnp.asarray(rng.normal(size=(64, 48)), bf)
+    x_t = x.reshape(64, 32).T
+    np.testing.assert_allclose(
+        f32(matmul._contract_rows(x_t, g)),
+        f32(jnp.asarray(f32(x_t) @ f32(g), bf)),
+        rtol=0.01,
+        atol=1e-3 * np.abs(f32(x_t) @ f32(g)).max(),
+    )
+    # bias_add: the bias gradient is the cotangent summed over every row, in float32
+    y = jnp.asarray(rng.normal(size=(4, 16, 48)), bf)
+    b = jnp.asarray(rng.normal(size=(48,)), jnp.float32)
+    out, vjp = jax.vjp(matmul.bias_add, y, b)
+    assert out.dtype == bf
+    np.testing.assert_array_equal(f32(out), f32(y + b.astype(bf)))
+    dy, db = vjp(y)
+    np.testing.assert_array_equal(f32(dy), f32(y))
+    np.testing.assert_allclose(db, f32(y).reshape(64, 48).sum(0), rtol=1e-6)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from tx_jax.model.config import ACTIVATIONS, NORMS, ModelConfig
 from tx_jax.model.multihead import MultiHeadAttention
-from tx_jax.ops.kernels import Dropout, dense
+from tx_jax.ops.kernels import Dropout, bias_add, dense
 
 Array = jax.Array
 
@@ -57,7 +57,7 @@ class FeedForward(nn.Module):
                 (features,),
                 self.param_dtype,
             )
-            y = y + b.astype(dtype)
+            y = bias_add(y, b.astype(dtype), kernels=self.kernels)
         return y
 
     @nn.compact

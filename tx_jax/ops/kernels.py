@@ -58,6 +58,13 @@ def dense(x: Array, w: Array, precision: Any = None, kernels: str = "auto") -> A
     return jnp.einsum("...k,kn->...n", x, w, precision=precision)
 
 
+def bias_add(y: Array, b: Array, kernels: str = "auto") -> Array:
+    """y [..., N] + b [N], in y's dtype."""
+    if resolve(kernels) == "cpu":
+        return cpu_matmul.bias_add(y, b)
+    return y + b.astype(y.dtype)
+
+
 def tied_logits(x: Array, table: Array, kernels: str = "auto") -> Array:
     """x [B, L, M], table E [V, M] -> x E^T [B, L, V]."""
     if resolve(kernels) == "cpu":

@@ -54,15 +54,51 @@ def _dense_bwd(precision, residuals, g):
     x, g = x.reshape(-1, K).astype(g.dtype), g.reshape(-1, N)
     if K <= N:  # dw = x^T g with x^T [K, T] materialised
         x_t = jax.lax.optimization_barrier(x.T)
-        dw = _dot("kt,tn->kn", x_t, g, precision)
+        dw = _contract_rows(x_t, g, precision)
     else:  # the FFN's second matrix: dw^T = g^T x with g^T [N, T], then transpose [N, K]
         g_t = jax.lax.optimization_barrier(g.T)
-        dw_t = _dot("nt,tk->nk", g_t, x, precision)
+        dw_t = _contract_rows(g_t, x, precision)
         dw = jax.lax.optimization_barrier(dw_t).T
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
 dense.defvjp(_dense_fwd, _dense_bwd)
+
+
+def _contract_rows(a_t: Array, b: Array, precision: Any = None) -> Array:
+    """a_t [P, T] @ b [T, Q] -> [P, Q] (a's dtype), the weight gradients' long contraction.
+    bfloat16: T is split into two contracted axes [T / c, c]. XLA:CPU turns a bfloat16 dot
+    over one long axis of an array transposed in the program into a float32 one (both
+    operands converted, the float32 kernel: 4x slower here), but keeps the split form in
+    bfloat16 for YNNPACK; same sum."""
+    T = a_t.shape[1]
+    c = next((c for c in (128, 64, 32, 16, 8) if T % c == 0), 0)
+    if a_t.dtype != jnp.bfloat16 or not c:
+        return _dot("pt,tq->pq", a_t, b, precision)
+    a3 = a_t.reshape(a_t.shape[0], T // c, c)
+    b3 = b.reshape(T // c, c, b.shape[1])
+    out = jnp.einsum("pac,acq->pq", a3, b3, precision=precision, preferred_element_type=jnp.float32)
+    return out.astype(a_t.dtype)
+
+
+@jax.custom_vjp
+def bias_add(y: Array, b: Array) -> Array:
+    """y [..., N] + b [N] (y's dtype). Its bias gradient sums the cotangent over every row
+    as one [rows, N] array: autodiff's sum over [B, L, N]'s two leading axes became a slow
+    tree reduction (reduce-window) in bfloat16 on XLA:CPU."""
+    return y + b.astype(y.dtype)
+
+
+def _bias_add_fwd(y: Array, b: Array):
+    return bias_add(y, b), b
+
+
+def _bias_add_bwd(b: Array, g: Array):
+    db = jnp.sum(g.reshape(-1, g.shape[-1]).astype(jnp.float32), axis=0)
+    return g, db.astype(b.dtype)
+
+
+bias_add.defvjp(_bias_add_fwd, _bias_add_bwd)
 
 
 @jax.custom_vjp
@@ -84,7 +120,12 @@ def _tied_logits_fwd(x: Array, table: Array):
 def _tied_logits_bwd(residuals, g: Array):
     x, table = residuals
     dx = _dot("blv,vm->blm", g, table.astype(g.dtype)).astype(x.dtype)
-    d_table_t = _dot("blm,blv->mv", x.astype(g.dtype), g)
+    if g.dtype == jnp.bfloat16:  # x^T [M, B*L] materialised: _contract_rows' fast form
+        B, L, M = x.shape
+        x_t = jax.lax.optimization_barrier(x.astype(g.dtype).reshape(B * L, M).T)
+        d_table_t = _contract_rows(x_t, g.reshape(B * L, -1))
+    else:
+        d_table_t = _dot("blm,blv->mv", x.astype(g.dtype), g)
     # Without the barrier XLA folds the transpose back into the dot (and the copy returns).
     d_table_t = jax.lax.optimization_barrier(d_table_t)
     return dx, d_table_t.T.astype(table.dtype)
