@@ -20,7 +20,10 @@ minutes of training (the run's train_seconds, summed over its segments when it w
 resumed, kept in each checkpoint): a time-to-quality result from one run, with the test split
 decoded once per budget, after that budget's choice; no test score chooses anything.
 ROOT/results.json and ROOT/RESULTS.md hold every seed's candidates, choice, test BLEU / chrF,
-training minutes and the machine, and the mean and spread over the seeds (per budget).
+training minutes and the machine, and the mean and spread over the seeds (per budget). A
+seed's result is kept in ROOT/seed<N>/seed_result.json: rerunning with the same arguments
+reuses it, so seeds can be run one at a time and summarised together (`--seeds=0`, then
+`--seeds=1`, then `--seeds=0,1` decodes nothing again).
 """
 
 from __future__ import annotations
@@ -45,6 +48,23 @@ from tx_jax.experiment.loop import train_and_evaluate  # noqa: E402
 from tx_jax.inference import evaluation, locate  # noqa: E402
 
 TEST_SPLIT = "test_2016_flickr"
+SEED_RESULT = "seed_result.json"  # a seed's finished result, reused by a rerun
+
+
+def protocol(spec: str, args, config) -> dict[str, Any]:
+    """What a seed's result depends on: a rerun with the same reuses it (no second test
+    decode), e.g. `--seeds=0,1` after `--seeds=0`."""
+    return {
+        "config": spec,
+        "overrides": list(args.override),
+        "num_steps": int(config.train.num_steps),
+        "beam_size": args.beam_size,
+        "alpha": args.alpha,
+        "average_last": args.average_last,
+        "budgets": _floats(args.budgets),
+        "beams": _ints(args.beams),
+        "alphas": _floats(args.alphas),
+    }
 
 
 def validation_best_step(workdir: pathlib.Path, kept: list[int]) -> int:
@@ -277,11 +297,19 @@ def main(argv: list[str] | None = None) -> int:
         paths = {"data.manual_dir": args.manual_dir, "data.data_dir": args.data_dir}
         apply_overrides(config, {k: v for k, v in paths.items() if v})
         apply_overrides(config, parse_assignments(args.override, "--override"), from_text=True)
-        rows.append(run_seed(config, root / f"seed{seed}", args))
+        workdir = root / f"seed{seed}"
+        done = workdir / SEED_RESULT
+        wanted = protocol(spec, args, config)
+        if done.exists() and json.loads(done.read_text())["protocol"] == wanted:
+            rows.append(json.loads(done.read_text())["result"])  # its test split was decoded
+            print(f"seed {seed}: done before with this protocol ({done})", flush=True)
+        else:
+            rows.append(run_seed(config, workdir, args))
+            done.write_text(json.dumps({"protocol": wanted, "result": rows[-1]}, indent=1) + "\n")
         r = rows[-1]
         print(
             f"seed {seed}: chose {r['chosen']}; {TEST_SPLIT} BLEU {r['test_bleu']:.2f} "
-            f"(beam {args.beam_size})  {r['signature']}",
+            f"(beam {r['decode']['beam_size']}, alpha {r['decode']['alpha']:g})  {r['signature']}",
             flush=True,
         )
     report = write_results(root, spec, rows, args)

@@ -95,3 +95,8 @@ def test_budgets_choose_among_the_checkpoints_saved_in_time(tmp_path):
     assert [r["bleu"] for r in tests[1:]] == [early["test_bleu"], whole["test_bleu"]]
     report = (root / "RESULTS.md").read_text()
     assert f"Within {cut:g} training minutes" in report and "Within 1000 training minutes" in report
+    # the same arguments again: the seed's result is reused, nothing is decoded again
+    assert multi30k_ende.main(argv) == 0
+    again = (root / "seed0" / "eval_results.jsonl").read_text().splitlines()
+    assert len(again) == len(records)
+    assert json.loads((root / "results.json").read_text())["seeds"][0] == row
