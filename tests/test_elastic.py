@@ -40,7 +40,7 @@ def _code(tfds_dir, workdir, stop_at: int | None = None, **overrides) -> str:
     step boundary: a preemption at a known step)."""
     config = {**OVERRIDES, **overrides}
     lines = [
-        "import os, signal",
+        "import os, signal, time",
         "from helpers import tiny_config",
         "from tx_jax.experiment.loop import train_and_evaluate",
         "from tx_jax.training import logs",
@@ -52,6 +52,9 @@ def _code(tfds_dir, workdir, stop_at: int | None = None, **overrides) -> str:
             "    write(self, step, split, scalars)",
             f"    if split == 'train' and step == {stop_at}:",
             "        os.kill(os.getpid(), signal.SIGTERM)",
+            # the coordination service needs a moment to agree on the step to stop at; with
+            # the steps served from the compilation cache the run could end before it did
+            "        time.sleep(1.0)",
             "logs.MetricLogger.write = signalling_write",
         ]
     lines.append(
