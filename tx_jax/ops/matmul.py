@@ -69,8 +69,8 @@ def _contract_rows(a_t: Array, b: Array, precision: Any = None) -> Array:
     """a_t [P, T] @ b [T, Q] -> [P, Q] (a's dtype), the weight gradients' long contraction.
     bfloat16: T is split into two contracted axes [T / c, c]. XLA:CPU turns a bfloat16 dot
     over one long axis of an array transposed in the program into a float32 one (both
-    operands converted, the float32 kernel: 4x slower here), but keeps the split form in
-    bfloat16 for YNNPACK; same sum."""
+    operands converted, the float32 kernel), but keeps the split form in bfloat16 for
+    YNNPACK; same sum (BENCHMARKS.md has the figures)."""
     T = a_t.shape[1]
     c = next((c for c in (128, 64, 32, 16, 8) if T % c == 0), 0)
     if a_t.dtype != jnp.bfloat16 or not c:
