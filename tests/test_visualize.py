@@ -227,6 +227,10 @@ def test_curves_figure_draws_every_run_and_split(tmp_path):
     timed = visualize.curves_figure(runs, keys=("loss",), x="elapsed")
     assert timed.axes[0].get_xlabel() == "elapsed (s)"
     assert timed.axes[0].get_lines()[0].get_xdata().tolist() == [1.0, 2.0, 3.0, 4.0, 6.5, 7.0]
+    a = [dict(r, train_seconds=600.0 * r["step"]) for r in runs["a"]]
+    by_training_time = visualize.curves_figure({"a": a}, keys=("bleu",), x="train_seconds")
+    assert by_training_time.axes[0].get_xlabel() == "training time (min)"
+    assert by_training_time.axes[0].get_lines()[0].get_xydata().tolist() == [[30, 1.0], [60, 7.0]]
     with pytest.raises(ValueError, match="x="):
         visualize.curves_figure(runs, x="time")
 

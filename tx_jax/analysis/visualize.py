@@ -13,7 +13,7 @@ Command line (tx_jax/cli/visualize.py):
     python -m tx_jax.visualize attention --workdir=DIR [--step=N] --source="..." \
         [--target="..."] --out=DIR_PNG [--kinds=cross,encoder,decoder] [--noaverage_heads]
     python -m tx_jax.visualize curves --metrics=a/metrics.jsonl,b/metrics.jsonl --out=x.png \
-        [--keys=loss,bleu] [--labels=a,b] [--x=step|elapsed]
+        [--keys=loss,bleu] [--labels=a,b] [--x=step|elapsed|train_seconds]
 
 Three kinds of attention, each stored as [N, H, Q, K] (layers, heads, queries, keys):
     encoder   encoder self-attention          [N_enc, H, S, S]
@@ -311,16 +311,21 @@ def _split_style(split: str) -> dict[str, Any]:
     return dict(linestyle="none", marker="*", markersize=9)  # test splits: final points
 
 
+# x axes: the step, wall-clock time since the run's first start (cumulative over restarts),
+# or training time (train_seconds: the segments' sum without the pauses between them).
+_X_LABELS = {"step": "step", "elapsed": "elapsed", "train_seconds": "training time"}
+
+
 def curves_figure(
     runs: dict[str, list[dict]], *, keys: Sequence[str] = ("loss", "bleu"), x: str = "step"
 ) -> Figure:
     """One panel per key; in each, every run (a colour) and split (train: line, validation:
     dashed with dots, test: stars). runs: label -> records (`read_metrics`)."""
-    if x not in ("step", "elapsed"):
-        raise ValueError(f"x={x!r}; expected 'step' or 'elapsed'")
+    if x not in _X_LABELS:
+        raise ValueError(f"x={x!r}; expected one of {', '.join(map(repr, _X_LABELS))}")
     scale, unit = 1.0, ""
-    if x == "elapsed":
-        longest = max((r.get("elapsed", 0.0) for rs in runs.values() for r in rs), default=0.0)
+    if x != "step":
+        longest = max((r.get(x, 0.0) for rs in runs.values() for r in rs), default=0.0)
         scale, unit = (1.0, "s") if longest < 600 else (60.0, "min")
         scale, unit = (3600.0, "h") if longest >= 36_000 else (scale, unit)
     fig = Figure(figsize=(4.8 * len(keys), 3.8), layout="constrained")
@@ -338,7 +343,7 @@ def curves_figure(
                     )
                     drawn += 1
         ax.set_title(key)
-        ax.set_xlabel("step" if x == "step" else f"elapsed ({unit})")
+        ax.set_xlabel(_X_LABELS[x] + (f" ({unit})" if unit else ""))
         ax.grid(alpha=0.3)
         if drawn:
             ax.legend(fontsize=7)
@@ -365,7 +370,8 @@ def plot_curves(
     """Training curves of one or more runs (their metrics.jsonl files) -> out_png.
 
     labels default to each file's directory name (the workdir; its path if names repeat).
-    x: 'step' or 'elapsed' (wall-clock, cumulative over restarts)."""
+    x: 'step', 'elapsed' (wall-clock, cumulative over restarts) or 'train_seconds' (the
+    run's training time, summed over its segments, as the time-to-BLEU budgets count it)."""
     paths = [metrics] if isinstance(metrics, (str, pathlib.Path)) else list(metrics)
     paths = [paths_lib.Path(p) for p in paths]  # local or gs://
     if labels is None:

@@ -18,7 +18,7 @@ USAGE = """usage:
   python -m tx_jax.visualize attention --workdir=DIR [--step=N] --source="..." [--target="..."]
       --out=DIR_PNG [--kinds=cross,encoder,decoder] [--noaverage_heads]
   python -m tx_jax.visualize curves --metrics=A/metrics.jsonl[,B/metrics.jsonl] --out=x.png
-      [--keys=loss,bleu] [--labels=a,b] [--x=step|elapsed]"""
+      [--keys=loss,bleu] [--labels=a,b] [--x=step|elapsed|train_seconds]"""
 
 
 def _flags() -> flags.FlagValues:
@@ -34,7 +34,9 @@ def _flags() -> flags.FlagValues:
     flags.DEFINE_list("metrics", None, "curves: metrics.jsonl files.", **define)
     flags.DEFINE_list("keys", ["loss", "bleu"], "curves: metrics to plot.", **define)
     flags.DEFINE_list("labels", None, "curves: one label per file.", **define)
-    flags.DEFINE_enum("x", "step", ["step", "elapsed"], "curves: x axis.", **define)
+    flags.DEFINE_enum(
+        "x", "step", ["step", "elapsed", "train_seconds"], "curves: x axis.", **define
+    )
     flags.DEFINE_string("out", None, "attention: PNG directory; curves: PNG file.", **define)
     return fv
 
