@@ -123,11 +123,13 @@ def choose_and_test(workdir: pathlib.Path, kept: list[int], minutes, args) -> di
     keep the best; then each --beams x --alphas point of it on validation, keep the best;
     decode the test split once with what was kept."""
     decode = dict(beam_size=args.beam_size, alpha=args.alpha)
-    scored = []
+    scored, bleu = [], {}
     for c in candidates(workdir, kept, args.average_last):
-        where = {"step": c["step"], "average_last": c["average_last"]}
-        record = evaluation.evaluate(workdir, split="validation", **where, **decode)
-        scored.append({**c, "validation_bleu": record["bleu"]})
+        key = (c["step"], c["average_last"])  # best_validation is often the last: decode once
+        if key not in bleu:
+            where = {"step": c["step"], "average_last": c["average_last"]}
+            bleu[key] = evaluation.evaluate(workdir, split="validation", **where, **decode)["bleu"]
+        scored.append({**c, "validation_bleu": bleu[key]})
     chosen = max(scored, key=lambda c: c["validation_bleu"])  # first of equals: max is stable
     where = {"step": chosen["step"], "average_last": chosen["average_last"]}
     beams, alphas = _ints(args.beams) or [args.beam_size], _floats(args.alphas) or [args.alpha]

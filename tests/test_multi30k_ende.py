@@ -42,7 +42,12 @@ def test_two_seeds_choose_on_validation_and_score_test_once(tmp_path):
             for x in (root / f"seed{row['seed']}" / "eval_results.jsonl").read_text().splitlines()
         ]
         splits = [r["split"] for r in records]
-        assert splits == ["validation"] * 3 + ["test_2016_flickr"]
+        # one validation decode per distinct candidate (best_validation may be the last)
+        distinct = {(c["step"], c["average_last"]) for c in row["candidates"]}
+        assert splits == ["validation"] * len(distinct) + ["test_2016_flickr"]
+        assert [(r["step"], r["averaged"] or 0) for r in records[:-1]] == sorted(
+            distinct, key=[(c["step"], c["average_last"]) for c in row["candidates"]].index
+        )
         assert records[-1]["bleu"] == row["test_bleu"]
     bleu = [r["test_bleu"] for r in result["seeds"]]
     assert result["summary"]["test_bleu_mean"] == round(statistics.mean(bleu), 2)
