@@ -8,7 +8,11 @@
 #    CPU's float32 arithmetic, not TF32); their metrics and logs -> OUT_DIR/table3_gpu.tgz.
 # 2. tests/test_gpu.py and the cuDNN lowering test on the GPU (beside the sweep: nothing here is
 #    timed) -> OUT_DIR/gpu_tests.log.
-# Expects tx_jax importable (PYTHONPATH=.) with its dependencies; prints versions first.
+# Expects tx_jax importable (PYTHONPATH=.) with its dependencies; prints versions first. An image
+# with jax/flax/optax/orbax but not tx_jax's data stack needs (2026-11-26, as wheels for its
+# Python 3.12): array-record dm-tree docstring-parser googleapis-common-protos grain
+# immutabledict importlib-resources ml-collections portpicker promise simple-parsing
+# tensorboardx tensorflow-datasets tensorflow-metadata termcolor toml tzdata.
 set -u
 out=${1:?OUT_DIR}
 data=${2:?MULTI30K_DIR}
