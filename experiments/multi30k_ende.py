@@ -302,8 +302,9 @@ def main(argv: list[str] | None = None) -> int:
         workdir = root / f"seed{seed}"
         done = workdir / SEED_RESULT
         wanted = protocol(spec, args, config)
-        if done.exists() and json.loads(done.read_text())["protocol"] == wanted:
-            rows.append(json.loads(done.read_text())["result"])  # its test split was decoded
+        kept = json.loads(done.read_text()) if done.exists() else {}
+        if kept.get("protocol") == wanted:
+            rows.append(kept["result"])  # its test split was decoded
             print(f"seed {seed}: done before with this protocol ({done})", flush=True)
         else:
             rows.append(run_seed(config, workdir, args))

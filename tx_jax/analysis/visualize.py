@@ -313,7 +313,7 @@ def _split_style(split: str) -> dict[str, Any]:
 
 # x axes: the step, wall-clock time since the run's first start (cumulative over restarts),
 # or training time (train_seconds: the segments' sum without the pauses between them).
-_X_LABELS = {"step": "step", "elapsed": "elapsed", "train_seconds": "training time"}
+X_AXES = {"step": "step", "elapsed": "elapsed", "train_seconds": "training time"}
 
 
 def curves_figure(
@@ -321,8 +321,8 @@ def curves_figure(
 ) -> Figure:
     """One panel per key; in each, every run (a colour) and split (train: line, validation:
     dashed with dots, test: stars). runs: label -> records (`read_metrics`)."""
-    if x not in _X_LABELS:
-        raise ValueError(f"x={x!r}; expected one of {', '.join(map(repr, _X_LABELS))}")
+    if x not in X_AXES:
+        raise ValueError(f"x={x!r}; expected one of {', '.join(map(repr, X_AXES))}")
     scale, unit = 1.0, ""
     if x != "step":
         longest = max((r.get(x, 0.0) for rs in runs.values() for r in rs), default=0.0)
@@ -343,7 +343,7 @@ def curves_figure(
                     )
                     drawn += 1
         ax.set_title(key)
-        ax.set_xlabel(_X_LABELS[x] + (f" ({unit})" if unit else ""))
+        ax.set_xlabel(X_AXES[x] + (f" ({unit})" if unit else ""))
         ax.grid(alpha=0.3)
         if drawn:
             ax.legend(fontsize=7)

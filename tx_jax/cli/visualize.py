@@ -11,7 +11,13 @@ from collections.abc import Sequence
 
 from absl import flags
 
-from tx_jax.analysis.visualize import KINDS, attention_maps, plot_attention, plot_curves
+from tx_jax.analysis.visualize import (
+    KINDS,
+    X_AXES,
+    attention_maps,
+    plot_attention,
+    plot_curves,
+)
 from tx_jax.inference import restore
 
 USAGE = """usage:
@@ -34,9 +40,7 @@ def _flags() -> flags.FlagValues:
     flags.DEFINE_list("metrics", None, "curves: metrics.jsonl files.", **define)
     flags.DEFINE_list("keys", ["loss", "bleu"], "curves: metrics to plot.", **define)
     flags.DEFINE_list("labels", None, "curves: one label per file.", **define)
-    flags.DEFINE_enum(
-        "x", "step", ["step", "elapsed", "train_seconds"], "curves: x axis.", **define
-    )
+    flags.DEFINE_enum("x", "step", list(X_AXES), "curves: x axis.", **define)
     flags.DEFINE_string("out", None, "attention: PNG directory; curves: PNG file.", **define)
     return fv
 
