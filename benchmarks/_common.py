@@ -49,14 +49,9 @@ def machine() -> dict[str, Any]:
         "cpus_used": len(os.sched_getaffinity(0)),
         "load_average_1min": round(load_average(), 2),
     }
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    info["cpu"] = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    from tx_jax.training.logs import cpu
+
+    info["cpu"] = cpu()  # model, cores, bfloat16 features
     for name in ("jax", "jaxlib", "flax", "optax", "numpy", "torch", "grain"):
         try:
             from importlib import metadata

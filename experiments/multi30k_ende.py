@@ -20,10 +20,10 @@ minutes of training (the run's train_seconds, summed over its segments when it w
 resumed, kept in each checkpoint): a time-to-quality result from one run, with the test split
 decoded once per budget, after that budget's choice; no test score chooses anything.
 ROOT/results.json and ROOT/RESULTS.md hold every seed's candidates, choice, test BLEU / chrF,
-training minutes and the machine, and the mean and spread over the seeds (per budget). A
-seed's result is kept in ROOT/seed<N>/seed_result.json: rerunning with the same arguments
-reuses it, so seeds can be run one at a time and summarised together (`--seeds=0`, then
-`--seeds=1`, then `--seeds=0,1` decodes nothing again).
+training minutes, segments (which CPU trained which steps) and the machine, and the mean and
+spread over the seeds (per budget). A seed's result is kept in ROOT/seed<N>/seed_result.json:
+rerunning with the same arguments reuses it, so seeds can be run one at a time and summarised
+together (`--seeds=0`, then `--seeds=1`, then `--seeds=0,1` decodes nothing again).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import platform
 import statistics
 import sys
 import time
@@ -46,6 +45,7 @@ import jax  # noqa: E402
 from tx_jax.config import apply_overrides, load_config, parse_assignments  # noqa: E402
 from tx_jax.experiment.loop import train_and_evaluate  # noqa: E402
 from tx_jax.inference import evaluation, locate  # noqa: E402
+from tx_jax.training import logs  # noqa: E402
 
 TEST_SPLIT = "test_2016_flickr"
 SEED_RESULT = "seed_result.json"  # a seed's finished result, reused by a rerun
@@ -154,6 +154,22 @@ def choose_and_test(workdir: pathlib.Path, kept: list[int], minutes, args) -> di
     }
 
 
+def segments(workdir: pathlib.Path) -> list[dict[str, Any]]:
+    """The run's processes from WORKDIR/segments.jsonl: the steps each trained, its training
+    minutes and CPU (a run trained before tx_jax logged them has none)."""
+    path = workdir / "segments.jsonl"
+    records = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    out = []
+    for r in records:
+        if r["event"] == "start":
+            out.append({"from_step": r["step"], "cpu": r["cpu"], "started": r["time"]})
+            out[-1]["minutes_before"] = round(r["train_seconds"] / 60, 2)
+        elif out and "to_step" not in out[-1]:
+            out[-1]["to_step"] = r["step"]
+            out[-1]["minutes"] = round(r["train_seconds"] / 60 - out[-1]["minutes_before"], 2)
+    return out
+
+
 def run_seed(config, workdir: pathlib.Path, args) -> dict[str, Any]:
     start = time.time()
     final = train_and_evaluate(config, str(workdir))
@@ -178,6 +194,8 @@ def run_seed(config, workdir: pathlib.Path, args) -> dict[str, Any]:
         "run_train_minutes": None if minutes[last] is None else round(minutes[last], 3),
         "total_seconds": round(time.time() - start, 1),
         "steps": int(config.train.num_steps),
+        "segments": segments(workdir),
+        "machine": machine(),  # where the choice and the test decode ran
     }
 
 
@@ -213,9 +231,7 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def machine() -> str:
     devices = jax.devices()
-    return (
-        f"{len(devices)} x {devices[0].device_kind} ({platform.machine()}), jax {jax.__version__}"
-    )
+    return f"{len(devices)} x {devices[0].device_kind} ({logs.cpu()}), jax {jax.__version__}"
 
 
 def write_results(root: pathlib.Path, spec: str, rows: list[dict], args) -> pathlib.Path:
@@ -260,7 +276,16 @@ def write_results(root: pathlib.Path, spec: str, rows: list[dict], args) -> path
         + ("" if r["run_train_minutes"] is None else f" in {r['run_train_minutes']:.1f} min")
         for r in rows
     )
-    lines += ["", f"Training: {trained}.", "", f"Signature: {rows[0]['signature']}", ""]
+    lines += ["", f"Training: {trained}."]
+    for r in rows:  # which CPU trained which steps: minutes compare only on the same kind
+        parts = [
+            f"{s['from_step']}-{s.get('to_step', '?')} on {s['cpu']}"
+            + (f" ({s['minutes']:.1f} min)" if "minutes" in s else "")
+            for s in r.get("segments", [])
+        ]
+        if parts:
+            lines.append(f"Seed {r['seed']}'s segments: " + "; ".join(parts) + ".")
+    lines += ["", f"Signature: {rows[0]['signature']}", ""]
     path = root / "RESULTS.md"
     path.write_text("\n".join(lines))
     return path

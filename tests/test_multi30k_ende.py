@@ -8,6 +8,8 @@ import sys
 from helpers import ROOT
 from test_language_similarity import write_fixture
 
+from tx_jax.training import logs
+
 sys.path.insert(0, str(ROOT / "experiments"))
 import multi30k_ende  # noqa: E402
 
@@ -47,10 +49,15 @@ def test_two_seeds_choose_on_validation_and_score_test_once(tmp_path):
         assert splits == ["validation"] * len(distinct) + ["test_2016_flickr"]
         assert [(r["step"], r["averaged"] or 0) for r in records[:-1]] == distinct
         assert records[-1]["bleu"] == row["test_bleu"]
+        # one process trained all 12 steps, on this CPU
+        assert [(s["from_step"], s["to_step"]) for s in row["segments"]] == [(0, 12)]
+        assert row["segments"][0]["cpu"] == logs.cpu() and row["segments"][0]["minutes"] > 0
     bleu = [r["test_bleu"] for r in result["seeds"]]
     assert result["summary"]["test_bleu_mean"] == round(statistics.mean(bleu), 2)
     assert result["summary"]["test_bleu_std"] == round(statistics.stdev(bleu), 2)
-    assert "Signature: nrefs:1" in (root / "RESULTS.md").read_text()
+    report = (root / "RESULTS.md").read_text()
+    assert "Signature: nrefs:1" in report
+    assert f"Seed 1's segments: 0-12 on {logs.cpu()} (" in report
     # the two seeds trained differently
     losses = [(root / f"seed{s}" / "metrics.jsonl").read_text().splitlines()[0] for s in (0, 1)]
     assert json.loads(losses[0])["loss"] != json.loads(losses[1])["loss"]

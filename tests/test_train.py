@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import os
 
 import jax
 import numpy as np
@@ -11,6 +12,7 @@ from helpers import run_python, tiny_config, train_losses
 from tx_jax.experiment.loop import train_and_evaluate
 from tx_jax.experiment.setup import build_run
 from tx_jax.experiment.validation import validate_config
+from tx_jax.training import logs
 from tx_jax.training.checkpoint import Checkpointer
 
 
@@ -32,6 +34,8 @@ def test_tiny_run_lowers_the_loss_and_writes_a_checkpoint(tmp_path, tfds_dir):
     assert (workdir / "tokenizer.model").exists() and (workdir / "config.json").exists()
     versions = json.loads((workdir / "versions.json").read_text())
     assert versions["jax"] == jax.__version__
+    assert versions["cpu"] == logs.cpu()
+    assert f", {len(os.sched_getaffinity(0))} cores, " in versions["cpu"]
     assert (workdir / "tensorboard").is_dir()
     # tokens/s is measured over the wall time between log lines (not JAX's dispatch time):
     # the windows it implies add up to the time that passed between the records.
@@ -71,6 +75,20 @@ def test_exact_resume_and_its_control(tmp_path, tfds_dir):
     assert first and second and 0 < first[-1]["train_seconds"] <= saved["train_seconds"]
     assert all(r["train_seconds"] - r["elapsed"] >= saved["train_seconds"] for r in second)
     assert all(r["train_seconds"] >= r["elapsed"] for r in first)
+    # segments.jsonl: each process's steps, its training time so far and its CPU
+    lines = (tmp_path / "resumed" / "segments.jsonl").read_text().splitlines()
+    segments = [json.loads(x) for x in lines]
+    assert [(r["event"], r["step"]) for r in segments] == [
+        ("start", 0),
+        ("stop", n),
+        ("start", n),
+        ("stop", 2 * n),
+    ]
+    # the second process starts from the checkpoint's time; each stop follows its last save
+    seconds = [r["train_seconds"] for r in segments]
+    assert seconds[0] < saved["train_seconds"] <= seconds[1]
+    assert saved["train_seconds"] < seconds[2] < seconds[3]
+    assert {r["cpu"] for r in segments} == {logs.cpu()}
 
 
 def test_gradient_accumulation_equals_the_full_batch(tmp_path, tfds_dir):

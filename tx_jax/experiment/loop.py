@@ -73,12 +73,15 @@ def _loop(run: Run, config, checkpointer, state, train_iter, p_train, evaluator,
     stop = StopSignal(checkpointer)
     window = profile_window(cfg.get("profile_steps"), cfg.num_steps)
     profiler = StepProfiler(window, run.workdir / "tensorboard")
+    if step < cfg.num_steps:
+        logger.segment("start", step)
     while step < cfg.num_steps:
         if stop.requested(step):
             profiler.stop()
             save(step, state)
             checkpointer.close()
             stop.restore()
+            logger.segment("stop", step)
             console.stopped(stop.name, step, checkpointer.directory)
             return {"stopped_at": float(step)}
         batch = next(train_iter)
@@ -108,6 +111,8 @@ def _loop(run: Run, config, checkpointer, state, train_iter, p_train, evaluator,
             save(step, state, metrics=final)
         elif step % config.checkpoint.every == 0:
             save(step, state)
+        if is_last:
+            logger.segment("stop", step)
     stop.restore()
     checkpointer.wait()
     checkpointer.close()

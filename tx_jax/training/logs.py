@@ -40,10 +40,38 @@ PACKAGES = (
 )
 
 
+# CPU features the CPU kernels' bfloat16 dots run on (BENCHMARKS.md: AMX doubles a Zen 4's
+# avx512_bf16 rate): a run's minutes compare only between CPUs with the same ones.
+BF16_CPU_FEATURES = ("amx_bf16", "avx512_bf16")
+
+
+@functools.cache
+def cpu() -> str:
+    """The host CPU as a run should report it: model name, the cores this process may use and
+    its bfloat16 features, e.g. 'AMD EPYC, 2 cores, avx512_bf16' (Linux's /proc/cpuinfo;
+    platform.processor() elsewhere)."""
+    model, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and not model:
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    model = model or platform.processor() or platform.machine()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    bf16 = ",".join(f for f in BF16_CPU_FEATURES if f in flags) or "no bfloat16 units"
+    return f"{model}, {cores} cores, {bf16}"
+
+
 @functools.cache  # fixed for the life of the process; read once, not at every save
 def versions() -> dict[str, str]:
-    """Python, platform and the versions of the packages a result depends on."""
-    out = {"python": sys.version.split()[0], "platform": platform.platform()}
+    """Python, platform, CPU and the versions of the packages a result depends on."""
+    out = {"python": sys.version.split()[0], "platform": platform.platform(), "cpu": cpu()}
     for name in PACKAGES:
         try:
             out[name] = importlib.metadata.version(name)
@@ -116,6 +144,22 @@ class MetricLogger:
         self._tb.flush()
         if self._staging and time.time() - self._last_sync >= TB_SYNC_SECONDS:
             self._sync()
+
+    def segment(self, event: str, step: int) -> None:
+        """Append {event: 'start' | 'stop', step, train_seconds, time, cpu, devices} to
+        WORKDIR/segments.jsonl: which machine trained which steps of a run stopped and
+        resumed, and for how long (a run's minutes compare only on the same kind of CPU)."""
+        if not self.enabled:
+            return
+        record = {
+            "event": event,
+            "step": int(step),
+            "train_seconds": round(self.train_seconds(), 3),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "cpu": cpu(),
+            "devices": versions()["devices"],
+        }
+        paths.append_text(self.workdir / "segments.jsonl", json.dumps(record) + "\n")
 
     def train_seconds(self) -> float:
         """Wall seconds of training in every segment of the run so far (a segment from its
