@@ -46,7 +46,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.norm_position = "post"  # the paper's post-LN (3 layers train fine without pre-LN)
     # bfloat16 compute, float32 parameters and optimizer state: on a CPU with bfloat16 matrix
     # units (AMX: Intel Sapphire Rapids and later) the CPU kernels' dots run on them, 1.8x
-    # float32's step rate here (BENCHMARKS.md); on a CPU without them use float32.
+    # float32's step rate here (BENCHMARKS.md); AMD Zen 4's avx512_bf16 doubles float32's dot
+    # rate too; on a CPU with neither (no `avx512_bf16` in /proc/cpuinfo) use float32.
     c.model.dtype = "bfloat16"
 
     # Data: the raw Multi30k release, read through the TFDS builder in tx_jax/data/multi30k.py.
