@@ -46,6 +46,20 @@ def test_tiny_run_lowers_the_loss_and_writes_a_checkpoint(tmp_path, tfds_dir):
     assert 0.8 * wall - 0.05 <= windows <= wall + 0.05, (windows, wall)
 
 
+def test_tokens_per_second_leaves_out_evaluation(tmp_path, tfds_dir):
+    """A train record's window starts after the evaluation (and its save) before it: it is
+    at most the time from that validation record to this one."""
+    config = tiny_config(tfds_dir, **{"train.num_steps": 6, "eval.every": 2, "train.log_every": 2})
+    train_and_evaluate(config, tmp_path / "run")
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    validation = {r["step"]: r["elapsed"] for r in records if r["split"] == "validation"}
+    train = [r for r in records if r["split"] == "train"]
+    assert sorted(validation) == [2, 4, 6] and [r["step"] for r in train] == [2, 4, 6]
+    for r in train[1:]:
+        window = 2 * r["tokens"] / r["tokens_per_sec"]  # "tokens": the mean of the 2 steps
+        assert 0 < window <= r["elapsed"] - validation[r["step"] - 2] + 0.01, r
+
+
 def test_exact_resume_and_its_control(tmp_path, tfds_dir):
     """2N steps in one run == N steps + restart + N steps, to the last bit."""
     n = 4

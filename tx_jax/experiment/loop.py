@@ -70,6 +70,7 @@ def _loop(run: Run, config, checkpointer, state, train_iter, p_train, evaluator,
     save = functools.partial(_save, run, checkpointer, train_iter, logger)
     pending: list[dict] = []
     last_log, final = time.time(), {}
+    paused = 0.0  # evaluation and its save since the last log: not in the tokens/s window
     stop = StopSignal(checkpointer)
     window = profile_window(cfg.get("profile_steps"), cfg.num_steps)
     profiler = StepProfiler(window, run.workdir / "tensorboard")
@@ -100,15 +101,17 @@ def _loop(run: Run, config, checkpointer, state, train_iter, p_train, evaluator,
         is_last = step == cfg.num_steps
         if step % cfg.log_every == 0 or is_last:
             jax.block_until_ready(pending[-1])  # the window ends when its last step has run
-            scalars = _summarise(run.strategy, pending, time.time() - last_log)
-            pending, last_log = [], time.time()
+            scalars = _summarise(run.strategy, pending, time.time() - last_log - paused)
+            pending, last_log, paused = [], time.time(), 0.0
             scalars.update({f"data_{k}": v for k, v in train_iter.stats().items()})
             logger.write(step, "train", scalars)
             logger.progress(step, scalars)
             _check_finite(scalars, cfg.max_nonfinite_steps, step)
         if step % config.eval.every == 0 or is_last:
+            started = time.time()
             final = evaluator.evaluate(state, step, logger, bleu=True)
             save(step, state, metrics=final)
+            paused += time.time() - started
         elif step % config.checkpoint.every == 0:
             save(step, state)
         if is_last:
