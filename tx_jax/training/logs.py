@@ -40,8 +40,8 @@ PACKAGES = (
 )
 
 
-# CPU features the CPU kernels' bfloat16 dots run on (BENCHMARKS.md: AMX doubles a Zen 4's
-# avx512_bf16 rate): a run's minutes compare only between CPUs with the same ones.
+# CPU features the CPU kernels' bfloat16 dots run on: they set a run's speed, so its minutes
+# compare only between CPUs with the same ones.
 BF16_CPU_FEATURES = ("amx_bf16", "avx512_bf16")
 
 
