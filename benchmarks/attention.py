@@ -5,7 +5,8 @@
 For each implementation of tx_jax.model.attention.dot_product_attention ('xla', 'chunked'; 'cudnn'
 only on a GPU), forward and forward+backward (the gradient of sum(out * cotangent) with respect
 to q, k and v), causal self-attention with a padding mask given as segment ids, shapes
-[B, L, H, D] = [1, L, 8, 64] (one head group of the paper's base model), float32. Memory is
+[B, L, H, D] = [1, L, 8, 64] (one head group of the paper's base model), float32 (--dtype:
+bfloat16 on a GPU, where cuDNN's fused attention runs in bf16/fp16 only). Memory is
 XLA's own figure for the compiled function:
 jax.jit(f).lower(...).compile().memory_analysis().temp_size_in_bytes (buffers other than
 arguments and outputs). Time is the median of --reps runs after a warm-up run.
@@ -22,12 +23,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 
 
-def _problem(L: int, B: int, H: int, D: int):
+def _problem(L: int, B: int, H: int, D: int, dtype: str = "float32"):
     import jax
     import jax.numpy as jnp
 
     ks = jax.random.split(jax.random.key(0), 4)
-    q, k, v, cot = (jax.random.normal(kk, (B, L, H, D), jnp.float32) for kk in ks)
+    q, k, v, cot = (jax.random.normal(kk, (B, L, H, D), dtype) for kk in ks)
     seg = jnp.ones((B, L), jnp.int32).at[:, L - L // 8 :].set(0)  # last 1/8 is padding
     return q, k, v, cot, seg
 
@@ -60,7 +61,7 @@ def _functions(impl: str, chunk_size: int):
 def measure(impl: str, L: int, args) -> list[dict]:
     import jax
 
-    q, k, v, cot, seg = _problem(L, args.batch, args.heads, args.head_dim)
+    q, k, v, cot, seg = _problem(L, args.batch, args.heads, args.head_dim, args.dtype)
     rows = []
     for mode, fn in _functions(impl, args.chunk_size).items():
         compiled = jax.jit(fn).lower(q, k, v, cot, seg).compile()
@@ -98,6 +99,7 @@ def main(argv=None) -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--chunk-size", type=int, default=512)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--name", default="attention")
     args = p.parse_args(argv)
@@ -105,7 +107,7 @@ def main(argv=None) -> None:
     import jax
 
     impls = args.impls.split(",") if args.impls else ["xla", "chunked"]
-    if not args.impls and jax.default_backend() == "gpu":
+    if not args.impls and jax.default_backend() == "gpu" and args.dtype != "float32":
         impls.append("cudnn")
     print(f"{jax.default_backend()}, {threads} threads, load {_common.load_average():.2f}")
     rows = []
@@ -132,7 +134,7 @@ def main(argv=None) -> None:
             table.append(row)
         print(
             f"\n{mode}, [B, L, H, D] = [{args.batch}, L, {args.heads}, {args.head_dim}], "
-            f"causal + padding, chunk {args.chunk_size}"
+            f"{args.dtype}, causal + padding, chunk {args.chunk_size}"
         )
         print(_common.table(headers, table))
     path = _common.write_json(
@@ -141,6 +143,7 @@ def main(argv=None) -> None:
             "threads": threads,
             "shape": {"batch": args.batch, "heads": args.heads, "head_dim": args.head_dim},
             "chunk_size": args.chunk_size,
+            "dtype": args.dtype,
             "reps": args.reps,
             "rows": rows,
         },

@@ -86,3 +86,43 @@ def test_benchmarks_call_only_methods_the_strategy_has():
     fields = {f.name for f in dataclasses.fields(Strategy)}
     missing = sorted((f, a) for f, a in used if not hasattr(Strategy, a) and a not in fields)
     assert not missing, missing
+
+
+def test_gpu_step_floors_count_the_flops_cublas_hides():
+    import gpu_step
+
+    from tx_jax.planning.chips import CHIPS
+
+    # XLA:GPU's own cost analysis left cuBLAS/cuDNN out (1.9e12 of 1.08e13 FLOPs on an H100)
+    row = {"case": "base:bfloat16", "step_seconds": 0.05, "step_seconds_pipelined": 0.04,
+           "target_tokens": 26_624, "analytic_flops": 1.0e13, "compiled_flops": 2.0e12,
+           "hbm_bytes": 5.0e10, "attention_impl": "auto (cudnn)"}  # fmt: skip
+    ceil = {"matmul_bf16": 5.0e14, "matmul_f32_default": 2.5e14, "copy_bytes_per_s": 2.0e12}
+    out = gpu_step.derive(dict(row), ceil, CHIPS["h100"])
+    assert out["compute_s"] == pytest.approx(1.0e13 / 989.4e12)
+    assert out["memory_s"] == pytest.approx(5.0e10 / 3.35e12)
+    assert out["step_time_bound_s"] == out["memory_s"] and out["bound_by"] == "memory"
+    assert out["floor_measured_ceilings_s"] == pytest.approx(0.025)  # 5e10 B at 2 TB/s
+    assert out["mfu_measured_peak"] == pytest.approx(0.4)  # 1e13 / 0.05 s / 5e14
+    assert out["mfu_datasheet"] == pytest.approx(1.0e13 / 0.05 / 989.4e12)
+    assert out["tokens_per_second"] == pytest.approx(532_480)
+    f32 = gpu_step.derive(dict(row, case="base:float32", compiled_flops=2.0e13), ceil, None)
+    assert f32["floor_measured_ceilings_s"] == pytest.approx(0.08)  # 2e13 at 2.5e14: compute
+    assert "step_time_bound_s" not in f32  # no chip table entry (a CPU)
+    assert "| base:float32 | auto (cudnn) | 50.00 | 40.00 | 532,480 | - | 80.0% |" in (
+        gpu_step.table([f32])
+    )
+
+
+def test_gpu_step_packs_rows_as_the_pipeline_does():
+    import gpu_step
+    import jax
+    import numpy as np
+
+    shapes = {k: (2, 10) for k in ("targets", "targets_segmentation", "targets_position")}
+    batch = gpu_step._packed_batch(shapes, 50, 0, jax.devices()[0])
+    seg, pos = np.asarray(batch["targets_segmentation"]), np.asarray(batch["targets_position"])
+    assert seg[0].tolist() == [1, 1, 2, 2, 3, 3, 4, 4, 4, 4]
+    assert pos[1].tolist() == [0, 1, 0, 1, 0, 1, 0, 1, 2, 3]
+    tokens = np.asarray(batch["targets"])
+    assert tokens.dtype == np.int32 and tokens.min() >= 3 and tokens.max() < 50

@@ -57,6 +57,9 @@ class Program:
     extra_bytes: int  # inputs other than the train state (batch, sources), per device
     custom_calls: dict[str, int] = dataclasses.field(default_factory=dict)  # kernels by name
     refused: str = ""  # the compiler's reason when it would not compile the program
+    # the compiled program itself, callable where the target's devices are this host's
+    # (benchmarks/gpu_step.py times the very program it plans); None when refused
+    executable: Any = dataclasses.field(default=None, repr=False, compare=False)
 
 
 @dataclasses.dataclass
@@ -216,6 +219,7 @@ def _compile(built: Built, name: str, kind: str, lower, shapes, extra_bytes: int
         hlo.largest_buffers(module),
         extra_bytes,
         hlo.custom_calls(module),
+        executable=compiled,
     )
 
 

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One call on a lent GPU host: the speed figures a CPU cannot give, in one go (device time is
+# scarce; benchmarks/gpu_checks.sh holds the correctness checks and Table 3's GPU points).
+#
+#   bash benchmarks/gpu_speed.sh OUT_DIR
+#
+# 1. benchmarks/gpu_step.py: the chip's ceilings (matmul, copy), then the paper's base and big
+#    train steps (bf16, float32; 'auto' attention and 'xla'): ms/step, tokens/s, MFU beside the
+#    plan's roofline bound of the same compiled program -> OUT_DIR/gpu_step.json. Alone on the
+#    host while it times.
+# 2. benchmarks/attention.py in bfloat16 (xla, chunked, cudnn), L 1024-8192 ->
+#    OUT_DIR/attention_gpu.json; meanwhile `python -m tx_jax.plan --target=gpu:<chip>-1` for
+#    base and big compiles on the host's CPU as a CPU-only host would (the described GPU, no
+#    device) -> OUT_DIR/plan_{base,big}.json, to set beside step 1's measured times.
+# 3. tests/test_gpu.py (cuDNN attention against float64, the bf16 step through cuDNN).
+# Expects tx_jax importable (PYTHONPATH=.) with its dependencies (gpu_checks.sh lists what an
+# image with jax/flax/optax/orbax but not the data stack needs).
+set -u
+out=${1:?OUT_DIR}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv,noheader
+python3 -c 'import jax, flax, optax; print("jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__, jax.devices())'
+chip=$(python3 -c 'import jax; k = jax.devices()[0].device_kind.lower(); print("h200" if "h200" in k else "h100" if "h100" in k else "a100")')
+
+JAX_PLATFORMS=cuda,cpu timeout ${STEP_TIMEOUT:-300} python3 benchmarks/gpu_step.py \
+  --cases "${CASES:-base:bfloat16,base:bfloat16:xla,base:float32,big:bfloat16}" \
+  --out "$out/gpu_step.json" 2>&1 | grep -v "^WARNING\|^I0000\|^W0000"
+echo "gpu_step exit ${PIPESTATUS[0]}"
+
+for v in base big; do
+  JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 timeout 240 python3 -m tx_jax.plan \
+    --config=configs/wmt14_ende.py:variant=$v --target=gpu:$chip-1 --programs=train \
+    --no_cache --json="$out/plan_$v.json" > "$out/plan_$v.txt" 2>&1
+  echo "plan $v exit $?"
+done &
+plans=$!
+JAX_PLATFORMS=cuda,cpu timeout 150 python3 benchmarks/attention.py --dtype bfloat16 \
+  --lengths 1024,2048,4096,8192 --reps 20 --name attention_gpu 2>&1 | grep -v "^W0000\|^I0000"
+cp benchmarks/results/attention_gpu.json "$out/" 2>/dev/null
+JAX_PLATFORMS=cuda,cpu timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+  2>&1 | tail -4
+wait $plans
+grep -h "BOUND" "$out"/plan_*.txt
