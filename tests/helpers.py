@@ -46,10 +46,21 @@ def train_losses(workdir: str | os.PathLike) -> dict[int, float]:
     return out
 
 
+def forced_devices(devices: int) -> str:
+    """XLA_FLAGS for `devices` CPU devices in one process. XLA:CPU aborts a collective whose
+    participants (one thread per device) do not all arrive within 40 s; on 2 cores shared with
+    another test worker's compile one arrived later (a pmap all-reduce on 4 devices, 2026-11-26):
+    that is starvation, not a hang, so the tests wait up to 10 minutes."""
+    return (
+        f"--xla_force_host_platform_device_count={devices} "
+        "--xla_cpu_collective_call_terminate_timeout_seconds=600"
+    )
+
+
 def run_python(code: str, *, devices: int = 8, timeout: int = 600, env=None) -> str:
     """Run `code` in a fresh interpreter with `devices` forced CPU devices; return stdout."""
     full_env = dict(os.environ, **(env or {}))
-    full_env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    full_env["XLA_FLAGS"] = forced_devices(devices)
     full_env["JAX_PLATFORMS"] = "cpu"
     full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
     proc = subprocess.run(

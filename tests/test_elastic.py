@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import portpicker
 import pytest
-from helpers import ROOT, run_python, train_losses
+from helpers import ROOT, forced_devices, run_python, train_losses
 
 from tx_jax.training.checkpoint import Checkpointer
 
@@ -130,7 +130,7 @@ def test_sigterm_on_2_processes_resumes_as_1(tmp_path, tfds_dir, reference):
         for i in range(2):
             env = dict(
                 os.environ,
-                XLA_FLAGS="--xla_force_host_platform_device_count=4",
+                XLA_FLAGS=forced_devices(4),
                 JAX_PLATFORMS="cpu",
                 JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
                 JAX_NUM_PROCESSES="2",

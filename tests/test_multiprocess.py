@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import portpicker
 import pytest
-from helpers import ROOT, run_python, tiny_config, train_losses
+from helpers import ROOT, forced_devices, run_python, tiny_config, train_losses
 
 from tx_jax.experiment.evaluator import Evaluator
 from tx_jax.experiment.loop import train_and_evaluate
@@ -69,7 +69,7 @@ def _launch(tfds_dir, workdir, overrides, logs, name: str) -> list[subprocess.Po
         for i in range(NUM_PROCESSES):
             env = dict(
                 os.environ,
-                XLA_FLAGS=f"--xla_force_host_platform_device_count={LOCAL_DEVICES}",
+                XLA_FLAGS=forced_devices(LOCAL_DEVICES),
                 JAX_PLATFORMS="cpu",
                 JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
                 JAX_NUM_PROCESSES=str(NUM_PROCESSES),
