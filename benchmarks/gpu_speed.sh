@@ -21,7 +21,8 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv,noheader
 python3 -c 'import jax, flax, optax; print("jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__, jax.devices())'
-chip=$(python3 -c 'import jax; k = jax.devices()[0].device_kind.lower(); print("h200" if "h200" in k else "h100" if "h100" in k else "a100")')
+chip=$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); import gpu_step, jax
+print(gpu_step.chip_of(jax.devices()[0])[0])')
 
 JAX_PLATFORMS=cuda,cpu timeout ${STEP_TIMEOUT:-300} python3 benchmarks/gpu_step.py \
   --cases "${CASES:-base:bfloat16,base:bfloat16:xla,base:float32,big:bfloat16}" \

@@ -13,9 +13,9 @@ base:bfloat16/model.dropout_rate=0.0): the run is built exactly as the planner b
 for this device, a roofline bound read off that compiled program (`derive`: the chip table's
 datasheet peak and HBM bandwidth, as plan.roofline), then that executable run on a real state
 and a random packed batch. Time per step is the median of --steps steps each synchronised, and
-also the mean over --steps steps issued back to back (what a training loop sees). MFU = the analytic
-train FLOPs (tx_jax.analysis.flops) / step time / peak, against the datasheet peak and
-against the matmul peak measured here (an 8192^3 product, random operands).
+also the mean over --steps steps issued back to back (what a training loop sees). MFU = the
+analytic train FLOPs (tx_jax.analysis.flops) / step time / peak, against the datasheet peak
+and against the matmul peak measured here (an 8192^3 product, random operands).
 
 Ceilings measured first: matmul TFLOP/s (bf16, float32 at JAX's default precision, float32 at
 'highest') and a device-to-device copy's bandwidth (bytes read + written).
@@ -123,9 +123,8 @@ def measure_case(case: str, steps: int, device, chip_name, chip) -> dict:
         overrides["model.attention_impl"] = rest[0]
     overrides.update(a.split("=", 1) for a in assignments)
     apply_overrides(config, overrides, from_text=True)
-    platform = "gpu" if device.platform == "gpu" else device.platform
-    target = Target(f"{platform}:{chip_name or device.platform}-1", platform,
-                    chip_name or "", 1)  # fmt: skip
+    platform = device.platform
+    target = Target(f"{platform}:{chip_name or platform}-1", platform, chip_name or "", 1)
     built = programs.build(config, target, [device])
     shapes = programs.train_batches(built)[-1]  # the longest bucket, as the plan's headline
     program = programs.compile_train(built, shapes)
@@ -141,7 +140,7 @@ def measure_case(case: str, steps: int, device, chip_name, chip) -> dict:
         "compile_seconds": program.compile_seconds,
         "analytic_flops": plan_lib.analytic_flops(built, shapes),
         "compiled_flops": program.flops,
-        "hbm_bytes": min(x for x in (program.hbm_bytes, program.bytes_accessed) if x > 0),
+        "hbm_bytes": plan_lib.traffic(program),
         "custom_calls": program.custom_calls,
         "temp_bytes": program.memory["temp"],
     }

@@ -48,9 +48,8 @@ def train_losses(workdir: str | os.PathLike) -> dict[int, float]:
 
 def forced_devices(devices: int) -> str:
     """XLA_FLAGS for `devices` CPU devices in one process. XLA:CPU aborts a collective whose
-    participants (one thread per device) do not all arrive within 40 s; on 2 cores shared with
-    another test worker's compile one arrived later (a pmap all-reduce on 4 devices, 2026-11-26):
-    that is starvation, not a hang, so the tests wait up to 10 minutes."""
+    participants (one thread per device) do not all arrive within 40 s, which a participant
+    starved on 2 cores shared with another test worker can miss: the tests wait 10 minutes."""
     return (
         f"--xla_force_host_platform_device_count={devices} "
         "--xla_cpu_collective_call_terminate_timeout_seconds=600"

@@ -114,7 +114,7 @@ def test_gpu_step_floors_count_the_flops_cublas_hides():
     )
 
 
-def test_gpu_step_packs_rows_as_the_pipeline_does():
+def test_gpu_step_batch_has_four_segments_a_row_and_restarting_positions():
     import gpu_step
     import jax
     import numpy as np

@@ -51,7 +51,7 @@ def analytic_flops(built: programs_lib.Built, shapes: dict[str, tuple[int, int]]
     return flops.encoder_decoder_flops(mc, B, shapes["inputs"][1], L).train
 
 
-def _traffic(p: programs_lib.Program) -> float:
+def traffic(p: programs_lib.Program) -> float:
     """HBM bytes per step: the smaller of two overcounts, hlo.hbm_traffic (whole operands of
     each top-level operation) and the cost analysis' bytes accessed (traffic inside fusions
     too; on GPU the CPU client's analysis of the GPU module)."""
@@ -63,7 +63,7 @@ def roofline(p: programs_lib.Program, chip, dtype: str) -> dict[str, float]:
     sent = sum(c["sent"] for c in p.collectives.values())
     terms = {
         "compute_s": p.flops / chip.peak(dtype),
-        "memory_s": _traffic(p) / chip.hbm_bandwidth,
+        "memory_s": traffic(p) / chip.hbm_bandwidth,
         "interconnect_s": sent / (chip.interconnect / 2),
     }
     bound = max(terms.values())
