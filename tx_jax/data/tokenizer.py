@@ -169,12 +169,18 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: str | epath.PathLike) -> Tokenizer:
-        """Loads a serialized SentencePiece model from `path` (local or any epath)."""
-        return cls(epath.Path(path).read_bytes())
+        """Loads the tokenizer file at `path` (local or any epath); see `from_bytes`."""
+        return cls.from_bytes(epath.Path(path).read_bytes())
 
     @classmethod
     def from_bytes(cls, model_proto: bytes) -> Tokenizer:
-        """Builds a tokenizer from a serialized model proto (as returned by `to_bytes`)."""
+        """The tokenizer `to_bytes` wrote: a SentencePiece model proto, or an imported
+        model's tokenizer (data/imported_tokenizer.py), which every reader of a run's
+        tokenizer file or checkpoint then gets without knowing which it is."""
+        from tx_jax.data import imported_tokenizer
+
+        if imported_tokenizer.is_imported(model_proto):
+            return imported_tokenizer.ImportedTokenizer.from_bytes(model_proto)
         return cls(model_proto)
 
     def to_bytes(self) -> bytes:
@@ -240,6 +246,23 @@ class Tokenizer:
     def encode_batch(self, texts: Sequence[str], num_threads: int = -1) -> list[list[int]]:
         """`encode` over many texts, in parallel C++ threads (-1: one per core)."""
         return self._sp.encode(list(texts), num_threads=num_threads)
+
+    def encode_target(self, text: str) -> list[int]:
+        """Target-side text -> ids: one joint vocabulary, so the same as `encode` (an
+        imported model's tokenizer may cut targets with another model)."""
+        return self._sp.encode(text)
+
+    @property
+    def target_vocab_size(self) -> int:
+        return self.vocab_size
+
+    def source_prefix(self, source_lang: str | None = None, target_lang: str | None = None):
+        """Ids before every source (none: a multilingual run's tags come from its config)."""
+        return []
+
+    def target_prefix(self, target_lang: str | None = None) -> list[int]:
+        """Ids the decoder is forced to start with (none for a model trained here)."""
+        return []
 
     def _strip(self, ids: Iterable[int]) -> list[int]:
         """Ids up to (excluding) the first EOS, without padding and BOS."""

@@ -1,0 +1,225 @@
+"""The tokenizer of an imported pretrained translator (OPUS-MT/Marian, M2M100, NLLB-200).
+
+Those models cut text into pieces with SentencePiece but number the pieces with a vocabulary
+of their own (vocab.json, or SentencePiece's ids shifted by fairseq's offset), and put their
+special tokens elsewhere than tx_jax does (Marian: EOS 0, pad last; M2M100/NLLB: pad 1).
+Inside tx_jax id 0 is padding, so the vocabulary is reordered once at import by swapping the
+foreign pad id with 0 (interop.pretrained.vocab_permutation); every id here is a tx_jax id.
+
+    source text --(source SentencePiece)--> pieces --(vocabulary)--> ids     `encode`
+    target text --(target SentencePiece)--> pieces --(target vocabulary)--> ids `encode_target`
+    target ids --> pieces (special ones dropped) --(target SentencePiece)--> text `decode`
+
+Languages, as the families use them:
+  marian   a multi-target OPUS-MT model reads a `>>xx<<` token before the source
+           (`source_prefix(target_lang=xx)`); the decoder starts at pad (id 0 here).
+  m2m_100  the source is [__xx__] + pieces + EOS, decoding starts at EOS and forces the
+  nllb     target's language token first (`target_prefix`); NLLB's codes read `deu_Latn`.
+
+`to_bytes()` is a header line and JSON (the SentencePiece models in base64), stored where a
+run stores its SentencePiece model (WORKDIR/tokenizer.model, checkpoint meta);
+`tokenizer.Tokenizer.from_bytes` recognises it and returns an `ImportedTokenizer`.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import functools
+import json
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+import sentencepiece as spm
+
+MAGIC = b"tx_jax.ImportedTokenizer/1\n"
+FAMILIES = ("marian", "m2m_100", "nllb")
+PAD_ID = 0
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ImportedTokenizer:
+    """A foreign piece vocabulary in tx_jax's numbering (pad 0); see the module docstring."""
+
+    family: str  # marian | m2m_100 | nllb
+    source_model: bytes  # SentencePiece proto that cuts source text
+    target_model: bytes  # ... target text (Marian's target.spm; otherwise the same)
+    pieces: tuple[
+        str, ...
+    ]  # tx_jax id -> piece (the source vocabulary; the target's too when shared)
+    target_pieces: tuple[str, ...] | None  # a separate target vocabulary (Marian separate_vocabs)
+    unk_id: int
+    eos_id: int
+    bos_id: int  # the decoder's first input (Marian: pad = 0; M2M100/NLLB: EOS)
+    languages: Mapping[str, int]  # language code -> the id of its token
+    source_lang: str | None = None  # the defaults of the checkpoint's tokenizer_config
+    target_lang: str | None = None
+    special_ids: tuple[int, ...] = ()  # ids `decode` drops (pad, EOS, unk, language tokens, ...)
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(
+                f"ImportedTokenizer.family={self.family!r}; expected one of {FAMILIES}"
+            )
+        if PAD_ID in (self.unk_id, self.eos_id):
+            raise ValueError("ImportedTokenizer: id 0 must be padding, unk and EOS elsewhere")
+
+    # ------------------------------------------------------------------ serialisation
+
+    def to_bytes(self) -> bytes:
+        d = dataclasses.asdict(self)
+        for key in ("source_model", "target_model"):
+            d[key] = base64.b64encode(d[key]).decode("ascii")
+        d["languages"] = dict(self.languages)
+        return MAGIC + json.dumps(d, ensure_ascii=False).encode("utf-8")
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> ImportedTokenizer:
+        if not data.startswith(MAGIC):
+            raise ValueError("not an ImportedTokenizer (no header line)")
+        d = json.loads(data[len(MAGIC) :].decode("utf-8"))
+        for key in ("source_model", "target_model"):
+            d[key] = base64.b64decode(d[key])
+        for key in ("pieces", "target_pieces", "special_ids"):
+            if d.get(key) is not None:
+                d[key] = tuple(d[key])
+        return cls(**d)
+
+    def save(self, path) -> None:
+        from tx_jax.data.tokenizer import _write_atomically
+
+        _write_atomically(path, self.to_bytes())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ImportedTokenizer) and other.to_bytes() == self.to_bytes()
+
+    def __hash__(self) -> int:
+        return hash(self.to_bytes())
+
+    # ------------------------------------------------------------------ vocabulary
+
+    @functools.cached_property
+    def _source_sp(self) -> spm.SentencePieceProcessor:
+        return spm.SentencePieceProcessor(model_proto=self.source_model)
+
+    @functools.cached_property
+    def _target_sp(self) -> spm.SentencePieceProcessor:
+        return spm.SentencePieceProcessor(model_proto=self.target_model)
+
+    @functools.cached_property
+    def _source_ids(self) -> dict[str, int]:
+        return {p: i for i, p in reversed(list(enumerate(self.pieces)))}  # first id wins
+
+    @functools.cached_property
+    def _target_ids(self) -> dict[str, int]:
+        if self.target_pieces is None:
+            return self._source_ids
+        return {p: i for i, p in reversed(list(enumerate(self.target_pieces)))}
+
+    @functools.cached_property
+    def _dropped(self) -> frozenset[int]:
+        return frozenset(self.special_ids) | {PAD_ID, self.eos_id}
+
+    @property
+    def vocab_size(self) -> int:
+        """Source vocabulary size (the model's vocab_size; the target's when shared)."""
+        return len(self.pieces)
+
+    @property
+    def target_vocab_size(self) -> int:
+        return len(self.target_pieces or self.pieces)
+
+    @property
+    def pad_id(self) -> int:
+        return PAD_ID
+
+    @functools.cached_property
+    def max_piece_chars(self) -> int:
+        return max(len(p.replace("\u2581", " ")) for p in self.pieces)
+
+    def id_to_piece(self, i: int) -> str:
+        return self.pieces[int(i)]
+
+    def piece_to_id(self, piece: str) -> int:
+        return self._source_ids.get(piece, self.unk_id)
+
+    # ------------------------------------------------------------------ languages
+
+    def language_id(self, code: str) -> int:
+        """The id of language `code`'s token (`de`, `__de__`, `>>de<<`, `deu_Latn`)."""
+        for key in (code, f"__{code}__", f">>{code}<<"):
+            if key in self.languages:
+                return self.languages[key]
+        known = ", ".join(sorted(self.languages)[:12]) or "none"
+        more = ", ..." if len(self.languages) > 12 else ""
+        raise ValueError(
+            f"language {code!r} is not one of this {self.family} model's "
+            f"{len(self.languages)} language tokens ({known}{more})"
+        )
+
+    def source_prefix(self, source_lang: str | None = None, target_lang: str | None = None):
+        """Ids before every source's pieces: M2M100/NLLB's source-language token, a
+        multi-target Marian model's `>>xx<<` target token (none for one target)."""
+        if self.family == "marian":
+            target_lang = target_lang or self.target_lang
+            if not self.languages:
+                return []
+            if target_lang is None:
+                raise ValueError("this Marian model has several targets: give --target_lang")
+            return [self.language_id(target_lang)]
+        source_lang = source_lang or self.source_lang
+        if source_lang is None:
+            raise ValueError(f"this {self.family} model needs --source_lang")
+        return [self.language_id(source_lang)]
+
+    def target_prefix(self, target_lang: str | None = None) -> list[int]:
+        """Ids the decoder is forced to emit first (M2M100/NLLB: the target's language)."""
+        if self.family == "marian":
+            return []
+        target_lang = target_lang or self.target_lang
+        if target_lang is None:
+            raise ValueError(f"this {self.family} model needs --target_lang")
+        return [self.language_id(target_lang)]
+
+    # ------------------------------------------------------------------ encode / decode
+
+    def _encode(self, text: str, sp: spm.SentencePieceProcessor, ids: dict[str, int]):
+        code = []
+        if self.family == "marian" and text.startswith(">>") and (end := text.find("<<")) != -1:
+            code, text = [text[: end + 2]], text[end + 2 :]  # a >>xx<< code is one token
+        return [ids.get(p, self.unk_id) for p in code + sp.encode(text, out_type=str)]
+
+    def encode(self, text: str) -> list[int]:
+        """Source text -> ids, without language tokens or EOS (the pipeline adds those)."""
+        return self._encode(text, self._source_sp, self._source_ids)
+
+    def encode_batch(self, texts: Sequence[str], num_threads: int = -1) -> list[list[int]]:
+        del num_threads
+        return [self.encode(t) for t in texts]
+
+    def encode_target(self, text: str) -> list[int]:
+        """Target text -> ids with the target SentencePiece model and vocabulary."""
+        return self._encode(text, self._target_sp, self._target_ids)
+
+    def _strip(self, ids: Iterable[int]) -> list[int]:
+        out = []
+        for i in np.asarray(ids, dtype=np.int64).reshape(-1).tolist():
+            if i == self.eos_id:
+                break
+            if i not in self._dropped:
+                out.append(i)
+        return out
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Target ids -> text: stops at the first EOS, drops special and language tokens."""
+        names = self.target_pieces or self.pieces
+        pieces = [names[i] for i in self._strip(ids) if 0 <= i < len(names)]
+        text = self._target_sp.decode_pieces(pieces)
+        return text.replace("\u2581", " ").strip()
+
+    def decode_batch(self, ids: Iterable[Iterable[int]]) -> list[str]:
+        return [self.decode(row) for row in ids]
+
+
+def is_imported(data: bytes) -> bool:
+    return data.startswith(MAGIC)
