@@ -77,10 +77,12 @@ class Featurizer:
     def char_limit(self) -> int:
         return self.max_len * self.tokenizer.max_piece_chars * PRECHECK_SLACK
 
-    def _ids(self, text: str) -> list[int]:
+    def _ids(self, text: str, key: str) -> list[int]:
         if self.truncate and len(text) > self.char_limit:
             text = text[: self.char_limit]
-        ids = self.tokenizer.encode(text)
+        # An imported model may cut its targets with another SentencePiece model (Marian).
+        encode = self.tokenizer.encode_target if key == "targets" else self.tokenizer.encode
+        ids = encode(text)
         ids.append(self.tokenizer.eos_id)
         return ids
 
@@ -100,7 +102,7 @@ class Featurizer:
         features = {}
         truncated = False
         for key, text in zip(self.keys, texts):
-            ids = self._ids(text)
+            ids = self._ids(text, key)
             if len(ids) == 1 and "empty" not in notes:  # e.g. only characters NFKC deletes
                 if not self.truncate:
                     return Record(None, "empty", notes)
