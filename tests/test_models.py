@@ -183,8 +183,19 @@ def test_model_config_validation_names_the_key():
         ModelConfig(norm_position="middle")
     with pytest.raises(ValueError, match="num_kv_heads"):
         ModelConfig(num_kv_heads=3)
-    with pytest.raises(ValueError, match="bos_id=0"):
-        ModelConfig(bos_id=0)
+    with pytest.raises(ValueError, match=r"bos_id=32000 must be in \[0, 32000\)"):
+        ModelConfig(bos_id=32_000)
+    assert ModelConfig(bos_id=0).bos_id == 0  # Marian starts decoding at padding's id
+    with pytest.raises(ValueError, match="sinusoid_style='fairseq' needs model.positional"):
+        ModelConfig(sinusoid_style="fairseq", positional="rope")
+    with pytest.raises(ValueError, match="sinusoid_style='t5'"):
+        ModelConfig(sinusoid_style="t5")
+    with pytest.raises(ValueError, match="position_offset=-1 must be >= 0"):
+        ModelConfig(position_offset=-1)
+    with pytest.raises(ValueError, match="position_offset=2 needs model.positional"):
+        ModelConfig(position_offset=2, positional="rope")
+    with pytest.raises(ValueError, match="activation='swish'"):
+        ModelConfig(activation="swish")
     with pytest.raises(ValueError, match="model.value_head_dim=0 must be positive"):
         ModelConfig(value_head_dim=0)
     with pytest.raises(ValueError, match="variant"):

@@ -85,9 +85,18 @@ class Layer:
 
 @dataclasses.dataclass
 class Weights:
-    embedding: np.ndarray  # [V, M], shared by encoder, decoder and the output layer
+    """An EncoderDecoder's weights. The optional parts are None where the model has none:
+    then the target embedding is `embedding`, the output rows are the target embedding's,
+    there is no logits bias and no final norm (post-LN)."""
+
+    embedding: np.ndarray  # [V, M], the source embedding (and target/output when shared/tied)
     encoder: list[Layer]
     decoder: list[Layer]
+    target_embedding: np.ndarray | None = None  # [V_t, M] (share_embeddings=False)
+    output: np.ndarray | None = None  # [V_t, M] output rows (tie_output=False)
+    logits_bias: np.ndarray | None = None  # [V_t] (logits_bias=True)
+    encoder_norm: Norm | None = None  # pre-LN's final norms (norm_position='pre')
+    decoder_norm: Norm | None = None
 
 
 def _f32(x: Any) -> np.ndarray:
@@ -133,16 +142,104 @@ def _layer(p: dict, cross: bool) -> Layer:
     )
 
 
-def extract(params: Any, cfg: ModelConfig, task: str = "translation") -> Weights:
+def extract(
+    params: Any, cfg: ModelConfig, task: str = "translation", *, check: bool = True
+) -> Weights:
     """An EncoderDecoder's parameters (boxed or not, any device) -> Weights (float32);
-    ExportError first if the model cannot be exported exactly."""
-    check_exportable(cfg, task)
+    ExportError first if the model cannot be exported exactly to MarianMT's paper layout
+    (`check=False`: every part, for the pretrained families' own mappings)."""
+    if check:
+        check_exportable(cfg, task)
     p = nn.meta.unbox(params)
+    dec = p["decoder"]
+    pre = cfg.norm_position == "pre"
     return Weights(
         embedding=_f32(p["source_embed"]["embedding"]),
         encoder=[_layer(p["encoder"][f"layer_{i}"], False) for i in range(cfg.num_encoder_layers)],
-        decoder=[_layer(p["decoder"][f"layer_{i}"], True) for i in range(cfg.num_decoder_layers)],
+        decoder=[_layer(dec[f"layer_{i}"], True) for i in range(cfg.num_decoder_layers)],
+        target_embedding=None if cfg.share_embeddings else _f32(p["target_embed"]["embedding"]),
+        output=None if cfg.tie_output else _f32(dec["logits_kernel"]).T,
+        logits_bias=_f32(dec["logits_bias"]) if cfg.logits_bias else None,
+        encoder_norm=_norm(p["encoder"]["final_norm"]) if pre else None,
+        decoder_norm=_norm(dec["final_norm"]) if pre else None,
     )
+
+
+# ------------------------------------------------------------------ neutral -> tx_jax
+
+
+def _attention_params(a: dict[str, Linear], cfg: ModelConfig, where: str) -> dict:
+    H, M = cfg.num_heads, cfg.d_model
+    out = {}
+    for short, name in (("q", "query"), ("k", "key"), ("v", "value")):
+        weight, bias = a[short]  # [H*D, M], [H*D]
+        out[f"{name}_kernel"] = weight.T.reshape(M, H, -1)
+        _put_bias(out, f"{name}_bias", bias.reshape(H, -1), cfg.attention_bias, f"{where}.{short}")
+    weight, bias = a["o"]  # [M, H*D], [M]
+    out["out_kernel"] = weight.T.reshape(H, -1, M)
+    _put_bias(out, "out_bias", bias, cfg.attention_bias, f"{where}.o")
+    return out
+
+
+def _put_bias(out: dict, name: str, bias: np.ndarray, used: bool, where: str) -> None:
+    if used:
+        out[name] = bias
+    elif np.any(bias):
+        raise ValueError(f"{where}: a nonzero bias, but the model config has no such bias")
+
+
+def _layer_params(layer: Layer, cfg: ModelConfig, where: str) -> dict:
+    ffn = {"wi_kernel": layer.fc1[0].T, "wo_kernel": layer.fc2[0].T}
+    _put_bias(ffn, "wi_bias", layer.fc1[1], cfg.ffn_bias, f"{where}.fc1")
+    _put_bias(ffn, "wo_bias", layer.fc2[1], cfg.ffn_bias, f"{where}.fc2")
+    out = {
+        "self_attention": _attention_params(layer.self_attention, cfg, f"{where}.self_attention"),
+        "self_attention_norm": _norm_params(layer.self_attention_norm),
+        "ffn": ffn,
+        "ffn_norm": _norm_params(layer.ffn_norm),
+    }
+    if layer.cross is not None:
+        out["cross_attention"] = _attention_params(layer.cross, cfg, f"{where}.cross_attention")
+        out["cross_attention_norm"] = _norm_params(layer.cross_norm)
+    return out
+
+
+def _norm_params(norm: Norm) -> dict:
+    return {"scale": norm[0], "bias": norm[1]}
+
+
+def params_from_weights(w: Weights, cfg: ModelConfig) -> dict:
+    """Weights -> an EncoderDecoder's unboxed 'params' tree for `cfg` (the inverse of
+    `extract(..., check=False)`); arrays keep their dtype. ValueError where a part the
+    weights have has no place in `cfg` (or the reverse)."""
+    parts = {
+        "target_embedding": (w.target_embedding, not cfg.share_embeddings),
+        "output": (w.output, not cfg.tie_output),
+        "logits_bias": (w.logits_bias, cfg.logits_bias),
+        "encoder_norm": (w.encoder_norm, cfg.norm_position == "pre"),
+        "decoder_norm": (w.decoder_norm, cfg.norm_position == "pre"),
+    }
+    for name, (value, wanted) in parts.items():
+        if (value is not None) != wanted:
+            raise ValueError(f"Weights.{name} is {'missing' if wanted else 'not expected'}")
+    if (len(w.encoder), len(w.decoder)) != (cfg.num_encoder_layers, cfg.num_decoder_layers):
+        raise ValueError(
+            f"{len(w.encoder)}+{len(w.decoder)} layers for the config's "
+            f"{cfg.num_encoder_layers}+{cfg.num_decoder_layers}"
+        )
+    enc = {f"layer_{i}": _layer_params(x, cfg, f"encoder.{i}") for i, x in enumerate(w.encoder)}
+    dec = {f"layer_{i}": _layer_params(x, cfg, f"decoder.{i}") for i, x in enumerate(w.decoder)}
+    if w.encoder_norm is not None:
+        enc["final_norm"] = _norm_params(w.encoder_norm)
+        dec["final_norm"] = _norm_params(w.decoder_norm)
+    if w.output is not None:
+        dec["logits_kernel"] = w.output.T
+    if w.logits_bias is not None:
+        dec["logits_bias"] = w.logits_bias
+    params = {"source_embed": {"embedding": w.embedding}, "encoder": enc, "decoder": dec}
+    if w.target_embedding is not None:
+        params["target_embed"] = {"embedding": w.target_embedding}
+    return params
 
 
 def vocabulary(tokenizer: Any, size: int) -> list[str]:

@@ -16,9 +16,15 @@ import jax.numpy as jnp
 from tx_jax.model.attention import IMPLEMENTATIONS
 from tx_jax.ops.kernels import KERNELS
 
-ACTIVATIONS = ("relu", "gelu", "swiglu")
+# gelu: flax's tanh approximation (Transformers' "gelu_new"); gelu_exact: the erf form
+# (Transformers' "gelu"); silu: x * sigmoid(x), not gated (Transformers' "swish", Marian's).
+ACTIVATIONS = ("relu", "gelu", "swiglu", "silu", "gelu_exact")
 NORMS = ("layernorm", "rmsnorm")
 POSITIONALS = ("sinusoidal", "learned", "rope", "none")
+# paper: sin/cos interleaved (eq. of section 3.5); marian: the same frequencies, every sine
+# then every cosine; fairseq (M2M100, NLLB): sines then cosines, frequencies
+# exp(-i ln(10000) / (M/2 - 1)) (tensor2tensor's).
+SINUSOID_STYLES = ("paper", "marian", "fairseq")
 NORM_POSITIONS = ("post", "pre")
 POOLINGS = ("mean", "first")
 REMATS = ("none", "full", "dots")
@@ -42,18 +48,21 @@ class ModelConfig:
     dropout_rate: float = 0.1  # residual and embedding dropout, P_drop (section 5.4)
     attention_dropout_rate: float = 0.0  # on the attention weights
     ffn_dropout_rate: float = 0.0  # on the FFN's hidden activations
-    activation: str = "relu"  # relu | gelu | swiglu
+    activation: str = "relu"  # relu | gelu (tanh approx.) | swiglu | silu | gelu_exact (erf)
     norm: str = "layernorm"  # layernorm | rmsnorm
     norm_position: str = "post"  # post (paper) | pre
     norm_epsilon: float = 1e-6
     positional: str = "sinusoidal"  # sinusoidal | learned | rope | none
     max_len: int = 512  # size of the learned position table
+    sinusoid_style: str = "paper"  # paper (interleaved) | marian | fairseq (see SINUSOID_STYLES)
+    position_offset: int = 0  # added to every position (fairseq/M2M100: padding_idx + 1 = 2)
     rope_base: float = 10_000.0
     share_embeddings: bool = True  # one source/target embedding (needs a shared vocabulary)
     tie_output: bool = True  # output logits = x E^T with the target embedding E (3.4)
     scale_embeddings: bool = True  # multiply embeddings by sqrt(d_model) (3.4)
     attention_bias: bool = False  # biases in the Q/K/V/O projections
     ffn_bias: bool = True  # biases in the FFN (eq. 2 has b1, b2)
+    logits_bias: bool = False  # a [V] bias added to the output logits (Marian's final_logits_bias)
     attention_impl: str = "auto"  # auto | xla | chunked | cudnn | splash (Pallas TPU kernel)
     kernels: str = "auto"  # auto | cpu | generic: projections and dropout (tx_jax/ops/kernels.py)
     dtype: str = "float32"  # compute dtype (activations, matmuls)
@@ -61,7 +70,7 @@ class ModelConfig:
     remat: str = (
         "none"  # none | full: recompute each layer in the backward pass | dots: keep matmul outputs
     )
-    bos_id: int = 2  # first decoder input (never 0: that is padding)
+    bos_id: int = 2  # first decoder input; 0 (padding's id, Marian's start) is allowed
     num_classes: int = 0  # EncoderOnly: > 0 adds a classification head
     pooling: str = "mean"  # EncoderOnly: mean (over real tokens) | first
     decode: bool = False  # incremental decoding with a KV cache
@@ -91,6 +100,7 @@ class ModelConfig:
             "norm": NORMS,
             "norm_position": NORM_POSITIONS,
             "positional": POSITIONALS,
+            "sinusoid_style": SINUSOID_STYLES,
             "attention_impl": IMPLEMENTATIONS,
             "kernels": KERNELS,
             "pooling": POOLINGS,
@@ -121,8 +131,24 @@ class ModelConfig:
             raise ValueError(
                 "model.share_embeddings=True needs model.target_vocab_size == vocab_size"
             )
-        if self.bos_id == 0:
-            raise ValueError("model.bos_id=0 collides with padding (id 0)")
+        if not 0 <= self.bos_id < self.output_vocab_size:
+            raise ValueError(
+                f"model.bos_id={self.bos_id} must be in [0, {self.output_vocab_size}) "
+                "(the output vocabulary)"
+            )
+        if self.position_offset < 0:
+            raise ValueError(f"model.position_offset={self.position_offset} must be >= 0")
+        if self.position_offset and self.positional not in ("sinusoidal", "learned"):
+            raise ValueError(
+                f"model.position_offset={self.position_offset} needs model.positional "
+                f"'sinusoidal' or 'learned', not {self.positional!r}"
+            )
+        if self.sinusoid_style != "paper" and self.positional != "sinusoidal":
+            raise ValueError(
+                f"model.sinusoid_style={self.sinusoid_style!r} needs model.positional='sinusoidal'"
+            )
+        if self.sinusoid_style == "fairseq" and self.d_model < 4:
+            raise ValueError("model.sinusoid_style='fairseq' needs d_model >= 4")
         for key in ("dropout_rate", "attention_dropout_rate", "ffn_dropout_rate"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ValueError(f"model.{key}={getattr(self, key)} must be in [0, 1)")

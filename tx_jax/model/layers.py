@@ -30,8 +30,9 @@ def _dense_init() -> Callable:
 
 
 class FeedForward(nn.Module):
-    """FFN(x) = max(0, x W1 + b1) W2 + b2 (eq. 2); 'gelu', or 'swiglu' (Shazeer 2020):
-    (silu(x W1) * x W3) W2. [B, L, M] -> [B, L, M]; dropout on the hidden activations."""
+    """FFN(x) = max(0, x W1 + b1) W2 + b2 (eq. 2); 'gelu' (tanh approximation), 'gelu_exact'
+    (erf), 'silu' (x sigmoid(x), Marian's "swish") in place of max(0, .), or 'swiglu' (Shazeer
+    2020): (silu(x W1) * x W3) W2. [B, L, M] -> [B, L, M]; dropout on the hidden activations."""
 
     d_ff: int
     activation: str = "relu"
@@ -70,7 +71,11 @@ class FeedForward(nn.Module):
             h = nn.relu(h)
         elif self.activation == "gelu":
             h = nn.gelu(h)
-        else:
+        elif self.activation == "gelu_exact":
+            h = nn.gelu(h, approximate=False)
+        elif self.activation == "silu":
+            h = nn.silu(h)
+        else:  # swiglu
             h = nn.silu(h) * self._dense(x, self.d_ff, ("embed", "mlp"), "wi_gate")
         h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))
         h = Dropout(self.dropout_rate, self.kernels)(h, deterministic=deterministic)

@@ -9,6 +9,7 @@ one-token-at-a-time decoding (the position is the cache index) both need.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -19,24 +20,51 @@ import numpy as np
 Array = jax.Array
 
 
-def sinusoid(positions: Array, d_model: int, max_timescale: float = 10_000.0) -> Array:
-    """PE(pos, 2i) = sin(pos / 10000^(2i/M)), PE(pos, 2i+1) = cos(pos / 10000^(2i/M)).
+def sinusoid(
+    positions: Array, d_model: int, max_timescale: float = 10_000.0, style: str = "paper"
+) -> Array:
+    """Fixed sinusoidal encodings of `positions`: [...] integer or float -> [..., M] float32.
 
-    positions: [...] integer or float -> [..., M] float32, sin and cos interleaved exactly
-    as in the paper's equation (even feature = sin, odd feature = cos).
+    style 'paper': PE(pos, 2i) = sin(pos / 10000^(2i/M)), PE(pos, 2i+1) = cos(...), sin and
+    cos interleaved exactly as in the paper's equation (even feature = sin, odd = cos).
+    style 'marian': the same frequencies, features [0, M/2) the sines and [M/2, M) the
+    cosines (Transformers' MarianSinusoidalPositionalEmbedding).
+    style 'fairseq': sines then cosines at frequencies exp(-i ln(10000) / (M/2 - 1)), i < M/2
+    (tensor2tensor's; fairseq's and Transformers' M2M100SinusoidalPositionalEmbedding, whose
+    position offset is ModelConfig.position_offset).
     """
     if d_model % 2:
         raise ValueError(f"sinusoidal encoding needs an even d_model, got {d_model}")
-    two_i = jnp.arange(0, d_model, 2, dtype=jnp.float32)  # 2i = 0, 2, 4, ...
-    inv_freq = max_timescale ** (-two_i / d_model)  # [M/2]
-    angle = jnp.asarray(positions, jnp.float32)[..., None] * inv_freq  # [..., M/2]
-    pe = jnp.stack([jnp.sin(angle), jnp.cos(angle)], axis=-1)  # [..., M/2, 2]
-    return pe.reshape(*angle.shape[:-1], d_model)
+    if style == "paper":
+        two_i = jnp.arange(0, d_model, 2, dtype=jnp.float32)  # 2i = 0, 2, 4, ...
+        inv_freq = max_timescale ** (-two_i / d_model)  # [M/2]
+        angle = jnp.asarray(positions, jnp.float32)[..., None] * inv_freq  # [..., M/2]
+        pe = jnp.stack([jnp.sin(angle), jnp.cos(angle)], axis=-1)  # [..., M/2, 2]
+        return pe.reshape(*angle.shape[:-1], d_model)
+    angle = jnp.asarray(positions, jnp.float32)[..., None] * _frequencies(
+        d_model, max_timescale, style
+    )  # [..., M/2]
+    return jnp.concatenate([jnp.sin(angle), jnp.cos(angle)], axis=-1)
 
 
-def sinusoidal_table(length: int, d_model: int, max_timescale: float = 10_000.0) -> np.ndarray:
+def _frequencies(d_model: int, max_timescale: float, style: str) -> np.ndarray:
+    """[M/2] float32 frequencies of the sines-then-cosines styles, rounded once from float64
+    ('marian', as Transformers builds its table) or in float32 as torch computes them
+    ('fairseq')."""
+    half = d_model // 2
+    if style == "marian":
+        return (max_timescale ** (-2.0 * np.arange(half) / d_model)).astype(np.float32)
+    if style == "fairseq":
+        step = np.float32(-math.log(max_timescale) / (half - 1))
+        return np.exp(np.arange(half, dtype=np.float32) * step).astype(np.float32)
+    raise ValueError(f"sinusoid style={style!r}; expected paper, marian or fairseq")
+
+
+def sinusoidal_table(
+    length: int, d_model: int, max_timescale: float = 10_000.0, style: str = "paper"
+) -> np.ndarray:
     """The [L, M] table of positions 0..L-1 (NumPy, float32): a constant, not a parameter."""
-    return np.asarray(sinusoid(jnp.arange(length), d_model, max_timescale))
+    return np.asarray(sinusoid(jnp.arange(length), d_model, max_timescale, style))
 
 
 def rope_frequencies(head_dim: int, base: float = 10_000.0) -> Array:
@@ -72,9 +100,10 @@ class SinusoidalPositionalEncoding(nn.Module):
     d_model: int
     max_timescale: float = 10_000.0
     dtype: Any = jnp.float32
+    style: str = "paper"
 
     def __call__(self, positions: Array) -> Array:
-        return sinusoid(positions, self.d_model, self.max_timescale).astype(self.dtype)
+        return sinusoid(positions, self.d_model, self.max_timescale, self.style).astype(self.dtype)
 
 
 class LearnedPositionalEmbedding(nn.Module):

@@ -43,6 +43,16 @@ def shift_right(targets: Array, bos_id: int, segment_ids: Array | None = None) -
     return jnp.where(segment_ids == 0, 0, shifted)
 
 
+def decoder_segment_ids(decoder_inputs: Array, bos_id: int) -> Array:
+    """Default segment ids of unpacked decoder inputs [B, L] -> [B, L] int32: 1 on tokens,
+    0 on padding. A start token of id 0 (bos_id=0, Marian's pad) is a token, not padding:
+    column 0 of every row is then 1."""
+    segment_ids = (decoder_inputs != 0).astype(jnp.int32)
+    if bos_id == 0:
+        segment_ids = segment_ids.at[:, 0].set(1)
+    return segment_ids
+
+
 class Embedding(nn.Module):
     """Token embedding E [V, M]; `attend` gives tied output logits x E^T (section 3.4)."""
 
@@ -102,8 +112,11 @@ class _Stack(nn.Module):
         x = self.embed(tokens)  # [B, L, M]
         if cfg.scale_embeddings:  # section 3.4: embeddings times sqrt(d_model)
             x = x * jnp.asarray(math.sqrt(cfg.d_model), x.dtype)
+        if cfg.position_offset:  # fairseq/M2M100: the first token sits at padding_idx + 1
+            positions = positions + cfg.position_offset
         if cfg.positional == "sinusoidal":  # section 3.5: added to the embeddings
-            x = x + sinusoid(positions, cfg.d_model).astype(x.dtype)
+            pe = sinusoid(positions, cfg.d_model, style=cfg.sinusoid_style)
+            x = x + pe.astype(x.dtype)
         elif cfg.positional == "learned":
             x = x + LearnedPositionalEmbedding(
                 cfg.max_len,
@@ -176,7 +189,7 @@ class Decoder(_Stack):
             segment_ids = None  # the KV cache mask replaces segment masks
         else:
             if segment_ids is None:
-                segment_ids = (decoder_inputs != 0).astype(jnp.int32)
+                segment_ids = decoder_segment_ids(decoder_inputs, cfg.bos_id)
             if positions is None:
                 positions = default_positions(decoder_inputs)
         x = self.embed_tokens(decoder_inputs, positions, deterministic)
@@ -197,7 +210,16 @@ class Decoder(_Stack):
             )
             logits = dense(x, kernel.astype(x.dtype), kernels=cfg.kernels)
         logits = nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
-        return logits.astype(jnp.float32)
+        logits = logits.astype(jnp.float32)
+        if cfg.logits_bias:  # Marian's final_logits_bias
+            bias = self.param(
+                "logits_bias",
+                nn.with_logical_partitioning(nn.initializers.zeros_init(), ("vocab",)),
+                (cfg.output_vocab_size,),
+                cfg.parameter_dtype,
+            )
+            logits = logits + bias.astype(jnp.float32)
+        return logits
 
     def _decode_positions(self, tokens: Array, positions: Array | None) -> Array:
         initialised = self.has_variable("cache", "position")
