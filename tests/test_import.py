@@ -1,0 +1,341 @@
+"""Importing Transformers' MarianMT and M2M100 checkpoints (interop/marian.py, m2m100.py).
+
+Tiny random checkpoints are built here with transformers' own classes and written with its
+`save_pretrained` (no downloads). Every bias, LayerNorm gain, final_logits_bias and
+embedding row (padding's included) is randomised first, so that a wrong mapping cannot hide
+behind zeros and ones. Asserted: tx_jax's teacher-forced log-probabilities equal
+transformers' (float32, a padded batch of pairs of different lengths), greedy decoding
+equals `generate`, export(import(x)) reproduces x bit for bit, and each refusal names what
+it refuses.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+safetensors_numpy = pytest.importorskip("safetensors.numpy")
+
+from tx_jax.interop import pretrained  # noqa: E402
+from tx_jax.interop.weights import ExportError  # noqa: E402
+from tx_jax.model.config import ModelConfig  # noqa: E402
+from tx_jax.model.transformer import EncoderDecoder  # noqa: E402
+
+SMALL = dict(
+    d_model=16,
+    encoder_layers=2,
+    decoder_layers=2,
+    encoder_attention_heads=2,
+    decoder_attention_heads=2,
+    encoder_ffn_dim=24,
+    decoder_ffn_dim=24,
+    max_position_embeddings=64,
+    dropout=0.0,
+    attention_dropout=0.0,
+    activation_dropout=0.0,
+)
+V = 40  # source vocabulary
+V_T = 33  # Marian's separate decoder vocabulary
+
+
+def _marian(activation, *, shared=True, tied=True, scale=True):
+    # shared=True with tied=False is not a case: transformers 5 then keeps three unequal
+    # embeddings (shared, encoder's, decoder's); import refuses it by name (test below).
+    v_t = V if shared else V_T
+    pad = v_t - 1  # OPUS-MT: EOS 0, <unk> 1, pad last
+    return transformers.MarianConfig(
+        vocab_size=V,
+        decoder_vocab_size=v_t,
+        share_encoder_decoder_embeddings=shared,
+        tie_word_embeddings=tied,
+        activation_function=activation,
+        scale_embedding=scale,
+        pad_token_id=pad,
+        decoder_start_token_id=pad,
+        eos_token_id=0,
+        forced_eos_token_id=0,
+        **SMALL,
+    )
+
+
+def _m2m100(activation="relu"):
+    # Untied M2M100 (tie_word_embeddings=False) is not a case here: transformers 5 then keeps
+    # three unequal embeddings (shared, encoder's, decoder's), which import refuses by name.
+    return transformers.M2M100Config(
+        vocab_size=V,
+        activation_function=activation,
+        encoder_layerdrop=0.0,
+        decoder_layerdrop=0.0,
+        **SMALL,
+    )
+
+
+CASES = {
+    "marian-tied-swish": lambda: _marian("swish"),
+    "marian-untied-relu": lambda: _marian("relu", shared=False, tied=False, scale=False),
+    "marian-tied-gelu": lambda: _marian("gelu"),
+    "marian-untied-swish": lambda: _marian("swish", shared=False, tied=False),
+    "marian-separate-tied-gelu_new": lambda: _marian("gelu_new", shared=False),
+    "m2m100-relu": lambda: _m2m100(),
+    "m2m100-gelu": lambda: _m2m100("gelu"),
+}
+
+
+def _randomise(model, seed=0):
+    """Every parameter and buffer that initialises to zeros or ones gets random values."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if "layer_norm" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.3 * noise)
+            elif name.endswith("bias"):
+                p.copy_(0.3 * noise)
+            elif "embed_tokens" in name or "shared" in name or "lm_head" in name:
+                p.copy_(0.5 * noise)
+        if hasattr(model, "final_logits_bias"):
+            model.final_logits_bias.copy_(torch.randn(model.final_logits_bias.shape, generator=g))
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def checkpoint(request, tmp_path_factory):
+    """(HF model, its directory's state dict (numpy), its config.json dict)."""
+    config = CASES[request.param]()
+    cls = (
+        transformers.MarianMTModel
+        if config.model_type == "marian"
+        else transformers.M2M100ForConditionalGeneration
+    )
+    torch.manual_seed(0)
+    model = _randomise(cls(config).eval())
+    out = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(out)
+    state = safetensors_numpy.load_file(str(out / "model.safetensors"))
+    hf_config = json.loads((out / "config.json").read_text())
+    return model, state, hf_config
+
+
+@pytest.fixture(scope="module")
+def imported(checkpoint):
+    _, state, hf_config = checkpoint
+    fields, params = pretrained.import_state_dict(state, hf_config)
+    return ModelConfig(**fields), jax.tree.map(jnp.asarray, params)
+
+
+def _pairs(hf_config, seed=0):
+    """Source and target ids (HF numbering), EOS-terminated, right-padded with HF's pad, of
+    lengths that differ across the batch; the HF ids of special tokens never occur inside."""
+    rng = np.random.default_rng(seed)
+    pad, eos = hf_config["pad_token_id"], hf_config["eos_token_id"]
+    v_t = hf_config.get("decoder_vocab_size") or hf_config["vocab_size"]
+
+    def batch(lengths, vocab):
+        rows = np.full((len(lengths), max(lengths) + 1), pad, np.int64)
+        for i, n in enumerate(lengths):
+            rows[i, :n] = rng.integers(4, vocab - 1, n)
+            rows[i, n] = eos
+        return rows
+
+    return batch([7, 3, 5, 1], hf_config["vocab_size"]), batch([4, 6, 2, 5], v_t)
+
+
+def _hf_log_probs(model, hf_config, src, tgt):
+    pad, start = hf_config["pad_token_id"], hf_config["decoder_start_token_id"]
+    decoder_inputs = np.concatenate([np.full((len(tgt), 1), start), tgt[:, :-1]], 1)
+    with torch.no_grad():
+        logits = model(
+            input_ids=torch.as_tensor(src),
+            attention_mask=torch.as_tensor(src != pad).long(),
+            decoder_input_ids=torch.as_tensor(decoder_inputs),
+        ).logits
+    return torch.log_softmax(logits.double(), -1).numpy()  # [B, L, V_t], HF ids
+
+
+def test_teacher_forced_log_probs_equal_transformers(checkpoint, imported):
+    model, _, hf_config = checkpoint
+    cfg, params = imported
+    src, tgt = _pairs(hf_config)
+    perm = pretrained.vocab_permutation(hf_config)
+    perm_t = pretrained.vocab_permutation(hf_config, target=True)
+    want = _hf_log_probs(model, hf_config, src, tgt)[..., perm_t]  # columns in tx ids
+    inputs, targets = jnp.asarray(perm[src]), jnp.asarray(perm_t[tgt])  # HF pad -> 0
+    assert int(inputs[1, -1]) == 0 and int(targets[2, -1]) == 0
+    logits = EncoderDecoder(cfg).apply({"params": params}, inputs, targets)
+    got = np.asarray(jax.nn.log_softmax(logits, -1), np.float64)
+    real = np.asarray(targets) != 0
+    rel = np.abs(got - want)[real] / np.abs(want)[real]
+    print(f"max relative difference of log-probabilities: {rel.max():.2e}")
+    assert rel.max() < 1e-4
+    token = np.take_along_axis(got, np.asarray(targets)[..., None], -1)[..., 0]
+    hf_token = np.take_along_axis(want, np.asarray(targets)[..., None], -1)[..., 0]
+    np.testing.assert_allclose((token * real).sum(1), (hf_token * real).sum(1), rtol=1e-4)
+
+
+def test_export_of_import_reproduces_the_checkpoint(checkpoint, imported):
+    _, state, hf_config = checkpoint
+    cfg, params = imported
+    out, config = pretrained.export_state_dict(params, cfg, hf_config)
+    assert sorted(out) == sorted(state)
+    for name, x in state.items():
+        assert out[name].dtype == x.dtype and out[name].shape == x.shape, name
+        assert np.array_equal(out[name], x), name
+    assert config == hf_config
+
+
+def test_special_ids_and_permutation(checkpoint):
+    _, _, hf_config = checkpoint
+    perm = pretrained.vocab_permutation(hf_config)
+    np.testing.assert_array_equal(perm[perm], np.arange(len(perm)))  # an involution
+    assert perm[0] == hf_config["pad_token_id"]
+    ids = pretrained.special_ids(hf_config)
+    if hf_config["model_type"] == "marian":  # EOS 0, pad last: the two trade places with 0
+        pad = hf_config["pad_token_id"]  # the target vocabulary's last id
+        assert (ids.pad, ids.eos, ids.unk, ids.decoder_start) == (0, pad, 1, 0)
+        perm_t = pretrained.vocab_permutation(hf_config, target=True)
+        assert len(perm_t) == (V if hf_config["share_encoder_decoder_embeddings"] else V_T)
+    else:  # <s> 0, pad 1, </s> 2, <unk> 3 -> pad 0, <s> 1
+        assert (ids.pad, ids.bos, ids.eos, ids.unk, ids.decoder_start) == (0, 1, 2, 3, 2)
+
+
+def test_greedy_decoding_equals_generate(checkpoint, imported):
+    from tx_jax.inference.decoding import translate_greedy
+
+    model, _, hf_config = checkpoint
+    cfg, params = imported
+    src, _ = _pairs(hf_config, seed=1)
+    perm = pretrained.vocab_permutation(hf_config)
+    perm_t = pretrained.vocab_permutation(hf_config, target=True)
+    T = 9
+    pad = hf_config["pad_token_id"]
+    with torch.no_grad():
+        hf = model.generate(
+            input_ids=torch.as_tensor(src),
+            attention_mask=torch.as_tensor(src != pad).long(),
+            max_new_tokens=T,
+            num_beams=1,
+            do_sample=False,
+            suppress_tokens=[pad],  # tx_jax never generates padding
+            forced_eos_token_id=None,
+            bad_words_ids=None,
+        ).numpy()[:, 1:]  # drop the decoder start
+    want = np.zeros((len(src), T), np.int64)
+    want[:, : hf.shape[1]] = perm_t[hf]  # HF pads finished rows with its pad -> 0
+    ids = pretrained.special_ids(hf_config)
+    got = translate_greedy(
+        cfg,
+        params,
+        jnp.asarray(perm[src]),
+        max_decode_len=T,
+        eos_id=ids.eos,
+        max_len_a=0.0,
+        max_len_b=T,
+    )
+    np.testing.assert_array_equal(np.asarray(got)[:, :T], want)
+
+
+# ------------------------------------------------------------------ refusals
+
+
+def _marian_checkpoint():
+    config = _marian("swish")
+    model = transformers.MarianMTModel(config)
+    state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    return state, config.to_dict()
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"model_type": "bart"}, "model_type='bart' cannot be imported"),
+        ({"normalize_before": True}, "normalize_before=True"),
+        ({"normalize_embedding": True}, "normalize_embedding=True"),
+        ({"add_bias_logits": True}, "add_bias_logits=True"),
+        ({"static_position_embeddings": False}, "static_position_embeddings=False"),
+        ({"relative_attention_num_buckets": 32}, r"without a tx_jax field: \['relative_attent"),
+        ({"decoder_ffn_dim": 48}, "encoder_ffn_dim=24 != decoder_ffn_dim=48"),
+        ({"activation_function": "gelu_fast"}, "activation_function='gelu_fast'"),
+        ({"eos_token_id": [0, 1]}, r"eos_token_id=\[0, 1\]"),
+    ],
+)
+def test_config_refusals_name_the_key(change, message):
+    state, hf_config = _marian_checkpoint()
+    with pytest.raises(pretrained.PretrainedError, match=message):
+        pretrained.import_state_dict(state, {**hf_config, **change})
+
+
+def test_tensor_refusals_name_the_tensor():
+    state, hf_config = _marian_checkpoint()
+    state = {k: v for k, v in state.items() if "embed_positions" not in k}  # not saved
+    pretrained.import_state_dict(state, hf_config)  # as it is: accepted
+    cases = [
+        ({**state, "model.encoder.extra.weight": np.ones(3)}, "unmapped.*model.encoder.extra"),
+        (
+            {k: v for k, v in state.items() if k != "model.decoder.layers.1.fc2.bias"},
+            r"missing tensor model.decoder.layers.1.fc2.bias \[16\]",
+        ),
+        ({**state, "lm_head.weight": state["lm_head.weight"] + 1}, "lm_head.weight should be tied"),
+        ({**state, "final_logits_bias": np.zeros((1, 7))}, "final_logits_bias has shape"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(pretrained.PretrainedError, match=message):
+            pretrained.import_state_dict(bad, hf_config)
+
+
+def test_untied_output_with_unequal_shared_embeddings_is_refused():
+    """transformers 5 unties Marian's shared embedding when tie_word_embeddings=False: the
+    encoder and decoder read their own copies and model.shared.weight is unused."""
+    config = _marian("relu", tied=False)
+    model = transformers.MarianMTModel(config)
+    state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    with pytest.raises(
+        pretrained.PretrainedError, match="encoder.embed_tokens.weight should be tied"
+    ):
+        pretrained.import_state_dict(state, config.to_dict())
+
+
+def test_m2m100_refusals():
+    config = _m2m100()
+    model = transformers.M2M100ForConditionalGeneration(config)
+    state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    hf_config = config.to_dict()
+    fields, _ = pretrained.import_state_dict(state, hf_config)
+    assert (fields["position_offset"], fields["sinusoid_style"], fields["bos_id"]) == (
+        2,
+        "fairseq",
+        2,
+    )
+    with pytest.raises(pretrained.PretrainedError, match="scale_layer_norm"):
+        pretrained.import_state_dict(state, {**hf_config, "scale_layer_norm": True})
+    del state["model.encoder.layer_norm.bias"]
+    with pytest.raises(
+        pretrained.PretrainedError, match="missing tensor model.encoder.layer_norm.bias"
+    ):
+        pretrained.import_state_dict(state, hf_config)
+
+
+def test_stored_position_tables_are_checked():
+    """Older `save_pretrained` versions stored the sinusoids; they must be the ones computed."""
+    state, hf_config = _marian_checkpoint()
+    table = state["model.encoder.embed_positions.weight"]
+    assert table.shape == (64, 16)
+    pretrained.import_state_dict(state, hf_config)  # equal: consumed
+    state["model.encoder.embed_positions.weight"] = table[:, ::-1].copy()
+    with pytest.raises(pretrained.PretrainedError, match="embed_positions.weight differs"):
+        pretrained.import_state_dict(state, hf_config)
+
+
+def test_export_refuses_another_architecture():
+    _, hf_config = _marian_checkpoint()
+    cfg = ModelConfig(**pretrained.model_fields(hf_config)).replace(sinusoid_style="paper")
+    params = EncoderDecoder(cfg).init(
+        jax.random.key(0), jnp.ones((1, 4), jnp.int32), jnp.ones((1, 4), jnp.int32)
+    )
+    with pytest.raises(ExportError, match="sinusoid_style='paper'"):
+        pretrained.export_state_dict(params["params"], cfg, hf_config)
