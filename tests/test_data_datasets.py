@@ -14,6 +14,7 @@ import gzip
 import pathlib
 from unittest import mock
 
+import ml_collections
 import pytest
 import tensorflow_datasets as tfds
 from tensorflow_datasets.core import naming
@@ -235,3 +236,130 @@ def test_synthetic_is_prepared_on_first_use_in_both_directions(tmp_path):
     assert len(load("train", "src", "tgt")) == 8
     with pytest.raises(ValueError, match=r"source_lang='en' is not a feature .*src, tgt"):
         load("train", "en", "tgt")
+
+
+# The table (DATASETS): entries, config arguments, a dataset with supervised keys
+
+
+class TxJaxTestSummaries(tfds.core.GeneratorBasedBuilder):
+    """A TFDS builder whose sides are not languages (as gigaword's): 'document' -> 'summary'
+    are its supervised keys. Defining it registers it by name, as any TFDS builder."""
+
+    VERSION = tfds.core.Version("1.0.0")
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        return tfds.core.DatasetInfo(
+            builder=self,
+            features=tfds.features.FeaturesDict(
+                {"document": tfds.features.Text(), "summary": tfds.features.Text()}
+            ),
+            supervised_keys=("document", "summary"),
+            disable_shuffling=True,
+        )
+
+    def _split_generators(self, dl_manager):
+        del dl_manager  # generated here: nothing is downloaded
+        return {"train": self._generate_examples(3), "test": self._generate_examples(1)}
+
+    def _generate_examples(self, n: int):
+        for i in range(n):
+            yield i, {"document": f"a long text number {i}", "summary": f"text {i}"}
+
+
+def test_table_rows_by_name():
+    assert set(datasets.DATASETS) == {"synthetic", "multi30k"}
+    assert datasets.entry_of("multi30k/en-de") is datasets.DATASETS["multi30k"]
+    assert datasets.entry_of("synthetic") is datasets.DATASETS["synthetic"]
+    assert datasets.entry_of(WMT) is datasets.TFDS_CATALOG
+    with pytest.raises(ValueError, match=r"'synthetic/big'.*no named configs"):
+        datasets.load_translation_split(
+            "synthetic/big", "train", source_lang="src", target_lang="tgt"
+        )
+
+
+def test_load_split_reads_the_entry_config_arguments(tmp_path):
+    """config.data.synthetic's sizes become the builder's config; load_split of a config is
+    load_translation_split of its keys."""
+    data = ml_collections.ConfigDict(
+        {
+            "dataset": "synthetic",
+            "source_lang": "tgt",
+            "target_lang": "src",
+            "data_dir": str(tmp_path),
+            "manual_dir": None,
+            "download": False,
+            "synthetic": {"num_train": 6, "num_validation": 2, "num_test": 3, "seed": 5},
+        }
+    )
+    kwargs = datasets.DATASETS["synthetic"].config_kwargs(data)
+    config = kwargs["config"]  # TFDS configs compare by identity: compare the fields
+    assert (config.name, config.seed, config.num_train, config.num_test) == ("s5_n6_2_3", 5, 6, 3)
+    test = datasets.load_split(data, "test")
+    direct = datasets.load_translation_split(
+        "synthetic",
+        "test",
+        source_lang="tgt",
+        target_lang="src",
+        data_dir=str(tmp_path),
+        builder_kwargs=kwargs,
+    )
+    assert len(test) == 3 and list(test) == list(direct)
+    assert datasets.TFDS_CATALOG.config_kwargs(
+        ml_collections.ConfigDict({"builder_kwargs": {"config": "x"}})
+    ) == {"config": "x"}
+
+
+def test_tfds_dataset_with_supervised_keys_built_locally(tmp_path):
+    """Any TFDS dataset reads by its supervised keys' features (flax's input pipeline takes
+    such datasets whole): prepared only when allowed, the direction from source/target_lang."""
+    name = "tx_jax_test_summaries"
+    with pytest.raises(
+        FileNotFoundError, match=r"tx_jax_test_summaries.*not prepared.*download=True"
+    ):
+        datasets.load_translation_split(
+            name, "train", source_lang="document", target_lang="summary", data_dir=str(tmp_path)
+        )
+    train = datasets.load_translation_split(
+        name,
+        "train",
+        source_lang="document",
+        target_lang="summary",
+        data_dir=str(tmp_path),
+        download=True,
+    )
+    assert list(train) == [(f"a long text number {i}", f"text {i}") for i in range(3)]
+    backward = datasets.load_translation_split(
+        name, "test", source_lang="summary", target_lang="document", data_dir=str(tmp_path)
+    )
+    assert list(backward) == [("text 0", "a long text number 0")]
+    with pytest.raises(
+        ValueError, match=r"source_lang='en' is not a feature.*supervised keys: document -> summary"
+    ):
+        datasets.load_translation_split(
+            name, "train", source_lang="en", target_lang="summary", data_dir=str(tmp_path)
+        )
+
+
+def test_a_new_dataset_is_one_entry(tmp_path, monkeypatch):
+    """A row added to the table (its builder, local preparation, config arguments) is read
+    by name through load_split, prepared offline as the row allows."""
+    row = datasets.DatasetEntry(
+        builder=lambda name, *, source_lang, target_lang, data_dir, builder_kwargs: (
+            TxJaxTestSummaries(data_dir=data_dir, **builder_kwargs)
+        ),
+        prepares_locally=lambda builder, manual_dir, download: True,
+        config_kwargs=lambda data: {"version": data.summaries_version},
+    )
+    monkeypatch.setitem(datasets.DATASETS, "summaries", row)
+    data = ml_collections.ConfigDict(
+        {
+            "dataset": "summaries",
+            "source_lang": "document",
+            "target_lang": "summary",
+            "data_dir": str(tmp_path),
+            "manual_dir": None,
+            "download": False,
+            "summaries_version": "1.0.0",
+        }
+    )
+    assert datasets.load_split(data, "test")[0] == ("a long text number 0", "text 0")

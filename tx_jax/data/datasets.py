@@ -1,20 +1,30 @@
-"""The dataset registry: a dataset spec -> a random-access view of (source, target) sentences.
+"""The dataset table: a dataset name -> a random-access view of (source, target) sentences.
 
 `load_translation_split(name, split, source_lang=..., target_lang=...)` is the one place that
-turns a dataset name into data; the rest of the pipeline only sees a `TranslationSource`, a
-`Sequence[tuple[str, str]]` over a TFDS ArrayRecord data source. Names:
+turns a dataset name into data, and `load_split(config.data, split)` the same from a config;
+the rest of the pipeline only sees a `TranslationSource`, a `Sequence[tuple[str, str]]` over a
+TFDS ArrayRecord data source. `DATASETS` says, for each name, how its TFDS builder is made, when
+it may be prepared without the network, and which config.data keys become builder arguments:
 
     'synthetic'              tx_jax.data.synthetic.SyntheticTranslation, languages 'src'/'tgt';
-                             generated locally, so prepared on first use whatever `download` says
+                             generated locally, so prepared on first use whatever `download`
+                             says; its sizes come from config.data.synthetic
     'multi30k'               tx_jax.data.multi30k.Multi30k, the pair config chosen from the two
-                             languages in either order ('en'/'de' and 'de'/'en' share 'en-de')
-    any TFDS catalog name    e.g. 'wmt14_translate/de-en', 'wmt17_translate/de-en'; the direction
-                             is source_lang -> target_lang whatever the config name's order
+                             languages in either order ('en'/'de' and 'de'/'en' share 'en-de');
+                             prepared offline from a manual_dir of raw files
+    any other name           the TFDS catalog (`TFDS_CATALOG`): e.g. 'wmt14_translate/de-en'.
+                             source_lang and target_lang name two text features, the direction
+                             being source -> target whatever the config name's order; so any
+                             dataset with text supervised keys works (gigaword: 'document' ->
+                             'summary'), as in flax's input pipeline
+
+A new dataset is one entry in `DATASETS` plus its TFDS builder (and `make_builder`, when its
+builder arguments depend on the languages, as Multi30k's do).
 
 Nothing here needs TensorFlow: data is prepared with `file_format='array_record'` and read with
 `builder.as_data_source(split)`. With `download=False` (the default) nothing touches the
 network: data that is not prepared in `data_dir` raises FileNotFoundError saying what to do,
-except Multi30k with a `manual_dir`, which is prepared from those local files.
+unless its entry prepares it locally (synthetic; Multi30k with a `manual_dir`).
 """
 
 from __future__ import annotations
@@ -25,17 +35,14 @@ import dataclasses
 import difflib
 import operator
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import tensorflow_datasets as tfds
 from etils import epath
 
-from tx_jax.data import multi30k
+from tx_jax.data import multi30k, synthetic
 
-SYNTHETIC = "synthetic"
-MULTI30K = "multi30k"
-_LOCAL_NAMES = (SYNTHETIC, MULTI30K)
 _ITER_CHUNK = 1024  # Records per batched read when iterating.
 
 
@@ -98,6 +105,78 @@ def _text(value: Any) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
+# ------------------------------------------------------------------ the table
+
+
+def config_builder_kwargs(data: Any) -> dict:
+    """`data.builder_kwargs`: extra TFDS builder arguments (config, version, ...) as given."""
+    return dict(data.get("builder_kwargs") or {})
+
+
+def network_only(builder: tfds.core.DatasetBuilder, manual_dir: str | None, download: bool):
+    """A catalog dataset is prepared from its downloads: never without the network."""
+    del builder, manual_dir, download
+    return False
+
+
+def catalog_builder(
+    name: str, *, source_lang: str, target_lang: str, data_dir: str | None, builder_kwargs: dict
+) -> tfds.core.DatasetBuilder:
+    """The TFDS catalog's builder of `name` ('wmt14_translate/de-en'); the languages are
+    feature keys, read in either order, so they do not choose the builder."""
+    del source_lang, target_lang
+    _import_tfds_translate()
+    try:
+        return tfds.builder(name, data_dir=data_dir, **builder_kwargs)
+    except tfds.core.registered.DatasetNotFoundError:
+        raise ValueError(_unknown_dataset_message(name)) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetEntry:
+    """One row of `DATASETS`: how a named dataset becomes prepared data.
+
+    Attributes:
+      builder: (name, *, source_lang, target_lang, data_dir, builder_kwargs) -> its TFDS
+        builder, not prepared yet; ValueError for languages or a config it cannot give.
+      prepares_locally: (builder, manual_dir, download) -> whether it can be prepared without
+        the network; it raises FileNotFoundError when local files it would read are missing.
+      hint: what to do when the data is not prepared and cannot be prepared locally.
+      config_kwargs: config.data -> the builder's keyword arguments.
+    """
+
+    builder: Callable[..., tfds.core.DatasetBuilder]
+    prepares_locally: Callable[[tfds.core.DatasetBuilder, str | None, bool], bool] = network_only
+    hint: str = "pass download=True to download and prepare it (network)"
+    config_kwargs: Callable[[Any], dict] = config_builder_kwargs
+
+
+DATASETS: dict[str, DatasetEntry] = {
+    "synthetic": DatasetEntry(
+        builder=synthetic.make_builder,
+        prepares_locally=synthetic.prepares_locally,
+        hint="it is generated on first use",
+        config_kwargs=synthetic.config_builder_kwargs,
+    ),
+    "multi30k": DatasetEntry(
+        builder=multi30k.make_builder,
+        prepares_locally=multi30k.prepares_locally,
+        hint="pass manual_dir=<directory with train.en.gz, val.en.gz, ...> or download=True",
+    ),
+}
+# Every other name: a dataset of the TFDS catalog (or any registered TFDS builder).
+TFDS_CATALOG = DatasetEntry(builder=catalog_builder)
+
+
+def entry_of(name: str) -> DatasetEntry:
+    """The table's row of a dataset name; 'multi30k/en-de' is Multi30k's row (its builder
+    checks the config), a name the table lacks is the TFDS catalog's."""
+    return DATASETS.get(name.partition("/")[0], TFDS_CATALOG)
+
+
+# ------------------------------------------------------------------ loading
+
+
 def load_translation_split(
     name: str,
     split: str,
@@ -112,7 +191,8 @@ def load_translation_split(
     """Opens one split of a translation dataset for random access.
 
     Args:
-      name: 'synthetic', 'multi30k' or a TFDS catalog name ('wmt14_translate/de-en').
+      name: a name of `DATASETS` ('synthetic', 'multi30k') or of the TFDS catalog
+        ('wmt14_translate/de-en').
       split: a split of the dataset ('train', 'validation', 'test_2016_flickr', ...); TFDS
         slices such as 'train[:1000]' work too.
       source_lang: feature key of the source side ('en', 'src', ...).
@@ -131,10 +211,17 @@ def load_translation_split(
       ValueError: unknown dataset name, language or split (the message lists valid ones).
       FileNotFoundError: the data is not prepared and may not be prepared here.
     """
-    builder = _make_builder(name, source_lang, target_lang, data_dir, dict(builder_kwargs or {}))
+    entry = entry_of(name)
+    builder = entry.builder(
+        name,
+        source_lang=source_lang,
+        target_lang=target_lang,
+        data_dir=data_dir,
+        builder_kwargs=dict(builder_kwargs or {}),
+    )
     label = f"{name} ({builder.info.full_name})"
     _check_languages(builder, label, source_lang, target_lang)
-    _ensure_prepared(builder, name, label, manual_dir=manual_dir, download=download)
+    _ensure_prepared(builder, entry, label, manual_dir=manual_dir, download=download)
     _check_split(builder, label, split)
     return TranslationSource(
         data_source=builder.as_data_source(split),
@@ -145,33 +232,20 @@ def load_translation_split(
     )
 
 
-def _make_builder(
-    name: str,
-    source_lang: str,
-    target_lang: str,
-    data_dir: str | None,
-    builder_kwargs: dict[str, Any],
-) -> tfds.core.DatasetBuilder:
-    """Returns the TFDS builder for a dataset spec (not prepared yet, maybe)."""
-    if name == SYNTHETIC:
-        from tx_jax.data import synthetic  # Lazy: the synthetic builder is optional here.
-
-        return synthetic.SyntheticTranslation(data_dir=data_dir, **builder_kwargs)
-    if name == MULTI30K or name.startswith(MULTI30K + "/"):
-        config = multi30k.config_name(source_lang, target_lang)
-        named = name.partition("/")[2] or builder_kwargs.get("config")
-        if named and named != config:
-            raise ValueError(
-                f"Dataset {name!r}: config {named!r} does not match the languages "
-                f"{source_lang!r}/{target_lang!r}; pass name='multi30k' (config {config!r})."
-            )
-        builder_kwargs["config"] = config
-        return multi30k.Multi30k(data_dir=data_dir, **builder_kwargs)
-    _import_tfds_translate()
-    try:
-        return tfds.builder(name, data_dir=data_dir, **builder_kwargs)
-    except tfds.core.registered.DatasetNotFoundError:
-        raise ValueError(_unknown_dataset_message(name)) from None
+def load_split(data: Any, split: str) -> TranslationSource:
+    """One split of config.data's dataset: `data.dataset` read source_lang -> target_lang,
+    from data_dir (prepared there from manual_dir, or downloaded, as `data.download` allows),
+    with the builder arguments its table entry reads from `data`."""
+    return load_translation_split(
+        data.dataset,
+        split,
+        source_lang=data.source_lang,
+        target_lang=data.target_lang,
+        data_dir=data.data_dir,
+        manual_dir=data.manual_dir,
+        download=data.download,
+        builder_kwargs=entry_of(data.dataset).config_kwargs(data),
+    )
 
 
 def _import_tfds_translate() -> None:
@@ -190,10 +264,10 @@ def _unknown_dataset_message(name: str) -> str:
     """Returns the message for an unknown dataset name, with close and translation names."""
     known = tfds.core.registered.list_imported_builders()
     base = name.split("/")[0].split(":")[0]
-    close = difflib.get_close_matches(base, [*known, *_LOCAL_NAMES], n=3)
+    close = difflib.get_close_matches(base, [*known, *DATASETS], n=3)
     translation = sorted(n for n in known if "translate" in n)
     return (
-        f"Unknown dataset {name!r}. Valid names: {', '.join(map(repr, _LOCAL_NAMES))}, or a TFDS "
+        f"Unknown dataset {name!r}. Valid names: {', '.join(map(repr, DATASETS))}, or a TFDS "
         f"catalog name such as 'wmt14_translate/de-en'"
         + (f"; did you mean {', '.join(close)}?" if close else ".")
         + f" TFDS translation datasets: {', '.join(translation)}."
@@ -205,18 +279,27 @@ def _check_languages(
 ) -> None:
     """Raises ValueError unless both languages are distinct text features of the dataset."""
     available = list(builder.info.features.keys())
+    keys = builder.info.supervised_keys
+    # A dataset whose sides are not languages (gigaword) names them in its supervised keys.
+    pair = f" (supervised keys: {keys[0]} -> {keys[1]})" if _is_key_pair(keys) else ""
     for role, lang in (("source_lang", source_lang), ("target_lang", target_lang)):
         if lang not in available:
             raise ValueError(
-                f"{role}={lang!r} is not a feature of {label}; available: {', '.join(available)}."
+                f"{role}={lang!r} is not a feature of {label}; available: {', '.join(available)}"
+                f"{pair}."
             )
     if source_lang == target_lang:
         raise ValueError(f"source_lang and target_lang are both {source_lang!r} for {label}.")
 
 
+def _is_key_pair(keys: Any) -> bool:
+    """Whether TFDS supervised_keys are (input feature, target feature), two names."""
+    return isinstance(keys, tuple) and len(keys) == 2 and all(isinstance(k, str) for k in keys)
+
+
 def _ensure_prepared(
     builder: tfds.core.DatasetBuilder,
-    name: str,
+    entry: DatasetEntry,
     label: str,
     *,
     manual_dir: str | None,
@@ -224,26 +307,17 @@ def _ensure_prepared(
 ) -> None:
     """Prepares the data as ArrayRecord when allowed; raises FileNotFoundError otherwise.
 
-    Allowed: always for 'synthetic' (generated here), for 'multi30k' with a manual_dir (checked
-    first, so a wrong directory fails here rather than falling back to a download), and for any
-    dataset with download=True.
+    Allowed: when the table entry prepares it locally (synthetic always; Multi30k with a
+    manual_dir, whose files it checks first, so a wrong directory fails here rather than
+    falling back to a download), and for any dataset with download=True.
     """
     if builder.is_prepared():
         return
-    is_multi30k = isinstance(builder, multi30k.Multi30k)
-    local = name == SYNTHETIC or (is_multi30k and manual_dir is not None)
-    if not (local or download):
-        hint = (
-            "pass manual_dir=<directory with train.en.gz, val.en.gz, ...> or download=True"
-            if is_multi30k
-            else "pass download=True to download and prepare it (network)"
-        )
+    if not (entry.prepares_locally(builder, manual_dir, download) or download):
         raise FileNotFoundError(
             f"{label} is not prepared in {builder.data_dir}. Set data_dir to the directory where "
-            f"it is prepared (ArrayRecord), or {hint}."
+            f"it is prepared (ArrayRecord), or {entry.hint}."
         )
-    if is_multi30k and manual_dir is not None and not download:
-        multi30k.local_split_files(manual_dir, *builder.builder_config.languages)
     builder.download_and_prepare(
         file_format="array_record",
         download_config=tfds.download.DownloadConfig(

@@ -14,7 +14,8 @@ of `train.en.gz` translating line `i` of `train.de.gz`:
 There is one BuilderConfig per unordered language pair ('en-de', 'en-fr', 'en-cs', 'cs-de',
 'cs-fr', 'de-fr': English first, otherwise alphabetical; see `config_name`). Each example is
 `{lang1: text, lang2: text}`, so one prepared pair serves both translation directions; the
-caller picks the direction (`tx_jax.data.datasets.load_translation_split`).
+caller picks the direction (`tx_jax.data.datasets.load_translation_split`), whose table entry
+'multi30k' is `make_builder` and `prepares_locally` below.
 
 Where the files come from, in order:
   1. the manual directory (`tfds.download.DownloadConfig(manual_dir=...)`) when it exists and
@@ -299,6 +300,32 @@ class Multi30k(tfds.core.GeneratorBasedBuilder):
         lang1, lang2 = self.builder_config.languages
         for line, text1, text2 in pairs:
             yield line, {lang1: text1, lang2: text2}
+
+
+def make_builder(
+    name: str, *, source_lang: str, target_lang: str, data_dir: str | None, builder_kwargs: dict
+) -> Multi30k:
+    """The builder of the two languages' pair config ('multi30k' with 'de'/'en' -> 'en-de');
+    a config that the name ('multi30k/en-fr') or builder_kwargs give must be that one."""
+    config = config_name(source_lang, target_lang)
+    named = name.partition("/")[2] or builder_kwargs.get("config")
+    if named and named != config:
+        raise ValueError(
+            f"Dataset {name!r}: config {named!r} does not match the languages "
+            f"{source_lang!r}/{target_lang!r}; pass name='multi30k' (config {config!r})."
+        )
+    return Multi30k(data_dir=data_dir, **{**builder_kwargs, "config": config})
+
+
+def prepares_locally(builder: Multi30k, manual_dir: str | None, download: bool) -> bool:
+    """Whether `builder` can be prepared offline: from a manual_dir of raw files. Without
+    `download` the files are checked now, so a wrong directory fails here rather than the
+    builder falling back to a download."""
+    if manual_dir is None:
+        return False
+    if not download:
+        local_split_files(manual_dir, *builder.builder_config.languages)
+    return True
 
 
 def _usable_manual_dir(dl_manager: tfds.download.DownloadManager) -> epath.Path | None:

@@ -464,6 +464,35 @@ def make_config(
     return SyntheticTranslationConfig(name=name, version=SyntheticTranslation.VERSION, **values)
 
 
+def make_builder(
+    name: str, *, source_lang: str, target_lang: str, data_dir: str | None, builder_kwargs: dict
+) -> SyntheticTranslation:
+    """The table entry 'synthetic' (tx_jax.data.datasets): both directions read one corpus,
+    whose sizes come in builder_kwargs ('config': `make_config(...)`), not in the name."""
+    del source_lang, target_lang
+    if name != "synthetic":
+        raise ValueError(
+            f"Dataset {name!r}: the synthetic corpus has no named configs; use 'synthetic' "
+            "and set its sizes in data.synthetic."
+        )
+    return SyntheticTranslation(data_dir=data_dir, **builder_kwargs)
+
+
+def prepares_locally(builder: SyntheticTranslation, manual_dir: str | None, download: bool):
+    """Always: the corpus is generated here, whatever `download` says."""
+    del builder, manual_dir, download
+    return True
+
+
+def config_builder_kwargs(data) -> dict:
+    """config.data.synthetic's sizes and seed as the builder's config."""
+    s = data.synthetic
+    config = make_config(
+        num_train=s.num_train, num_validation=s.num_validation, num_test=s.num_test, seed=s.seed
+    )
+    return {"config": config}
+
+
 def load_synthetic(
     split: str,
     data_dir: str,
