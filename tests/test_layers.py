@@ -87,3 +87,21 @@ def test_residual_dropout_active_only_in_training():
     c = layer.apply(v, x, seg, pos, False, rngs={"dropout": jax.random.key(2)})
     np.testing.assert_allclose(a, layer.apply(v, x, seg, pos, True), rtol=0)
     assert not np.allclose(a, b) and not np.allclose(b, c)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_exact"])
+def test_ffn_plain_silu_and_exact_gelu(activation):
+    """Marian's "swish" (x sigmoid(x), no gate) and torch's erf GELU (Transformers' "gelu")."""
+    from scipy.special import erf
+
+    x = _x()
+    ffn = layers.FeedForward(d_ff=32, activation=activation)
+    p = nn.meta.unbox(ffn.init(jax.random.key(0), x)["params"])
+    assert "wi_gate_kernel" not in p
+    h = np.asarray(x, np.float64) @ np.asarray(p["wi_kernel"], np.float64)
+    if activation == "silu":
+        h = h / (1 + np.exp(-h))
+    else:
+        h = 0.5 * h * (1 + erf(h / np.sqrt(2)))
+    want = h @ np.asarray(p["wo_kernel"], np.float64)
+    np.testing.assert_allclose(ffn.apply({"params": p}, x), want, rtol=1e-5, atol=1e-5)

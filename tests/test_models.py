@@ -210,3 +210,124 @@ def test_encoder_only_classifier_shapes():
     v = _init(model, tokens)
     assert model.apply(v, tokens).shape == (3, 5)
     assert model.apply(v, tokens, method=model.encode).shape == (3, 6, 64)
+
+
+def _decode_step_by_step(cfg, params, src, decoder_inputs):
+    """Logits of decoder_inputs [B, L] fed one token at a time through the KV cache."""
+    model = EncoderDecoder(cfg.replace(decode=True))
+    encoded = EncoderDecoder(cfg).apply({"params": params}, src, method="encode")
+    _, init = model.apply(
+        {"params": params},
+        encoded,
+        src,
+        jnp.zeros_like(decoder_inputs),
+        method="decode",
+        mutable=["cache"],
+    )
+    cache, out = init["cache"], []
+    for t in range(decoder_inputs.shape[1]):
+        logits, state = model.apply(
+            {"params": params, "cache": cache},
+            encoded,
+            src,
+            decoder_inputs[:, t : t + 1],
+            method="decode",
+            mutable=["cache"],
+        )
+        cache = state["cache"]
+        out.append(logits[:, 0])
+    return jnp.stack(out, 1)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},  # the paper's model
+        {  # MarianMT's options, its decoder starting at padding's id
+            "activation": "silu",
+            "sinusoid_style": "marian",
+            "logits_bias": True,
+            "bos_id": 0,
+            "share_embeddings": False,
+            "target_vocab_size": V - 3,
+            "tie_output": False,
+            "attention_bias": True,
+            "norm_epsilon": 1e-5,
+        },
+        {  # M2M100's: pre-LN, fairseq sinusoids from position 2, exact GELU
+            "activation": "gelu_exact",
+            "sinusoid_style": "fairseq",
+            "position_offset": 2,
+            "norm_position": "pre",
+            "attention_bias": True,
+        },
+    ],
+)
+def test_incremental_decoding_equals_teacher_forcing(options):
+    """The KV-cache path (positions from the cache counter, offset, start token) gives the
+    logits of the full teacher-forced pass, also when the start token is id 0."""
+    cfg = _cfg(**options)
+    model = EncoderDecoder(cfg)
+    src, tgt = _tokens((2, 5)), _tokens((2, 4), seed=1, low=4) % (cfg.output_vocab_size - 4) + 4
+    src = src.at[1, 3:].set(0)  # a padded source row
+    params = _init(model, src, tgt)["params"]
+    params = jax.tree_util.tree_map(
+        lambda a: a + 0.01 * jnp.arange(a.size).reshape(a.shape) % 0.3, params
+    )
+    full = model.apply({"params": params}, src, tgt)
+    decoder_inputs = shift_right(tgt, cfg.bos_id)
+    np.testing.assert_allclose(
+        _decode_step_by_step(cfg, params, src, decoder_inputs), full, rtol=1e-4, atol=1e-3
+    )  # logits up to ~10: float32 noise of the cached and the full products
+    # decode() with the default segment ids reads a start token 0 as a token, not padding
+    encoded = model.apply({"params": params}, src, method="encode")
+    direct = model.apply({"params": params}, encoded, src, decoder_inputs, method="decode")
+    np.testing.assert_allclose(direct, full, rtol=1e-5, atol=1e-5)
+
+
+def test_start_token_zero_is_not_padding():
+    """With bos_id=0 the first decoder input is id 0; were it masked as padding, position 0's
+    self-attention would see nothing and its logits would change with nothing else."""
+    from tx_jax.model.transformer import decoder_segment_ids
+
+    inputs = jnp.array([[0, 5, 6, 0, 0], [0, 7, 0, 0, 0]])
+    np.testing.assert_array_equal(
+        decoder_segment_ids(inputs, 0), [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0]]
+    )
+    np.testing.assert_array_equal(
+        decoder_segment_ids(inputs, 2), [[0, 1, 1, 0, 0], [0, 1, 0, 0, 0]]
+    )
+    cfg = _cfg(bos_id=0)
+    model = EncoderDecoder(cfg)
+    s1, s2 = _tokens((1, 4), 1), _tokens((1, 3), 2)
+    t1, t2 = _tokens((1, 3), 3), _tokens((1, 5), 4)
+    v = _init(model, s1, t1)
+    # packed rows: each segment starts at id 0 (shift_right), segment ids say which is which
+    inputs = jnp.concatenate([s1, s2, jnp.zeros((1, 2), jnp.int32)], 1)
+    targets = jnp.concatenate([t1, t2, jnp.zeros((1, 1), jnp.int32)], 1)
+    seg = jnp.array([[1] * 3 + [2] * 5 + [0]], jnp.int32)
+    np.testing.assert_array_equal(shift_right(targets, 0, seg)[0, [0, 3]], [0, 0])
+    packed = model.apply(
+        v,
+        inputs,
+        targets,
+        inputs_segmentation=jnp.array([[1] * 4 + [2] * 3 + [0] * 2]),
+        targets_segmentation=seg,
+        inputs_positions=jnp.array([[0, 1, 2, 3, 0, 1, 2, 0, 0]]),
+        targets_positions=jnp.array([[0, 1, 2, 0, 1, 2, 3, 4, 0]]),
+    )
+    np.testing.assert_allclose(packed[:, :3], model.apply(v, s1, t1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(packed[:, 3:8], model.apply(v, s2, t2), rtol=1e-5, atol=1e-5)
+
+
+def test_logits_bias_is_added_to_the_logits():
+    cfg = _cfg(logits_bias=True)
+    model = EncoderDecoder(cfg)
+    src, tgt = _tokens((2, 5)), _tokens((2, 4), seed=1)
+    params = _init(model, src, tgt)["params"]
+    assert params["decoder"]["logits_bias"].value.shape == (V,)
+    bias = jnp.arange(V, dtype=jnp.float32) / V
+    moved = jax.tree_util.tree_map(lambda a: a, nn.meta.unbox(params))
+    moved["decoder"]["logits_bias"] = bias
+    diff = model.apply({"params": moved}, src, tgt) - model.apply({"params": params}, src, tgt)
+    np.testing.assert_allclose(diff, jnp.broadcast_to(bias, diff.shape), atol=1e-6)

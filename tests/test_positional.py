@@ -57,3 +57,33 @@ def test_learned_embedding_gathers_rows():
     params = module.init(jax.random.key(0), pos)
     table = np.asarray(params["params"]["pos_embedding"].value)
     np.testing.assert_array_equal(module.apply(params, pos)[0], table[[0, 3, 3, 9]])
+
+
+def test_marian_style_is_sines_then_cosines_at_the_paper_frequencies():
+    """Transformers' MarianSinusoidalPositionalEmbedding: float64 angles, sin first half."""
+    L, M = 300, 16
+    j = np.arange(M)
+    angle = np.arange(L)[:, None] / np.power(10000, 2 * (j // 2) / M)[None]
+    want = np.concatenate([np.sin(angle[:, 0::2]), np.cos(angle[:, 1::2])], 1)
+    got = P.sinusoidal_table(L, M, style="marian")
+    np.testing.assert_allclose(got, want, atol=3e-5)  # float32 angles up to position 299
+    np.testing.assert_allclose(got[:, : M // 2], P.sinusoidal_table(L, M)[:, 0::2], atol=1e-6)
+
+
+def test_fairseq_style_frequencies_and_offset_row():
+    """M2M100's table: exp(-i ln(10000) / (M/2 - 1)), sines then cosines; position p is row p
+    (the model adds position_offset = padding_idx + 1 to token indices)."""
+    L, M = 40, 10
+    half = M // 2
+    freq = np.exp(np.arange(half) * -(np.log(10000) / (half - 1)))
+    angle = np.arange(L)[:, None] * freq[None]
+    want = np.concatenate([np.sin(angle), np.cos(angle)], 1)
+    np.testing.assert_allclose(P.sinusoidal_table(L, M, style="fairseq"), want, atol=1e-5)
+    try:
+        from transformers.models.m2m_100.modeling_m2m_100 import (
+            M2M100SinusoidalPositionalEmbedding as HF,
+        )
+    except ImportError:
+        return
+    hf = HF.get_embedding(L, M, padding_idx=None).numpy()
+    np.testing.assert_allclose(P.sinusoidal_table(L, M, style="fairseq"), hf, atol=2e-6)
