@@ -157,3 +157,83 @@ def nllb_tokenizer_files(out: pathlib.Path) -> tuple[dict, object]:
         vocab_size=len(hf), pad_token_id=1, eos_token_id=2, bos_token_id=0, decoder_start_token_id=2
     )
     return config, hf
+
+
+def randomise(model, seed: int = 0, eos_bias: float = 0.0) -> None:
+    """Norm gains and biases, final_logits_bias and every bias away from 1 and 0, so that a
+    wrong mapping cannot hide behind them; `eos_bias` added to EOS's output bias makes
+    translations end within a few tokens, as a trained model's do."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layer_norm" in name and name.endswith("weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("final_logits_bias"):
+                b.copy_(0.5 * torch.randn(b.shape, generator=g))
+                b[0, model.config.eos_token_id] += eos_bias
+        for name, p in model.named_parameters():
+            if name.endswith("lm_head.bias") or name.endswith("final_logits_bias"):
+                p[..., model.config.eos_token_id] += eos_bias
+
+
+def marian_dir(
+    out: pathlib.Path, *, activation: str = "swish", languages=(), eos_bias=1.2, **config
+) -> tuple:
+    """A tiny random MarianMTModel with the Marian tokenizer files above, saved as
+    `save_pretrained` writes it; returns (the model, its tokenizer)."""
+    import torch
+    from transformers import MarianConfig, MarianMTModel, MarianTokenizer
+
+    vocab = marian_tokenizer_files(out, languages=languages)
+    torch.manual_seed(0)
+    cfg = MarianConfig(
+        d_model=16,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        max_position_embeddings=128,
+        activation_function=activation,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        **{**vocab, **config},
+    )
+    model = MarianMTModel(cfg).eval()
+    randomise(model, eos_bias=eos_bias)
+    model.save_pretrained(str(out))
+    return model, MarianTokenizer.from_pretrained(str(out))
+
+
+def m2m_100_dir(out: pathlib.Path) -> tuple:
+    """A tiny random M2M100ForConditionalGeneration with the M2M100 tokenizer files above."""
+    import torch
+    from transformers import M2M100Config, M2M100ForConditionalGeneration, M2M100Tokenizer
+
+    vocab = m2m_100_tokenizer_files(out)
+    torch.manual_seed(0)
+    cfg = M2M100Config(
+        d_model=16,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        max_position_embeddings=128,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        **vocab,
+    )
+    model = M2M100ForConditionalGeneration(cfg).eval()
+    randomise(model)
+    model.save_pretrained(str(out))
+    return model, M2M100Tokenizer.from_pretrained(str(out))

@@ -29,7 +29,14 @@ DOCUMENTED = {
         "directions=en-de+de-en,extra=de-fr+fr-de,debug",
     ],
 }
-CASES = [(p, arg) for p in CONFIGS for arg in (None, "debug", *DOCUMENTED.get(p.stem, []))]
+# Configs built from another run (their arguments name it): tests/test_import_model.py.
+FROM_A_RUN = {"finetune"}
+CASES = [
+    (p, arg)
+    for p in CONFIGS
+    if p.stem not in FROM_A_RUN
+    for arg in (None, "debug", *DOCUMENTED.get(p.stem, []))
+]
 
 
 def load(path: pathlib.Path):
@@ -117,6 +124,9 @@ def test_config_values():
         ("multilingual", "directions=en-en", r"'en-en' is not SRC-TGT with two different"),
         ("multilingual", "mixture=zipf", r"mixture='zipf' \(uniform, temperature\)"),
         ("multilingual", "extra=de", r"extra='de'"),
+        ("finetune", None, r"needs the model to start from: .*finetune.py:init_from=WORKDIR"),
+        ("finetune", "debug", r"needs the model to start from"),
+        ("finetune", "init_from=/nonexistent/run", r"/nonexistent/run"),
     ],
 )
 def test_config_argument_errors(stem, arg, match):

@@ -1,0 +1,65 @@
+"""Fine-tuning a pretrained translator (imported with tx_jax.import_model) or a trained run.
+
+    python -m tx_jax.import_model --source=opus-mt-en-de --workdir=runs/opus-mt-en-de
+    python -m tx_jax.main --workdir=runs/opus-mt-en-de-multi30k \
+        --config=configs/finetune.py:init_from=runs/opus-mt-en-de,pair=en-de
+    --config=configs/finetune.py:init_from=WORKDIR,debug     a few steps (tests, smoke runs)
+
+The model section and the tokenizer come from `init_from` (its latest checkpoint's config and
+WORKDIR/tokenizer.model, the parameters through train.init_from); the data section is
+configs/multi30k.py's for `pair` (override data.* for another corpus). Training: a short
+warmup to a small rate, then cosine decay, the usual recipe for adapting a converged model
+(a rate near pretraining's would undo it); dropout as the checkpoint has it.
+"""
+
+import ml_collections
+
+from tx_jax.config import parse_arg, sibling_config
+
+
+def _stored_config(init_from: str) -> ml_collections.ConfigDict:
+    from tx_jax.inference import restore  # a config file loads the package lazily
+
+    return restore.stored_config(init_from)
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    args = parse_arg(arg, init_from="", pair="en-de", variant="default")
+    if not args.init_from:
+        raise ValueError(
+            "configs/finetune.py needs the model to start from: "
+            "--config=configs/finetune.py:init_from=WORKDIR (an imported or a trained run)"
+        )
+    if args.variant not in ("default", "debug"):
+        raise ValueError(f"configs/finetune.py: unknown variant {args.variant!r} (default, debug)")
+    c = sibling_config(__file__, "multi30k", f"pair={args.pair}")
+    stored = _stored_config(args.init_from)
+    c.model = ml_collections.ConfigDict(stored.model.to_dict())  # the architecture as stored
+    c.task = stored.get("task", "translation")
+    c.data.tokenizer_path = args.init_from  # its WORKDIR/tokenizer.model: the same vocabulary
+    c.data.vocab_size = stored.data.vocab_size
+    c.data.max_eval_len = max(c.data.max_eval_len, 128)  # pretrained models' pieces are short
+    c.train.init_from = args.init_from  # parameters from there, optimizer fresh, step 0
+
+    c.train.schedule = "cosine"  # linear warmup, then cosine decay to 0.1 x peak_lr
+    c.train.warmup_steps = 100
+    c.train.peak_lr = 5e-5  # small: the model is converged already
+    c.train.final_lr_fraction = 0.1
+    c.train.cooldown_steps = 0
+    c.train.num_steps = 2_000
+    c.train.label_smoothing = 0.1
+    c.train.log_every = 50
+    c.eval.every = 500
+    c.eval.bleu_examples = 1014  # the whole Multi30k validation split
+    c.eval.test_beam_size = 4
+    c.checkpoint.every = 500
+    c.checkpoint.keep = 3
+    if args.variant == "debug":
+        c.data.max_len = 48
+        c.data.tokens_per_batch = 512
+        c.data.bucket_boundaries = [48]
+        c.data.max_train_pairs = 64
+        c.train.update(num_steps=6, warmup_steps=2, log_every=2, peak_lr=1e-3)
+        c.eval.update(every=6, bleu_examples=8, test_beam_size=1, test_split="")
+        c.checkpoint.every = 6
+    return c

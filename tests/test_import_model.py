@@ -1,0 +1,165 @@
+"""`tx_jax.import_model` end to end: a Hugging Face directory built here with transformers'
+own classes (tiny random weights, SentencePiece models trained in the test) becomes a
+workdir that restore, score, translate and fine-tuning read as any run's."""
+
+import gzip
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pretrained_fixtures as pf
+import pytest
+
+from tx_jax.config import load_config
+from tx_jax.data.imported_tokenizer import ImportedTokenizer
+from tx_jax.inference import likelihood, restore, translation
+from tx_jax.interop import importer
+from tx_jax.interop.seq2seq_layout import PretrainedError
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+
+def _import(hf_dir, workdir, **kw):
+    return importer.import_model(hf_dir, workdir, base_config=load_config("configs/default.py"), **kw)
+
+
+def _hf_logprobs(model, tok, sources, targets, skip=0):
+    """transformers' teacher-forced ln p(target + EOS | source), the first `skip` labels
+    (a forced language token) fed but not counted."""
+    enc = tok(sources, text_target=targets, return_tensors="pt", padding=True)
+    labels = enc["labels"]
+    with torch.no_grad():
+        logits = model(
+            input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], labels=labels
+        ).logits
+    logp = torch.log_softmax(logits.double(), -1)
+    mask = labels != tok.pad_token_id
+    mask[:, :skip] = False
+    picked = logp.gather(-1, labels[..., None])[..., 0] * mask
+    return picked.sum(1).numpy(), mask.sum(1).numpy()
+
+
+@pytest.fixture(scope="module")
+def marian(tmp_path_factory):
+    root = tmp_path_factory.mktemp("marian")
+    model, tok = pf.marian_dir(root / "hf", eos_bias=0.0, init_std=0.5)
+    _import(root / "hf", root / "w")
+    return model, tok, root
+
+
+def test_workdir_is_an_ordinary_run(marian):
+    _, _, root = marian
+    w = root / "w"
+    assert (w / "checkpoints" / "0" / "checksums.json").exists()
+    assert json.loads((w / "config.json").read_text())["model"]["sinusoid_style"] == "marian"
+    assert json.loads((w / "imported" / "config.json").read_text())["model_type"] == "marian"
+    loaded = restore.load(w)
+    assert isinstance(loaded.tokenizer, ImportedTokenizer)
+    assert loaded.step == 0 and loaded.task == "translation"
+    assert loaded.model_config.bos_id == 0 and loaded.model_config.logits_bias
+    assert loaded.model_config.activation == "silu"
+    assert (loaded.config.data.source_lang, loaded.config.data.target_lang) == ("en", "de")
+
+
+def test_scores_equal_transformers(marian):
+    model, tok, root = marian
+    loaded = restore.load(root / "w")
+    scores = likelihood.score_pairs(loaded, pf.EN, pf.DE, batch_size=3)  # 3 batches, padded
+    want, count = _hf_logprobs(model, tok, pf.EN, pf.DE)
+    got = np.array([s.logprob for s in scores])
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+    assert [s.tokens for s in scores] == count.tolist()
+
+
+def test_greedy_translations_equal_transformers_generate(marian):
+    model, tok, root = marian
+    loaded = restore.load(root / "w")
+    ours = translation.translate_lines(loaded, pf.EN, beam_size=1)
+    for source, hyp in zip(pf.EN, ours, strict=True):
+        enc = tok([source], return_tensors="pt")
+        limit = enc["input_ids"].shape[1] + 50  # tx_jax's output limit: a * source + b
+        # + 1: at its limit transformers forces EOS (forced_eos_token_id), tx_jax cuts
+        out = model.generate(**enc, num_beams=1, do_sample=False, max_new_tokens=limit + 1)
+        assert hyp == tok.decode(out[0], skip_special_tokens=True)
+
+
+def test_score_cli_one_line_per_pair(marian, tmp_path):
+    model, tok, root = marian
+    (tmp_path / "src").write_text("\n".join(pf.EN[:3]) + "\n")
+    (tmp_path / "tgt").write_text("\n".join(pf.DE[:3]) + "\n")
+    args = ["--workdir", str(root / "w"), "--source", str(tmp_path / "src")]
+    out = subprocess.run(
+        [sys.executable, "-m", "tx_jax.score", *args, "--target", str(tmp_path / "tgt")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    want, count = _hf_logprobs(model, tok, pf.EN[:3], pf.DE[:3])
+    assert len(out) == 3
+    for line, w, n in zip(out, want, count, strict=True):
+        logprob, tokens = line.split("\t")
+        assert float(logprob) == pytest.approx(w, rel=1e-4) and int(tokens) == n
+
+
+def test_m2m_100_scores_skip_the_forced_language_token(tmp_path):
+    model, tok = pf.m2m_100_dir(tmp_path / "hf")
+    _import(tmp_path / "hf", tmp_path / "w")
+    loaded = restore.load(tmp_path / "w")
+    assert loaded.tokenizer.family == "m2m_100" and loaded.model_config.sinusoid_style == "fairseq"
+    tok.src_lang, tok.tgt_lang = "en", "fr"
+    scores = likelihood.score_pairs(loaded, pf.EN, pf.DE, source_lang="en", target_lang="fr")
+    want, count = _hf_logprobs(model, tok, pf.EN, pf.DE, skip=1)
+    np.testing.assert_allclose([s.logprob for s in scores], want, rtol=1e-4)
+    assert [s.tokens for s in scores] == count.tolist()
+    with pytest.raises(ValueError, match="'xx' is not one of this m2m_100 model's 100"):
+        likelihood.score_pairs(loaded, pf.EN, pf.DE, target_lang="xx")
+
+
+def test_refusals_write_nothing(tmp_path, marian):
+    _, _, root = marian
+    config = json.loads((root / "hf" / "config.json").read_text())
+    bad = tmp_path / "bart"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps(dict(config, model_type="bart")))
+    with pytest.raises(PretrainedError, match="model_type='bart'"):
+        _import(bad, tmp_path / "w1")
+    assert not (tmp_path / "w1").exists()
+    with pytest.raises(PretrainedError, match="already holds checkpoints"):
+        _import(root / "hf", root / "w")
+    pickled = tmp_path / "pickled"
+    shutil.copytree(root / "hf", pickled)
+    (pickled / "model.safetensors").unlink()
+    torch.save({"x": torch.zeros(1)}, pickled / "pytorch_model.bin")
+    with pytest.raises(PretrainedError, match="pytorch_model.bin is a pickle: give --allow_pickle"):
+        _import(pickled, tmp_path / "w2")
+    assert not (tmp_path / "w2").exists()
+
+
+def _multi30k_files(directory, n=48):
+    directory.mkdir(parents=True, exist_ok=True)
+    for prefix, count in (("train", n), ("val", 8), ("test_2016_flickr", 8)):
+        for lang, lines in (("en", pf.EN), ("de", pf.DE)):
+            with gzip.open(directory / f"{prefix}.{lang}.gz", "wt", encoding="utf-8") as f:
+                f.writelines(lines[i % len(lines)] + "\n" for i in range(count))
+    return directory
+
+
+def test_finetuning_an_imported_model_lowers_the_loss(marian, tmp_path):
+    from tx_jax.experiment.loop import train_and_evaluate
+
+    _, _, root = marian
+    spec = f"configs/finetune.py:init_from={root / 'w'},debug"
+    config = load_config(spec)
+    config.data.manual_dir = str(_multi30k_files(tmp_path / "raw"))
+    config.data.data_dir = str(tmp_path / "tfds")
+    config.train.num_steps = 8
+    config.train.peak_lr = 3e-3
+    assert config.model.sinusoid_style == "marian" and config.train.init_from == str(root / "w")
+    train_and_evaluate(config, str(tmp_path / "ft"))
+    records = [json.loads(x) for x in (tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()]
+    nll = [r["nll"] for r in records if r.get("split") == "train"]
+    assert len(nll) == 4 and nll[-1] < nll[0]  # steps 2, 4, 6, 8
