@@ -24,7 +24,8 @@ pytest.importorskip("safetensors")
 
 
 def _import(hf_dir, workdir, **kw):
-    return importer.import_model(hf_dir, workdir, base_config=load_config("configs/default.py"), **kw)
+    base = load_config("configs/default.py")
+    return importer.import_model(hf_dir, workdir, base_config=base, **kw)
 
 
 def _hf_logprobs(model, tok, sources, targets, skip=0):
