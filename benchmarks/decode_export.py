@@ -59,14 +59,14 @@ def main() -> None:
 
     import sacrebleu
 
-    from tx_jax.data import tasks
+    from tx_jax.data import datasets
     from tx_jax.inference import restore
     from tx_jax.inference.translation import translate_lines
     from tx_jax.interop import huggingface
 
     loaded = restore.load(args.workdir)
     tok = loaded.tokenizer
-    split = tasks.load_split(loaded.config.data, "test")
+    split = datasets.load_split(loaded.config.data, "test")
     pairs = [split[i] for i in range(min(args.n, len(split)))]
     sources, refs = [s for s, _ in pairs], [r for _, r in pairs]
     out_dir = os.path.join(str(loaded.workdir), "export_bench")
@@ -289,10 +289,10 @@ def whole_processes(args, loaded, out_dir: str, n: int, threads: int) -> list[di
     import subprocess
     import tempfile
 
-    from tx_jax.data import tasks
+    from tx_jax.data import datasets
     from tx_jax.interop import huggingface
 
-    split = tasks.load_split(loaded.config.data, "test")
+    split = datasets.load_split(loaded.config.data, "test")
     pairs = [split[i] for i in range(n)]
     work = tempfile.mkdtemp(prefix="decode_export_")
     cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))

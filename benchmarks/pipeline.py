@@ -39,9 +39,9 @@ def _task(config, workdir: str):
 
 
 def _iterator(config, task, packing: bool):
-    from tx_jax.data import pipeline, tasks
+    from tx_jax.data import pipeline, train_input
 
-    options = tasks.train_options(config.data, seed=config.seed, batch_multiple=1)
+    options = train_input.train_options(config.data, seed=config.seed, batch_multiple=1)
     options = dataclasses.replace(options, packing=packing)
     return pipeline.make_train_iterator(task.train_pairs(), task.tokenizer, options)
 

@@ -17,7 +17,7 @@ import pytest
 import sacrebleu
 from helpers import ROOT, run_python, tiny_config
 
-from tx_jax.data import tasks
+from tx_jax.data import datasets
 from tx_jax.experiment.loop import train_and_evaluate
 from tx_jax.experiment.validation import validate_config
 from tx_jax.inference import averaging, evaluation, restore, translation
@@ -41,7 +41,7 @@ def greedy_validation(workdir):
     """The greedy evaluation of the validation split, with its hypotheses and sources."""
     record = evaluation.evaluate(workdir, split="validation", beam_size=1)
     loaded = restore.load(workdir)
-    sources = [s for s, _ in tasks.load_split(loaded.config.data, "validation")]
+    sources = [s for s, _ in datasets.load_split(loaded.config.data, "validation")]
     hyps = pathlib.Path(record["hypotheses"]).read_text().split("\n")
     return record, hyps[:-1], sources
 
@@ -69,7 +69,7 @@ def test_evaluate_writes_bleu_with_signature_and_one_line_per_example(workdir):
     assert path == workdir / "eval" / f"test_step{STEPS}_beam4_alpha0.6.txt"
     hyps = path.read_text().split("\n")
     assert len(hyps) == 41 and hyps[-1] == ""  # 40 lines, each ended by a newline
-    refs = [t for _, t in tasks.load_split(restore.load(workdir).config.data, "test")]
+    refs = [t for _, t in datasets.load_split(restore.load(workdir).config.data, "test")]
     assert saved["bleu"] == pytest.approx(sacrebleu.corpus_bleu(hyps[:-1], [refs]).score)
     assert 0 <= saved["bleu"] <= 100 and 0 <= saved["chrf"] <= 100
     assert saved["perplexity"] == pytest.approx(math.exp(saved["loss"]))

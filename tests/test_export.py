@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from helpers import tiny_config
 
-from tx_jax.data import tasks
+from tx_jax.data import datasets
 from tx_jax.data.tokenizer import EOS_ID
 from tx_jax.experiment.loop import train_and_evaluate
 from tx_jax.inference import restore
@@ -60,7 +60,7 @@ def hf(hf_dir):
 
 @pytest.fixture(scope="module")
 def sources(loaded):
-    return [s for s, _ in tasks.load_split(loaded.config.data, "test")]
+    return [s for s, _ in datasets.load_split(loaded.config.data, "test")]
 
 
 def _ct2(loaded, path, quantization="float32"):

@@ -9,7 +9,7 @@ from helpers import ROOT, train_losses
 
 from tx_jax.cli import generate
 from tx_jax.config import sibling_config
-from tx_jax.data.tasks import SideTexts
+from tx_jax.data.lm_task import SideTexts
 from tx_jax.experiment.loop import train_and_evaluate
 from tx_jax.experiment.setup import build_run
 from tx_jax.inference import evaluation, generation, restore

@@ -34,18 +34,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import jax
 import ml_collections
 from etils import epath
 
-from tx_jax.data import mixture, tasks
+from tx_jax.data import mixture, preparation, run_tokenizer, tasks
 from tx_jax.data.eval_pipeline import EvalBatches
 from tx_jax.data.input_shards import ShardedTrainIterator, Span
 from tx_jax.data.tokenizer import Tokenizer
+from tx_jax.data.train_input import kept_train_pairs, parse_max_train_pairs, sharded_train_iterator
+from tx_jax.data.views import Concat, Prefix
 
 Direction = tuple[str, str]  # (source language, target language)
 
@@ -115,7 +115,7 @@ def validate_config(data: Any, task: str = "translation") -> None:
         raise ValueError(f"data.mixture={data.mixture!r}; expected one of {mixture.MIXTURES}")
     if data.get("temperature", 1.0) <= 0:
         raise ValueError(f"data.temperature={data.temperature} must be positive")
-    cut = tasks.parse_max_train_pairs(data.get("max_train_pairs"))
+    cut = parse_max_train_pairs(data.get("max_train_pairs"))
     names = [direction_name(d) for d in trained] or [f"{data.source_lang}-{data.target_lang}"]
     if isinstance(cut, dict) and set(cut) - set(names):
         raise ValueError(
@@ -154,21 +154,6 @@ def direction_task(data: Any, tokenizer: Tokenizer, seed: int, direction: Direct
     return tasks.TranslationTask(
         direction_data(data, direction), tokenizer, seed, tag=lang_tag(direction[1])
     )
-
-
-class Concat(tasks.LazySequence):
-    """Sequences one after another, without copying them."""
-
-    def __init__(self, parts: Sequence[Sequence]):
-        self._parts = list(parts)
-        self._starts = list(itertools.accumulate((len(p) for p in self._parts), initial=0))
-
-    def __len__(self) -> int:
-        return self._starts[-1]
-
-    def item_at(self, i: int):
-        k = next(k for k in range(len(self._parts)) if i < self._starts[k + 1])
-        return self._parts[k][i - self._starts[k]]
 
 
 @dataclasses.dataclass
@@ -215,7 +200,7 @@ class MultilingualTask:
             self.tokenizer,
             source_prefixes={n: t.source_prefix for n, t in self.directions.items()},
         )
-        return tasks.sharded_train_iterator(self.data, self.seed, build, batch_multiple, spans)
+        return sharded_train_iterator(self.data, self.seed, build, batch_multiple, spans)
 
     def eval_batches(
         self, split: str, batch_multiple: int, limit: int | None = None, *, one_shape=False
@@ -231,12 +216,12 @@ class MultilingualTask:
         return EvalBatches(batches, sum(p.num_examples for p in parts), stats)
 
 
-def _tokenizer_texts(data: Any, pair_tasks: Sequence[tasks.TranslationTask]) -> Iterator[str]:
-    """Both sides of the first data.tokenizer_pairs train pairs of each language pair, each
-    distinct sentence once (English of en-de and en-fr is the same text in Multi30k)."""
+def _tokenizer_texts(data: Any, train_pairs: Sequence[Sequence[tuple[str, str]]]) -> Iterator[str]:
+    """Both sides of the first data.tokenizer_pairs of each language pair's `train_pairs`,
+    each distinct sentence once (English of en-de and en-fr is the same text in Multi30k)."""
     seen: set[str] = set()
-    for task in pair_tasks:
-        for pair in tasks.Prefix(task.train_pairs(), data.tokenizer_pairs):
+    for pairs in train_pairs:
+        for pair in Prefix(pairs, data.tokenizer_pairs):
             for text in pair:
                 if text not in seen:
                     seen.add(text)
@@ -252,33 +237,34 @@ def prepare_multilingual_task(
     if not trained:
         raise ValueError("data.directions is empty: name the directions, e.g. 'en-de,de-en'")
     workdir = epath.Path(workdir)
-    make = functools.partial(tasks.TranslationTask, tokenizer=None, seed=seed)
-    train_tasks = {
-        direction_name(d): make(direction_data(data, d), tag=lang_tag(d[1])) for d in trained
-    }
-    extra_tasks = {
-        direction_name(d): make(direction_data(data, d), tag=lang_tag(d[1])) for d in extra
-    }
-    by_pair = {}  # one task per unordered language pair: the tokenizer's corpus
-    for task in train_tasks.values():
-        by_pair.setdefault(frozenset((task.data.source_lang, task.data.target_lang)), task)
-    if jax.process_index() == 0:
-        workdir.mkdir(parents=True, exist_ok=True)
-        for task in [*by_pair.values(), *extra_tasks.values()]:
-            task.source("train")  # prepares the TFDS data once, before the others read it
-    tasks.barrier("data")
+    by_pair: dict[frozenset, Direction] = {}  # one direction per unordered language pair
+    for d in trained:
+        by_pair.setdefault(frozenset(d), d)
+    corpus = [direction_data(data, d) for d in by_pair.values()]  # the tokenizer's corpus
+    # Extra directions' data is prepared too (a zero-shot pair is a dataset config of its own).
+    also = [direction_data(data, d) for d in extra]
+    sources = preparation.open_train_splits(corpus, workdir, also_prepare=also)
+    train_pairs = [kept_train_pairs(d, s) for d, s in zip(corpus, sources)]
     languages = tag_languages(data)
-    tok = tasks.load_or_train_tokenizer(
+    tok = run_tokenizer.load_or_train_tokenizer(
         data,
         workdir,
-        lambda: _tokenizer_texts(data, list(by_pair.values())),
+        lambda: _tokenizer_texts(data, train_pairs),
         given=tokenizer,
         given_by="train.init_from",
         symbols=[lang_tag(x) for x in languages],
     )
-    check_tags(tok, languages, str(workdir / tasks.TOKENIZER_FILE))
-    for task in [*train_tasks.values(), *extra_tasks.values()]:
-        task.tokenizer = tok
+    check_tags(tok, languages, str(workdir / run_tokenizer.TOKENIZER_FILE))
+    opened = dict(zip(by_pair.values(), sources))
+
+    def make(d: Direction) -> tasks.TranslationTask:
+        splits = {"train": opened[d]} if d in opened else {}
+        return tasks.TranslationTask(
+            direction_data(data, d), tok, seed, splits=splits, tag=lang_tag(d[1])
+        )
+
+    train_tasks = {direction_name(d): make(d) for d in trained}
+    extra_tasks = {direction_name(d): make(d) for d in extra}
     sizes = [len(t.train_pairs()) for t in train_tasks.values()]
     probs = mixture.mixture_probabilities(
         sizes, data.get("mixture", "uniform"), data.get("temperature", 1.0)

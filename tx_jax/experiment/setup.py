@@ -17,7 +17,7 @@ import optax
 from etils import epath
 
 from tx_jax.config import task_of
-from tx_jax.data import directions, tasks
+from tx_jax.data import directions, lm_task, tasks
 from tx_jax.experiment.validation import check_batch_divides, validate_config
 from tx_jax.inference import restore
 from tx_jax.model import ModelConfig, make_model
@@ -34,7 +34,7 @@ class Run:
     config: ml_collections.ConfigDict
     workdir: epath.Path
     strategy: parallel.Strategy
-    task: tasks.TranslationTask | tasks.LMTask | directions.MultilingualTask
+    task: tasks.TranslationTask | lm_task.LMTask | directions.MultilingualTask
     model_config: ModelConfig
     model: nn.Module
     tx: optax.GradientTransformation
@@ -53,7 +53,7 @@ def build_run(config: ml_collections.ConfigDict, workdir: str | epath.Path) -> R
     check_batch_divides(config, strategy)
     check_writable(workdir)
     is_lm = task_of(config) == "lm"
-    prepare = tasks.prepare_lm_task if is_lm else tasks.prepare_translation_task
+    prepare = lm_task.prepare_lm_task if is_lm else tasks.prepare_translation_task
     if directions.is_multilingual(config.data):
         prepare = directions.prepare_multilingual_task
     source = _init_source(config, workdir)

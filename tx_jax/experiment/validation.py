@@ -9,7 +9,7 @@ import math
 import ml_collections
 
 from tx_jax.config import task_of
-from tx_jax.data import directions, input_shards, tasks
+from tx_jax.data import directions, input_shards, lm_task
 from tx_jax.experiment.profiling import profile_window
 from tx_jax.model import TASKS, ModelConfig
 from tx_jax.training import optim, parallel
@@ -23,9 +23,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     if task_of(config) not in TASKS:
         raise ValueError(f"task={config.task!r}; expected one of {TASKS}")
     if task_of(config) == "lm":
-        if config.data.get("lm_side", "target") not in tasks.LM_SIDES:
+        if config.data.get("lm_side", "target") not in lm_task.LM_SIDES:
             raise ValueError(
-                f"data.lm_side={config.data.lm_side!r}; expected one of {tasks.LM_SIDES}"
+                f"data.lm_side={config.data.lm_side!r}; expected one of {lm_task.LM_SIDES}"
             )
         if config.checkpoint.best_metric in ("bleu", "chrf"):
             raise ValueError(

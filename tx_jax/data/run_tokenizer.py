@@ -1,0 +1,112 @@
+"""A run's tokenizer: WORKDIR/tokenizer.model, given or trained once, then loaded from there.
+
+The joint SentencePiece model is trained on the train split once and saved as
+WORKDIR/tokenizer.model; resuming and evaluation load it from there (and checkpoints carry a
+copy). `data.tokenizer_path` (or `train.init_from`'s checkpoint) gives an existing tokenizer
+to use instead, so that runs share one vocabulary; a given tokenizer is any object with the
+Tokenizer interface (encode, decode, piece ids, `to_bytes`), an imported model's included,
+and is kept as its `to_bytes()`. In a multi-process run process 0 writes the file and the
+others wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+from etils import epath
+
+from tx_jax import paths
+from tx_jax.data.preparation import barrier
+from tx_jax.data.tokenizer import Tokenizer, train_tokenizer
+
+TOKENIZER_FILE = "tokenizer.model"
+
+
+def read_tokenizer(data: bytes) -> Tokenizer:
+    """The tokenizer whose `to_bytes()` is `data` (tokenizer.py tells the kinds apart)."""
+    return Tokenizer.from_bytes(data)
+
+
+def given_tokenizer(data: Any) -> Tokenizer | None:
+    """The tokenizer `data.tokenizer_path` names (a .model file, or a run directory holding
+    tokenizer.model), or None when unset: a run that must share another run's vocabulary."""
+    path = data.get("tokenizer_path")
+    if not path:
+        return None
+    path = epath.Path(path)
+    if path.is_dir():
+        path = path / TOKENIZER_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"data.tokenizer_path={data.tokenizer_path!r}: no {path}")
+    return read_tokenizer(path.read_bytes())
+
+
+def _same(a: Tokenizer, b: Tokenizer) -> bool:
+    """Whether two tokenizers are one vocabulary: the same bytes, whatever their kind."""
+    return a.to_bytes() == b.to_bytes()
+
+
+def load_or_train_tokenizer(
+    data: Any,
+    workdir: epath.Path,
+    texts: Callable[[], Iterable[str]],
+    *,
+    given: Tokenizer | None = None,
+    given_by: str = "data.tokenizer_path",
+    symbols: Sequence[str] = (),
+) -> Tokenizer:
+    """WORKDIR/tokenizer.model if present, else `given` (or `data.tokenizer_path`'s) saved
+    there, else a `data.vocab_size` model trained on `texts()` (e.g. both sides of the first
+    `data.tokenizer_pairs` train pairs: a joint vocabulary) with `symbols` (and
+    `data.user_defined_symbols`) as single pieces. A WORKDIR/tokenizer.model that differs
+    from the given one is an error naming `given_by`: the vocabularies would not match."""
+    path = workdir / TOKENIZER_FILE
+    if given is None:
+        given = given_tokenizer(data)
+    elif data.get("tokenizer_path") and not _same(given_tokenizer(data), given):
+        raise ValueError(
+            f"data.tokenizer_path={data.tokenizer_path!r} and {given_by} name different "
+            "tokenizers; set only one"
+        )
+    if jax.process_count() == 1 and path.exists():
+        existing = read_tokenizer(path.read_bytes())
+        if given is not None and not _same(existing, given):
+            raise ValueError(
+                f"{path} differs from the tokenizer of {given_by}: a workdir keeps the "
+                "vocabulary it started with; use a new workdir"
+            )
+        return existing
+    # Only process 0 looks at the file: another process could see it appear (half written)
+    # and skip the barrier that process 0 then waits at.
+    if jax.process_index() == 0 and not path.exists():
+        if given is not None:
+            paths.write_atomic(path, given.to_bytes())
+        else:
+            logging.info("training a %d-piece SentencePiece model", data.vocab_size)
+            symbols = (*symbols, *(data.get("user_defined_symbols") or ()))
+            _train_tokenizer_to(path, texts(), data.vocab_size, symbols)
+    barrier("tokenizer")
+    tokenizer = read_tokenizer(path.read_bytes())
+    if given is not None and not _same(tokenizer, given):
+        raise ValueError(f"{path} differs from the tokenizer of {given_by}; use a new workdir")
+    return tokenizer
+
+
+def _train_tokenizer_to(
+    path: epath.Path, texts: Iterable[str], vocab_size: int, symbols: Sequence[str]
+) -> None:
+    """Trains a tokenizer on `texts` and writes it to `path`. For a remote (gs://) path it is
+    trained into a temporary directory of this run (train_tokenizer writes a local file and
+    renames it), so concurrent runs never share the file; the directory is removed afterwards."""
+    if not paths.is_remote(path):
+        train_tokenizer(texts, vocab_size, str(path), user_defined_symbols=symbols)
+        return
+    with tempfile.TemporaryDirectory(prefix="tx_jax_tokenizer_") as local:
+        model = os.path.join(local, TOKENIZER_FILE)
+        trained = train_tokenizer(texts, vocab_size, model, user_defined_symbols=symbols)
+    path.write_bytes(trained.to_bytes())
