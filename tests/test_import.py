@@ -339,3 +339,25 @@ def test_export_refuses_another_architecture():
     )
     with pytest.raises(ExportError, match="sinusoid_style='paper'"):
         pretrained.export_state_dict(params["params"], cfg, hf_config)
+
+
+def test_written_directory_loads_in_transformers(checkpoint, imported, tmp_path):
+    """pretrained.write's directory is what from_pretrained reads: the same function."""
+    model, _, hf_config = checkpoint
+    cfg, params = imported
+    out = pretrained.write(params, cfg, hf_config, tmp_path / "hf")
+    again = type(model).from_pretrained(str(out)).eval()
+    src, tgt = _pairs(hf_config)
+    np.testing.assert_array_equal(
+        _hf_log_probs(again, hf_config, src, tgt), _hf_log_probs(model, hf_config, src, tgt)
+    )
+
+
+def test_paper_layout_export_refuses_the_imported_fields():
+    """The trained-run export (weights.problems) names the fields only interop.pretrained maps."""
+    from tx_jax.interop import weights
+
+    _, hf_config = _marian_checkpoint()
+    found = "\n".join(weights.problems(ModelConfig(**pretrained.model_fields(hf_config))))
+    for field in ("logits_bias=True", "sinusoid_style='marian'", "activation='silu'"):
+        assert field in found

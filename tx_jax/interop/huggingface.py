@@ -164,11 +164,23 @@ def export(
     *,
     beam_size: int | None = None,
     alpha: float | None = None,
+    hf_config: dict[str, Any] | None = None,
 ) -> epath.Path:
     """Writes the Hugging Face directory `out` (created; files in it are replaced).
 
     beam_size / alpha default to the run's test-time search (eval.test_beam_size or
-    eval.beam_size, eval.alpha)."""
+    eval.beam_size, eval.alpha). A model imported from Transformers (`hf_config`: the
+    config.json it came with) goes back in its own family's format through
+    interop.pretrained (model.safetensors and config.json; the tokenizer's files are the
+    tokenizer's to write)."""
+    if hf_config is not None:
+        from tx_jax.interop import pretrained
+
+        out = pretrained.write(loaded.params, loaded.model_config, hf_config, out)
+        write_hf = getattr(loaded.tokenizer, "write_hf", None)
+        if write_hf is not None:
+            write_hf(out)
+        return out
     try:
         from safetensors.numpy import save_file
     except ImportError as e:

@@ -6,6 +6,7 @@ mapping module per family (marian.py, m2m100.py), read in both directions.
     model_fields(hf_config) -> ModelConfig field dict
     import_state_dict(state_dict, hf_config) -> (ModelConfig field dict, params tree)
     export_state_dict(params, model_config, hf_config) -> (state dict, config.json dict)
+    write(params, model_config, hf_config, out) -> out: model.safetensors + config.json
 
 Each refuses (PretrainedError, an ExportError on the way out) before anything is built or
 written, naming the config keys or tensors it cannot map.
@@ -13,6 +14,7 @@ written, naming the config keys or tensors it cannot map.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
@@ -35,6 +37,7 @@ __all__ = [
     "model_fields",
     "special_ids",
     "vocab_permutation",
+    "write",
 ]
 
 
@@ -77,3 +80,20 @@ def export_state_dict(
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """An imported model back in its family's format; `hf_config` is its original config.json."""
     return family(hf_config).export_state_dict(params, cfg, hf_config)
+
+
+def write(params: Any, cfg: ModelConfig, hf_config: Mapping[str, Any], out: Any) -> Any:
+    """Writes `out`/model.safetensors and config.json of an imported model (the directory is
+    created; nothing is written if the model cannot be exported). Returns the epath.Path."""
+    from etils import epath
+
+    try:
+        from safetensors.numpy import save_file
+    except ImportError as e:
+        raise ImportError("exporting needs safetensors: pip install -e '.[export]'") from e
+    tensors, config = export_state_dict(params, cfg, hf_config)
+    out = epath.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out

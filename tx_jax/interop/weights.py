@@ -29,6 +29,9 @@ _REQUIRED = {
     "num_kv_heads": (None, "MarianMT has no grouped-query attention"),
     "share_embeddings": (True, "the exported tokenizer is one joint vocabulary"),
     "tie_output": (True, "an untied output layer is not mapped"),
+    "logits_bias": (False, "an output bias is not mapped"),
+    "sinusoid_style": ("paper", "the export re-orders the paper's interleaved sinusoids"),
+    "position_offset": (0, "MarianMT's positions start at 0"),
 }
 ACTIVATIONS = {"relu": "relu", "gelu": "gelu_new"}  # flax's gelu is the tanh approximation
 
