@@ -57,7 +57,7 @@ def test_workdir_is_an_ordinary_run(marian):
     w = root / "w"
     assert (w / "checkpoints" / "0" / "checksums.json").exists()
     assert json.loads((w / "config.json").read_text())["model"]["sinusoid_style"] == "marian"
-    assert json.loads((w / "imported" / "config.json").read_text())["model_type"] == "marian"
+    assert restore.load(w).tokenizer.hf_config["model_type"] == "marian"
     loaded = restore.load(w)
     assert isinstance(loaded.tokenizer, ImportedTokenizer)
     assert loaded.step == 0 and loaded.task == "translation"
@@ -164,3 +164,26 @@ def test_finetuning_an_imported_model_lowers_the_loss(marian, tmp_path):
     records = [json.loads(x) for x in (tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()]
     nll = [r["nll"] for r in records if r.get("split") == "train"]
     assert len(nll) == 4 and nll[-1] < nll[0]  # steps 2, 4, 6, 8
+
+
+def test_export_of_the_import_gives_back_the_source(marian, tmp_path):
+    from safetensors.numpy import load_file
+
+    _, _, root = marian
+    subprocess.run(
+        [sys.executable, "-m", "tx_jax.export", f"--workdir={root / 'w'}", f"--out={tmp_path}"],
+        check=True,
+        capture_output=True,
+    )
+    want, got = (
+        load_file(root / "hf" / "model.safetensors"),
+        load_file(tmp_path / "model.safetensors"),
+    )
+    assert sorted(got) == sorted(want)
+    for name, x in want.items():
+        assert got[name].dtype == x.dtype and np.array_equal(got[name], x), name
+    for name in ("source.spm", "target.spm", "vocab.json", "tokenizer_config.json"):
+        assert (tmp_path / name).read_bytes() == (root / "hf" / name).read_bytes(), name
+    back = json.loads((tmp_path / "config.json").read_text())
+    source = json.loads((root / "hf" / "config.json").read_text())
+    assert {k: back.get(k) for k in source} == source

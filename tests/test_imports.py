@@ -28,7 +28,8 @@ RANK = {
     "entry": 8, "api": 8,
 }  # fmt: skip
 ENTRY_POINTS = {
-    "main", "evaluate", "translate", "generate", "visualize", "sweep", "export", "plan"
+    "main", "evaluate", "translate", "generate", "visualize", "sweep", "export", "plan",
+    "import_model", "score"
 }  # fmt: skip
 
 

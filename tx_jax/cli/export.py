@@ -35,8 +35,11 @@ def _main(argv: list[str], overrides: dict[str, str]) -> None:
         raise ValueError("give --out (the directory to write)")
     loaded = restore.load(f.workdir, **where, overrides=overrides)
     with paths.staged_dir(f.out) as local:  # --out may be gs://: written here, copied there
-        if f.format == "hf":
-            huggingface.export(loaded, local, beam_size=f.beam_size, alpha=f.alpha)
+        if f.format == "hf":  # an imported model (or one tuned from it) goes back as it came
+            hf_config = getattr(loaded.tokenizer, "hf_config", None)
+            huggingface.export(
+                loaded, local, beam_size=f.beam_size, alpha=f.alpha, hf_config=hf_config
+            )
         else:
             ct2_export.export(loaded, local, quantization=f.quantization)
     print(f"export: {loaded.path} (step {loaded.step}) -> {f.out} ({f.format})", file=sys.stderr)

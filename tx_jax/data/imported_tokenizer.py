@@ -31,6 +31,9 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import sentencepiece as spm
+from etils import epath
+
+from tx_jax import paths
 
 MAGIC = b"tx_jax.ImportedTokenizer/1\n"
 FAMILIES = ("marian", "m2m_100", "nllb")
@@ -55,6 +58,9 @@ class ImportedTokenizer:
     source_lang: str | None = None  # the defaults of the checkpoint's tokenizer_config
     target_lang: str | None = None
     special_ids: tuple[int, ...] = ()  # ids `decode` drops (pad, EOS, unk, language tokens, ...)
+    # The source directory's config.json and tokenizer files (name -> base64 bytes): export
+    # writes them back as they were, from any run that descends from the import.
+    files: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -71,6 +77,7 @@ class ImportedTokenizer:
         for key in ("source_model", "target_model"):
             d[key] = base64.b64encode(d[key]).decode("ascii")
         d["languages"] = dict(self.languages)
+        d["files"] = dict(self.files)
         return MAGIC + json.dumps(d, ensure_ascii=False).encode("utf-8")
 
     @classmethod
@@ -86,15 +93,26 @@ class ImportedTokenizer:
         return cls(**d)
 
     def save(self, path) -> None:
-        from tx_jax.data.tokenizer import _write_atomically
-
-        _write_atomically(path, self.to_bytes())
+        """Writes `to_bytes()` to `path` (local or gs://), atomically."""
+        paths.write_atomic(path, self.to_bytes())
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ImportedTokenizer) and other.to_bytes() == self.to_bytes()
 
     def __hash__(self) -> int:
         return hash(self.to_bytes())
+
+    @property
+    def hf_config(self) -> dict | None:
+        """The config.json the model was imported with (None if not kept)."""
+        raw = self.files.get("config.json")
+        return json.loads(base64.b64decode(raw)) if raw else None
+
+    def write_hf(self, out) -> None:
+        """Writes the source's tokenizer files into the directory `out`, byte for byte."""
+        for name, raw in self.files.items():
+            if name != "config.json":  # the exporter writes the model's own
+                paths.write_atomic(epath.Path(out) / name, base64.b64decode(raw))
 
     # ------------------------------------------------------------------ vocabulary
 

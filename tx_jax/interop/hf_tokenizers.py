@@ -13,6 +13,8 @@ imported_tokenizer.py says why); `export` writes the files with the foreign numb
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import json
 import re
 from collections.abc import Mapping
@@ -218,12 +220,35 @@ def is_nllb(source: epath.Path) -> bool:
     return cls.startswith("Nllb") or not (source / "vocab.json").exists()
 
 
+# The files a translator's tokenizer is made of, kept in the ImportedTokenizer for export.
+KEPT_FILES = (
+    "source.spm",
+    "target.spm",
+    "vocab.json",
+    "target_vocab.json",
+    "sentencepiece.bpe.model",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "generation_config.json",
+)
+
+
+def _kept(source: epath.Path, hf_config: Mapping[str, Any]) -> dict[str, str]:
+    files = {"config.json": json.dumps(dict(hf_config), indent=2).encode("utf-8")}
+    files.update({n: (source / n).read_bytes() for n in KEPT_FILES if (source / n).exists()})
+    return {n: base64.b64encode(b).decode("ascii") for n, b in files.items()}
+
+
 def read(source: str | epath.PathLike, hf_config: Mapping[str, Any]) -> ImportedTokenizer:
     """The tokenizer of the Hugging Face directory `source` whose config.json is hf_config."""
     source = epath.Path(source)
     kind = hf_config.get("model_type")
     if kind == "marian":
-        return _marian(source, hf_config)
-    if kind == "m2m_100":
-        return _m2m_100(source, hf_config, nllb=is_nllb(source))
-    raise TokenizerImportError(f"config.json: model_type={kind!r}; expected marian or m2m_100")
+        tokenizer = _marian(source, hf_config)
+    elif kind == "m2m_100":
+        tokenizer = _m2m_100(source, hf_config, nllb=is_nllb(source))
+    else:
+        raise TokenizerImportError(f"config.json: model_type={kind!r}; expected marian or m2m_100")
+    return dataclasses.replace(tokenizer, files=_kept(source, hf_config))

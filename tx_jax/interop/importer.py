@@ -6,9 +6,10 @@ DIR holds config.json, the weights (model.safetensors, a sharded model.safetenso
 or pytorch_model.bin with allow_pickle: torch.load(weights_only=True)) and the tokenizer
 files. The workdir written is an ordinary run's: WORKDIR/checkpoints/0 (Orbax: the parameters
 as the `state` item's params, the config and the tokenizer in `meta`, checksums),
-WORKDIR/tokenizer.model, WORKDIR/config.json, and WORKDIR/imported/ (the source's config and
-tokenizer files, which `tx_jax.export --format=hf` writes back). Everything that reads a
-workdir then works on it: translate, score, evaluate, export, plan, visualize, init_from.
+WORKDIR/tokenizer.model and WORKDIR/config.json. The tokenizer keeps the source's config.json
+and tokenizer files, so `tx_jax.export --format=hf` writes the family's format back from this
+workdir or any run fine-tuned from it. Everything that reads a workdir then works on it:
+translate, score, evaluate, export, plan, visualize, init_from.
 
 Everything is read and checked before anything is written: another model_type, a config key
 without a ModelConfig field, a missing, misshapen or unmapped tensor is a PretrainedError
@@ -18,7 +19,6 @@ naming the keys or tensors (pretrained.py's families), and the workdir is left u
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,19 +35,6 @@ from tx_jax.training import logs
 from tx_jax.training.checkpoint import Checkpointer
 
 DTYPES = ("float32", "bfloat16")
-IMPORTED_DIR = "imported"  # WORKDIR/imported: the source's config and tokenizer files
-TOKENIZER_FILES = [
-    "source.spm",
-    "target.spm",
-    "vocab.json",
-    "target_vocab.json",
-    "sentencepiece.bpe.model",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "generation_config.json",
-]
 
 
 def read_config(source: epath.Path) -> dict[str, Any]:
@@ -157,13 +144,7 @@ def import_model(
     workdir.mkdir(parents=True, exist_ok=True)
     tokenizer.save(workdir / "tokenizer.model")
     (workdir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
-    kept = workdir / IMPORTED_DIR
-    kept.mkdir(exist_ok=True)
-    (kept / "config.json").write_text(json.dumps(hf_config, indent=2))
-    for name in TOKENIZER_FILES:
-        if (source / name).exists():
-            shutil.copyfile(source / name, kept / name)
-    meta = {"source": str(source), "model_type": hf_config["model_type"], "hf_config": hf_config}
+    meta = {"source": str(source), "model_type": hf_config["model_type"]}
     ckpt = Checkpointer(workdir / "checkpoints", keep=3, best_metric=None, async_save=False)
     ckpt.save(
         0,
