@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tx_jax.inference import cache as cache_lib
 from tx_jax.inference import decoding, search
 from tx_jax.model.config import variant
 from tx_jax.model.transformer import DecoderOnly, EncoderDecoder, shift_right
@@ -152,7 +153,7 @@ def test_gather_cache_reorders_beams_but_not_cross_attention():
         "self_attention": {"cached_key": rows[:, None] * 10, "cache_index": jnp.array(4)},
         "cross_attention": {"cross_key": rows[:, None], "cross_filled": jnp.array(True)},
     }
-    out = search.gather_cache(cache, jnp.array([[2, 2, 0], [1, 0, 0]]))
+    out = cache_lib.gather_beams(cache, jnp.array([[2, 2, 0], [1, 0, 0]]))
     np.testing.assert_array_equal(
         out["self_attention"]["cached_key"][:, 0], [20, 20, 0, 40, 30, 30]
     )
@@ -163,7 +164,7 @@ def test_gather_cache_reorders_beams_but_not_cross_attention():
         "cached_key": rows.reshape(B, N, 1) * 10,
         "beam_origin": jnp.array([[[0, 0], [1, 1], [2, 2]], [[0, 0], [1, 1], [2, 2]]]),
     }
-    out = search.gather_cache({"self_attention": shared}, jnp.array([[2, 2, 0], [1, 0, 0]]))
+    out = cache_lib.gather_beams({"self_attention": shared}, jnp.array([[2, 2, 0], [1, 0, 0]]))
     np.testing.assert_array_equal(out["self_attention"]["cached_key"], shared["cached_key"])
     np.testing.assert_array_equal(
         out["self_attention"]["beam_origin"][..., 0], [[2, 2, 0], [1, 0, 0]]

@@ -11,7 +11,9 @@ which takes the previous token of every row and returns the scores of the next o
 `encoder_decoder_logits_fn` and `decoder_only_logits_fn` build it, with its initial cache,
 for the two model families. With `use_cache=False` they build the no-cache reference
 instead: its "cache" is the token prefix, which it runs through the full (non-decode) model
-at every step. Benchmarks compare the two for speed and tests check that they agree.
+at every step. Benchmarks compare the two for speed and tests check that they agree. What
+a cache holds and how its rows are laid out is cache.py's alone (beam search's shared
+cache: cache.share_beams).
 
 The searches (search.py: `greedy_decode`, `beam_search`, `sample_decode`) see only the
 logits function; each is a `lax.while_loop` with static shapes that stops as soon as every
@@ -34,14 +36,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tx_jax.inference.search import (
-    EOS_ID,
-    Cache,
-    LogitsFn,
-    beam_search,
-    greedy_decode,
-    sample_decode,
-)
+from tx_jax.inference import cache as cache_lib
+from tx_jax.inference.cache import Cache
+from tx_jax.inference.search import EOS_ID, LogitsFn, beam_search, greedy_decode, sample_decode
 from tx_jax.model.config import ModelConfig
 from tx_jax.model.transformer import DecoderOnly, EncoderDecoder
 from tx_jax.ops import backend
@@ -104,9 +101,8 @@ def _cached_logits_fn(
 
     The first call, without a cache, creates it; its [batch, length] dummy input fixes the
     cache length. Inside jit only the cache survives, the rest is dead code. The per-row
-    `args` (encoder output, source tokens) travel in the cache, {'model': ..., 'inputs':
-    args}, not in the function's closure: a search may then move rows between batches
-    (search.py's compaction).
+    `args` (encoder output, source tokens) travel in the cache (cache.of_model), not in the
+    function's closure: a search may then move rows between batches (search.py's compaction).
     """
 
     def run(variables, inputs, tokens):
@@ -115,33 +111,11 @@ def _cached_logits_fn(
     _, init = run({"params": params}, args, jnp.zeros((batch, length), jnp.int32))
 
     def tokens_to_logits(tokens: Array, cache: Cache) -> tuple[Array, Cache]:
-        logits, updated = run({"params": params, "cache": cache["model"]}, cache["inputs"], tokens)
-        return logits[:, -1], {"model": updated["cache"], "inputs": cache["inputs"]}
+        model_cache, inputs = cache_lib.model_parts(cache)
+        logits, updated = run({"params": params, "cache": model_cache}, inputs, tokens)
+        return logits[:, -1], cache_lib.of_model(updated["cache"], inputs)
 
-    return tokens_to_logits, {"model": init["cache"], "inputs": args}
-
-
-def share_beam_cache(cache: Cache, batch: int, beams: int, length: int) -> Cache:
-    """Prepare a [batch * beams]-row cache for beam search without cache reordering: every
-    self-attention cache gets a 'beam_origin' [B, N, T] table (which slot wrote each position
-    of each hypothesis: the search reorders only this) and its keys and values are viewed
-    per example, [B, N, K, ...] (attention.beam_cache_attention); cross-attention keys and
-    values are kept once per example, [B, ...] (MultiHeadAttention._grouped_cross)."""
-
-    def visit(node):
-        if not isinstance(node, dict):
-            return node
-        out = {name: visit(x) for name, x in node.items()}
-        if "cached_key" in node:
-            for name in ("cached_key", "cached_value"):  # [B * N, K, ...] -> [B, N, K, ...]
-                out[name] = node[name].reshape(batch, beams, *node[name].shape[1:])
-            out["beam_origin"] = jnp.zeros((batch, beams, length), jnp.int32)
-        for name in ("cross_key", "cross_value"):  # the same for an example's every beam
-            if name in node:
-                out[name] = node[name][::beams]
-        return out
-
-    return visit(cache)
+    return tokens_to_logits, cache_lib.of_model(init["cache"], args)
 
 
 def _prefix_logits_fn(
@@ -150,15 +124,13 @@ def _prefix_logits_fn(
     """The no-cache reference: append the token to a [batch, length] prefix and run the full
     model, full_logits(decoder inputs [B, T]) -> [B, T, V], on it every step."""
 
-    def tokens_to_logits(tokens: Array, state: Cache) -> tuple[Array, Cache]:
-        i = state["index"]
-        prefix = lax.dynamic_update_slice(state["tokens"], tokens.astype(jnp.int32), (0, i))
+    def tokens_to_logits(tokens: Array, cache: Cache) -> tuple[Array, Cache]:
+        prefix, i, cache = cache_lib.extend_prefix(cache, tokens)
         # Causal attention: the zeros after position i never reach position i's logits.
         logits = lax.dynamic_index_in_dim(full_logits(prefix), i, axis=1, keepdims=False)
-        return logits, {"tokens": prefix, "index": i + 1}
+        return logits, cache
 
-    state = {"tokens": jnp.zeros((batch, length), jnp.int32), "index": jnp.array(0, jnp.int32)}
-    return tokens_to_logits, state
+    return tokens_to_logits, cache_lib.prefix(batch, length)
 
 
 def encoder_decoder_logits_fn(
@@ -189,7 +161,7 @@ def encoder_decoder_logits_fn(
             decoder, params, batch, max_decode_len, encoded, inputs, method="decode"
         )
         if num_beams > 1:
-            cache = share_beam_cache(cache, batch // num_beams, num_beams, max_decode_len)
+            cache = cache_lib.share_beams(cache, batch // num_beams, num_beams, max_decode_len)
         return fn, cache
 
     def full_logits(prefix: Array) -> Array:
@@ -265,8 +237,8 @@ def _translation_setup(
     use_cache: bool,
 ):
     """What every translation search starts from -> (T, each row's limit [B], logits
-    function, cache of the first stage's length, grow or None): search.py's two-stage loop;
-    grow's function pads the cache's positions to T (`grow_cache`)."""
+    function, cache of the first stage's length T1, T1 or None): search.py's two-stage loop
+    (`grow_at`)."""
     T = decode_length(
         inputs.shape[1], max_decode_len, config, max_len_a=max_len_a, max_len_b=max_len_b
     )
@@ -275,37 +247,7 @@ def _translation_setup(
     fn, cache = encoder_decoder_logits_fn(
         config, params, inputs, max_decode_len=first, num_beams=num_beams, use_cache=use_cache
     )
-    if first >= T:
-        return T, limits, fn, cache, None
-    return T, limits, fn, cache, (first, functools.partial(grow_cache, old=first, new=T))
-
-
-# Where each cache entry keeps its positions (MultiHeadAttention's heads-major layout, the
-# beam origin table, the no-cache reference's token prefix).
-_POSITION_AXIS = {"cached_key": -2, "cached_value": -1, "beam_origin": -1, "tokens": -1}
-
-
-def grow_cache(cache: Cache, *, old: int, new: int) -> Cache:
-    """A cache of `old` positions -> the same with `new`: every positional entry padded with
-    empty (zero) positions after its own."""
-
-    def visit(node: Any) -> Any:
-        if not isinstance(node, dict):
-            return node
-        out = {}
-        for name, x in node.items():
-            axis = _POSITION_AXIS.get(name)
-            if axis is None or isinstance(x, dict):
-                out[name] = visit(x)
-                continue
-            if x.shape[axis] != old:
-                raise ValueError(f"cache entry {name!r} {x.shape}: expected {old} positions")
-            pad = [(0, 0)] * x.ndim
-            pad[axis] = (0, new - old)
-            out[name] = jnp.pad(x, pad)
-        return out
-
-    return visit(cache)
+    return T, limits, fn, cache, (first if first < T else None)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "eos_id", "use_cache", *_LIMIT_ARGS))
@@ -316,6 +258,7 @@ def translate_greedy(
     *,
     max_decode_len: int | None = None,
     eos_id: int = EOS_ID,
+    prompt: Array | None = None,
     use_cache: bool = True,
     max_len_a: float = MAX_LEN_A,
     max_len_b: int = MAX_LEN_B,
@@ -328,9 +271,11 @@ def translate_greedy(
     all-padding row decodes nothing. use_cache=False recomputes the whole prefix each step (the
     reference, for benchmarks). compact=c: once at most B // c rows are unfinished they go
     on in batches of B // c (search.py; None: COMPACT on CPU, off elsewhere; 1: off).
+    prompt [B, P] (0-padded on the right): each row's forced first output tokens, e.g. an
+    M2M100/NLLB target-language token (search.sample_decode); the limit counts them.
     """
     B = inputs.shape[0]
-    T, limits, fn, cache, grow = _translation_setup(
+    T, limits, fn, cache, grow_at = _translation_setup(
         config, params, inputs, max_decode_len, max_len_a, max_len_b, 1, use_cache
     )
     return greedy_decode(
@@ -340,8 +285,9 @@ def translate_greedy(
         max_decode_len=T,
         bos_id=config.bos_id,
         eos_id=eos_id,
+        prompt=prompt,
         limits=limits,
-        grow=grow,
+        grow_at=grow_at,
         compact=_compaction(compact, use_cache),
     )
 
@@ -368,6 +314,7 @@ def translate_beam(
     max_decode_len: int | None = None,
     eos_id: int = EOS_ID,
     length_penalty: str = "gnmt",
+    prompt: Array | None = None,
     use_cache: bool = True,
     max_len_a: float = MAX_LEN_A,
     max_len_b: int = MAX_LEN_B,
@@ -376,9 +323,10 @@ def translate_beam(
     """Beam-search translation of inputs [B, S] -> tokens [B, N, T], scores [B, N], best
     first. Defaults are the paper's (beam 4, alpha 0.6, output limit n + 50 per row, as
     translate_greedy's); `length_penalty` is 'gnmt' or 'fairseq' (see `length_penalty` and
-    `beam_search`; compact as translate_greedy's)."""
+    `beam_search`; compact as translate_greedy's). prompt [B, P]: forced first tokens in
+    every beam, scored as search.beam_search says (no log-probability, not counted)."""
     B = inputs.shape[0]
-    T, limits, fn, cache, grow = _translation_setup(
+    T, limits, fn, cache, grow_at = _translation_setup(
         config, params, inputs, max_decode_len, max_len_a, max_len_b, beam_size, use_cache
     )
     return beam_search(
@@ -391,8 +339,9 @@ def translate_beam(
         eos_id=eos_id,
         alpha=alpha,
         length_penalty_kind=length_penalty,
+        prompt=prompt,
         limits=limits,
-        grow=grow,
+        grow_at=grow_at,
         compact=_compaction(compact, use_cache),
     )
 
@@ -440,10 +389,10 @@ def sample(
     compact (translate_greedy's) is off by default: a row's random draws follow its place in
     the batch, which compaction changes.
     """
-    limits = grow = None
+    limits = grow_at = None
     if inputs is not None:
         B = inputs.shape[0]
-        T, limits, fn, cache, grow = _translation_setup(
+        T, limits, fn, cache, grow_at = _translation_setup(
             config, params, inputs, max_decode_len, max_len_a, max_len_b, 1, use_cache
         )
     else:
@@ -465,6 +414,6 @@ def sample(
         top_k=top_k,
         top_p=top_p,
         limits=limits,
-        grow=grow,
+        grow_at=grow_at,
         compact=_compaction(compact, use_cache),
     )

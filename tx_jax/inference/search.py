@@ -11,12 +11,17 @@ shapes that stops as soon as every row is finished. Outputs never contain BOS; a
 ends with its EOS and holds padding (0) after it; padding is never generated (its
 log-probability is -inf).
 
-`grow` = (T1, grow_cache) runs the loop in two stages: first with a cache of T1 positions, then,
-only while a row is unfinished at T1, with grow_cache(cache) holding all T: the per-step
+Every search keeps a named loop state (`_Sampling`, `_Beams`: the step `i`, the `cache`,
+per-row entries) and treats the cache as opaque: cache.py alone knows its layout, and the
+searches change it only through cache.gather_beams, cache.grow and cache.take_rows.
+
+`grow_at` = T1 runs the loop in two stages: first with a cache of T1 positions, then, only
+while a row is unfinished at T1, with the cache grown to all T (cache.grow): the per-step
 cost of attention follows the cache's length, and most outputs end well before T.
 `compact` = c > 1 moves the rows still unfinished once at most B / c are (or at T1) into
 batches of B / c that run on alone (`_staged`), so that finished rows stop costing steps;
-a search's per-row values (limits, the cache, the source in it) are its state for that.
+a search's per-row values (limits, forced prefix, the cache, the source in it) are its
+state for that.
 
 `limits` [B] gives every row its own output limit (<= T, the arrays' length): a row that
 reaches it is cut there, as if T were its length, and a row with limit 0 (a padding row) is
@@ -27,26 +32,22 @@ T its batch was compiled for (decoding.output_limits derives it from the row's s
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from tx_jax.inference import cache as cache_lib
+from tx_jax.inference.cache import Cache
+
 Array = jax.Array
-Cache = Any
 LogitsFn = Callable[[Array, Cache], tuple[Array, Cache]]
-Grow = tuple[int, Callable[[Cache], Cache]]  # (first stage's cache length, grow_cache)
 
 PAD_ID = 0
 EOS_ID = 3
 LENGTH_PENALTIES = ("gnmt", "fairseq")
-# Cross-attention keys/values and the source ('inputs': decoding._cached_logits_fn) are the
-# same for every beam of an example: never gathered.
-_NOT_GATHERED = frozenset({"cross_key", "cross_value", "cross_filled", "inputs"})
-# Keys and values of a beam-shared self-attention cache stay in the slot that wrote them.
-_SLOTTED = frozenset({"cached_key", "cached_value"})
 
 
 # ------------------------------------------------------------- greedy and sampling
@@ -83,6 +84,33 @@ def _next_token(
     return jnp.where(t > 0, sampled, greedy)
 
 
+class _Forced(NamedTuple):
+    """Each row's forced first tokens (a prompt): they appear in the output, and a forced EOS
+    does not end the row."""
+
+    length: Array  # [B] how many: the prompt's non-padding tokens
+    tokens: Array  # [B, T] the prompt, padded or cut to T
+
+
+def _forced(prompt: Array | None, batch: int, length: int) -> _Forced:
+    """prompt [B, P] (right-padded with 0; None: nothing forced) -> _Forced."""
+    if prompt is None:
+        prompt = jnp.zeros((batch, 0), jnp.int32)
+    n = (prompt != PAD_ID).sum(axis=1)
+    return _Forced(n, jnp.pad(prompt, ((0, 0), (0, max(length - prompt.shape[1], 0))))[:, :length])
+
+
+class _Sampling(NamedTuple):
+    """The loop state of greedy search and sampling (every entry but the step is per row)."""
+
+    i: Array  # the step: position being decoded
+    tokens: Array  # [B, T] the output so far
+    done: Array  # [B] finished rows (EOS, or the limit)
+    cache: Cache  # rows b: cache.py's
+    limits: Array  # [B] each row's output limit
+    forced: _Forced  # each row's forced prefix
+
+
 def sample_decode(
     tokens_to_logits: LogitsFn,
     cache: Cache,
@@ -97,7 +125,7 @@ def sample_decode(
     top_k: int = 0,
     top_p: float = 1.0,
     limits: Array | None = None,
-    grow: Grow | None = None,
+    grow_at: int | None = None,
     compact: int = 1,
 ) -> Array:
     """Ancestral sampling (greedy at temperature 0) -> tokens [B, T].
@@ -108,78 +136,70 @@ def sample_decode(
     docstring; default T); padding follows.
     """
     B, T = batch_size, max_decode_len
-    limits = _row_limits(limits, B, T)
-    if prompt is None:
-        prompt = jnp.zeros((B, 0), jnp.int32)
-    prompt_len = (prompt != PAD_ID).sum(axis=1)  # [B]
-    forced_tokens = jnp.pad(prompt, ((0, 0), (0, max(T - prompt.shape[1], 0))))[:, :T]
 
-    def body(state):
-        i, out, done, cache, rows = state
-        limits, prompt_len, forced_tokens = rows  # per row: they move with it (compaction)
-        prev = jnp.where(i == 0, bos_id, out[:, jnp.maximum(i - 1, 0)])  # [B]
-        logits, cache = tokens_to_logits(prev[:, None], cache)
+    def step(s: _Sampling) -> _Sampling:
+        prev = jnp.where(s.i == 0, bos_id, s.tokens[:, jnp.maximum(s.i - 1, 0)])  # [B]
+        logits, cache = tokens_to_logits(prev[:, None], s.cache)
         logits = logits.astype(jnp.float32).at[:, PAD_ID].set(-jnp.inf)
-        token = _next_token(logits, jax.random.fold_in(rng, i), temperature, top_k, top_p)
-        forced = i < prompt_len
-        token = jnp.where(forced, forced_tokens[:, i], token)
-        token = jnp.where(done, PAD_ID, token).astype(jnp.int32)
-        done = done | (~forced & (token == eos_id)) | (i + 1 >= limits)
-        return i + 1, out.at[:, i].set(token), done, cache, rows
+        token = _next_token(logits, jax.random.fold_in(rng, s.i), temperature, top_k, top_p)
+        forced = s.i < s.forced.length
+        token = jnp.where(forced, s.forced.tokens[:, s.i], token)
+        token = jnp.where(s.done, PAD_ID, token).astype(jnp.int32)
+        done = s.done | (~forced & (token == eos_id)) | (s.i + 1 >= s.limits)
+        return s._replace(i=s.i + 1, tokens=s.tokens.at[:, s.i].set(token), done=done, cache=cache)
 
-    rows = (limits, prompt_len, forced_tokens)
-    init = (jnp.array(0, jnp.int32), jnp.zeros((B, T), jnp.int32), limits <= 0, cache, rows)
-    return _staged(
-        lambda s: (s[0], ~s[2]),
-        body,
-        init,
-        T,
-        grow,
-        lambda s, f: (*s[:3], f(s[3]), s[4]),
-        compact,
-        lambda s: s[1],
+    limits = _row_limits(limits, B, T)
+    init = _Sampling(
+        i=jnp.array(0, jnp.int32),
+        tokens=jnp.zeros((B, T), jnp.int32),
+        done=limits <= 0,
+        cache=cache,
+        limits=limits,
+        forced=_forced(prompt, B, T),
     )
+    going = lambda s: ~s.done  # noqa: E731
+    outputs = lambda s: s.tokens  # noqa: E731
+    return _staged(init, step, going, outputs, T=T, grow_at=grow_at, compact=compact, beams=1)
 
 
-def _staged(going, body, init, T: int, grow: Grow | None, map_cache, compact: int, outputs):
-    """lax.while_loop over `body` from `init` until step T or until no row is going
-    (going(state) -> (step, going [B])), in stages:
+def _staged(init, step, going, outputs, *, T: int, grow_at: int | None, compact: int, beams: int):
+    """lax.while_loop over `step` from the state `init` (a search's NamedTuple: the step `i`,
+    the `cache`, per-row [B, ...] entries) until step T or until no row is going (going(state)
+    -> [B]), in stages:
 
-    - with `grow` = (T1, f), the cache keeps T1 positions up to step T1 and is grown by f
-      (map_cache(state, f) applies f to the state's cache) only for rows still going then;
+    - with `grow_at` = T1, the cache holds T1 positions up to step T1 and is grown to T
+      (cache.grow) only for rows still going then;
     - with compact = c > 1, once at most B // c rows are going (or at T1), those rows are
-      gathered into batches of B // c rows (every [B, ...] or [B * N, ...] entry of the
-      state: take_rows) that run on alone, one after another: finished rows are no longer
-      computed, which is most of a sorted batch's late steps (CTranslate2 drops finished
-      rows the same way).
+      gathered into batches of B // c rows (`_take_rows`) that run on alone, one after
+      another: finished rows are no longer computed, which is most of a sorted batch's late
+      steps (CTranslate2 drops finished rows the same way).
 
     -> outputs(state): the final [B, ...] outputs of every row. A row's result depends on it
     alone, so its stage and batch-mates do not change it (tests/test_decoding.py)."""
     # The barriers keep XLA from sinking loop-invariant entries' producers (the transposes
     # that lay out the cross-attention cache) into a loop body, to run every step.
     init = lax.optimization_barrier(init)
-    first = T if grow is None else min(grow[0], T)
-    B = going(init)[1].shape[0]
+    first = T if grow_at is None else min(grow_at, T)
+    B = going(init).shape[0]
     small = max(1, B // compact) if compact > 1 else B
 
     def cond(stop: int, most: int):
         def go(state):
-            step, rows = going(state)
-            return (step < stop) & (jnp.sum(rows) > most)
+            return (state.i < stop) & (jnp.sum(going(state)) > most)
 
         return go
 
     def finish(state):  # the steps from the state's to T, growing its cache first if needed
-        if grow is not None and first < T:
-            state = map_cache(state, grow[1])
-        return lax.while_loop(cond(T, 0), body, lax.optimization_barrier(state))
+        if first < T:
+            state = state._replace(cache=cache_lib.grow(state.cache, old=first, new=T))
+        return lax.while_loop(cond(T, 0), step, lax.optimization_barrier(state))
 
     if small >= B:  # no compaction: the two stages at the full batch
-        state = lax.while_loop(cond(first, 0), body, init)
+        state = lax.while_loop(cond(first, 0), step, init)
         return outputs(finish(state) if first < T else state)
 
-    state = lax.while_loop(cond(first, small), body, init)
-    rows = going(state)[1]
+    state = lax.while_loop(cond(first, small), step, init)
+    rows = going(state)
     order = jnp.argsort(~rows, stable=True)  # rows still going first
     groups = (jnp.sum(rows) + small - 1) // small
 
@@ -188,7 +208,7 @@ def _staged(going, body, init, T: int, grow: Grow | None, map_cache, compact: in
         # The last group may overlap the one before (clamped start): a row decoded twice
         # gives the same result twice.
         idx = lax.dynamic_slice_in_dim(order, jnp.minimum(k * small, B - small), small)
-        done = outputs(finish(take_rows(state, idx, B)))
+        done = outputs(finish(_take_rows(state, idx, B, beams)))
         keep = rows[idx]
 
         def put(full, part):
@@ -200,22 +220,19 @@ def _staged(going, body, init, T: int, grow: Grow | None, map_cache, compact: in
     return lax.while_loop(lambda c: c[0] < groups, group, (jnp.array(0), outputs(state)))[1]
 
 
-def take_rows(tree: Any, idx: Array, batch: int) -> Any:
-    """The rows `idx` [b] of every per-row entry of a search state: [batch, ...] arrays
-    and [batch * N, ...] ones (N > 1: a beam cache's rows, example-major); scalars (the step,
-    cache indices) stay as they are."""
+def _take_rows(state: Any, idx: Array, batch: int, beams: int) -> Any:
+    """The rows idx [b] of a search state: the step is every row's, the cache's rows are
+    cache.py's to take, every other entry is [batch, ...]."""
 
-    def take(x):
-        if x.ndim == 0:
-            return x
-        if x.shape[0] == batch:
-            return jnp.take(x, idx, axis=0)
-        if x.shape[0] % batch == 0:
-            per = x.reshape(batch, x.shape[0] // batch, *x.shape[1:])
-            return jnp.take(per, idx, axis=0).reshape(-1, *x.shape[1:])
-        raise ValueError(f"search state entry {x.shape}: not per row of a batch of {batch}")
+    def take(x: Array) -> Array:
+        return jnp.take(x, idx, axis=0)
 
-    return jax.tree.map(take, tree)
+    rows = {
+        name: jax.tree.map(take, x)
+        for name, x in state._asdict().items()
+        if name not in ("i", "cache")
+    }
+    return state._replace(**rows, cache=cache_lib.take_rows(state.cache, idx, batch, beams))
 
 
 def _row_limits(limits: Array | None, batch: int, length: int) -> Array:
@@ -235,7 +252,7 @@ def greedy_decode(
     eos_id: int = EOS_ID,
     prompt: Array | None = None,
     limits: Array | None = None,
-    grow: Grow | None = None,
+    grow_at: int | None = None,
     compact: int = 1,
 ) -> Array:
     """Greedy search (argmax every step) -> tokens [B, T]; see `sample_decode`."""
@@ -250,7 +267,7 @@ def greedy_decode(
         prompt=prompt,
         temperature=0.0,
         limits=limits,
-        grow=grow,
+        grow_at=grow_at,
         compact=compact,
     )
 
@@ -273,14 +290,18 @@ def length_penalty(length: int | Array, alpha: float, kind: str = "gnmt") -> Arr
 
 
 class _Beams(NamedTuple):
+    """Beam search's loop state (every entry but the step is per row)."""
+
     i: Array  # the step: position being decoded
     live_seqs: Array  # [B, N, T] unfinished hypotheses
     live_logp: Array  # [B, N] their log-probabilities, descending; -inf: no hypothesis
-    fin_seqs: Array  # [B, N, T] finished hypotheses (EOS, or cut at T)
+    fin_seqs: Array  # [B, N, T] finished hypotheses (EOS, or cut at the limit)
     fin_scores: Array  # [B, N] their penalised scores, descending; -inf: empty slot
-    cache: Cache  # rows b * N + n
+    cache: Cache  # rows b * N + n: cache.py's
     limits: Array  # [B] each row's output limit
-    best_possible: Array  # [B] penalty(limit): a live beam's score is at most logp / this
+    best_possible: Array  # [B] penalty(longest scored length): a live beam's score is at
+    # most logp / this
+    forced: _Forced | None  # each row's forced prefix (None: no prompt)
 
 
 def _take_beams(x: Array, index: Array) -> Array:
@@ -288,32 +309,18 @@ def _take_beams(x: Array, index: Array) -> Array:
     return jax.vmap(lambda row, i: row[i])(x, index)
 
 
-def gather_cache(cache: Cache, beam_index: Array) -> Cache:
-    """Reorder every [B * N, ...] cache entry by beam_index [B, N] (sources within each
-    example). Scalars (cache_index, position) and cross-attention entries stay as they are.
-    A cache dict holding 'beam_origin' [B, N, T] (a beam-shared self-attention cache:
-    attention.beam_cache_attention) has only that table reordered; its keys and values stay
-    in their slots."""
-    B, N = beam_index.shape
-    rows = (jnp.arange(B)[:, None] * N + beam_index).reshape(-1)
-
-    def visit(node: Any) -> Any:
-        if isinstance(node, Mapping):
-            shared = "beam_origin" in node
-            out = {}
-            for name, x in node.items():
-                if name == "beam_origin":
-                    out[name] = _take_beams(x, beam_index)
-                elif name in _NOT_GATHERED or (shared and name in _SLOTTED):
-                    out[name] = x
-                else:
-                    out[name] = visit(x)
-            return type(node)(out) if not isinstance(node, dict) else out
-        if node.ndim == 0:
-            return node
-        return jnp.take(node, rows, axis=0)
-
-    return visit(cache)
+def _forcing(state: _Beams, logp: Array) -> tuple[Array, Array | None, Array]:
+    """logp [B, N, V] of the step -> (logp with a forced row's every beam given its forced
+    token at log-probability 0 and every other token -inf, forced [B] or None, the length
+    the penalty counts after this step: tokens after the forced prefix, EOS included)."""
+    if state.forced is None:
+        return logp, None, state.i + 1
+    forced = state.i < state.forced.length  # [B]
+    token = state.forced.tokens[:, state.i]  # [B]
+    only = jnp.where(jnp.arange(logp.shape[-1]) == token[:, None], 0.0, -jnp.inf)  # [B, V]
+    logp = jnp.where(forced[:, None, None], only[:, None, :], logp)
+    length = jnp.maximum(state.i + 1 - state.forced.length, 1)[:, None]  # [B, 1]
+    return logp, forced, length
 
 
 def _beam_step(state: _Beams, tokens_to_logits: LogitsFn, bos_id, eos_id, penalty) -> _Beams:
@@ -324,27 +331,30 @@ def _beam_step(state: _Beams, tokens_to_logits: LogitsFn, bos_id, eos_id, penalt
     logits, cache = tokens_to_logits(prev.reshape(B * N, 1), state.cache)
     V = logits.shape[-1]
     logp = jax.nn.log_softmax(logits.astype(jnp.float32)).at[:, PAD_ID].set(-jnp.inf)
-    candidates = (state.live_logp[..., None] + logp.reshape(B, N, V)).reshape(B, N * V)
+    logp, forced, length = _forcing(state, logp.reshape(B, N, V))
+    candidates = (state.live_logp[..., None] + logp).reshape(B, N * V)
     # At most N of the best 2N candidates end in EOS, so at least N stay live.
     top_logp, top_index = lax.top_k(candidates, 2 * N)  # [B, 2N]
     source_beam, token = top_index // V, top_index % V
     seqs = _take_beams(state.live_seqs, source_beam)  # [B, 2N, T]
     seqs = lax.dynamic_update_slice(seqs, token[..., None].astype(jnp.int32), (0, 0, i))
 
-    # Finished: ended with EOS, or reached the row's length limit (scored as they stand).
+    # Finished: ended with EOS (not a forced one), or reached the row's length limit (scored
+    # as they stand).
+    eos = token == eos_id
+    if forced is not None:
+        eos = eos & ~forced[:, None]
     last = (i + 1 >= state.limits)[:, None]  # [B, 1]
-    ends = (token == eos_id) | last
-    new_scores = jnp.where(ends, top_logp / penalty(i + 1), -jnp.inf)
+    new_scores = jnp.where(eos | last, top_logp / penalty(length), -jnp.inf)
     fin_scores, k = lax.top_k(jnp.concatenate([state.fin_scores, new_scores], 1), N)
     fin_seqs = _take_beams(jnp.concatenate([state.fin_seqs, seqs], 1), k)
 
-    live_logp, k = lax.top_k(jnp.where(token == eos_id, -jnp.inf, top_logp), N)
+    live_logp, k = lax.top_k(jnp.where(eos, -jnp.inf, top_logp), N)
     live_logp = jnp.where(last, -jnp.inf, live_logp)  # nothing may grow past the limit
-    cache = gather_cache(cache, jnp.take_along_axis(source_beam, k, axis=1))
-    seqs = _take_beams(seqs, k)
+    cache = cache_lib.gather_beams(cache, jnp.take_along_axis(source_beam, k, axis=1))
     return state._replace(
         i=i + 1,
-        live_seqs=seqs,
+        live_seqs=_take_beams(seqs, k),
         live_logp=live_logp,
         fin_seqs=fin_seqs,
         fin_scores=fin_scores,
@@ -363,8 +373,9 @@ def beam_search(
     eos_id: int = EOS_ID,
     alpha: float = 0.6,
     length_penalty_kind: str = "gnmt",
+    prompt: Array | None = None,
     limits: Array | None = None,
-    grow: Grow | None = None,
+    grow_at: int | None = None,
     compact: int = 1,
 ) -> tuple[Array, Array]:
     """Beam search (section 6.1) -> tokens [B, N, T] and scores [B, N], best first.
@@ -376,6 +387,13 @@ def beam_search(
     alpha >= 0 the penalty only grows with length and log-probabilities only fall, so a live
     beam's score is at most log p / penalty(limit) (the bound of flax's WMT beam search, with
     the row's own limit for T); the loop stops when every row has.
+
+    prompt [B, P] (right-padded with 0), as sample_decode's: row b's first
+    (prompt[b] != 0).sum() tokens are forced in every beam, appear in the output and a forced
+    EOS does not end the row. The model did not choose them, so they leave the score alone
+    (as likelihood.py scores a forced prefix): they add no log-probability and the length
+    the penalty counts starts after them (at least 1); the row's limit counts them, as they
+    are in the output. Without a prompt the search is the same program as before it existed.
     """
     if alpha < 0:
         raise ValueError(f"alpha={alpha} must be >= 0 (the early-stopping bound needs it)")
@@ -383,11 +401,13 @@ def beam_search(
     B, N, T = batch_size, beam_size, max_decode_len
     penalty = functools.partial(length_penalty, alpha=alpha, kind=length_penalty_kind)
     limits = _row_limits(limits, B, T)
+    forced = None if prompt is None else _forced(prompt, B, T)
+    longest = limits if forced is None else limits - forced.length  # the most counted
 
-    def going(state: _Beams) -> tuple[Array, Array]:
+    def going(state: _Beams) -> Array:
         best_live = state.live_logp[:, 0] / state.best_possible
         worst_finished = state.fin_scores[:, -1]
-        return state.i, ~((worst_finished > best_live) | (best_live == -jnp.inf))
+        return ~((worst_finished > best_live) | (best_live == -jnp.inf))
 
     # All beams start as the same empty hypothesis: only beam 0 is live, or the first
     # step would return N copies of the best token. Rows with limit 0 have none.
@@ -401,7 +421,8 @@ def beam_search(
         fin_scores=jnp.full((B, N), -jnp.inf),
         cache=cache,
         limits=limits,
-        best_possible=penalty(jnp.maximum(limits, 1)),
+        best_possible=penalty(jnp.maximum(longest, 1)),
+        forced=forced,
     )
     step = functools.partial(
         _beam_step,
@@ -410,13 +431,5 @@ def beam_search(
         eos_id=eos_id,
         penalty=penalty,
     )
-    return _staged(
-        going,
-        step,
-        init,
-        T,
-        grow,
-        lambda s, f: s._replace(cache=f(s.cache)),
-        compact,
-        lambda s: (s.fin_seqs, s.fin_scores),
-    )
+    outputs = lambda s: (s.fin_seqs, s.fin_scores)  # noqa: E731
+    return _staged(init, step, going, outputs, T=T, grow_at=grow_at, compact=compact, beams=N)
