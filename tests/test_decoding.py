@@ -363,6 +363,81 @@ def test_beam_covering_every_prefix_returns_the_exhaustive_top_n(small, alpha, k
         np.testing.assert_allclose(own, beam_scores[b], rtol=1e-5, atol=1e-5)
 
 
+def _forced_hypotheses(cfg, params, src, prompt, alpha):
+    """Every output of `src` [S] up to MAX_LEN that starts with `prompt` (its EOS included),
+    scored as beam search scores a forced prefix: the log p of the tokens after it, in
+    float64, / penalty(their count, at least 1) -> (scores [H], hypotheses [H, T])."""
+    words, free = [1, 2, 4], MAX_LEN - len(prompt)
+    ends = [s + (EOS,) for n in range(free) for s in itertools.product(words, repeat=n)]
+    seqs = [(*prompt, *s) for s in ends + list(itertools.product(words, repeat=free))]
+    hyps = np.zeros((len(seqs), MAX_LEN), np.int32)
+    for j, s in enumerate(seqs):
+        hyps[j, : len(s)] = s
+    lengths = np.array([len(s) for s in seqs])
+    logits = jax.jit(EncoderDecoder(cfg).apply)(
+        {"params": params}, jnp.repeat(src[None], len(seqs), 0), jnp.asarray(hyps)
+    )
+    logp = np.asarray(jax.nn.log_softmax(logits), np.float64)
+    token_logp = np.take_along_axis(logp, hyps[..., None], -1)[..., 0]
+    scored = (np.arange(MAX_LEN) >= len(prompt)) & (np.arange(MAX_LEN) < lengths[:, None])
+    penalty = search.length_penalty(np.maximum(lengths - len(prompt), 1), alpha)
+    return np.where(scored, token_logp, 0.0).sum(-1) / np.asarray(penalty, np.float64), hyps
+
+
+def test_beam_forced_prefix_comes_first_and_leaves_the_score_alone(small):
+    """Beams covering every prefix, each row with its own forced prefix (row 1 a forced EOS,
+    row 3 none): every hypothesis starts with its row's prefix, a forced EOS does not end
+    it, and the N best are the exhaustive N best of the outputs that start with the prefix,
+    scored without the prefix (no log-probability, not counted in the length)."""
+    cfg, params, _ = small
+    N, alpha = 27, 0.6
+    prefixes = [(4,), (EOS,), (1, 4), ()]
+    prompt = np.zeros((len(prefixes), 3), np.int32)
+    for b, p in enumerate(prefixes):
+        prompt[b, : len(p)] = p
+    tokens, beam_scores = decoding.translate_beam(
+        cfg, params, SMALL_SRC, beam_size=N, alpha=alpha, max_decode_len=MAX_LEN, prompt=prompt
+    )
+    tokens, beam_scores = np.asarray(tokens), np.asarray(beam_scores)
+    for b, p in enumerate(prefixes):
+        scores, hyps = _forced_hypotheses(cfg, params, SMALL_SRC[b], p, alpha)
+        found = np.isfinite(beam_scores[b])
+        assert found.sum() == min(N, len(hyps))
+        np.testing.assert_array_equal(tokens[b, found, : len(p)], np.tile(p, (found.sum(), 1)))
+        want = -np.sort(-scores)[: found.sum()]
+        np.testing.assert_allclose(beam_scores[b, found], want, rtol=1e-5, atol=1e-5)
+        index = {tuple(h): j for j, h in enumerate(hyps)}  # each returned hypothesis' own
+        own = [scores[index[tuple(t)]] for t in tokens[b, found]]
+        np.testing.assert_allclose(own, beam_scores[b, found], rtol=1e-5, atol=1e-5)
+    assert (tokens[1, :, 1] != 0).all()  # the forced EOS did not end row 1
+
+
+def test_beam_forced_prefix_as_greedy_and_compaction_see_it(translation):
+    """An all-padding prompt forces nothing; beam 1 with a prompt is greedy with it; moving
+    unfinished rows into smaller batches (compaction) carries each row's prefix with it."""
+    cfg, params = translation
+    kw = dict(alpha=0.6, max_decode_len=T_OUT)
+    prompt = jnp.array([[7, EOS], [5, 0]], jnp.int32)
+    plain, plain_scores = decoding.translate_beam(cfg, params, SRC, beam_size=3, **kw)
+    none, none_scores = decoding.translate_beam(
+        cfg, params, SRC, beam_size=3, prompt=jnp.zeros_like(prompt), **kw
+    )
+    np.testing.assert_array_equal(none, plain)
+    np.testing.assert_allclose(none_scores, plain_scores, rtol=1e-6)
+    forced = {
+        c: decoding.translate_beam(cfg, params, SRC, beam_size=3, prompt=prompt, compact=c, **kw)
+        for c in (1, 2)
+    }
+    np.testing.assert_array_equal(forced[1][0], forced[2][0])
+    np.testing.assert_allclose(forced[1][1], forced[2][1], rtol=1e-6)
+    tokens = np.asarray(forced[1][0])
+    assert (tokens[0, :, :2] == [7, EOS]).all() and (tokens[1, :, 0] == 5).all()
+    assert (tokens[0, :, 2] != 0).all()  # the forced EOS did not end row 0
+    greedy = decoding.translate_greedy(cfg, params, SRC, prompt=prompt, max_decode_len=T_OUT)
+    one, _ = decoding.translate_beam(cfg, params, SRC, beam_size=1, prompt=prompt, **kw)
+    np.testing.assert_array_equal(one[:, 0], greedy)
+
+
 def test_eos_ends_a_sequence_and_padding_follows(small):
     cfg, params, _ = small
     kw = dict(max_decode_len=8)
