@@ -174,9 +174,9 @@ def append_record(workdir: epath.Path, record: Mapping[str, Any]) -> None:
     paths.append_text(workdir / RESULTS_FILE, json.dumps(record) + "\n")
 
 
-class _Split:
-    """One split of a loaded checkpoint's dataset: pairs, eval batches and loss metrics
-    (of one direction of a multilingual checkpoint: its sources tagged)."""
+class _Split(scoring.Split):
+    """One split of a loaded checkpoint's dataset (of one direction of a multilingual
+    checkpoint: its sources tagged) and its teacher-forced loss metrics."""
 
     def __init__(
         self, loaded: restore.Loaded, split: str, limit: int | None, direction: str | None = None
@@ -196,11 +196,8 @@ class _Split:
         else:
             task = tasks.TranslationTask(data, loaded.tokenizer, seed)
             self.direction = None
-        self.name, self.limit = split, limit
+        super().__init__(task, split, limit)
         self.dataset_split = task.split_name(split)
-        self.pairs = task.pairs(split, limit)
-        self.batches = task.eval_batches(split, 1, limit)  # sorted, bucketed
-        self.references = [self.pairs[i][1] for i in range(len(self.pairs))]
         # Computed beside the decoding that follows (a thread of its own): sums, in any order.
         pool = concurrent.futures.ThreadPoolExecutor(1, "tx_jax-loss")
         self._metrics = pool.submit(loss_metrics, loaded, self.batches)
@@ -210,35 +207,6 @@ class _Split:
     def metrics(self) -> dict[str, float]:
         """The teacher-forced loss metrics (waits for them)."""
         return self._metrics.result()
-
-
-def _translate(
-    loaded: restore.Loaded, data: _Split, beam_size: int, alpha: float, pivot: str | None
-) -> list[str]:
-    """The split's hypotheses, in corpus order."""
-    if not pivot:
-        return scoring.translate_batches(
-            loaded.model_config,
-            loaded.params,
-            data.batches,
-            loaded.tokenizer,
-            len(data.pairs),
-            beam_size=beam_size,
-            alpha=alpha,
-        )
-    if not data.direction:
-        raise restore.CheckpointError("a pivot needs a direction of a multilingual model")
-    sources = [data.pairs[i][0] for i in range(len(data.pairs))]
-    return multilingual.translate_to(
-        loaded,
-        sources,
-        data.direction.split("-")[1],
-        pivot=pivot,
-        beam_size=beam_size,
-        alpha=alpha,
-        batch_size=loaded.config.data.eval_batch_size,
-        warn=lambda m: None,
-    )
 
 
 def _decode(
@@ -251,18 +219,25 @@ def _decode(
     pivot: str | None = None,
     profile_dir: str | epath.Path | None = None,
 ) -> dict[str, Any]:
-    """Translate and score one split; write the hypotheses -> the record (no totals yet).
-    With `profile_dir`, the split is decoded a second time under jax.profiler, compiled by
-    then, so that the trace (profile_dir/plugins/profile/<time>/) shows decoding alone."""
-    start = time.time()
-    hyps = _translate(loaded, data, beam_size, alpha, pivot)
-    seconds = time.time() - start
+    """Translate and score one split (scoring.score_split); write the hypotheses -> the
+    record (no totals yet). With `profile_dir`, the split is decoded a second time under
+    jax.profiler, compiled by then, so that the trace (profile_dir/plugins/profile/<time>/)
+    shows decoding alone."""
+    via = None
+    if pivot:
+        if not data.direction:
+            raise restore.CheckpointError("a pivot needs a direction of a multilingual model")
+        target = data.direction.split("-")[1]
+        via = multilingual.through(loaded, target, pivot, beam_size=beam_size, alpha=alpha)
+    model = (loaded.model_config, loaded.params, loaded.tokenizer, data)
+    kw = dict(beam_size=beam_size, alpha=alpha, translate=via)
+    result = scoring.score_split(*model, **kw)
+    seconds = result.decode_seconds
     if profile_dir is not None:
         with jax.profiler.trace(str(profile_dir)):
             start = time.time()
-            _translate(loaded, data, beam_size, alpha, pivot)
+            scoring.translate_split(*model, **kw)
             seconds = time.time() - start  # the traced (compiled) pass's
-    bleu, chrf, sig, chrf_sig = scoring.score(hyps, data.references)
     averaged = len(loaded.averaged_steps) if loaded.averaged_steps else None
     path = hypotheses_path(
         loaded.workdir,
@@ -276,19 +251,19 @@ def _decode(
         pivot=pivot,
     )
     if write:
-        write_lines(path, hyps)
+        write_lines(path, result.hypotheses)
     return {
         "step": loaded.step,
         "split": data.name,
         "dataset_split": data.dataset_split,
         "beam": beam_size,
         "alpha": alpha if beam_size > 1 else None,
-        "bleu": bleu,
-        "signature": sig,
-        "chrf": chrf,
-        "chrf_signature": chrf_sig,
+        "bleu": result.bleu,
+        "signature": result.signature,
+        "chrf": result.chrf,
+        "chrf_signature": result.chrf_signature,
         **data.metrics,
-        "examples": len(hyps),
+        "examples": len(result.hypotheses),
         "averaged": averaged,
         "averaged_steps": loaded.averaged_steps,
         "decode_seconds": round(seconds, 3),

@@ -16,6 +16,7 @@ be asked for, trained or not: a model trained on en<->de and en<->fr translates 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -74,6 +75,24 @@ class DirectionScore:
     references: list[str]
 
 
+def through(
+    loaded: restore.Loaded, target_lang: str, pivot: str, *, beam_size: int, alpha: float
+) -> scoring.Translator:
+    """sources -> `translate_to` target_lang through `pivot`, in batches of the checkpoint's
+    data.eval_batch_size, long sources truncated as in evaluation (no warning): how a split
+    is decoded through a pivot (scoring.score_split's `translate`)."""
+    return functools.partial(
+        translate_to,
+        loaded,
+        target_lang=target_lang,
+        pivot=pivot,
+        beam_size=beam_size,
+        alpha=alpha,
+        batch_size=loaded.config.data.eval_batch_size,
+        warn=lambda message: None,
+    )
+
+
 def score_direction(
     loaded: restore.Loaded,
     direction: str,
@@ -85,41 +104,36 @@ def score_direction(
     alpha: float = 0.6,
 ) -> DirectionScore:
     """Translate the first `limit` pairs of `split` of `direction` ('de-fr': the dataset of
-    the checkpoint's config read in that direction) and score them with sacreBLEU.
+    the checkpoint's config read in that direction) and score them with sacreBLEU
+    (scoring.score_split, as evaluation and training's validation BLEU do).
 
-    Direct: the split's eval batches, tagged, decoded as training's validation BLEU decodes
-    them. Through `pivot`: `translate_to` twice (sources -> pivot -> target)."""
+    Direct: the split's eval batches, tagged. Through `pivot`: `translate_to` twice
+    (sources -> pivot -> target)."""
     (src, tgt) = directions.parse_directions(direction, "direction")[0]
     if pivot in (src, tgt):
         raise ValueError(f"pivot={pivot!r} is an end of the direction {direction!r}")
     task = directions.direction_task(
         loaded.config.data, loaded.tokenizer, loaded.config.seed, (src, tgt)
     )
-    pairs = task.pairs(split, limit)
-    sources = [pairs[i][0] for i in range(len(pairs))]
-    references = [pairs[i][1] for i in range(len(pairs))]
-    if pivot:
-        hyps = translate_to(
-            loaded,
-            sources,
-            tgt,
-            pivot=pivot,
-            beam_size=beam_size,
-            alpha=alpha,
-            batch_size=loaded.config.data.eval_batch_size,
-            warn=lambda message: None,  # long sources are truncated, as in evaluation
-        )
-    else:
-        hyps = scoring.translate_batches(
-            loaded.model_config,
-            loaded.params,
-            task.eval_batches(split, 1, limit),
-            loaded.tokenizer,
-            len(pairs),
-            beam_size=beam_size,
-            alpha=alpha,
-        )
-    bleu, chrf, sig, chrf_sig = scoring.score(hyps, references)
+    data = scoring.Split(task, split, limit)
+    via = through(loaded, tgt, pivot, beam_size=beam_size, alpha=alpha) if pivot else None
+    r = scoring.score_split(
+        loaded.model_config,
+        loaded.params,
+        loaded.tokenizer,
+        data,
+        beam_size=beam_size,
+        alpha=alpha,
+        translate=via,
+    )
     return DirectionScore(
-        f"{src}-{tgt}", pivot, bleu, chrf, sig, chrf_sig, sources, hyps, references
+        f"{src}-{tgt}",
+        pivot,
+        r.bleu,
+        r.chrf,
+        r.signature,
+        r.chrf_signature,
+        data.sources,
+        r.hypotheses,
+        r.references,
     )

@@ -1,14 +1,26 @@
-"""Translating a split and scoring it with sacreBLEU (BLEU and chrF, with signatures).
+"""Translating a split and scoring it with sacreBLEU (BLEU and chrF, with signatures): the one
+path every BLEU of tx_jax takes.
 
-Used by training (validation BLEU) and by the evaluate / translate CLIs. Decoding runs in
-one process on that process's default device (or on the mesh the parameters live on).
+    split = scoring.Split(task, "validation", limit=100)     pairs and eval batches, read once
+    result = scoring.score_split(model_config, params, tokenizer, split, beam_size=4)
+    result.bleu, result.chrf, result.signature, result.hypotheses, result.decode_seconds
+
+`score_split` is what evaluation.py (the evaluate CLI, sweeps), training's validation and test
+BLEU (`bleu_metrics`, experiment/evaluator.py) and multilingual.score_direction (the
+language-similarity study) call: the split's eval batches decoded by `translate_batches`
+(or, through a pivot language, the sources translated by a given text-to-text function),
+then scored against its references. `translate_batches` also serves translation.py.
+Decoding runs in one process on that process's local devices (or on the mesh the
+parameters live on).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -29,6 +41,34 @@ class BleuResult:
     chrf_signature: str
     hypotheses: list[str]
     references: list[str]
+    decode_seconds: float = 0.0  # wall time of the translation alone
+
+
+class Split:
+    """The first `limit` pairs of a split of a translation task (a direction's, for a
+    multilingual one: its sources tagged), each part read when first asked for and kept:
+    a split decoded several times (a sweep) is read once."""
+
+    def __init__(self, task: Any, name: str, limit: int | None = None):
+        self.task, self.name, self.limit = task, name, limit
+
+    @functools.cached_property
+    def pairs(self) -> Sequence[tuple[str, str]]:
+        return self.task.pairs(self.name, self.limit)
+
+    @property
+    def sources(self) -> list[str]:
+        return [self.pairs[i][0] for i in range(len(self.pairs))]
+
+    @functools.cached_property
+    def references(self) -> list[str]:
+        return [self.pairs[i][1] for i in range(len(self.pairs))]
+
+    @functools.cached_property
+    def batches(self) -> list[dict[str, np.ndarray]]:
+        """Eval batches: sources as the model reads them, sorted by length and bucketed, each
+        row's place in the corpus in 'example_index'."""
+        return list(self.task.eval_batches(self.name, 1, self.limit))
 
 
 class _OncePerProcess(logging.Filter):
@@ -132,24 +172,59 @@ def translate_batches(
     return out  # type: ignore[return-value]
 
 
-def _bleu_for_split(
-    model_config: ModelConfig, params: Any, task: Any, split: str, kw
-) -> BleuResult:
-    """Translate the first kw['limit'] examples of `split` of a TranslationTask; score them."""
-    pairs = task.pairs(split, kw["limit"])
-    batches = task.eval_batches(split, 1, kw["limit"])
-    hyps = translate_batches(
+Translator = Callable[[list[str]], list[str]]  # sources -> hypotheses, in order
+
+
+def translate_split(
+    model_config: ModelConfig,
+    params: Any,
+    tokenizer: Tokenizer,
+    split: Split,
+    *,
+    beam_size: int = 1,
+    alpha: float = 0.6,
+    translate: Translator | None = None,
+) -> list[str]:
+    """The split's hypotheses in corpus order: its eval batches decoded (`translate_batches`),
+    or `translate(sources)` when given (e.g. through a pivot language: multilingual.py)."""
+    if translate is not None:
+        return translate(split.sources)
+    return translate_batches(
         model_config,
         params,
-        batches,
-        task.tokenizer,
-        len(pairs),
-        beam_size=kw["beam_size"],
-        alpha=kw["alpha"],
+        split.batches,
+        tokenizer,
+        len(split.references),
+        beam_size=beam_size,
+        alpha=alpha,
     )
-    refs = [pairs[i][1] for i in range(len(pairs))]
-    bleu, chrf, sig, chrf_sig = score(hyps, refs)
-    return BleuResult(bleu, chrf, sig, chrf_sig, hyps, refs)
+
+
+def score_split(
+    model_config: ModelConfig,
+    params: Any,
+    tokenizer: Tokenizer,
+    split: Split,
+    *,
+    beam_size: int = 1,
+    alpha: float = 0.6,
+    translate: Translator | None = None,
+) -> BleuResult:
+    """Translate a split (`translate_split`: greedy when beam_size == 1) and score it against
+    its references with sacreBLEU."""
+    start = time.time()
+    hyps = translate_split(
+        model_config,
+        params,
+        tokenizer,
+        split,
+        beam_size=beam_size,
+        alpha=alpha,
+        translate=translate,
+    )
+    seconds = time.time() - start
+    bleu, chrf, sig, chrf_sig = score(hyps, split.references)
+    return BleuResult(bleu, chrf, sig, chrf_sig, hyps, split.references, seconds)
 
 
 def bleu_metrics(
@@ -166,13 +241,19 @@ def bleu_metrics(
     `bleu_directions`, data/directions.py) also 'bleu/en-de', 'chrf/en-de', ... per direction
     (the first `limit` pairs of each), and 'bleu' / 'chrf' are the means over its training
     directions (`task.directions`; extra, e.g. zero-shot, directions are reported only)."""
-    kw = dict(limit=limit, beam_size=beam_size, alpha=alpha)
+
+    def result(task: Any) -> BleuResult:
+        data = Split(task, split, limit)
+        return score_split(
+            model_config, params, task.tokenizer, data, beam_size=beam_size, alpha=alpha
+        )
+
     if not hasattr(task, "bleu_directions"):
-        r = _bleu_for_split(model_config, params, task, split, kw)
+        r = result(task)
         return {"bleu": r.bleu, "chrf": r.chrf, "bleu_signature": r.signature}
     out: dict[str, Any] = {}
     for name in task.bleu_directions:
-        r = _bleu_for_split(model_config, params, task.direction(name), split, kw)
+        r = result(task.direction(name))
         out.update({f"bleu/{name}": r.bleu, f"chrf/{name}": r.chrf, "bleu_signature": r.signature})
     for metric in ("bleu", "chrf"):
         out[metric] = float(np.mean([out[f"{metric}/{n}"] for n in task.directions]))
