@@ -35,6 +35,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c = sibling_config(__file__, "multi30k", f"pair={args.pair}")
     stored = _stored_config(args.init_from)
     c.model = ml_collections.ConfigDict(stored.model.to_dict())  # the architecture as stored
+    # float32 master weights and optimizer state (a bfloat16 import is upcast on restore);
+    # the compute dtype stays the checkpoint's.
+    c.model.param_dtype = "float32"
     c.task = stored.get("task", "translation")
     c.data.tokenizer_path = args.init_from  # its WORKDIR/tokenizer.model: the same vocabulary
     c.data.vocab_size = stored.data.vocab_size
@@ -54,6 +57,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.test_beam_size = 4
     c.checkpoint.every = 500
     c.checkpoint.keep = 3
+    # Sharded jit over a (data, fsdp, tensor) mesh: a large model shards its parameters and
+    # optimizer state with --config.parallel.mesh.fsdp=N (tx_jax.plan --search finds N).
+    c.parallel.strategy = "mesh"
     if args.variant == "debug":
         c.data.max_len = 48
         c.data.tokens_per_batch = 512

@@ -187,3 +187,25 @@ def test_export_of_the_import_gives_back_the_source(marian, tmp_path):
     back = json.loads((tmp_path / "config.json").read_text())
     source = json.loads((root / "hf" / "config.json").read_text())
     assert {k: back.get(k) for k in source} == source
+
+
+def test_evaluate_cli_on_a_dataset_named_by_overrides(marian, tmp_path):
+    _, _, root = marian
+    raw = _multi30k_files(tmp_path / "raw")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tx_jax.evaluate",
+            f"--workdir={root / 'w'}",
+            "--split=test_2016_flickr",
+            "--beam_size=1",
+            "--config.data.dataset=multi30k",
+            f"--config.data.manual_dir={raw}",
+            f"--config.data.data_dir={tmp_path / 'tfds'}",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "BLEU" in proc.stdout + proc.stderr
