@@ -18,6 +18,7 @@ naming the keys or tensors (pretrained.py's families), and the workdir is left u
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -35,6 +36,8 @@ from tx_jax.training import logs
 from tx_jax.training.checkpoint import Checkpointer
 
 DTYPES = ("float32", "bfloat16")
+# ModelConfig fields a run sets itself (from its tokenizer, or for decoding and analysis).
+_SET_BY_THE_RUN = ("vocab_size", "bos_id", "decode", "sow_attention_weights")
 
 
 def read_config(source: epath.Path) -> dict[str, Any]:
@@ -93,10 +96,20 @@ def run_config(
 ) -> ml_collections.ConfigDict:
     """`base` (--config) with the imported model section and the checkpoint's languages."""
     c = ml_collections.ConfigDict(base.to_dict())
-    model = {k: v for k, v in fields.items() if k not in ("vocab_size", "bos_id")}
-    model.update(dtype=dtype, param_dtype=dtype)
-    ModelConfig.from_config(model, vocab_size=tokenizer.vocab_size, bos_id=tokenizer.bos_id)
-    c.model = ml_collections.ConfigDict(model)
+    imported = {k: v for k, v in fields.items() if k not in ("vocab_size", "bos_id")}
+    imported.update(dtype=dtype, param_dtype=dtype)
+    cfg = ModelConfig.from_config(
+        imported, vocab_size=tokenizer.vocab_size, bos_id=tokenizer.bos_id
+    )
+    # Every field, so that any of them can be overridden (--config.model.remat=dots).
+    c.model = ml_collections.ConfigDict()
+    for f in dataclasses.fields(ModelConfig):
+        if f.name in _SET_BY_THE_RUN:
+            continue
+        value = getattr(cfg, f.name)
+        if value is None:  # typed like configs/default.py's optional fields
+            value = ml_collections.FieldReference(None, field_type=int)
+        c.model[f.name] = value
     c.task = "translation"
     c.data.vocab_size = tokenizer.vocab_size
     c.data.source_lang = tokenizer.source_lang or c.data.source_lang
