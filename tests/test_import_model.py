@@ -14,7 +14,7 @@ import pytest
 
 from tx_jax.config import load_config
 from tx_jax.data.imported_tokenizer import ImportedTokenizer
-from tx_jax.inference import likelihood, restore, translation
+from tx_jax.inference import decoding, languages, likelihood, restore, translation
 from tx_jax.interop import importer
 from tx_jax.interop.seq2seq_layout import PretrainedError
 
@@ -209,3 +209,46 @@ def test_evaluate_cli_on_a_dataset_named_by_overrides(marian, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "BLEU" in proc.stdout + proc.stderr
+
+
+def test_m2m_100_translates_into_the_forced_language_as_generate(tmp_path):
+    from tx_jax.interop import pretrained
+
+    model, tok = pf.m2m_100_dir(tmp_path / "hf")
+    _import(tmp_path / "hf", tmp_path / "w")
+    loaded = restore.load(tmp_path / "w")
+    source, target = languages.prefixes(loaded, "en", "fr")
+    assert target == [loaded.tokenizer.language_id("fr")]
+    perm = pretrained.vocab_permutation(model.config.to_dict())
+    tok.src_lang = "en"
+    for line in pf.EN[:4]:
+        ids = [*source, *loaded.tokenizer.encode(line), loaded.tokenizer.eos_id]
+        ours = decoding.translate_greedy(
+            loaded.model_config,
+            loaded.params,
+            np.asarray([ids]),
+            eos_id=loaded.tokenizer.eos_id,
+            prompt=np.asarray([target]),
+        )
+        ours = [int(i) for i in np.asarray(ours)[0] if i != 0]
+        enc = tok([line], return_tensors="pt")
+        assert [int(perm[i]) for i in enc["input_ids"][0]] == ids
+        limit = len(ids) + 50  # the forced token counts in both limits
+        out = model.generate(
+            **enc, forced_bos_token_id=tok.get_lang_id("fr"), max_new_tokens=limit + 1
+        )
+        theirs = [int(perm[i]) for i in out[0, 1:]]  # without the decoder's start token
+        assert theirs[0] == target[0]
+        assert ours == theirs[: len(ours)] and len(theirs) - len(ours) in (0, 1)  # + forced EOS
+    cli = subprocess.run(
+        [sys.executable, "-m", "tx_jax.translate", f"--workdir={tmp_path / 'w'}", "--beam_size=1"]
+        + ["--source_lang=en", "--target_lang=fr"],
+        input="\n".join(pf.EN) + "\n",
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    want = translation.translate_lines(
+        loaded, pf.EN, beam_size=1, source_prefix=source, target_prefix=target
+    )
+    assert cli.stdout.splitlines() == want and len(want) == len(pf.EN)

@@ -5,6 +5,7 @@
         --alpha=0.6 --batch_size=64 < source.txt
     python -m tx_jax.translate --checkpoint=runs/default/averaged/last5/600 < source.txt
     python -m tx_jax.translate --workdir=runs/multi --target_lang=fr [--pivot=en] < de.txt
+    python -m tx_jax.translate --workdir=runs/nllb --source_lang=eng_Latn --target_lang=deu_Latn
 
 Parameters, tokenizer and model config come from the checkpoint (inference/restore.py); no
 dataset is read or prepared. Lines are split on '\\n' (a trailing '\\r' is dropped), decoded
@@ -24,7 +25,7 @@ from typing import BinaryIO
 from absl import app, flags
 
 from tx_jax.cli import common
-from tx_jax.inference import restore
+from tx_jax.inference import languages, restore
 from tx_jax.inference.translation import translate_lines
 
 
@@ -61,7 +62,14 @@ def _main(argv: list[str], overrides: dict[str, str]) -> None:
         progress=progress,
         length_buckets=None if f.length_buckets is None else [int(x) for x in f.length_buckets],
     )
-    if f.target_lang:  # a multilingual model: tag the sources (through a pivot if asked)
+    if f.length_penalty != "gnmt":
+        kwargs["length_penalty"] = f.length_penalty
+    if languages.is_imported(loaded.tokenizer):  # M2M100/NLLB, multi-target OPUS-MT
+        if f.pivot:
+            raise app.UsageError("--pivot is for tx_jax's multilingual runs")
+        source, target = languages.prefixes(loaded, f.source_lang, f.target_lang)
+        out = translate_lines(loaded, lines, source_prefix=source, target_prefix=target, **kwargs)
+    elif f.target_lang:  # a multilingual model: tag the sources (through a pivot if asked)
         from tx_jax.inference import multilingual
 
         out = multilingual.translate_to(loaded, lines, f.target_lang, pivot=f.pivot, **kwargs)
@@ -100,8 +108,19 @@ def main() -> None:
     flags.DEFINE_string(
         "target_lang",
         None,
-        "Multilingual checkpoints: translate into this "
-        "language (its <2xx> tag goes before each source).",
+        "Multilingual checkpoints: translate into this language (its <2xx> tag goes before "
+        "each source); imported M2M100/NLLB (forced first token) and multi-target OPUS-MT "
+        "(>>xx<< before the source): the target (default: the tokenizer config's).",
+    )
+    flags.DEFINE_string(
+        "source_lang", None, "Imported M2M100/NLLB: the sources' language (default: its config's)."
+    )
+    flags.DEFINE_enum(
+        "length_penalty",
+        "gnmt",
+        ["gnmt", "fairseq"],
+        "Beam search divides log p by ((5 + length) / 6)^alpha (gnmt) or length^alpha "
+        "(fairseq: Transformers' and CTranslate2's).",
     )
     flags.DEFINE_string(
         "pivot",

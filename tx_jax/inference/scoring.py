@@ -106,12 +106,20 @@ def score(hypotheses: Sequence[str], references: Sequence[str]) -> tuple[float, 
     return b.score, c.score, str(bleu.get_signature()), str(chrf.get_signature())
 
 
-def _greedy(params: Any, inputs: jax.Array, *, config: ModelConfig, **kw: Any):
-    return decoding.translate_greedy(config, params, inputs, **kw)
+def _prompt(inputs: jax.Array, prefix: tuple[int, ...]) -> jax.Array | None:
+    """The same forced first tokens for every row (an M2M100/NLLB target-language token)."""
+    if not prefix:
+        return None
+    return jax.numpy.tile(jax.numpy.asarray(prefix, jax.numpy.int32)[None], (inputs.shape[0], 1))
 
 
-def _beam(params: Any, inputs: jax.Array, *, config: ModelConfig, **kw: Any):
-    return decoding.translate_beam(config, params, inputs, **kw)
+def _greedy(params: Any, inputs: jax.Array, *, config: ModelConfig, prefix=(), **kw: Any):
+    prompt = _prompt(inputs, prefix)
+    return decoding.translate_greedy(config, params, inputs, prompt=prompt, **kw)
+
+
+def _beam(params: Any, inputs: jax.Array, *, config: ModelConfig, prefix=(), **kw: Any):
+    return decoding.translate_beam(config, params, inputs, prompt=_prompt(inputs, prefix), **kw)
 
 
 def translate_batches(
@@ -125,8 +133,14 @@ def translate_batches(
     alpha: float = 0.6,
     max_decode_len: int | None = None,
     devices: Sequence[jax.Device] | None = None,
+    target_prefix: Sequence[int] = (),
+    length_penalty: str = "gnmt",
 ) -> list[str]:
     """Decode every batch (greedy when beam_size == 1) -> hypotheses in corpus order.
+
+    `target_prefix`: ids every output is forced to start with (an M2M100/NLLB target-language
+    token; the tokenizer drops it from the text). `length_penalty`: beam search's, 'gnmt' or
+    'fairseq' (length^alpha, as Transformers and CTranslate2 divide).
 
     Batches carry 'inputs' [B, S], 'example_index' [B] and 'example_mask' [B]. Parameters on
     one device are decoded on every local device of its platform (data_parallel.py:
@@ -140,6 +154,10 @@ def translate_batches(
     static = dict(config=model_config, max_decode_len=max_decode_len, eos_id=eos)
     if beam_size > 1:
         static.update(beam_size=beam_size, alpha=alpha)
+        if length_penalty != "gnmt":
+            static.update(length_penalty=length_penalty)
+    if target_prefix:
+        static.update(prefix=tuple(int(i) for i in target_prefix))
     fn = _greedy if beam_size == 1 else _beam
     if devices:
         rows = data_parallel.Rows(devices, params)

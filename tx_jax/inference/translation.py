@@ -59,6 +59,8 @@ def translate_lines(
     warn: Callable[[str], None] = _stderr,
     progress: Callable[[int, int], None] | None = None,
     source_prefix: Sequence[int] = (),
+    target_prefix: Sequence[int] = (),
+    length_penalty: str = "gnmt",
     length_buckets: Sequence[int] | None = None,
 ) -> list[str]:
     """Translations of `lines`, aligned: one output per input, '' for blank inputs.
@@ -67,7 +69,9 @@ def translate_lines(
     data.eval_batch_size). Sources are truncated to `max_len` tokens (default
     `max_source_len`); `progress(done, total)` is called after every chunk of CHUNK_BATCHES
     batches. `source_prefix`: ids before every source, e.g. a multilingual model's
-    target-language tag (multilingual.py).
+    target-language tag (multilingual.py); `target_prefix`: ids each output is forced to
+    start with (an M2M100/NLLB target-language token: inference/languages.py gives both).
+    `length_penalty`: beam search's, 'gnmt' or 'fairseq' (Transformers' length^alpha).
 
     `length_buckets` (e.g. (16, 32, 64)): the lengths batches are padded to (each to the
     smallest that holds its longest source; max_len is always one), one compilation per
@@ -106,6 +110,8 @@ def translate_lines(
             len(part),
             beam_size=beam_size,
             alpha=alpha,
+            target_prefix=target_prefix,
+            length_penalty=length_penalty,
         )
         for i, hyp in zip(part, hyps):
             out[i] = " ".join(hyp.splitlines())

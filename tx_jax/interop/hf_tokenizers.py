@@ -69,6 +69,11 @@ def _pieces(vocab: Mapping[str, int], size: int, where: str) -> list[str]:
     return [p if p is not None else f"<tx_jax_unused_{i}>" for i, p in enumerate(out)]
 
 
+def _unused(pieces: list[str]) -> set[int]:
+    """Foreign ids no piece names (e.g. M2M100's made-up words): decoding drops them."""
+    return {i for i, p in enumerate(pieces) if p.startswith("<tx_jax_unused_")}
+
+
 def _special(hf: Mapping[str, Any], key: str) -> int:
     value = hf.get(key)
     if value is None:
@@ -106,9 +111,8 @@ def _marian(source: epath.Path, hf: Mapping[str, Any]) -> ImportedTokenizer:
     if unk is None:
         raise TokenizerImportError(f"{source / 'vocab.json'}: no <unk> piece")
     eos = _special(hf, "eos_token_id")
-    specials = {pad, eos, int(unk)} | {
-        int(vocab[p]) for p in tc.get("additional_special_tokens") or () if p in vocab
-    }
+    specials = {pad, eos, int(unk)} | _unused(pieces)
+    specials |= {int(vocab[p]) for p in tc.get("additional_special_tokens") or () if p in vocab}
     return ImportedTokenizer(
         family="marian",
         source_model=_bytes(source / "source.spm"),
@@ -191,6 +195,7 @@ def _m2m_100(source: epath.Path, hf: Mapping[str, Any], nllb: bool) -> ImportedT
     pieces = _pieces({p: i for p, i in vocab.items() if i < size}, size, str(source))
     unk, eos = vocab["<unk>"], _special(hf, "eos_token_id")
     specials = {pad, eos, unk, vocab["<s>"]} | set(added.values()) | set(languages.values())
+    specials |= _unused(pieces)
     return ImportedTokenizer(
         family="nllb" if nllb else "m2m_100",
         source_model=model,
