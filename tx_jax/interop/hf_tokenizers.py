@@ -96,14 +96,12 @@ def _marian(source: epath.Path, hf: Mapping[str, Any]) -> ImportedTokenizer:
     perm = swap_pad(size, pad)
     vocab = _json(source / "vocab.json")
     pieces = _pieces(vocab, size, str(source / "vocab.json"))
-    target_pieces = None
+    target_pieces, unused = None, _unused(pieces)  # decoded ids: the target vocabulary's
     if tc.get("separate_vocabs"):
         target_size = int(hf.get("decoder_vocab_size") or size)
         target_vocab = _json(source / "target_vocab.json")
-        target_pieces = _renumber(
-            _pieces(target_vocab, target_size, str(source / "target_vocab.json")),
-            swap_pad(target_size, pad),
-        )
+        raw = _pieces(target_vocab, target_size, str(source / "target_vocab.json"))
+        target_pieces, unused = _renumber(raw, swap_pad(target_size, pad)), _unused(raw)
         languages = {}  # transformers reads >>xx<< tokens only from a shared vocabulary
     else:
         languages = {p: int(perm[i]) for p, i in vocab.items() if MARIAN_LANGUAGE.match(p)}
@@ -111,7 +109,7 @@ def _marian(source: epath.Path, hf: Mapping[str, Any]) -> ImportedTokenizer:
     if unk is None:
         raise TokenizerImportError(f"{source / 'vocab.json'}: no <unk> piece")
     eos = _special(hf, "eos_token_id")
-    specials = {pad, eos, int(unk)} | _unused(pieces)
+    specials = {pad, eos, int(unk)} | unused
     specials |= {int(vocab[p]) for p in tc.get("additional_special_tokens") or () if p in vocab}
     return ImportedTokenizer(
         family="marian",
