@@ -76,6 +76,21 @@ def test_evaluate_writes_bleu_with_signature_and_one_line_per_example(workdir):
     assert saved["seconds"] >= saved["decode_seconds"] > 0
 
 
+def test_sweep_scores_each_point_as_evaluate_does(workdir):
+    """A sweep reads the split once and decodes it per point: each point's BLEU and chrF
+    are evaluate's for that beam and alpha (greedy once, whatever the alphas)."""
+    kw = dict(split="validation", limit=8, write=False)
+    swept = evaluation.sweep(workdir, beams=(1, 2), alphas=(0.6, 1.0), **kw)
+    points = {(p["beam"], p["alpha"]): p for p in swept["points"]}
+    assert sorted(points, key=str) == [(1, None), (2, 0.6), (2, 1.0)]
+    for beam, alpha in ((1, 0.6), (2, 1.0)):
+        one = evaluation.evaluate(workdir, beam_size=beam, alpha=alpha, **kw)
+        point = points[(beam, alpha if beam > 1 else None)]
+        assert (point["bleu"], point["chrf"]) == (one["bleu"], one["chrf"])
+        assert point["loss"] == pytest.approx(one["loss"])
+    assert swept["best"]["bleu"] == max(p["bleu"] for p in swept["points"])
+
+
 def test_evaluate_loss_matches_training_validation_loss(workdir, greedy_validation):
     record, hyps, _ = greedy_validation
     logged = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
