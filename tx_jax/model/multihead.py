@@ -227,7 +227,7 @@ class MultiHeadAttention(nn.Module):
 
     def _grouped_cross(self, query, key, value, q_segment_ids, kv_segment_ids, M) -> Array:
         """Cross-attention of [B * N, L] hypotheses over the [B, S] sources they share
-        (decoding.share_beam_cache keeps one cross cache row per example): an example's N
+        (cache.share_beams keeps one cross cache row per example): an example's N
         hypotheses attend as N * L queries of one row, reading its keys once, not N times."""
         BN, L, H, D = query.shape
         B = key.shape[0]
