@@ -252,3 +252,15 @@ def test_m2m_100_translates_into_the_forced_language_as_generate(tmp_path):
         loaded, pf.EN, beam_size=1, source_prefix=source, target_prefix=target
     )
     assert cli.stdout.splitlines() == want and len(want) == len(pf.EN)
+
+
+def test_attention_maps_of_an_imported_model(marian, tmp_path):
+    _, _, root = marian
+    subprocess.run(
+        [sys.executable, "-m", "tx_jax.visualize", "attention", f"--workdir={root / 'w'}"]
+        + [f"--source={pf.EN[1]}", f"--target={pf.DE[1]}", f"--out={tmp_path}"],
+        check=True,
+        capture_output=True,
+    )
+    pngs = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert pngs and all((tmp_path / p).read_bytes()[:4] == b"\x89PNG" for p in pngs)
