@@ -124,11 +124,47 @@ def hf_scores(model, tok, sources, targets, batch_size):
     return out
 
 
+def tx_translate(loaded, sources, batch_size, beams):
+    """tx_jax's output ids per source (EOS and padding dropped), batches as translate's."""
+    from tx_jax.data import eval_pipeline
+    from tx_jax.inference import scoring
+
+    tokens: list = [None] * len(sources)
+    batches = list(
+        eval_pipeline.encode_sources(
+            sources,
+            loaded.tokenizer,
+            max_len=256,
+            batch_size=batch_size,
+            bucket_boundaries=[16, 24, 40, 64, 256],
+            sort_by_length=True,
+        )
+    )
+    fn = scoring._greedy if beams == 1 else scoring._beam
+    static = dict(config=loaded.model_config, eos_id=loaded.tokenizer.eos_id)
+    if beams > 1:
+        static.update(beam_size=beams, alpha=1.0, length_penalty="fairseq")
+    import jax
+
+    for b in batches:
+        out = jax.device_get(fn(loaded.params, b["inputs"], **static))
+        out = np.asarray(out[0])[:, 0] if beams > 1 else np.asarray(out)  # the best beam
+        for row, (i, ok) in enumerate(zip(b["example_index"], b["example_mask"], strict=True)):
+            if ok:
+                ids = out[row].tolist()
+                eos = loaded.tokenizer.eos_id
+                tokens[int(i)] = ids[: ids.index(eos)] if eos in ids else [x for x in ids if x]
+    return tokens
+
+
 def hf_translate(model, tok, sources, batch_size, beams):
     import torch
 
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
-    out: list[str] = [""] * len(sources)
+    out: list = [None] * len(sources)
+    perm_to_tx = np.arange(model.config.vocab_size)
+    pad = model.config.pad_token_id
+    perm_to_tx[[0, pad]] = perm_to_tx[[pad, 0]]
     with torch.inference_mode():
         for s in range(0, len(order), batch_size):
             idx = order[s : s + batch_size]
@@ -140,8 +176,10 @@ def hf_translate(model, tok, sources, batch_size, beams):
                 max_new_tokens=enc["input_ids"].shape[1] + 50,
                 length_penalty=1.0,
             )
-            for i, text in zip(idx, tok.batch_decode(gen, skip_special_tokens=True), strict=True):
-                out[i] = text
+            for i, ids in zip(idx, gen.tolist(), strict=True):
+                ids = ids[1:]  # the decoder's start token
+                ids = ids[: ids.index(0)] if 0 in ids else ids  # EOS is 0 in Marian's ids
+                out[i] = [int(perm_to_tx[x]) for x in ids if x != tok.pad_token_id]
     return out
 
 
@@ -150,49 +188,99 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=1000)
     parser.add_argument("--translate", type=int, default=200)
     parser.add_argument("--batch_size", type=int, default=32)
-    parser.add_argument("--eos_bias", type=float, default=6.0)
+    parser.add_argument("--eos_bias", type=float, default=0.0)
+    parser.add_argument("--skip_score", action="store_true")
+    parser.add_argument("--beams", default="1,4", help="beam sizes to translate with")
     parser.add_argument("--root", default=None)
     args = parser.parse_args()
 
     import torch
 
     from tx_jax.config import load_config
-    from tx_jax.inference import likelihood, restore, translation
+    from tx_jax.inference import restore
     from tx_jax.interop import importer
 
     root = pathlib.Path(args.root or tempfile.mkdtemp(prefix="tx_jax_opus_"))
-    model, tok = build(root / "hf", args.eos_bias)
-    importer.import_model(root / "hf", root / "w", base_config=load_config("configs/default.py"))
+    if (root / "w").exists():  # a previous run's model
+        import transformers
+
+        model = transformers.MarianMTModel.from_pretrained(str(root / "hf")).eval()
+        tok = transformers.MarianTokenizer.from_pretrained(str(root / "hf"))
+    else:
+        model, tok = build(root / "hf", args.eos_bias)
+        base = load_config("configs/default.py")
+        importer.import_model(root / "hf", root / "w", base_config=base)
     loaded = restore.load(root / "w")
     sources = _lines("test_2016_flickr.en.gz")[: args.pairs]
     targets = _lines("test_2016_flickr.de.gz")[: args.pairs]
     info = dict(torch_threads=torch.get_num_threads(), batch_size=args.batch_size)
 
-    ours: list = []
-    t = _timed(lambda: ours.__setitem__(slice(None), likelihood.score_pairs(
-        loaded, sources, targets, batch_size=args.batch_size)))
-    theirs: list = []
-    h = _timed(lambda: theirs.__setitem__(slice(None), hf_scores(
-        model, tok, sources, targets, args.batch_size)))
-    diff = np.max(np.abs(np.array([s.logprob for s in ours]) - np.array(theirs)) / np.abs(theirs))
-    print(json.dumps(dict(info, what="score", pairs=len(sources), tx_jax_pairs_per_s=round(
-        len(sources) / t, 1), transformers_pairs_per_s=round(len(sources) / h, 1),
-        max_rel_diff=float(diff))), flush=True)
-
+    if not args.skip_score:
+        score(loaded, model, tok, sources, targets, args.batch_size, info)
     few = sources[: args.translate]
-    for beams in (1, 4):
-        mine: list = []
-        t = _timed(lambda b=beams: mine.__setitem__(slice(None), translation.translate_lines(
-            loaded, few, beam_size=b, alpha=1.0, batch_size=args.batch_size)))
-        hf: list = []
-        h = _timed(lambda b=beams: hf.__setitem__(slice(None), hf_translate(
-            model, tok, few, args.batch_size, b)))
-        same = sum(a == b for a, b in zip(mine, hf, strict=True))
-        words = sum(len(x.split()) for x in mine)
-        print(json.dumps(dict(info, what=f"translate beam {beams}", sentences=len(few),
-            tx_jax_sentences_per_s=round(len(few) / t, 2),
-            transformers_sentences_per_s=round(len(few) / h, 2), identical=same,
-            tx_jax_words=words)), flush=True)
+    for beams in (int(b) for b in args.beams.split(",")):
+        translate(loaded, model, tok, few, args.batch_size, beams, info)
+
+
+def score(loaded, model, tok, sources, targets, batch_size, info) -> None:
+    from tx_jax.inference import likelihood
+
+    ours: list = []
+    t = _timed(
+        lambda: ours.__setitem__(
+            slice(None), likelihood.score_pairs(loaded, sources, targets, batch_size=batch_size)
+        )
+    )
+    theirs = np.zeros(len(sources))
+    h = _timed(
+        lambda: theirs.__setitem__(slice(None), hf_scores(model, tok, sources, targets, batch_size))
+    )
+    diff = np.max(np.abs(np.array([s.logprob for s in ours]) - theirs) / np.abs(theirs))
+    print(
+        json.dumps(
+            dict(
+                info,
+                what="score",
+                pairs=len(sources),
+                tx_jax_pairs_per_s=round(len(sources) / t, 1),
+                transformers_pairs_per_s=round(len(sources) / h, 1),
+                max_rel_diff=float(diff),
+            )
+        ),
+        flush=True,
+    )
+
+
+def translate(loaded, model, tok, sources, batch_size, beams, info) -> None:
+    """Output tokens per second of each (random weights: rows run to their limits; tx_jax
+    stops each at its own, source + 50, transformers the batch at its longest's)."""
+    mine: list = []
+    t = _timed(
+        lambda: mine.__setitem__(slice(None), tx_translate(loaded, sources, batch_size, beams))
+    )
+    hf: list = []
+    h = _timed(
+        lambda: hf.__setitem__(slice(None), hf_translate(model, tok, sources, batch_size, beams))
+    )
+    ours_tokens, their_tokens = sum(len(x) for x in mine), sum(len(x) for x in hf)
+    same = sum(a == b[: len(a)] for a, b in zip(mine, hf, strict=True))
+    print(
+        json.dumps(
+            dict(
+                info,
+                what=f"translate beam {beams}",
+                sentences=len(sources),
+                tx_jax_tokens_per_s=round(ours_tokens / t, 1),
+                transformers_tokens_per_s=round(their_tokens / h, 1),
+                tx_jax_seconds=round(t, 2),
+                transformers_seconds=round(h, 2),
+                tx_jax_tokens=ours_tokens,
+                transformers_tokens=their_tokens,
+                same_prefix=same,
+            )
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
