@@ -111,7 +111,11 @@ def main() -> None:
         print(proc.stdout[-3000:], proc.stderr[-2000:] if proc.returncode > 2 else "", flush=True)
         print(
             json.dumps(
-                {"step": f"plan {target}", "exit": proc.returncode, "seconds": round(time.time() - start, 1)}
+                {
+                    "step": f"plan {target}",
+                    "exit": proc.returncode,
+                    "seconds": round(time.time() - start, 1),
+                }
             ),
             flush=True,
         )
