@@ -87,6 +87,14 @@ def on_one_device(args: Any) -> bool:
     )
 
 
+def clear() -> None:
+    """Forget the programs this process holds (traced, kept, compiled): the next call builds
+    its program again, from the persistent cache if it is there (a profile or a compile-time
+    measurement that must see that step)."""
+    _calls.clear()
+    jax.clear_caches()
+
+
 def cached_call(fn: Callable, static: dict[str, Any], *args: Any) -> Any:
     """fn(*args, **static), with the traced program kept on disk (module docstring) when the
     persistent cache is on and every array lives on one device; else just the call.
