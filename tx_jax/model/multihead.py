@@ -253,7 +253,7 @@ class MultiHeadAttention(nn.Module):
     ) -> Array:
         """One step of beam search's self-attention over a cache it does not reorder.
 
-        decoding.py (share_beam_cache) gives the cache for beam search a 'beam_origin'
+        inference/cache.py (share_beams) gives the cache for beam search a 'beam_origin'
         [B, N, T] table, the slot that wrote each position of each hypothesis, and stores
         keys [B, N, K, T, Dk] and values [B, N, K, Dv, T] per example; the search reorders
         only the table (attention.beam_cache_attention)."""
