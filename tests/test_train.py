@@ -1,5 +1,6 @@
 """End-to-end training: loss goes down, checkpoints, exact resume, devices, grad accumulation."""
 
+import gc
 import gzip
 import json
 import os
@@ -103,6 +104,56 @@ def test_exact_resume_and_its_control(tmp_path, tfds_dir):
     assert seconds[0] < saved["train_seconds"] <= seconds[1]
     assert saved["train_seconds"] < seconds[2] < seconds[3]
     assert {r["cpu"] for r in segments} == {logs.cpu()}
+
+
+def _memory_mappings() -> int:
+    with open(f"/proc/{os.getpid()}/maps") as f:
+        return sum(1 for _ in f)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="counts Linux mappings")
+def test_several_experiments_in_one_process(tmp_path, tfds_dir):
+    """train_and_evaluate again and again in one process, as a notebook or a sweep does: a
+    pmap run, a mesh run with packing, the first run resumed further. Each finishes its own
+    steps, and a finished pmap run's programs are freed: jax's pmap cache kept them all
+    (parallel._pmap), and a process that ran enough passed the kernel's limit on memory
+    mappings, 65530, where XLA:CPU aborts (the test suite in one process did)."""
+    pmap_cfg = lambda steps: tiny_config(
+        tfds_dir, **{"train.num_steps": steps, "checkpoint.every": 3, "eval.every": 3}
+    )
+    mesh_cfg = tiny_config(
+        tfds_dir,
+        **{"train.num_steps": 2, "parallel.strategy": "mesh", "data.packing": True},
+    )
+    first = train_and_evaluate(pmap_cfg(3), tmp_path / "a")
+    gc.collect()
+    mappings = _memory_mappings()
+    other = train_and_evaluate(mesh_cfg, tmp_path / "b")
+    resumed = train_and_evaluate(pmap_cfg(6), tmp_path / "a")  # from checkpoint 3
+    gc.collect()
+    # a debug pmap run's programs take about 500 mappings; kept, they were here twice
+    assert _memory_mappings() - mappings < 200, (mappings, _memory_mappings())
+
+    a, b = train_losses(tmp_path / "a"), train_losses(tmp_path / "b")
+    assert sorted(a) == [1, 2, 3, 4, 5, 6] and sorted(b) == [1, 2]
+    assert all(np.isfinite(v) for v in [*a.values(), *b.values()])
+    assert np.mean([a[5], a[6]]) < np.mean([a[1], a[2]])
+    segments = [json.loads(x) for x in (tmp_path / "a" / "segments.jsonl").read_text().splitlines()]
+    assert [(r["event"], r["step"]) for r in segments] == [
+        ("start", 0),
+        ("stop", 3),
+        ("start", 3),
+        ("stop", 6),
+    ]
+    assert Checkpointer(tmp_path / "a" / "checkpoints", read_only=True).all_steps() == [3, 6]
+    assert Checkpointer(tmp_path / "b" / "checkpoints", read_only=True).all_steps() == [2]
+    for final in (first, other, resumed):  # each run's own validation at its last step
+        assert np.isfinite(final["loss"]) and final["perplexity"] == pytest.approx(
+            np.exp(final["loss"]), rel=1e-5
+        )
+    assert resumed["loss"] < first["loss"]
+    configs = [json.loads((tmp_path / d / "config.json").read_text()) for d in ("a", "b")]
+    assert [c["parallel"]["strategy"] for c in configs] == ["pmap", "mesh"]
 
 
 def test_gradient_accumulation_equals_the_full_batch(tmp_path, tfds_dir):

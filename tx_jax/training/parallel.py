@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import weakref
 from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import Any
@@ -82,6 +83,26 @@ def maybe_initialize_distributed(parallel: Any) -> None:
         jax.local_device_count(),
         jax.device_count(),
     )
+
+
+def _pmap(fn: Callable, **kwargs: Any) -> Callable:
+    """jax.pmap(fn, **kwargs), whose compiled programs are freed when the result is dropped.
+
+    jax 0.10's pmap (a jit of shard_map) caches per function in an lu.cache, a
+    WeakKeyDictionary keyed by `fn` whose value holds `fn`: the entry, with its executables,
+    is never freed (a leak of JAX's; no jax issue filed for it that we found, the design
+    is jax-ml/jax#1605's). Each train_and_evaluate left about 500 memory mappings behind,
+    and a process that ran enough (the tests in one process, a notebook) passed the
+    kernel's vm.max_map_count (65530): XLA:CPU then aborted or segfaulted compiling or
+    serialising an executable. The entry is evicted with the pmapped function."""
+    pmapped = jax.pmap(fn, **kwargs)
+    from jax._src import pmap as jax_pmap  # private: jax exposes no per-function eviction
+
+    cache = getattr(jax_pmap, "_cached_shard_map", None)
+    evict = getattr(cache, "evict_function", None)
+    if evict is not None:
+        weakref.finalize(pmapped, evict, fn)
+    return pmapped
 
 
 def mesh_shape(requested: dict[str, int], num_devices: int) -> tuple[int, ...]:
@@ -247,12 +268,11 @@ class Strategy:
         copies of the reduced values (fetch_metrics takes [0]).
         """
         if self.kind == "pmap":
-            fn = jax.pmap(
+            return _pmap(
                 lambda s, b: step_fn(s, b, axis_name=PMAP_AXIS),
                 axis_name=PMAP_AXIS,
                 donate_argnums=(0,) if donate else (),
             )
-            return fn
         jitted = self.jit_step(
             step_fn, donate=donate, state_shardings=state_shardings, returns_state=returns_state
         )
