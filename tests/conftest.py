@@ -52,6 +52,18 @@ def rng():
     return np.random.default_rng(0)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _jax_caches_per_file():
+    """Each test file's compiled programs go when it ends (jax.clear_caches; the persistent
+    cache serves them again). JAX keeps the executables of every live function (module-level
+    jits keyed by config, eager ops) and XLA:CPU maps each one's code in several memory
+    mappings: run in one process (no xdist), test_attention.py .. test_evaluate.py held
+    45,000 and the suite more than the kernel's vm.max_map_count (65530), where LLVM's mmap
+    fails ('Cannot allocate memory') and XLA:CPU aborts or segfaults (put_executable_and_time)."""
+    yield
+    jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def tfds_dir(tmp_path_factory):
     """One TFDS data dir per test session: the tiny synthetic corpus is prepared once."""
