@@ -28,6 +28,8 @@ SINUSOID_STYLES = ("paper", "marian", "fairseq")
 NORM_POSITIONS = ("post", "pre")
 POOLINGS = ("mean", "first")
 REMATS = ("none", "full", "dots")
+DROPOUT_BITS = ("auto", "bernoulli", "packed", "rbg")
+LOSS_IMPLS = ("auto", "dense", "blocked")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -65,6 +67,12 @@ class ModelConfig:
     logits_bias: bool = False  # a [V] bias added to the output logits (Marian's final_logits_bias)
     attention_impl: str = "auto"  # auto | xla | chunked | cudnn | splash (Pallas TPU kernel)
     kernels: str = "auto"  # auto | cpu | generic: projections and dropout (tx_jax/ops/kernels.py)
+    # auto | bernoulli | packed | rbg: how dropout's random bits are drawn (ops/kernels.py)
+    dropout_bits: str = "auto"
+    # auto | dense | blocked: the training loss over full [B, L, V] logits, or over blocks of
+    # positions with the logits recomputed in the backward pass (ops/output_loss.py)
+    loss_impl: str = "auto"
+    loss_block: int = 64  # 'blocked': target positions per block (of every batch row)
     dtype: str = "float32"  # compute dtype (activations, matmuls)
     param_dtype: str = "float32"  # storage dtype of the parameters
     remat: str = (
@@ -105,13 +113,15 @@ class ModelConfig:
             "kernels": KERNELS,
             "pooling": POOLINGS,
             "remat": REMATS,
+            "dropout_bits": DROPOUT_BITS,
+            "loss_impl": LOSS_IMPLS,
             "dtype": DTYPES,
             "param_dtype": DTYPES,
         }
         for key, allowed in enums.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"model.{key}={getattr(self, key)!r}; expected one of {allowed}")
-        for key in ("vocab_size", "d_model", "num_heads", "d_ff", "max_len"):
+        for key in ("vocab_size", "d_model", "num_heads", "d_ff", "max_len", "loss_block"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"model.{key}={getattr(self, key)} must be positive")
         if self.head_dim is None and self.d_model % self.num_heads:
