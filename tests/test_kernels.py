@@ -297,3 +297,55 @@ def test_cpu_bfloat16_matmuls_accumulate_in_float32_and_round_once():
     dy, db = vjp(y)
     np.testing.assert_array_equal(f32(dy), f32(y))
     np.testing.assert_allclose(db, f32(y).reshape(64, 48).sum(0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("bits", ["bernoulli", "packed", "rbg"])
+def test_every_dropout_generator_keeps_the_rate_and_scale_and_is_a_function_of_the_key(bits):
+    rate, shape = 0.1, (64, 1000)
+    x = jnp.ones(shape)
+    out = K.dropout(x, rate, jax.random.key(3), "generic", bits)
+    used = K.effective_rate(rate, "generic", bits)
+    assert used == (rate if bits == "bernoulli" else 6554 / 65536)
+    np.testing.assert_allclose(np.unique(np.asarray(out)), [0.0, 1 / (1 - used)], rtol=1e-6)
+    dropped = float((out == 0).mean())
+    assert abs(dropped - used) < 4 * np.sqrt(used * (1 - used) / out.size), dropped
+    again = K.dropout(x, rate, jax.random.key(3), "generic", bits)
+    other = K.dropout(x, rate, jax.random.key(4), "generic", bits)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(again))  # resume: same key, same mask
+    assert float((out != other).mean()) > 0.1  # another key, another mask
+
+
+def test_dropout_bits_choose_the_generator():
+    """'auto' follows the kernels ('packed' with the CPU kernels, jax.random.bernoulli with
+    the generic ones); 'packed' are the CPU kernels' masks whatever the kernels; 'rbg' draws
+    with XLA's RngBitGenerator; a bad value names the config key."""
+    key, shape = jax.random.key(5), (8, 37)
+    assert (
+        K.resolve_bits("auto", "cpu") == "packed"
+        and K.resolve_bits("auto", "generic") == "bernoulli"
+    )
+    packed = K.keep_mask(key, 0.2, shape, "generic", "packed")
+    from tx_jax.ops import dropout as D
+
+    np.testing.assert_array_equal(np.asarray(packed), np.asarray(D.keep_mask(key, 0.2, shape)))
+    np.testing.assert_array_equal(
+        np.asarray(K.keep_mask(key, 0.2, shape, "cpu", "auto")), np.asarray(packed)
+    )
+    rbg = jax.jit(lambda k: K.keep_mask(k, 0.2, shape, "generic", "rbg")).lower(key)
+    assert "rng_bit_generator" in rbg.as_text()
+    with pytest.raises(ValueError, match="model.dropout_bits='philox'"):
+        ModelConfig(dropout_bits="philox")
+    with pytest.raises(ValueError, match="model.dropout_bits"):
+        K.keep_mask(key, 0.2, shape, "generic", "fast")
+
+
+@pytest.mark.parametrize("bits", ["packed", "rbg"])
+def test_train_step_with_each_dropout_generator_is_repeatable_and_differs_between_steps(bits):
+    cfg = _tiny(kernels="generic", dropout_rate=0.3, ffn_dropout_rate=0.3, dropout_bits=bits)
+    state, step = _state_and_step(DecoderOnly, cfg)
+    one = float(step(state, _batch())[1]["loss"])
+    assert one == float(step(state, _batch())[1]["loss"])
+    two = float(step(state.replace(step=state.step + 1), _batch())[1]["loss"])
+    assert abs(one - two) > 1e-3, (one, two)
+    plain = _state_and_step(DecoderOnly, cfg.replace(dropout_rate=0.0, ffn_dropout_rate=0.0))
+    assert abs(one - float(plain[1](plain[0], _batch())[1]["loss"])) > 1e-3

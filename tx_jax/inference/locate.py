@@ -29,6 +29,9 @@ HARMLESS_MODEL_KEYS = frozenset(
     {
         "attention_impl",
         "kernels",
+        "dropout_bits",
+        "loss_impl",
+        "loss_block",
         "dtype",
         "dropout_rate",
         "attention_dropout_rate",

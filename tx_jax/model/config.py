@@ -14,7 +14,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from tx_jax.model.attention import IMPLEMENTATIONS
-from tx_jax.ops.kernels import KERNELS
+from tx_jax.ops.kernels import DROPOUT_BITS, KERNELS
 
 # gelu: flax's tanh approximation (Transformers' "gelu_new"); gelu_exact: the erf form
 # (Transformers' "gelu"); silu: x * sigmoid(x), not gated (Transformers' "swish", Marian's).
@@ -28,7 +28,6 @@ SINUSOID_STYLES = ("paper", "marian", "fairseq")
 NORM_POSITIONS = ("post", "pre")
 POOLINGS = ("mean", "first")
 REMATS = ("none", "full", "dots")
-DROPOUT_BITS = ("auto", "bernoulli", "packed", "rbg")
 LOSS_IMPLS = ("auto", "dense", "blocked")
 DTYPES = ("float32", "bfloat16", "float16")
 

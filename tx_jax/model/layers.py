@@ -39,6 +39,7 @@ class FeedForward(nn.Module):
     dropout_rate: float = 0.0
     use_bias: bool = True
     kernels: str = "auto"  # ModelConfig.kernels
+    dropout_bits: str = "auto"  # ModelConfig.dropout_bits
     dtype: Any = None
     param_dtype: Any = jnp.float32
 
@@ -78,7 +79,9 @@ class FeedForward(nn.Module):
         else:  # swiglu
             h = nn.silu(h) * self._dense(x, self.d_ff, ("embed", "mlp"), "wi_gate")
         h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))
-        h = Dropout(self.dropout_rate, self.kernels)(h, deterministic=deterministic)
+        h = Dropout(self.dropout_rate, self.kernels, self.dropout_bits)(
+            h, deterministic=deterministic
+        )
         return self._dense(h, M, ("mlp", "embed"), "wo")
 
 
@@ -112,7 +115,7 @@ class _ResidualLayer(nn.Module):
         norm = make_norm(
             cfg.norm, cfg.norm_epsilon, cfg.compute_dtype, cfg.parameter_dtype, f"{name}_norm"
         )
-        drop = Dropout(cfg.dropout_rate, cfg.kernels, name=f"{name}_dropout")
+        drop = Dropout(cfg.dropout_rate, cfg.kernels, cfg.dropout_bits, name=f"{name}_dropout")
         if cfg.norm_position == "pre":
             x = x + drop(fn(norm(x)), deterministic=det)
         else:
@@ -171,6 +174,7 @@ class _ResidualLayer(nn.Module):
             dropout_rate=cfg.ffn_dropout_rate,
             use_bias=cfg.ffn_bias,
             kernels=cfg.kernels,
+            dropout_bits=cfg.dropout_bits,
             dtype=cfg.compute_dtype,
             param_dtype=cfg.parameter_dtype,
             name="ffn",

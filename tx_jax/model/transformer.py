@@ -125,7 +125,7 @@ class _Stack(nn.Module):
                 cfg.parameter_dtype,
                 name="pos_embedding",
             )(positions)
-        x = Dropout(cfg.dropout_rate, cfg.kernels)(x, deterministic=deterministic)
+        x = Dropout(cfg.dropout_rate, cfg.kernels, cfg.dropout_bits)(x, deterministic=deterministic)
         return nn.with_logical_constraint(x, ("batch", "length", "embed"))
 
     def final_norm(self, x: Array) -> Array:

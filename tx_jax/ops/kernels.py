@@ -13,6 +13,15 @@ Both give the same loss and gradients up to float rounding (tests/test_kernels.p
 the same dropout masks: the CPU masks draw four 16-bit numbers per Threefry block, the generic
 ones one float per element.
 
+Dropout's random bits (`ModelConfig.dropout_bits`), separately from the projections:
+    'bernoulli'  jax.random.bernoulli: one Threefry block and one float per element.
+    'packed'     dropout.py's unrolled Threefry, four 16-bit draws per block (the CPU masks).
+    'rbg'        XLA's RngBitGenerator (Philox on GPU) keyed by 128 bits hashed from the key,
+                 16 bits per element: the fewest operations on an accelerator.
+    'auto'       'packed' where the kernels resolve to 'cpu', else 'bernoulli'.
+Every choice is a function of the key alone, so resume stays exact; 'packed' and 'rbg' round
+the rate to a multiple of 2^-16.
+
 Sharded dropout (jax.random's module docstring has the table). The masks are drawn with the
 implementation of the key the model is given (the train state's, made under
 `jax_default_prng_impl`). With Threefry (the default) their values do not depend on the
@@ -40,6 +49,7 @@ from tx_jax.ops import matmul as cpu_matmul
 
 Array = jax.Array
 KERNELS = ("auto", "cpu", "generic")
+DROPOUT_BITS = ("auto", "bernoulli", "packed", "rbg")
 
 
 def resolve(kernels: str) -> str:
@@ -72,28 +82,53 @@ def tied_logits(x: Array, table: Array, kernels: str = "auto") -> Array:
     return jnp.einsum("blm,vm->blv", x, table)
 
 
-def effective_rate(rate: float, kernels: str = "auto") -> float:
-    """The dropout probability `keep_mask` actually uses (the CPU masks round to 2^-16)."""
-    return cpu_dropout.effective_rate(rate) if resolve(kernels) == "cpu" else float(rate)
+def resolve_bits(bits: str, kernels: str = "auto") -> str:
+    """'auto' | 'bernoulli' | 'packed' | 'rbg' -> the generator dropout masks are drawn with."""
+    if bits not in DROPOUT_BITS:
+        raise ValueError(f"model.dropout_bits={bits!r}; expected one of {DROPOUT_BITS}")
+    if bits == "auto":
+        return "packed" if resolve(kernels) == "cpu" else "bernoulli"
+    return bits
 
 
-def keep_mask(rng: Array, rate: float, shape: tuple[int, ...], kernels: str = "auto") -> Array:
-    """bool `shape`, True with probability 1 - effective_rate(rate, kernels)."""
-    if resolve(kernels) == "cpu":
+def effective_rate(rate: float, kernels: str = "auto", bits: str = "auto") -> float:
+    """The dropout probability `keep_mask` actually uses (16-bit draws round to 2^-16)."""
+    if resolve_bits(bits, kernels) == "bernoulli":
+        return float(rate)
+    return cpu_dropout.effective_rate(rate)
+
+
+def _rbg_keep_mask(rng: Array, rate: float, shape: tuple[int, ...]) -> Array:
+    # An RngBitGenerator key from 128 bits of the given key: the masks stay a function of the
+    # checkpointed key and step, whatever implementation made that key.
+    seed = jax.random.bits(rng, (4,), jnp.uint32)
+    key = jax.random.wrap_key_data(seed, impl="rbg")
+    draws = jax.random.bits(key, shape, jnp.uint16)
+    return draws >= jnp.uint16(round(rate * 2**16))
+
+
+def keep_mask(
+    rng: Array, rate: float, shape: tuple[int, ...], kernels: str = "auto", bits: str = "auto"
+) -> Array:
+    """bool `shape`, True with probability 1 - effective_rate(rate, kernels, bits)."""
+    chosen = resolve_bits(bits, kernels)
+    if chosen == "packed":
         return cpu_dropout.keep_mask(rng, rate, shape)
+    if chosen == "rbg":
+        return _rbg_keep_mask(rng, rate, shape)
     return jax.random.bernoulli(rng, 1.0 - rate, shape)
 
 
-def dropout(x: Array, rate: float, rng: Array, kernels: str = "auto") -> Array:
+def dropout(x: Array, rate: float, rng: Array, kernels: str = "auto", bits: str = "auto") -> Array:
     """x * keep / (1 - rate), keep ~ Bernoulli(1 - rate); rate in [0, 1)."""
-    if resolve(kernels) == "cpu":
-        return cpu_dropout.dropout(x, rate, rng)
     if not 0.0 <= rate < 1.0:
         raise ValueError(f"dropout rate {rate} must be in [0, 1)")
-    if rate == 0.0:
+    rate_used = effective_rate(rate, kernels, bits)
+    if rate_used == 0.0:
         return x
-    scale = jnp.asarray(1.0 / (1.0 - rate), x.dtype)
-    return jnp.where(keep_mask(rng, rate, x.shape, kernels), x * scale, jnp.zeros((), x.dtype))
+    scale = jnp.asarray(1.0 / (1.0 - rate_used), x.dtype)
+    keep = keep_mask(rng, rate, x.shape, kernels, bits)
+    return jnp.where(keep, x * scale, jnp.zeros((), x.dtype))
 
 
 class Dropout(nn.Module):
@@ -101,10 +136,12 @@ class Dropout(nn.Module):
 
     rate: float
     kernels: str = "auto"
+    bits: str = "auto"  # ModelConfig.dropout_bits
     rng_collection: str = "dropout"
 
     @nn.compact
     def __call__(self, x: Array, deterministic: bool = True) -> Array:
         if deterministic or self.rate == 0.0:
             return x
-        return dropout(x, self.rate, self.make_rng(self.rng_collection), self.kernels)
+        rng = self.make_rng(self.rng_collection)
+        return dropout(x, self.rate, rng, self.kernels, self.bits)
