@@ -15,6 +15,7 @@ every key. Decode and eval variants come from `config.replace(decode=True, ...)`
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -163,7 +164,10 @@ class Encoder(_Stack):
 
 
 class Decoder(_Stack):
-    """Decoder inputs [B, L] (already shifted) -> logits [B, L, V] in float32.
+    """Decoder inputs [B, L] (already shifted) -> logits [B, L, V] in float32, or with
+    return_hidden=True the final hidden states [B, L, M] (compute dtype) that the output
+    layer would project (the training loss's blocked path projects them itself:
+    ops/output_loss.py, with the weights `output_projection` finds).
 
     With `encoded` [B, S, M] it cross-attends (EncoderDecoder); with encoded=None and
     cross_attention=False it is a language model. In decode mode, positions come from a
@@ -182,6 +186,7 @@ class Decoder(_Stack):
         segment_ids: Array | None = None,
         positions: Array | None = None,
         deterministic: bool = True,
+        return_hidden: bool = False,
     ) -> Array:
         cfg = self.config
         if cfg.decode:
@@ -199,6 +204,8 @@ class Decoder(_Stack):
                 x, encoded, segment_ids, src_segment_ids, positions, deterministic
             )
         x = self.final_norm(x)
+        if return_hidden:
+            return nn.with_logical_constraint(x, ("batch", "length", "embed"))
         if cfg.tie_output:
             logits = self.embed.attend(x)
         else:
@@ -273,9 +280,11 @@ class EncoderDecoder(nn.Module):
         targets_segmentation: Array | None = None,
         targets_positions: Array | None = None,
         deterministic: bool = True,
+        return_hidden: bool = False,
     ) -> Array:
         """encoded [B, S, M], source tokens [B, S] (for the padding mask), decoder inputs
-        [B, L] (shifted targets; one token at a time when decoding) -> logits [B, L, V]."""
+        [B, L] (shifted targets; one token at a time when decoding) -> logits [B, L, V]
+        (return_hidden: the final hidden states [B, L, M], see Decoder)."""
         if inputs_segmentation is None:
             inputs_segmentation = (inputs != 0).astype(jnp.int32)
         return self.decoder(
@@ -285,6 +294,7 @@ class EncoderDecoder(nn.Module):
             segment_ids=targets_segmentation,
             positions=targets_positions,
             deterministic=deterministic,
+            return_hidden=return_hidden,
         )
 
     def __call__(
@@ -297,8 +307,10 @@ class EncoderDecoder(nn.Module):
         inputs_positions: Array | None = None,
         targets_positions: Array | None = None,
         deterministic: bool = True,
+        return_hidden: bool = False,
     ) -> Array:
-        """Teacher forcing: logits[:, t] predicts targets[:, t] from targets[:, :t]."""
+        """Teacher forcing: logits[:, t] predicts targets[:, t] from targets[:, :t]
+        (return_hidden: the hidden states [B, L, M] that project to them)."""
         encoded = self.encode(
             inputs,
             inputs_segmentation=inputs_segmentation,
@@ -316,12 +328,14 @@ class EncoderDecoder(nn.Module):
             targets_segmentation=targets_segmentation,
             targets_positions=targets_positions,
             deterministic=deterministic,
+            return_hidden=return_hidden,
         )
 
 
 class DecoderOnly(nn.Module):
-    """Causal language model. targets [B, L] -> logits [B, L, V] (shifted internally);
-    in decode mode the input is the previous token(s) as is."""
+    """Causal language model. targets [B, L] -> logits [B, L, V] (shifted internally), or
+    the hidden states [B, L, M] with return_hidden=True (see Decoder); in decode mode the
+    input is the previous token(s) as is."""
 
     config: ModelConfig
 
@@ -337,6 +351,7 @@ class DecoderOnly(nn.Module):
         segment_ids: Array | None = None,
         positions: Array | None = None,
         deterministic: bool = True,
+        return_hidden: bool = False,
     ) -> Array:
         cfg = self.config
         if cfg.decode:
@@ -346,7 +361,12 @@ class DecoderOnly(nn.Module):
                 segment_ids = (targets != 0).astype(jnp.int32)
             inputs = shift_right(targets, cfg.bos_id, segment_ids)
         return self.decoder(
-            inputs, None, segment_ids=segment_ids, positions=positions, deterministic=deterministic
+            inputs,
+            None,
+            segment_ids=segment_ids,
+            positions=positions,
+            deterministic=deterministic,
+            return_hidden=return_hidden,
         )
 
 
@@ -393,6 +413,40 @@ class EncoderOnly(nn.Module):
         if self.config.num_classes > 0:
             return self.classifier(pooled).astype(jnp.float32)
         return pooled
+
+
+def output_projection(
+    model: EncoderDecoder | DecoderOnly, params: Any
+) -> tuple[Array, Array | None]:
+    """The output layer's weights in `params`: (table [V, M], bias [V] or None), the table
+    being the tied target embedding E or the untied decoder kernel's transpose W^T, so that
+    logits = h table^T + bias as Decoder computes them from its hidden states h."""
+    cfg = model.config
+    params = nn.meta.unbox(params)
+    if cfg.tie_output:
+        name = "embed" if isinstance(model, DecoderOnly) else "target_embed"
+        if isinstance(model, EncoderDecoder) and cfg.share_embeddings:
+            name = "source_embed"  # one module, registered under the source's name
+        path = (name, "embedding")
+    else:
+        path = ("decoder", "logits_kernel")
+    table = _find(params, path)
+    if not cfg.tie_output:
+        table = table.T  # W [M, V] -> [V, M]
+    bias = _find(params, ("decoder", "logits_bias")) if cfg.logits_bias else None
+    return table, bias
+
+
+def _find(params: Any, path: tuple[str, ...]) -> Array:
+    node = params
+    for key in path:
+        if not isinstance(node, Mapping) or key not in node:
+            raise KeyError(
+                f"output_projection: no params[{']['.join(map(repr, path))}] (top-level keys: "
+                f"{sorted(params)}); the model config does not match these parameters"
+            )
+        node = node[key]
+    return node
 
 
 def count_params(params: Any) -> int:

@@ -22,6 +22,8 @@ import optax
 from jax import lax
 
 from tx_jax.model import DecoderOnly
+from tx_jax.model.transformer import output_projection
+from tx_jax.ops import output_loss
 from tx_jax.training import losses
 from tx_jax.training.state import TrainState
 
@@ -58,11 +60,25 @@ def _loss_sums(model, params, batch, rng, label_smoothing, deterministic):
         args, kwargs = (batch["targets"],), lm_model_kwargs(batch)
     else:
         args, kwargs = (batch["inputs"], batch["targets"]), model_kwargs(batch)
+    targets = batch["targets"]
+    weights = (targets > 0).astype(jnp.float32)
+    if output_loss.resolve(model.config.loss_impl) == "blocked":  # no [B, L, V] logits
+        hidden = model.apply(
+            {"params": params},
+            *args,
+            **kwargs,
+            deterministic=deterministic,
+            rngs=rngs,
+            return_hidden=True,
+        )
+        table, bias = output_projection(model, params)
+        sums = output_loss.output_loss(
+            hidden, table, bias, targets, weights, label_smoothing, model.config.loss_block
+        )
+        return sums["loss"], sums
     logits = model.apply(
         {"params": params}, *args, **kwargs, deterministic=deterministic, rngs=rngs
     )
-    targets = batch["targets"]
-    weights = (targets > 0).astype(jnp.float32)
     loss, weight = losses.smoothed_cross_entropy(logits, targets, weights, label_smoothing)
     nll, _ = losses.nll(logits, targets, weights)
     correct, _ = losses.accuracy(logits, targets, weights)

@@ -1,0 +1,201 @@
+"""The output layer and its loss fused, over blocks of target positions (`loss_impl`).
+
+Shape letters: B batch, L target length, T positions per block, M d_model, V vocabulary.
+
+The dense path (training/step.py with loss_impl='dense') writes float32 logits [B, L, V],
+the step's largest array, and reads them back for the loss, the NLL, the accuracy and the
+backward pass. `output_loss` instead scans over blocks of T positions *along L* (every row of
+the batch in each block, so a data-parallel or fsdp sharding of B is untouched), reduces each
+block's logits [B, T, V] to per-token statistics at once, and keeps only those; the backward
+pass recomputes each block's logits from the hidden states. Same loss, NLL, accuracy and
+gradients as the dense path (losses.py), up to float rounding.
+
+    resolve(loss_impl)       'auto' | 'dense' | 'blocked' -> 'dense' | 'blocked'
+    output_loss(h, table, bias, targets, weights, label_smoothing, block)
+                             -> {'loss', 'nll', 'correct', 'weight'} float32 sums
+
+The output weight is taken as a table E [V, M], the tied embedding's layout; an untied kernel
+W [M, V] is passed as W.T (XLA folds the transpose into the products).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from tx_jax.ops import backend
+
+Array = jax.Array
+LOSS_IMPLS = ("auto", "dense", "blocked")
+# What 'auto' picks per platform: the dense path until a chip measurement says otherwise.
+_AUTO = {"cpu": "dense", "gpu": "dense", "tpu": "dense"}
+
+
+def resolve(loss_impl: str) -> str:
+    """'auto' | 'dense' | 'blocked' -> 'dense' | 'blocked' (auto: by ops.backend.current())."""
+    if loss_impl not in LOSS_IMPLS:
+        raise ValueError(f"model.loss_impl={loss_impl!r}; expected one of {LOSS_IMPLS}")
+    if loss_impl == "auto":
+        return _AUTO[backend.current()]
+    return loss_impl
+
+
+def output_loss(
+    h: Array,
+    table: Array,
+    bias: Array | None,
+    targets: Array,
+    weights: Array,
+    label_smoothing: float = 0.0,
+    block: int = 64,
+) -> dict[str, Array]:
+    """Sums over tokens of the output layer's losses, without the [B, L, V] logits.
+
+    h [B, L] + [M] final hidden states (compute dtype), table E [V, M] (any dtype; cast to
+    h's), bias [V] or None, targets [B, L] int, weights [B, L] float; logits = float32(h E^T)
+    + bias. Returns float32 scalars: 'loss' (losses.smoothed_cross_entropy's sum with
+    `label_smoothing`), 'nll' (the same with 0), 'correct' (losses.accuracy's: the target's
+    logit >= the max counts), 'weight' (sum of weights). `block` (static) is the number of
+    positions per block; L is padded with weight-0 positions up to a multiple of it (a
+    block is min(block, L) positions).
+    """
+    if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block < 1:
+        raise ValueError(f"model.loss_block={block!r}; expected a positive int")
+    if h.ndim != 3 or targets.shape != h.shape[:2] or weights.shape != targets.shape:
+        raise ValueError(
+            f"output_loss: h {h.shape}, targets {targets.shape}, weights {weights.shape}; "
+            "expected [B, L, M], [B, L], [B, L]"
+        )
+    if table.ndim != 2 or table.shape[1] != h.shape[-1]:
+        raise ValueError(f"output_loss: table {table.shape}; expected [V, {h.shape[-1]}]")
+    if bias is not None and bias.shape != table.shape[:1]:
+        raise ValueError(f"output_loss: bias {bias.shape}; expected [{table.shape[0]}]")
+    return _output_loss(h, table, bias, targets, weights, float(label_smoothing), int(block))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _output_loss(h, table, bias, targets, weights, label_smoothing, block):
+    return _fwd(h, table, bias, targets, weights, label_smoothing, block)[0]
+
+
+def _smoothing(V: int, label_smoothing: float) -> tuple[float, float, float]:
+    """(c, u, entropy of q): losses.smoothed_cross_entropy's constants, the same expressions."""
+    confidence = 1.0 - label_smoothing
+    low = label_smoothing / (V - 1) if V > 1 else 0.0
+    entropy = -confidence * np.log(confidence) if confidence > 0 else 0.0
+    if low > 0:
+        entropy -= (V - 1) * low * np.log(low)
+    return confidence, low, entropy
+
+
+def _blocks(x: Array, T: int) -> Array:
+    """[B, Lp, ...] -> [Lp / T, B, T, ...]: the scan's leading axis, B kept whole."""
+    B, Lp = x.shape[:2]
+    return jnp.moveaxis(x.reshape(B, Lp // T, T, *x.shape[2:]), 1, 0)
+
+
+def _unblocks(x: Array) -> Array:
+    """[n, B, T, ...] -> [B, n T, ...]."""
+    x = jnp.moveaxis(x, 0, 1)
+    return x.reshape(x.shape[0], -1, *x.shape[3:])
+
+
+def _pad(x: Array, Lp: int) -> Array:
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (0, Lp - x.shape[1])
+    return jnp.pad(x, pad) if Lp != x.shape[1] else x
+
+
+def _logits(hb: Array, table_c: Array, bias: Array | None) -> Array:
+    """hb [B, T, M] @ E^T in the compute dtype (as the dense path's product), then float32
+    [B, T, V] + bias."""
+    z = jnp.einsum("btm,vm->btv", hb, table_c).astype(jnp.float32)
+    return z if bias is None else z + bias.astype(jnp.float32)
+
+
+def _fwd(h, table, bias, targets, weights, label_smoothing, block):
+    B, L, _ = h.shape
+    V = table.shape[0]
+    c, u, entropy = _smoothing(V, label_smoothing)
+    T = min(block, L)
+    Lp = -(-L // T) * T
+    hp, tp = _pad(h, Lp), _pad(targets, Lp)
+    table_c = table.astype(h.dtype)
+
+    def stats(_, xs):
+        hb, tb = xs
+        z = _logits(hb, table_c, bias)  # [B, T, V]
+        onehot = jnp.arange(V) == tb[..., None]
+        # a one-hot sum, not a gather: exact, and it fuses with the other reductions
+        target = jnp.where(onehot, z, 0.0).sum(-1)
+        return None, (jax.nn.logsumexp(z, axis=-1), target, z.sum(-1), z.max(-1))
+
+    _, out = lax.scan(stats, None, (_blocks(hp, T), _blocks(tp, T)))
+    lse, target, total, top = (_unblocks(x)[:, :L] for x in out)  # [B, L] each
+    ce = lse - (c - u) * target
+    if u > 0:
+        ce = ce - u * total
+    tok_loss = ce - entropy
+    tok_nll = lse - target
+    hit = (target >= top).astype(jnp.float32)
+    sums = {
+        "loss": (tok_loss * weights).sum(),
+        "nll": (tok_nll * weights).sum(),
+        "correct": (hit * weights).sum(),
+        "weight": weights.sum(),
+    }
+    residuals = (hp, table, bias, targets, weights, lse, tok_loss, tok_nll, hit)
+    return sums, residuals
+
+
+def _bwd(label_smoothing, block, residuals, g):
+    hp, table, bias, targets, weights, lse, tok_loss, tok_nll, hit = residuals
+    B, L = targets.shape
+    V = table.shape[0]
+    c, u, _ = _smoothing(V, label_smoothing)
+    T = min(block, L)
+    Lp = hp.shape[1]
+    g_loss, g_nll = g["loss"], g["nll"]
+    table_c = table.astype(hp.dtype)
+    # d loss / d z = (softmax - q) w and d nll / d z = (softmax - onehot) w, per token
+    w_p = _pad(weights.astype(jnp.float32), Lp)
+    xs = (_blocks(hp, T), _blocks(_pad(targets, Lp), T), _blocks(w_p, T), _blocks(_pad(lse, Lp), T))
+
+    def step(carry, xs):
+        d_table, d_bias = carry
+        hb, tb, wb, lb = xs
+        z = _logits(hb, table_c, bias)
+        onehot = jnp.arange(V) == tb[..., None]
+        p = jnp.exp(z - lb[..., None])
+        q = jnp.where(onehot, c, u)
+        w = wb[..., None]
+        dz = p * ((g_loss + g_nll) * w) - (q * g_loss + jnp.where(onehot, g_nll, 0.0)) * w
+        # the dense path's cotangent meets its product in the compute dtype
+        dz_c = dz.astype(hp.dtype)
+        dh = jnp.einsum("btv,vm->btm", dz_c, table_c)
+        d_table = d_table + jnp.einsum("btv,btm->vm", dz_c, hb, preferred_element_type=jnp.float32)
+        if d_bias is not None:
+            d_bias = d_bias + dz.sum((0, 1))
+        return (d_table, d_bias), dh
+
+    init = (
+        jnp.zeros(table.shape, jnp.float32),
+        None if bias is None else jnp.zeros(bias.shape, jnp.float32),
+    )
+    (d_table, d_bias), dh = lax.scan(step, init, xs)
+    dh = _unblocks(dh)[:, :L].astype(hp.dtype)
+    d_weights = g_loss * tok_loss + g_nll * tok_nll + g["correct"] * hit + g["weight"]
+    return (
+        dh,
+        d_table.astype(table.dtype),
+        None if bias is None else d_bias.astype(bias.dtype),
+        None,
+        d_weights.astype(weights.dtype),
+    )
+
+
+_output_loss.defvjp(_fwd, _bwd)
