@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from tx_jax.model import cudnn_masks
 from tx_jax.model.flash import flash_attention, to_kg
 from tx_jax.model.masks import dense_mask
 from tx_jax.ops import backend
@@ -83,8 +84,9 @@ def dot_product_attention(
       dropout_rate, dropout_rng, deterministic: dropout on the attention weights.
       implementation: 'xla' (einsum-softmax-einsum), 'chunked' (online softmax over key
         blocks of `chunk_size`: memory linear in S, same result), 'cudnn'
-        (jax.nn.dot_product_attention on a GPU, bf16/fp16, Dv == Dk), 'splash' (the Pallas
-        TPU kernel: is_causal and segment ids only; no mask, bias, dropout or weights), or
+        (cuDNN's fused attention on a GPU, bf16/fp16, Dv == Dk; is_causal and segment ids
+        in cuDNN's own form, cudnn_masks.py; a mask or bias as a dense bias), 'splash' (the
+        Pallas TPU kernel: is_causal and segment ids only; no mask, bias, dropout or weights), or
         'auto' (by backend.current(): 'splash' on a TPU where it applies).
       return_weights: also return the [B, H, L, S] weights ('xla' only).
       kernels: whose dropout masks, 'auto' | 'cpu' | 'generic' (tx_jax/ops/kernels.py).
@@ -124,6 +126,13 @@ def dot_product_attention(
             chunk_size,
             precision,
         )
+    if impl == "cudnn" and mask is None and bias is None:
+        # The structured masks in cuDNN's own form (cudnn_masks.py): no [B, H, L, S] bias.
+        out = _attention_cudnn(
+            query, key, value, None, None, (is_causal, q_segment_ids, kv_segment_ids)
+        )
+        if out is not None:
+            return out
     full = dense_mask(
         L,
         S,
@@ -391,7 +400,10 @@ def _attention_chunked_scan(query, key, value, mask, bias, is_causal, q_seg, kv_
     return out.reshape(B, L, H, Dv).astype(value.dtype)
 
 
-def _attention_cudnn(query, key, value, mask, bias):
+def _attention_cudnn(query, key, value, mask, bias, structure=None):
+    """cuDNN's fused attention with a dense mask/bias, or, given `structure` (is_causal,
+    q_segment_ids, kv_segment_ids), with those in cuDNN's native form; None where the native
+    form does not apply (the caller falls back to the dense mask)."""
     # No check of jax.default_backend(): a CPU host with CUDA's jaxlib plugin can lower this
     # for 'cuda' (jax.export, tests/test_lowering.py). Without the plugin jax raises here.
     if value.shape[-1] != key.shape[-1]:
@@ -403,6 +415,8 @@ def _attention_cudnn(query, key, value, mask, bias):
     B, L, H, _ = query.shape
     full = None if mask is None else jnp.broadcast_to(mask, (B, H, L, key.shape[1]))
     try:
+        if structure is not None:
+            return cudnn_masks.attention(query, key, value, *structure)
         out = jax.nn.dot_product_attention(
             query, key, value, bias=bias, mask=full, implementation="cudnn"
         )
