@@ -24,7 +24,6 @@ import gpu_step  # noqa: E402
 
 
 def run_case(case: str, steps: int, device) -> dict:
-    import jax
 
     from tx_jax.config import apply_overrides, load_config
     from tx_jax.data.tokenizer import BOS_ID

@@ -10,8 +10,9 @@
 # 2. benchmarks/gpu_step.py (ms/step of the paper's base and big, bf16, 104 x 256 packed
 #    batch, dropout and label smoothing on) in this order, so that a call cut off by its limit
 #    keeps the most telling rows: the levers one at a time on base (dropout's generator,
-#    the blocked loss), base before the levers, both levers on base and on big, big before.
-# 3. benchmarks/gpu_determinism.py under --xla_gpu_deterministic_ops=true: which part fails.
+#    the blocked loss), base before the levers, both levers on base and on big.
+# 3. benchmarks/gpu_determinism.py under --xla_gpu_deterministic_ops=true: which part fails;
+#    then big before the levers, last.
 # Results: OUT_DIR/{gpu_tests.log, levers_*.json, before_*.json, determinism.json}.
 set -u
 out=${1:?OUT_DIR}
@@ -30,7 +31,7 @@ timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/test_gpu.py 2>&1 |
 
 step() {  # NAME CASES [DIR]: one gpu_step.py process
   local name=$1 cases=$2 dir=${3:-.}
-  (cd "$dir" && timeout 400 python3 benchmarks/gpu_step.py --cases "$cases" --steps "$steps" \
+  (cd "$dir" && PYTHONPATH="${SITE_PACKAGES:-}:$PWD" timeout 400 python3 benchmarks/gpu_step.py --cases "$cases" --steps "$steps" \
     --peak-size "${PEAK:-8192}" --peak-reps 3 --out "$out/$name.json") 2>&1 | quiet | grep -v "^  File\|^    "
 }
 step levers_base "$B:bfloat16,$B:bfloat16/model.dropout_bits=packed,$B:bfloat16/model.dropout_bits=rbg,$B:bfloat16/model.loss_impl=blocked"
@@ -46,10 +47,9 @@ EOF
 echo "fastest dropout bits on base: $bits"
 both="model.dropout_bits=$bits/model.loss_impl=blocked"
 step levers_both "$B:bfloat16/$both,$G:bfloat16,$G:bfloat16/$both"
-step before_big "$G:bfloat16" "$before"
-
-XLA_FLAGS=--xla_gpu_deterministic_ops=true timeout 120 python3 benchmarks/gpu_determinism.py \
+XLA_FLAGS=--xla_gpu_deterministic_ops=true timeout 90 python3 benchmarks/gpu_determinism.py \
   --steps 3 --out "$out/determinism.json" --cases \
   "debug:bfloat16:xla,debug:bfloat16:xla/model.dropout_rate=0.1,debug:bfloat16:cudnn,debug:bfloat16:xla/model.loss_impl=blocked,debug:bfloat16:cudnn/model.dropout_rate=0.1/model.dropout_bits=rbg" \
   2>&1 | quiet | cut -c1-400
+step before_big "$G:bfloat16" "$before"
 echo done
