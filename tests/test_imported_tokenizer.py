@@ -102,3 +102,81 @@ def test_refusals_name_the_file(tmp_path):
     (tmp_path / "vocab.json").write_text(json.dumps(vocab))
     with pytest.raises(hf_tokenizers.TokenizerImportError, match="'x' has id 10000"):
         hf_tokenizers.read(tmp_path, dict(cfg, model_type="marian"))
+
+
+def _examples(batch):
+    """(inputs, targets) id lists of every example of a train or eval batch, packed or not."""
+    out = []
+    for r in range(batch["inputs"].shape[0]):
+        if "inputs_segmentation" not in batch:
+            row = [[int(i) for i in batch[k][r] if i != 0] for k in ("inputs", "targets")]
+            out += [tuple(row)] if row[0] else []
+            continue
+        for s in sorted(set(batch["inputs_segmentation"][r].tolist()) - {0}):
+            out.append(
+                tuple(
+                    [int(i) for i in batch[k][r][batch[f"{k}_segmentation"][r] == s]]
+                    for k in ("inputs", "targets")
+                )
+            )
+    return out
+
+
+def _task(tok, source_lang, target_lang):
+    """A Multi30k-configured TranslationTask (the data section fine-tuning reads) over the
+    fixture pairs, held in memory as its train and validation splits."""
+    from tx_jax.config import load_config
+    from tx_jax.data import tasks
+
+    data = load_config("configs/multi30k.py:pair=en-de").data
+    data.update(source_lang=source_lang, target_lang=target_lang, max_len=48)
+    data.update(tokens_per_batch=2048, bucket_boundaries=[48], max_eval_len=48)
+    pairs = list(zip(pf.EN, pf.DE, strict=True))
+    return tasks.TranslationTask(data, tok, 0, splits={"train": pairs, data.eval_split: pairs})
+
+
+@pytest.mark.parametrize("family", ["m2m_100", "nllb"])
+def test_task_batches_hold_transformers_ids_for_the_data_languages(tmp_path, family):
+    # en -> fr, not the tokenizer config's en -> de: the data languages choose the tokens
+    # (NLLB's from the two-letter codes a dataset uses).
+    if family == "m2m_100":
+        cfg = pf.m2m_100_tokenizer_files(tmp_path)
+        hf = transformers.M2M100Tokenizer.from_pretrained(str(tmp_path))
+        hf.src_lang, hf.tgt_lang = "en", "fr"
+    else:
+        cfg, hf = pf.nllb_tokenizer_files(tmp_path)
+        hf.src_lang, hf.tgt_lang = "eng_Latn", "fra_Latn"
+    ours = hf_tokenizers.read(tmp_path, dict(cfg, model_type="m2m_100"))
+    assert ours.family == family
+    perm = hf_tokenizers.swap_pad(cfg["vocab_size"], 1)
+    want = set()
+    for source, target in zip(pf.EN, pf.DE, strict=True):
+        enc = hf(source, text_target=target)
+        want.add((tuple(_tx(perm, enc["input_ids"])), tuple(_tx(perm, enc["labels"]))))
+    task = _task(ours, "en", "fr")
+    en, fr = ours.language_id("en"), ours.language_id("fr")
+    assert (task.source_prefix, task.target_prefix) == ([en], [fr])
+    assert fr == perm[hf.convert_tokens_to_ids("__fr__" if family == "m2m_100" else "fra_Latn")]
+    # Validation (loss and BLEU batches): every pair once, as transformers encodes it.
+    evals = [x for b in task.eval_batches("validation", 1) for x in _examples(b)]
+    assert {(tuple(s), tuple(t)) for s, t in evals} == want and len(evals) == len(pf.EN)
+    # Training (packed rows): [__en__] + pieces + EOS -> [__fr__] + pieces + EOS.
+    train = _examples(next(task.train_iterator(1)))
+    assert train and all((tuple(s), tuple(t)) in want for s, t in train)
+    assert all(s[0] == en and t[0] == fr and t[-1] == ours.eos_id for s, t in train)
+
+
+def test_unknown_language_codes_are_refused_naming_the_known_ones(tmp_path):
+    cfg, _ = pf.nllb_tokenizer_files(tmp_path)
+    ours = hf_tokenizers.read(tmp_path, dict(cfg, model_type="m2m_100"))
+    assert ours.language_id("de") == ours.language_id("deu_Latn")
+    assert ours.language_id("cs") == ours.language_id("ces_Latn")
+    message = (
+        r"data.source_lang='en', data.target_lang='xx': language 'xx' is not one of this "
+        r"nllb model's 202 language tokens \(ace_Arab, .*; two-letter codes known: "
+        r"cs, de, en, fr\)"
+    )
+    with pytest.raises(ValueError, match=message):
+        _task(ours, "en", "xx").target_prefix
+    with pytest.raises(ValueError, match="'sv' is not one of this nllb model's 202"):
+        ours.source_prefix("sv")  # Swedish has a token (swe_Latn) but no entry in the table

@@ -5,6 +5,7 @@ python -m tx_jax.evaluate --workdir=runs/default --average_last=3
 python -m tx_jax.evaluate --workdir=runs/default --sweep --beams=1,4 --alphas=0.6,1.0
 python -m tx_jax.evaluate --workdir=runs/multi --direction=de-fr [--pivot=en]
 python -m tx_jax.evaluate --workdir=runs/default --profile         where decoding's time goes
+python -m tx_jax.evaluate --workdir=runs/m2m100 --config.data.dataset=multi30k --target_lang=de
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ def _main(argv: list[str], overrides: dict[str, str]) -> None:
     common = common_flags.checkpoint_args(argv)
     f = flags.FLAGS
     common.update(limit=f.limit, overrides=overrides)
+    langs = dict(source_lang=f.source_lang, target_lang=f.target_lang)
+    if f.direction and (f.source_lang or f.target_lang):
+        raise app.UsageError("--direction names a multilingual checkpoint's languages already")
     if f.pivot and not f.direction:
         raise app.UsageError("--pivot needs --direction (a multilingual checkpoint)")
     if f.direction == "all":
@@ -52,6 +56,7 @@ def _main(argv: list[str], overrides: dict[str, str]) -> None:
             split=split,
             beams=[int(b) for b in f.beams],
             alphas=[float(a) for a in f.alphas],
+            **langs,
             **common,
         )
         for point in out["points"]:
@@ -70,6 +75,7 @@ def _main(argv: list[str], overrides: dict[str, str]) -> None:
         alpha=f.alpha,
         pivot=f.pivot,
         profile=f.profile,
+        **langs,
         **common,
     )
     print(result_line(record))
@@ -111,6 +117,19 @@ def main() -> None:
         None,
         "With --direction: translate through this language "
         "(e.g. en): SRC -> pivot -> TGT with the same model.",
+    )
+    flags.DEFINE_string(
+        "source_lang",
+        None,
+        "Imported M2M100/NLLB: the language token before each source (default: the "
+        "checkpoint's data.source_lang; NLLB also takes two-letter codes, e.g. en).",
+    )
+    flags.DEFINE_string(
+        "target_lang",
+        None,
+        "Imported M2M100/NLLB: the language token each hypothesis is forced to start with "
+        "(default: data.target_lang); multi-target OPUS-MT: its >>xx<< source token. The "
+        "references stay data.target_lang's (--config.data.target_lang picks them).",
     )
     common_flags.run_cli(_main)
 

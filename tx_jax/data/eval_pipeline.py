@@ -85,6 +85,7 @@ def eval_batches(
     process_index: int | None = None,
     process_count: int | None = None,
     source_prefix: Sequence[int] = (),
+    target_prefix: Sequence[int] = (),
 ) -> EvalBatches:
     """Every item of this process's shard exactly once, in fixed-shape batches.
 
@@ -103,6 +104,8 @@ def eval_batches(
       process_index, process_count: shard [process_index::process_count]; every process gets
         the same number of batches.
       source_prefix: ids before every source's pieces (a target-language tag), as in training.
+      target_prefix: ids before every target's pieces (an M2M100/NLLB language token), as in
+        training: the teacher-forced loss then scores what the model was trained on.
     """
     if batch_size < 1 or batch_size % batch_multiple:
         raise ValueError(
@@ -112,7 +115,8 @@ def eval_batches(
     boundaries = (
         [max_len] if bucket_boundaries is None else check_boundaries(bucket_boundaries, max_len)
     )
-    featurize = Featurizer(tokenizer, keys, max_len, True, tuple(source_prefix))
+    prefixes = dict(source_prefix=tuple(source_prefix), target_prefix=tuple(target_prefix))
+    featurize = Featurizer(tokenizer, keys, max_len, True, **prefixes)
     one_length = len(boundaries) == 1
     # Batch b's length must agree on every process (a step under a global mesh has one
     # shape), so with buckets every shard's order is worked out here from every item.

@@ -63,8 +63,9 @@ class Featurizer:
 
     An item is one text (str or UTF-8 bytes) when there is one key, else a tuple of texts in
     `keys` order, e.g. (source, target). Train and eval both use it, so text becomes the same
-    ids everywhere. With `truncate`, a side longer than max_len keeps its first max_len - 1
-    ids and EOS, an empty side becomes just EOS, and nothing is dropped.
+    ids everywhere; `source_prefix` / `target_prefix` go before the 'inputs' / 'targets'
+    pieces (and count toward max_len). With `truncate`, a side longer than max_len keeps its
+    first max_len - 1 ids and EOS, an empty side becomes just EOS, and nothing is dropped.
     """
 
     tokenizer: Tokenizer
@@ -72,6 +73,9 @@ class Featurizer:
     max_len: int
     truncate: bool = False
     source_prefix: tuple[int, ...] = ()  # ids put before the 'inputs' pieces (a language tag)
+    # ids put before the 'targets' pieces: an M2M100/NLLB target-language token, which the
+    # decoder must learn to emit first (decoding forces it: inference/languages.py)
+    target_prefix: tuple[int, ...] = ()
 
     @property
     def char_limit(self) -> int:
@@ -107,8 +111,9 @@ class Featurizer:
                 if not self.truncate:
                     return Record(None, "empty", notes)
                 notes += ("empty",)
-            if key == "inputs" and self.source_prefix:
-                ids = [*self.source_prefix, *ids]
+            prefix = {"inputs": self.source_prefix, "targets": self.target_prefix}.get(key)
+            if prefix:
+                ids = [*prefix, *ids]
             if len(ids) > self.max_len:
                 if not self.truncate:
                     return Record(None, "too_long", notes)

@@ -14,7 +14,13 @@ Languages, as the families use them:
   marian   a multi-target OPUS-MT model reads a `>>xx<<` token before the source
            (`source_prefix(target_lang=xx)`); the decoder starts at pad (id 0 here).
   m2m_100  the source is [__xx__] + pieces + EOS, decoding starts at EOS and forces the
-  nllb     target's language token first (`target_prefix`); NLLB's codes read `deu_Latn`.
+  nllb     target's language token first (`target_prefix`); NLLB's codes read `deu_Latn`,
+           and the two-letter codes of NLLB_CODES (Multi30k's languages) map to them, so a
+           dataset's `data.source_lang=en` names the same language for every family.
+Training (fine-tuning) and evaluation put the same prefixes on a pair as translation does
+(data/tasks.py reads `source_prefix`/`target_prefix` for the data languages): M2M100/NLLB
+targets are [__xx__] + pieces + EOS, teacher-forced from the decoder start `bos_id` (EOS),
+as transformers' `tokenizer(text, text_target=...)` labels are.
 
 `to_bytes()` is a header line and JSON (the SentencePiece models in base64), stored where a
 run stores its SentencePiece model (WORKDIR/tokenizer.model, checkpoint meta);
@@ -38,6 +44,10 @@ from tx_jax import paths
 MAGIC = b"tx_jax.ImportedTokenizer/1\n"
 FAMILIES = ("marian", "m2m_100", "nllb")
 PAD_ID = 0
+# NLLB-200 names languages by ISO 639-3 code and script; datasets name them by ISO 639-1.
+# Only the languages tx_jax's datasets hold (Multi30k): a wrong guess at a script would
+# pick another language's token silently, so other codes must be given in full.
+NLLB_CODES = {"cs": "ces_Latn", "de": "deu_Latn", "en": "eng_Latn", "fr": "fra_Latn"}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -164,15 +174,24 @@ class ImportedTokenizer:
     # ------------------------------------------------------------------ languages
 
     def language_id(self, code: str) -> int:
-        """The id of language `code`'s token (`de`, `__de__`, `>>de<<`, `deu_Latn`)."""
-        for key in (code, f"__{code}__", f">>{code}<<"):
+        """The id of language `code`'s token (`de`, `__de__`, `>>de<<`, `deu_Latn`; for
+        NLLB also a two-letter code of NLLB_CODES, e.g. `de` -> `deu_Latn`)."""
+        keys = [code, f"__{code}__", f">>{code}<<"]
+        if self.family == "nllb" and code in NLLB_CODES:
+            keys.append(NLLB_CODES[code])
+        for key in keys:
             if key in self.languages:
                 return self.languages[key]
         known = ", ".join(sorted(self.languages)[:12]) or "none"
         more = ", ..." if len(self.languages) > 12 else ""
+        short = (
+            f"; two-letter codes known: {', '.join(sorted(NLLB_CODES))}"
+            if self.family == "nllb"
+            else ""
+        )
         raise ValueError(
             f"language {code!r} is not one of this {self.family} model's "
-            f"{len(self.languages)} language tokens ({known}{more})"
+            f"{len(self.languages)} language tokens ({known}{more}{short})"
         )
 
     def source_prefix(self, source_lang: str | None = None, target_lang: str | None = None):

@@ -383,6 +383,7 @@ def shard_records(
     options: TrainOptions,
     shard: tuple[int, int],
     source_prefix: Sequence[int] = (),
+    target_prefix: Sequence[int] = (),
 ) -> grain.MapDataset:
     """The featurized records of this process's shard of `items` (an error if it is empty).
 
@@ -393,13 +394,20 @@ def shard_records(
       options: max_len and cache_tokens are read.
       shard: (process_index, process_count) from `process_shard`.
       source_prefix: ids put before every 'inputs' (a language tag).
+      target_prefix: ids put before every 'targets' (an M2M100/NLLB target-language token).
 
     Returns:
       A MapDataset of len(items[process_index::process_count]) `Record`s, memoized when
       `options.cache_tokens`; index it modulo its length.
     """
     pi, pc = shard
-    featurize = Featurizer(tokenizer, keys, options.max_len, source_prefix=tuple(source_prefix))
+    featurize = Featurizer(
+        tokenizer,
+        keys,
+        options.max_len,
+        source_prefix=tuple(source_prefix),
+        target_prefix=tuple(target_prefix),
+    )
     records = _ShardRecords(items, slice(pi, None, pc), featurize, options.cache_tokens)
     if len(records) == 0:
         raise ValueError(f"Process {pi} of {pc} has no examples ({len(items)} in total).")
@@ -486,13 +494,15 @@ def _train_iterator(
     tokenizer: Tokenizer,
     options: TrainOptions,
     source_prefix: Sequence[int] = (),
+    target_prefix: Sequence[int] = (),
 ) -> TrainIterator:
     """Shared builder for the translation and LM train iterators."""
     shard = process_shard(options.process_index, options.process_count)
-    records = shard_records(items, keys, tokenizer, options, shard, source_prefix)
+    records = shard_records(items, keys, tokenizer, options, shard, source_prefix, target_prefix)
     kept = _ExampleIterDataset(records, options.seed, options.num_epochs)
     # Only when set: the fingerprints of untagged runs stay what their checkpoints hold.
-    extra = {"source_prefix": [int(i) for i in source_prefix]} if source_prefix else None
+    prefixes = {"source_prefix": source_prefix, "target_prefix": target_prefix}
+    extra = {k: [int(i) for i in v] for k, v in prefixes.items() if v} or None
     counts = dict(num_examples=len(items), shard_size=len(records))
     return batch_iterator(kept, keys, tokenizer, options, shard, **counts, fingerprint_extra=extra)
 
@@ -503,6 +513,7 @@ def make_train_iterator(
     options: TrainOptions,
     *,
     source_prefix: Sequence[int] = (),
+    target_prefix: Sequence[int] = (),
 ) -> TrainIterator:
     """Translation train batches ('inputs', 'targets'; see the module docstring).
 
@@ -512,8 +523,11 @@ def make_train_iterator(
       options: batching, shuffling and sharding (`TrainOptions`).
       source_prefix: ids put before every source's pieces (e.g. the target-language tag of a
         multilingual model, `[tokenizer.piece_to_id('<2de>')]`); they count toward max_len.
+      target_prefix: ids put before every target's pieces (an imported M2M100/NLLB model's
+        target-language token: the decoder learns to emit it first); they count too.
     """
-    return _train_iterator(pairs, ("inputs", "targets"), tokenizer, options, source_prefix)
+    keys = ("inputs", "targets")
+    return _train_iterator(pairs, keys, tokenizer, options, source_prefix, target_prefix)
 
 
 def make_lm_train_iterator(

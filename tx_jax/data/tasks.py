@@ -47,11 +47,36 @@ class TranslationTask:
     # A multilingual model's target-language tag ('<2de>'): its id goes before every source
     # (train and eval), so the pairs themselves stay plain text; '' for none.
     tag: str = ""
+    # (source prefix, target prefix) given whole, e.g. evaluate's --source_lang/--target_lang
+    # through inference/languages.prefixes; None: from the tag or the data languages.
+    prefixes: tuple[Sequence[int], Sequence[int]] | None = None
+
+    @functools.cached_property
+    def _prefixes(self) -> tuple[list[int], list[int]]:
+        if self.prefixes is not None:
+            return [int(i) for i in self.prefixes[0]], [int(i) for i in self.prefixes[1]]
+        if self.tag:
+            return [self.tokenizer.piece_to_id(self.tag)], []
+        # An imported model's language tokens (M2M100/NLLB: [__en__] before the source and
+        # [__de__] first in the target, as its translations are forced to start); the
+        # tokenizer's own methods, which translate and score use too, so all agree.
+        src, tgt = self.data.get("source_lang"), self.data.get("target_lang")
+        try:
+            return self.tokenizer.source_prefix(src, tgt), self.tokenizer.target_prefix(tgt)
+        except ValueError as e:
+            raise ValueError(f"data.source_lang={src!r}, data.target_lang={tgt!r}: {e}") from None
 
     @property
     def source_prefix(self) -> list[int]:
-        """The ids put before every source: [id of the tag], or none."""
-        return [self.tokenizer.piece_to_id(self.tag)] if self.tag else []
+        """The ids put before every source: [id of the tag], an imported model's source
+        language token (M2M100/NLLB) or target token (multi-target Marian), or none."""
+        return self._prefixes[0]
+
+    @property
+    def target_prefix(self) -> list[int]:
+        """The ids put before every target's pieces, which decoding forces first: an
+        imported M2M100/NLLB model's target-language token, or none."""
+        return self._prefixes[1]
 
     def split_name(self, split: str) -> str:
         """'validation' / 'test' are aliases for the config's eval_split / test_split."""
@@ -81,6 +106,7 @@ class TranslationTask:
             self.train_pairs(),
             self.tokenizer,
             source_prefix=self.source_prefix,
+            target_prefix=self.target_prefix,
         )
         return sharded_train_iterator(self.data, self.seed, build, batch_multiple, spans)
 
@@ -108,6 +134,7 @@ class TranslationTask:
             batch_size=d.eval_batch_size,
             batch_multiple=batch_multiple,
             source_prefix=self.source_prefix,
+            target_prefix=self.target_prefix,
             **shapes,
             **every,
         )

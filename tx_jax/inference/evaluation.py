@@ -8,6 +8,8 @@
     python -m tx_jax.evaluate --workdir=runs/default --config.data.data_dir=/data/tfds
     python -m tx_jax.evaluate --workdir=runs/multi --direction=de-fr [--pivot=en]   multilingual
     python -m tx_jax.evaluate --workdir=runs/multi --direction=all      every trained direction
+    python -m tx_jax.evaluate --workdir=runs/nllb --config.data.dataset=multi30k \
+        --config.data.source_lang=en --config.data.target_lang=de       an imported NLLB model
 
 The model, tokenizer and config come from the checkpoint (restore.py), restored onto one
 local device whatever layout trained it; `--config.key=value` overrides the stored config
@@ -24,7 +26,8 @@ local device whatever layout trained it; `--config.key=value` overrides the stor
         persistent cache, summed over the threads that build programs side by side),
         compiled_programs, compile_cache_hits, profile (the trace directory, or null),
         hypotheses (path), checkpoint, limit, sweep, time, direction and pivot
-        (multilingual; else null)
+        (multilingual; else null), languages ('SRC-TGT' when --source_lang/--target_lang
+        were given; else null)
     stdout: one result line per evaluation (and the grid for --sweep)
 
 A multilingual checkpoint (trained with data.directions) needs --direction: any SRC-TGT whose
@@ -32,6 +35,15 @@ target language has a tag, trained or not (zero-shot, e.g. de-fr of a model trai
 and en<->fr), or 'all' (the trained directions, then their mean BLEU). Sources get the target's
 '<2xx>' tag id; --pivot=en translates into English first, then into the target (multilingual.py).
 The loss, accuracy and perplexity are teacher-forced on the direction itself (tagged).
+
+An imported M2M100/NLLB model (tx_jax.import_model) reads [source language token] + pieces +
+EOS and its hypotheses are forced to start with the target's language token (left out of
+the text BLEU scores): for data.source_lang/target_lang by default, or for --source_lang /
+--target_lang (inference/languages.py, as translate and score; NLLB takes `de` or `deu_Latn`).
+The teacher-forced loss scores targets as fine-tuning trains them: [language token] + pieces
++ EOS. The dataset's sides stay data.source_lang/target_lang (e.g.
+--config.data.target_lang=fr for French references); a checkpoint trained here refuses other
+languages there.
 
 `--sweep` decodes the validation split (or --split) over --beams x --alphas, appends every
 point to eval_results.jsonl, prints the grid and the best pair.
@@ -54,7 +66,7 @@ from etils import epath
 
 from tx_jax import paths
 from tx_jax.data import directions, tasks
-from tx_jax.inference import compilation, multilingual, restore, scoring
+from tx_jax.inference import compilation, languages, multilingual, restore, scoring
 from tx_jax.training.step import eval_sums, model_inputs
 from tx_jax.training.step import loss_metrics as reduce_loss_metrics
 
@@ -179,7 +191,14 @@ class _Split(scoring.Split):
     checkpoint: its sources tagged) and its teacher-forced loss metrics."""
 
     def __init__(
-        self, loaded: restore.Loaded, split: str, limit: int | None, direction: str | None = None
+        self,
+        loaded: restore.Loaded,
+        split: str,
+        limit: int | None,
+        direction: str | None = None,
+        *,
+        source_lang: str | None = None,
+        target_lang: str | None = None,
     ):
         data, seed = loaded.config.data, loaded.config.seed
         if directions.is_multilingual(data) and not direction:
@@ -189,13 +208,26 @@ class _Split(scoring.Split):
                 "SRC-TGT, trained or zero-shot, or all)"
             )
         if direction:
+            if source_lang or target_lang:
+                raise ValueError(
+                    "--source_lang/--target_lang: a multilingual checkpoint's languages are "
+                    f"its --direction ({direction})"
+                )
             task = directions.direction_task(data, loaded.tokenizer, seed, direction)
             self.direction = directions.direction_name(
                 (task.data.source_lang, task.data.target_lang)
             )
         else:
-            task = tasks.TranslationTask(data, loaded.tokenizer, seed)
+            # The language tokens translate would use (an imported M2M100/NLLB model's, by
+            # default for the data's languages); a plain run refuses other languages there.
+            prefixes = languages.prefixes(
+                loaded, source_lang or data.source_lang, target_lang or data.target_lang
+            )
+            task = tasks.TranslationTask(data, loaded.tokenizer, seed, prefixes=prefixes)
             self.direction = None
+        given = source_lang or target_lang  # named in the record and the hypotheses' file
+        pair = f"{source_lang or data.source_lang}-{target_lang or data.target_lang}"
+        self.languages = pair if given else None
         super().__init__(task, split, limit)
         self.dataset_split = task.split_name(split)
         # Computed beside the decoding that follows (a thread of its own): sums, in any order.
@@ -247,7 +279,7 @@ def _decode(
         alpha,
         averaged=averaged,
         limit=data.limit,
-        direction=data.direction,
+        direction=data.direction or data.languages,
         pivot=pivot,
     )
     if write:
@@ -271,6 +303,7 @@ def _decode(
         "checkpoint": str(loaded.path),
         "limit": data.limit,
         "direction": data.direction,
+        "languages": data.languages,
         "pivot": pivot,
     }
 
@@ -321,14 +354,18 @@ def evaluate(
     direction: str | None = None,
     pivot: str | None = None,
     profile: bool = False,
+    source_lang: str | None = None,
+    target_lang: str | None = None,
 ) -> dict[str, Any]:
     """Decode `split` of a checkpoint (restore.load's arguments) and score it -> the record
     appended to WORKDIR/eval_results.jsonl (module docstring); `write=False` writes nothing.
     `split` is 'validation', 'test' (the config's eval/test splits) or any split name;
     `limit` keeps the first N examples. A multilingual checkpoint needs `direction`
     ('de-fr', trained or zero-shot); `pivot` ('en') translates through that language.
-    `profile`: decode once more under jax.profiler, into WORKDIR/tensorboard (the record's
-    'profile'; TensorBoard's Profile tab, or analysis/trace_summary.py)."""
+    `source_lang`/`target_lang`: an imported M2M100/NLLB model's language tokens (default:
+    data.source_lang/target_lang's; inference/languages.py). `profile`: decode once more
+    under jax.profiler, into WORKDIR/tensorboard (the record's 'profile'; TensorBoard's
+    Profile tab, or analysis/trace_summary.py)."""
     start = time.time()
     loaded = load(workdir, checkpoint, step, average_last, overrides)
     return evaluate_loaded(
@@ -342,6 +379,8 @@ def evaluate(
         pivot=pivot,
         start=start,
         profile=profile,
+        source_lang=source_lang,
+        target_lang=target_lang,
     )
 
 
@@ -357,12 +396,15 @@ def evaluate_loaded(
     pivot: str | None = None,
     start: float | None = None,
     profile: bool = False,
+    source_lang: str | None = None,
+    target_lang: str | None = None,
 ) -> dict[str, Any]:
     """`evaluate` of an already loaded checkpoint (load once, evaluate many directions)."""
     start = time.time() if start is None else start
     trace = loaded.workdir / "tensorboard" if profile else None
     with compilation.CompileTimer() as compiled:
-        data = _Split(loaded, split, limit, direction)
+        langs = dict(source_lang=source_lang, target_lang=target_lang)
+        data = _Split(loaded, split, limit, direction, **langs)
         record = _decode(
             loaded, data, beam_size, alpha, write=write, pivot=pivot, profile_dir=trace
         )
@@ -412,13 +454,17 @@ def sweep(
     overrides: Mapping[str, Any] | None = None,
     write: bool = True,
     direction: str | None = None,
+    source_lang: str | None = None,
+    target_lang: str | None = None,
 ) -> dict[str, Any]:
     """Decode `split` for every beam size x alpha (greedy once: alpha does not apply) ->
     {'best': record, 'points': [record, ...]}; the best is the highest BLEU, ties going to
-    the smaller beam, then the smaller alpha. `direction`: as for `evaluate`."""
+    the smaller beam, then the smaller alpha. `direction`, `source_lang`, `target_lang`: as
+    for `evaluate`."""
     start = time.time()
     loaded = load(workdir, checkpoint, step, average_last, overrides)
-    data = _Split(loaded, split, limit, direction)
+    langs = dict(source_lang=source_lang, target_lang=target_lang)
+    data = _Split(loaded, split, limit, direction, **langs)
     points = []
     for beam in sorted(set(beams)):
         for alpha in sorted(set(alphas)) if beam > 1 else [None]:

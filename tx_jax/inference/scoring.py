@@ -64,6 +64,12 @@ class Split:
     def references(self) -> list[str]:
         return [self.pairs[i][1] for i in range(len(self.pairs))]
 
+    @property
+    def target_prefix(self) -> list[int]:
+        """Ids every hypothesis is forced to start with (an imported M2M100/NLLB model's
+        target-language token, as its targets were trained: data/tasks.py); none else."""
+        return list(getattr(self.task, "target_prefix", ()))
+
     @functools.cached_property
     def batches(self) -> list[dict[str, np.ndarray]]:
         """Eval batches: sources as the model reads them, sorted by length and bucketed, each
@@ -203,8 +209,9 @@ def translate_split(
     alpha: float = 0.6,
     translate: Translator | None = None,
 ) -> list[str]:
-    """The split's hypotheses in corpus order: its eval batches decoded (`translate_batches`),
-    or `translate(sources)` when given (e.g. through a pivot language: multilingual.py)."""
+    """The split's hypotheses in corpus order: its eval batches decoded (`translate_batches`,
+    each output forced to start with `split.target_prefix`, which the text leaves out), or
+    `translate(sources)` when given (e.g. through a pivot language: multilingual.py)."""
     if translate is not None:
         return translate(split.sources)
     return translate_batches(
@@ -215,6 +222,7 @@ def translate_split(
         len(split.references),
         beam_size=beam_size,
         alpha=alpha,
+        target_prefix=split.target_prefix,
     )
 
 
