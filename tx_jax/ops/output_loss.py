@@ -117,6 +117,24 @@ def _logits(hb: Array, table_c: Array, bias: Array | None) -> Array:
     return z if bias is None else z + bias.astype(jnp.float32)
 
 
+def _max_target_sum(z: Array, targets: Array) -> tuple[Array, Array, Array]:
+    """z [B, T, V], targets [B, T] -> max, target logit and sum over V, [B, T] each, in one
+    variadic reduction: one read of the block's logits where three reductions read it three
+    times (XLA does not fuse them). The target's logit is a one-hot sum: exact, no gather."""
+    onehot = jnp.arange(z.shape[-1]) == targets[..., None]
+    zero = jnp.zeros((), z.dtype)
+
+    def combine(a, b):
+        return lax.max(a[0], b[0]), a[1] + b[1], a[2] + b[2]
+
+    return lax.reduce(
+        (z, jnp.where(onehot, z, zero), z),
+        (jnp.array(-jnp.inf, z.dtype), zero, zero),
+        combine,
+        (z.ndim - 1,),
+    )
+
+
 def _fwd(h, table, bias, targets, weights, label_smoothing, block):
     B, L, _ = h.shape
     V = table.shape[0]
@@ -129,10 +147,11 @@ def _fwd(h, table, bias, targets, weights, label_smoothing, block):
     def stats(_, xs):
         hb, tb = xs
         z = _logits(hb, table_c, bias)  # [B, T, V]
-        onehot = jnp.arange(V) == tb[..., None]
-        # a one-hot sum, not a gather: exact, and it fuses with the other reductions
-        target = jnp.where(onehot, z, 0.0).sum(-1)
-        return None, (jax.nn.logsumexp(z, axis=-1), target, z.sum(-1), z.max(-1))
+        top, target, total = _max_target_sum(z, tb)
+        # jax.nn.logsumexp's arithmetic, reusing the max above (XLA would reduce z for it again)
+        shift = lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0.0))
+        lse = jnp.log(jnp.exp(z - shift[..., None]).sum(-1)) + shift
+        return None, (lse, target, total, top)
 
     _, out = lax.scan(stats, None, (_blocks(hp, T), _blocks(tp, T)))
     lse, target, total, top = (_unblocks(x)[:, :L] for x in out)  # [B, L] each
