@@ -10,6 +10,11 @@ WORKDIR/tokenizer.model, the parameters through train.init_from); the data secti
 configs/multi30k.py's for `pair` (override data.* for another corpus). Training: a short
 warmup to a small rate, then cosine decay, the usual recipe for adapting a converged model
 (a rate near pretraining's would undo it); dropout as the checkpoint has it.
+
+An imported M2M100/NLLB model trains in `pair`'s languages as transformers fine-tunes it
+(data/tasks.py): sources [__en__] + pieces + EOS, targets [__fr__] + pieces + EOS fed from
+the decoder start (EOS), so decoding's forced first token is what it learned; NLLB reads
+`en`/`de`/`fr`/`cs` as eng_Latn/... (data/imported_tokenizer.NLLB_CODES).
 """
 
 import ml_collections

@@ -264,3 +264,100 @@ def test_attention_maps_of_an_imported_model(marian, tmp_path):
     )
     pngs = sorted(p.name for p in tmp_path.glob("*.png"))
     assert pngs and all((tmp_path / p).read_bytes()[:4] == b"\x89PNG" for p in pngs)
+
+
+@pytest.fixture(scope="module")
+def m2m_100(tmp_path_factory):
+    root = tmp_path_factory.mktemp("m2m_100")
+    model, tok = pf.m2m_100_dir(root / "hf")
+    _import(root / "hf", root / "w")
+    return model, tok, root
+
+
+def test_evaluate_m2m_100_forces_the_target_language(m2m_100, tmp_path, monkeypatch):
+    from tx_jax.inference import evaluation
+
+    _, _, root = m2m_100
+    w, raw = root / "w", _multi30k_files(tmp_path / "raw")
+    data = {"data.dataset": "multi30k", "data.manual_dir": str(raw)}
+    data["data.data_dir"] = str(tmp_path / "tfds")
+    decoded = []  # every hypothesis's ids, as decoding produced them
+    original = ImportedTokenizer.decode
+
+    def decode(self, ids):
+        decoded.append([int(i) for i in ids])
+        return original(self, ids)
+
+    monkeypatch.setattr(ImportedTokenizer, "decode", decode)
+    split = "test_2016_flickr"
+    record = evaluation.evaluate(
+        w, split=split, beam_size=1, overrides=data, source_lang="en", target_lang="fr"
+    )
+    monkeypatch.undo()
+    loaded = restore.load(w)
+    fr = loaded.tokenizer.language_id("fr")
+    assert len(decoded) == 8 and all(ids[0] == fr for ids in decoded)
+    assert record["languages"] == "en-fr" and record["examples"] == 8
+    hyps = (w / "eval" / f"{split}_en-fr_step0_beam1.txt").read_text().splitlines()
+    assert record["hypotheses"].endswith(f"{split}_en-fr_step0_beam1.txt")
+    # The text leaves the language token out, and equals translate's for en -> fr.
+    source, target = languages.prefixes(loaded, "en", "fr")
+    want = translation.translate_lines(
+        loaded, pf.EN, beam_size=1, source_prefix=source, target_prefix=target
+    )
+    assert hyps == want and "__fr__" not in "".join(hyps)
+    assert sorted(map(loaded.tokenizer.decode, decoded)) == sorted(want)  # length-sorted
+    # The default: the data languages (the checkpoint's en -> de).
+    de = evaluation.evaluate(w, split=split, beam_size=1, overrides=data, write=False)
+    assert de["languages"] is None and de["hypotheses"] is None
+    bad = subprocess.run(
+        [sys.executable, "-m", "tx_jax.evaluate", f"--workdir={w}", "--target_lang=xx"]
+        + [f"--config.{k}={v}" for k, v in data.items()],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode != 0
+    assert "error: language 'xx' is not one of this m2m_100 model's 100" in bad.stderr
+
+
+def test_finetuning_m2m_100_trains_the_language_tokens_and_lowers_the_loss(m2m_100, tmp_path):
+    from tx_jax.data import tasks
+    from tx_jax.experiment.loop import train_and_evaluate
+    from tx_jax.interop import pretrained
+
+    _, tok, root = m2m_100
+    config = load_config(f"configs/finetune.py:init_from={root / 'w'},debug")
+    config.data.manual_dir = str(_multi30k_files(tmp_path / "raw"))
+    config.data.data_dir = str(tmp_path / "tfds")
+    config.train.num_steps = 8
+    config.train.peak_lr = 3e-3
+    loaded = restore.load(root / "w")
+    # The batches the run trains on: each packed pair is transformers' encoding of it.
+    perm = pretrained.vocab_permutation(json.loads((root / "hf" / "config.json").read_text()))
+    tok.src_lang, tok.tgt_lang = "en", "de"  # configs/finetune.py's default pair
+    want = set()
+    for source, target in zip(pf.EN, pf.DE, strict=True):
+        enc = tok(source, text_target=target)
+        want.add(tuple(tuple(int(perm[i]) for i in enc[k]) for k in ("input_ids", "labels")))
+    task = tasks.prepare_translation_task(
+        config.data, tmp_path / "peek", seed=config.seed, tokenizer=loaded.tokenizer
+    )
+    # Teacher forcing feeds [EOS, __de__, pieces] for [__de__, pieces, EOS], as transformers
+    # shifts its labels right from decoder_start_token_id; decoding starts at the same EOS
+    # (the run's model.bos_id is its tokenizer's: experiment/setup.py).
+    assert task.tokenizer.bos_id == loaded.tokenizer.eos_id == loaded.model_config.bos_id
+    batch = next(task.train_iterator(1))
+    got = []
+    for r in range(batch["inputs"].shape[0]):
+        for s in set(batch["inputs_segmentation"][r].tolist()) - {0}:
+            got.append(
+                tuple(
+                    tuple(batch[k][r][batch[f"{k}_segmentation"][r] == s].tolist())
+                    for k in ("inputs", "targets")
+                )
+            )
+    assert got and set(got) <= want
+    train_and_evaluate(config, str(tmp_path / "ft"))
+    records = [json.loads(x) for x in (tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()]
+    nll = [r["nll"] for r in records if r.get("split") == "train"]
+    assert len(nll) == 4 and nll[-1] < nll[0]  # steps 2, 4, 6, 8

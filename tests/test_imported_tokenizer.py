@@ -177,6 +177,6 @@ def test_unknown_language_codes_are_refused_naming_the_known_ones(tmp_path):
         r"cs, de, en, fr\)"
     )
     with pytest.raises(ValueError, match=message):
-        _task(ours, "en", "xx").target_prefix
+        _task(ours, "en", "xx").eval_batches("validation", 1)
     with pytest.raises(ValueError, match="'sv' is not one of this nllb model's 202"):
         ours.source_prefix("sv")  # Swedish has a token (swe_Latn) but no entry in the table

@@ -46,7 +46,8 @@ class BleuResult:
 
 class Split:
     """The first `limit` pairs of a split of a translation task (a direction's, for a
-    multilingual one: its sources tagged), each part read when first asked for and kept:
+    multilingual one: its sources tagged; an imported M2M100/NLLB model's: its language
+    tokens, the target's forced), each part read when first asked for and kept:
     a split decoded several times (a sweep) is read once."""
 
     def __init__(self, task: Any, name: str, limit: int | None = None):
