@@ -76,7 +76,7 @@ def test_cudnn_forward_matches_float64_reference(causal):
     q, k, v, q_seg, kv_seg = _problem(np.random.default_rng(1), causal)
     fn = jax.jit(functools.partial(_attend, causal=causal), static_argnums=0)
     assert "__cudnn$fmha" in fn.lower("cudnn", q, k, v, q_seg, kv_seg).as_text()
-    out = np.asarray(fn("cudnn", q, k, v, q_seg, kv_seg), np.float64)
+    out = np.asarray(fn("cudnn_native", q, k, v, q_seg, kv_seg), np.float64)
     xla = np.asarray(fn("xla", q, k, v, q_seg, kv_seg), np.float64)
     mask = masks.dense_mask(
         L, k.shape[1], is_causal=causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg
@@ -106,7 +106,7 @@ def test_cudnn_gradients_match_xla_in_float32(causal):
     grad = jax.jit(jax.grad(loss, argnums=(1, 2, 3)), static_argnums=0)
     with jax.default_matmul_precision("highest"):
         ref = grad("xla", *(x.astype(jnp.float32) for x in (q, k, v)))
-    got = grad("cudnn", q, k, v)
+    got = grad("cudnn_native", q, k, v)
     for name, g, r in zip("qkv", got, ref):
         g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
         assert np.isfinite(g).all(), name
@@ -163,10 +163,10 @@ def test_cudnn_native_packed_layout_matches_reference(case):
     causal, same = case == "causal", case != "cross"
     q, k, v, q_seg, kv_seg = _packed_problem(np.random.default_rng(20), case)
     fn = jax.jit(functools.partial(_attend_native, causal=causal, same=same), static_argnums=0)
-    text = fn.lower("cudnn", q, k, v, q_seg, kv_seg).as_text()
+    text = fn.lower("cudnn_native", q, k, v, q_seg, kv_seg).as_text()
     if "__cudnn$fmha" not in text or "ScaleBias" in text:
         pytest.skip("this jax refused the packed layout (the dense fallback ran)")
-    out = np.asarray(fn("cudnn", q, k, v, q_seg, kv_seg), np.float64)
+    out = np.asarray(fn("cudnn_native", q, k, v, q_seg, kv_seg), np.float64)
     mask = masks.dense_mask(
         L, k.shape[1], is_causal=causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg
     )
@@ -186,7 +186,7 @@ def test_cudnn_native_packed_layout_matches_reference(case):
     grad = jax.jit(jax.grad(loss, argnums=(1, 2, 3)), static_argnums=0)
     with jax.default_matmul_precision("highest"):
         want = grad("xla", *(x.astype(jnp.float32) for x in (q, k, v)))
-    got = grad("cudnn", q, k, v)
+    got = grad("cudnn_native", q, k, v)
     for name, g, r, seg in zip("qkv", got, want, (q_seg, kv_seg, kv_seg)):
         g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
         assert np.isfinite(g).all(), name
@@ -199,7 +199,9 @@ def test_cudnn_native_causal_without_segments():
     """is_causal alone: cuDNN's causal mask type, no array; against the float64 reference."""
     q, k, v, _, _ = _problem(np.random.default_rng(22), True)
     fn = jax.jit(
-        lambda q, k, v: A.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        lambda q, k, v: A.dot_product_attention(
+            q, k, v, is_causal=True, implementation="cudnn_native"
+        )
     )
     text = fn.lower(q, k, v).as_text()
     assert "__cudnn$fmha" in text and "ScaleBias" not in text

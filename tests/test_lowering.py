@@ -191,8 +191,15 @@ def test_cudnn_attention_lowers_for_cuda():
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert "__cudnn$fmha" in text
     assert "Backward" in text  # the gradient goes through cuDNN's backward kernel
-    # No GPU known here (no mesh, no local GPU): segment ids go as today's dense bias. Traced
-    # for an H100 (the planner's case) they go as cuDNN's packed layout: no bias anywhere.
+    assert "fmhaScaleBiasSoftmax" in text  # 'cudnn': the masks as a dense bias
+    # 'cudnn_native' traced for an H100 (the planner's case): cuDNN's packed layout, no bias
+    # anywhere; without a known GPU (no mesh, no local GPU) it falls back to the bias.
+    _, _, model, tx, schedule, init_fn = _setup(attention_impl="cudnn_native", dtype="bfloat16")
+    step_fn = functools.partial(
+        train_step, model=model, tx=tx, schedule=schedule, label_smoothing=0.1
+    )
+    with _skip_if_unlowerable("cuda"):
+        text = jax.jit(step_fn).trace(state, _batch()).lower(lowering_platforms=("cuda",)).as_text()
     assert "fmhaScaleBiasSoftmax" in text
     with jax.set_mesh(_h100_mesh()):
         traced = jax.jit(step_fn).trace(state, _batch())
@@ -240,7 +247,7 @@ def test_cudnn_native_masks_lower_without_bias(case):
             kw = {"q_segment_ids": q_seg, "kv_segment_ids": kv_seg}
         else:  # self-attention: the model passes one array for both sides
             kw = {"q_segment_ids": q_seg, "kv_segment_ids": q_seg, "is_causal": case == "packed"}
-        out = A.dot_product_attention(q, k, v, implementation="cudnn", **kw)
+        out = A.dot_product_attention(q, k, v, implementation="cudnn_native", **kw)
         return out.astype(jnp.float32).sum()
 
     step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))

@@ -40,8 +40,8 @@ from tx_jax.ops import backend
 from tx_jax.ops.kernels import dropout
 
 Array = jax.Array
-Implementation = Literal["auto", "xla", "chunked", "cudnn", "splash"]
-IMPLEMENTATIONS = ("auto", "xla", "chunked", "cudnn", "splash")
+Implementation = Literal["auto", "xla", "chunked", "cudnn", "cudnn_native", "splash"]
+IMPLEMENTATIONS = ("auto", "xla", "chunked", "cudnn", "cudnn_native", "splash")
 _NEG = -1e30  # finite "minus infinity": exp(_NEG - m) == 0 without inf - inf = NaN.
 _LANES = 128  # splash's block lengths are multiples of the TPU's 128 lanes
 # Pallas interpret mode for 'splash', so that tests run the TPU kernel on a CPU; tests set it
@@ -84,8 +84,10 @@ def dot_product_attention(
       dropout_rate, dropout_rng, deterministic: dropout on the attention weights.
       implementation: 'xla' (einsum-softmax-einsum), 'chunked' (online softmax over key
         blocks of `chunk_size`: memory linear in S, same result), 'cudnn'
-        (cuDNN's fused attention on a GPU, bf16/fp16, Dv == Dk; is_causal and segment ids
-        in cuDNN's own form, cudnn_masks.py; a mask or bias as a dense bias), 'splash' (the
+        (cuDNN's fused attention on a GPU, bf16/fp16, Dv == Dk; the masks as a dense bias),
+        'cudnn_native' (the same with is_causal and segment ids in cuDNN's own form,
+        cudnn_masks.py: no bias, but 1.7x slower on an H100 in the paper's packed base step,
+        BENCHMARKS.md; opt-in until a cuDNN makes it pay), 'splash' (the
         Pallas TPU kernel: is_causal and segment ids only; no mask, bias, dropout or weights), or
         'auto' (by backend.current(): 'splash' on a TPU where it applies).
       return_weights: also return the [B, H, L, S] weights ('xla' only).
@@ -126,7 +128,7 @@ def dot_product_attention(
             chunk_size,
             precision,
         )
-    if impl == "cudnn" and mask is None and bias is None:
+    if impl == "cudnn_native" and mask is None and bias is None:
         # The structured masks in cuDNN's own form (cudnn_masks.py): no [B, H, L, S] bias.
         out = _attention_cudnn(
             query, key, value, None, None, (is_causal, q_segment_ids, kv_segment_ids)
@@ -141,7 +143,7 @@ def dot_product_attention(
         q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids,
     )
-    if impl == "cudnn":
+    if impl in ("cudnn", "cudnn_native"):
         return _attention_cudnn(query, key, value, full, bias)
     out, weights = _attention_xla(query, key, value, full, bias, drop, precision)
     return (out, weights) if return_weights else out
