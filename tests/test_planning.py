@@ -109,6 +109,7 @@ def test_hlo_collectives_count_loop_trips_and_group_sizes():
     body = (4096 + 4096) + (4096 + 8 * 256 * 2)
     main = (4096 + 512) + (4096 + 4096 * 1024 * 4) + (1024 + 4 + 4) + 1024
     assert hlo.hbm_traffic(module) == 3 * body + main
+    assert hlo.loop_trips(module) == 3  # the body runs three times: the cost analysis counts one
     biggest = hlo.largest_buffers(module, 1)[0]
     assert biggest["bytes"] == 4096 * 1024 * 4 and biggest["op"] == "jit(step)/big"
 
@@ -182,6 +183,7 @@ def test_roofline_bound_is_the_largest_term(debug_plan):
     train = p["programs"][0]
     assert "tpu_custom_call" not in train["custom_calls"]  # L 64: no Pallas attention kernel
     traffic = train["hbm_traffic_bytes_per_device"]
+    assert train["loop_trips"] == 1  # no loop in the train step: both counts apply
     counted = min(traffic, train["compiler_bytes_accessed_per_device"])
     assert terms["memory_s"] == pytest.approx(counted / chip.hbm_bandwidth)
     # every parameter and Adam moment is read and written by the update at least once
@@ -286,3 +288,16 @@ def test_gpu_plan_compiles_for_h100():
     # the cost analysis cannot see into cuDNN's kernel: its attention FLOPs are missing
     compiled = p["flops_per_step_per_device"] * 8 / p["analytic_flops_per_step"]
     assert 0.7 <= compiled <= 1.0, compiled
+
+
+def test_traffic_of_a_looped_program_is_counted_by_trips():
+    """The compiler's bytes accessed count a loop body once: where a body runs several times
+    the plan's traffic is hlo.hbm_traffic's count by trips, else the smaller of the two."""
+    from tx_jax.planning import plan as plan_lib
+    from tx_jax.planning.programs import Program
+
+    def program(trips: int) -> Program:
+        return Program("train", "train", {}, 0.0, {}, 1.0, 10.0, 40.0, {}, [], 0, loop_trips=trips)
+
+    assert plan_lib.traffic(program(1)) == 10.0
+    assert plan_lib.traffic(program(4)) == 40.0

@@ -193,6 +193,12 @@ def _control(module: Module) -> set[str]:
     return names
 
 
+def loop_trips(module: Module) -> int:
+    """The most times any loop body or branch of the program runs per execution (1: no loop
+    runs more than once). The compiler's cost analysis counts such a body once."""
+    return max((module.multiplicity.get(name, 0) for name in _control(module)), default=1)
+
+
 def _operands(rest: str) -> list[str]:
     """The operand names of an instruction: its argument list up to the closing paren."""
     depth, end = 1, len(rest)

@@ -54,7 +54,11 @@ def analytic_flops(built: programs_lib.Built, shapes: dict[str, tuple[int, int]]
 def traffic(p: programs_lib.Program) -> float:
     """HBM bytes per step: the smaller of two overcounts, hlo.hbm_traffic (whole operands of
     each top-level operation) and the cost analysis' bytes accessed (traffic inside fusions
-    too; on GPU the CPU client's analysis of the GPU module)."""
+    too; on GPU the CPU client's analysis of the GPU module). Where a loop body runs more
+    than once, hlo.hbm_traffic alone: the cost analysis counts the body once, which made a
+    blocked loss look 4 GB lighter than it is (BENCHMARKS.md)."""
+    if p.loop_trips > 1 and p.hbm_bytes > 0:
+        return p.hbm_bytes
     counts = [x for x in (p.hbm_bytes, p.bytes_accessed) if x > 0]
     return min(counts) if counts else 0.0
 
@@ -99,6 +103,7 @@ def make_plan(
                 "flops_per_device": p.flops,
                 "hbm_traffic_bytes_per_device": p.hbm_bytes,
                 "compiler_bytes_accessed_per_device": p.bytes_accessed,
+                "loop_trips": p.loop_trips,
                 "collectives": p.collectives,
                 "largest_buffers": p.largest_buffers,
                 "custom_calls": p.custom_calls,

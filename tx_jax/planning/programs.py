@@ -56,6 +56,9 @@ class Program:
     largest_buffers: list[dict]
     extra_bytes: int  # inputs other than the train state (batch, sources), per device
     custom_calls: dict[str, int] = dataclasses.field(default_factory=dict)  # kernels by name
+    # hlo.loop_trips: > 1 when a loop body runs several times (grad accumulation, decoding,
+    # a blocked loss), which flops and bytes_accessed count once
+    loop_trips: int = 1
     refused: str = ""  # the compiler's reason when it would not compile the program
     # the compiled program itself, callable where the target's devices are this host's
     # (benchmarks/gpu_step.py times the very program it plans); None when refused
@@ -219,6 +222,7 @@ def _compile(built: Built, name: str, kind: str, lower, shapes, extra_bytes: int
         hlo.largest_buffers(module),
         extra_bytes,
         hlo.custom_calls(module),
+        loop_trips=hlo.loop_trips(module),
         executable=compiled,
     )
 
