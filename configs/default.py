@@ -113,6 +113,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train.log_every = 50
     c.train.restore_data_iterator = True  # resume the exact batch sequence
     c.train.max_nonfinite_steps = 10  # stop after this many non-finite updates in a row
+    # Bit-identical GPU runs: XLA:GPU's deterministic ops (no atomics) and XLA's attention in
+    # place of cuDNN's, which fails in that mode; a CPU run is deterministic already.
+    c.train.deterministic = False
     # (start, stop): a jax.profiler trace of steps start .. stop-1 into WORKDIR/tensorboard
     # (TensorBoard's profile view); () for none.
     c.train.profile_steps = ()

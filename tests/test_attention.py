@@ -1,5 +1,7 @@
 """dot_product_attention, the mask helpers, and MultiHeadAttention."""
 
+import os
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -607,3 +609,34 @@ def test_sow_weights_rows_sum_to_one():
     assert w.shape == (1, 2, 4, 4)
     np.testing.assert_allclose(w.sum(-1), 1.0, rtol=1e-6)
     np.testing.assert_array_equal(np.triu(np.asarray(w[0, 0]), 1), 0.0)
+
+
+def test_deterministic_gpu_mode_keeps_cudnn_out(monkeypatch):
+    """Under XLA:GPU's deterministic ops (train.deterministic) cuDNN's fused attention fails
+    at its first call (H100, jax 0.11.2): 'auto' picks XLA's attention for a GPU instead,
+    and an explicit 'cudnn' is refused naming the flag."""
+    from tx_jax.model.attention import _choose
+    from tx_jax.ops import backend
+
+    q = jnp.zeros((2, 16, 4, 64), jnp.bfloat16)
+    with backend.target("gpu"):
+        monkeypatch.setenv("XLA_FLAGS", "")
+        assert _choose("auto", q, q, q, False, False) == "cudnn"
+        monkeypatch.setenv(
+            "XLA_FLAGS", "--xla_force_host_platform_device_count=2 " + backend.DETERMINISTIC_FLAG
+        )
+        assert backend.deterministic_ops()
+        assert _choose("auto", q, q, q, False, False) == "xla"
+        for impl in ("cudnn", "cudnn_native"):
+            with pytest.raises(ValueError, match="xla_gpu_deterministic_ops"):
+                _choose(impl, q, q, q, False, False)
+
+
+def test_require_deterministic_ops_adds_the_flag_once(monkeypatch):
+    from tx_jax.ops import backend
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    backend.require_deterministic_ops()  # CPU host: the flag is set for any GPU to come
+    backend.require_deterministic_ops()
+    flags = os.environ["XLA_FLAGS"].split()
+    assert flags == ["--xla_force_host_platform_device_count=2", backend.DETERMINISTIC_FLAG]

@@ -27,6 +27,8 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.set_verbosity(logging.WARNING)
     backend.skip_absent_tpu()
+    if FLAGS.config.train.get("deterministic"):  # before JAX starts its backends
+        backend.require_deterministic_ops()
     try:
         train_and_evaluate(FLAGS.config, FLAGS.workdir)
     except OSError as e:  # the workdir's storage failed (CheckpointSaveError is one)

@@ -25,6 +25,7 @@ from tx_jax.experiment.profiling import StepProfiler, profile_window
 from tx_jax.experiment.setup import Run, build_run, restore_or_init, train_step_fn
 from tx_jax.experiment.signals import StopSignal
 from tx_jax.inference import averaging, restore
+from tx_jax.ops import backend
 from tx_jax.training import checkpoint as ckpt_lib
 from tx_jax.training import logs, parallel
 
@@ -32,6 +33,8 @@ from tx_jax.training import logs, parallel
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     """Train `config` in `workdir` (resuming if it holds checkpoints); return final metrics."""
     started = time.time()
+    if config.train.get("deterministic"):
+        backend.require_deterministic_ops()
     run = build_run(config, workdir)
     cfg = config.train
     logs.write_json(run.workdir / "config.json", config.to_dict())

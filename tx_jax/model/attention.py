@@ -232,6 +232,11 @@ def _choose(
     """The implementation for `impl`; `dense`: a mask or bias array is given."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={impl!r}; expected one of {IMPLEMENTATIONS}")
+    if impl in ("cudnn", "cudnn_native") and backend.deterministic_ops():
+        raise ValueError(
+            f"implementation={impl!r}: cuDNN's fused attention fails under XLA_FLAGS="
+            f"{backend.DETERMINISTIC_FLAG} (train.deterministic); use 'auto' or 'xla'"
+        )
     if impl != "auto":
         return impl
     if weights:
@@ -252,6 +257,7 @@ def _choose(
         return "splash"
     cudnn_ok = (
         backend.current() == "gpu"
+        and not backend.deterministic_ops()  # cuDNN's attention fails in that mode
         and query.dtype in (jnp.bfloat16, jnp.float16)
         and not dropout
         and value.shape[-1] == key.shape[-1]  # jax.nn.dot_product_attention: same shapes

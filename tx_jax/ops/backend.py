@@ -42,6 +42,31 @@ def target(platform: str):
         _TARGET.reset(token)
 
 
+DETERMINISTIC_FLAG = "--xla_gpu_deterministic_ops=true"
+
+
+def deterministic_ops() -> bool:
+    """Whether XLA:GPU runs in its deterministic mode (the flag in XLA_FLAGS): no atomics in
+    reductions and scatters, and no cuDNN fused attention, which fails under it (jax 0.11.2,
+    H100: `raw_hash_map<>::at` at the first call; BENCHMARKS.md)."""
+    return DETERMINISTIC_FLAG in os.environ.get("XLA_FLAGS", "").split()
+
+
+def require_deterministic_ops() -> None:
+    """Set XLA:GPU's deterministic mode for this process (train.deterministic=True): before
+    JAX starts its backends; a ValueError naming the flag where they run without it."""
+    if deterministic_ops():
+        return
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized() and any(d.platform == "gpu" for d in jax.devices()):
+        raise ValueError(
+            "train.deterministic=True: JAX's GPU backend started without XLA_FLAGS="
+            f"{DETERMINISTIC_FLAG}; set it before the process uses JAX (tx_jax.main does)"
+        )
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {DETERMINISTIC_FLAG}".strip()
+
+
 def skip_absent_tpu() -> str | None:
     """On a host without TPU chips, keep JAX from starting libtpu (tx_jax's `plan` extra
     installs it; it then probes for chips at start-up and prints errors): name the host's
