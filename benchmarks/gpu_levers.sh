@@ -9,8 +9,9 @@
 # 1. tests/test_gpu.py: the cuDNN paths against float64/XLA before anything is timed.
 # 2. benchmarks/gpu_step.py (ms/step of the paper's base and big, bf16, 104 x 256 packed
 #    batch, dropout and label smoothing on) in this order, so that a call cut off by its limit
-#    keeps the most telling rows: the levers one at a time on base (dropout's generator,
-#    the blocked loss), base before the levers, both levers on base and on big.
+#    keeps the most telling rows: the levers one at a time on base (cuDNN's native masks,
+#    dropout's generator, the blocked loss), base at BEFORE_DIR's commit, the fastest dropout
+#    generator with the blocked loss on base and big. 2026-11-27's run: BENCHMARKS.md.
 # 3. benchmarks/gpu_determinism.py under --xla_gpu_deterministic_ops=true: which part fails;
 #    then big before the levers, last.
 # Results: OUT_DIR/{gpu_tests.log, levers_*.json, before_*.json, determinism.json}.
@@ -34,7 +35,7 @@ step() {  # NAME CASES [DIR]: one gpu_step.py process
   (cd "$dir" && PYTHONPATH="${SITE_PACKAGES:-}:$PWD" timeout 400 python3 benchmarks/gpu_step.py --cases "$cases" --steps "$steps" \
     --peak-size "${PEAK:-8192}" --peak-reps 3 --out "$out/$name.json") 2>&1 | quiet | grep -v "^  File\|^    "
 }
-step levers_base "$B:bfloat16,$B:bfloat16/model.dropout_bits=packed,$B:bfloat16/model.dropout_bits=rbg,$B:bfloat16/model.loss_impl=blocked"
+step levers_base "$B:bfloat16,$B:bfloat16:cudnn_native,$B:bfloat16/model.dropout_bits=packed,$B:bfloat16/model.dropout_bits=rbg,$B:bfloat16/model.loss_impl=blocked"
 step before_base "$B:bfloat16" "$before"
 bits=$(python3 - "$out/levers_base.json" "$B" <<'EOF'
 import json, sys
