@@ -91,6 +91,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Train on the first N pairs (of each direction) only, 0: all; or per direction
     # 'en-fr=3000,fr-en=3000' (the directions not named keep every pair).
     c.data.max_train_pairs = ml_collections.FieldReference(0, field_type=object)
+    # Back-translation (tx_jax/data/backtranslation.py): synthetic parallel corpora mixed into
+    # the train split, e.g. [{"source": "bt/mono.de.en-*.txt.gz", "target": "bt/mono.de-*.txt.gz",
+    # "ratio": 1.0, "tag": True}]: aligned plain-text lines (paths, globs or lists; local or
+    # gs://); ratio = synthetic examples drawn per real one on average; tag: synthetic_tag
+    # before each of its sources; optional "name". Evaluation reads only the real dataset.
+    c.data.synthetic_corpora = ml_collections.FieldReference([], field_type=object)
+    c.data.synthetic_tag = "<BT>"  # the tagged corpora's source tag, one piece of the tokenizer
     # An existing tokenizer.model (or a run directory holding one) instead of training one here.
     c.data.tokenizer_path = ml_collections.FieldReference(None, field_type=str)
 

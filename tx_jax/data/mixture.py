@@ -147,6 +147,7 @@ def make_mixture_train_iterator(
     options: TrainOptions,
     *,
     source_prefixes: Mapping[str, Sequence[int]] | None = None,
+    target_prefixes: Mapping[str, Sequence[int]] | None = None,
 ) -> TrainIterator:
     """Translation train batches drawn from several corpora; never ends.
 
@@ -159,6 +160,8 @@ def make_mixture_train_iterator(
         repeats every corpus forever).
       source_prefixes: name -> ids put before each source of that corpus (the target-language
         tag: {'en-de': [id of '<2de>'], ...}); none for a corpus not named.
+      target_prefixes: name -> ids put before each target (an imported M2M100/NLLB model's
+        target-language token); none for a corpus not named.
     """
     names = list(corpora)
     probs = [float(p) for p in probabilities]
@@ -171,14 +174,17 @@ def make_mixture_train_iterator(
     shard = process_shard(options.process_index, options.process_count)
     keys = ("inputs", "targets")
     prefixes = [[int(i) for i in (source_prefixes or {}).get(n, ())] for n in names]
+    targets = [[int(i) for i in (target_prefixes or {}).get(n, ())] for n in names]
     records = [
-        shard_records(corpora[n], keys, tokenizer, options, shard, prefix)
-        for n, prefix in zip(names, prefixes)
+        shard_records(corpora[n], keys, tokenizer, options, shard, prefix, target)
+        for n, prefix, target in zip(names, prefixes, targets)
     ]
     kept = _MixtureIterDataset(records, probs, options.seed, names)
     sizes = [len(corpora[n]) for n in names]
     extra = {
         "mixture": {"names": names, "probabilities": probs, "sizes": sizes, "prefixes": prefixes}
     }
+    if any(targets):  # only when set: earlier mixtures' checkpoints keep their fingerprint
+        extra["mixture"]["target_prefixes"] = targets
     counts = dict(num_examples=sum(sizes), shard_size=sum(len(r) for r in records))
     return batch_iterator(kept, keys, tokenizer, options, shard, **counts, fingerprint_extra=extra)

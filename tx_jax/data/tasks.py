@@ -141,15 +141,26 @@ class TranslationTask:
 
 
 def prepare_translation_task(
-    data: Any, workdir: str | epath.Path, *, seed: int, tokenizer: Tokenizer | None = None
+    data: Any,
+    workdir: str | epath.Path,
+    *,
+    seed: int,
+    tokenizer: Tokenizer | None = None,
+    symbols: Sequence[str] = (),
 ) -> TranslationTask:
     """Splits and tokenizer of one language pair; `tokenizer`, when given (another run's, for
     `train.init_from`), is used and saved as WORKDIR/tokenizer.model instead of training one
-    on both sides of the first `data.tokenizer_pairs` train pairs."""
+    on both sides of the first `data.tokenizer_pairs` train pairs (with `symbols`, e.g. the
+    back-translation tag, as single pieces)."""
     workdir = epath.Path(workdir)
     (train,) = preparation.open_train_splits([data], workdir)
     pairs = Prefix(kept_train_pairs(data, train), data.tokenizer_pairs)
     tok = load_or_train_tokenizer(
-        data, workdir, lambda: iter_pair_texts(pairs), given=tokenizer, given_by="train.init_from"
+        data,
+        workdir,
+        lambda: iter_pair_texts(pairs),
+        given=tokenizer,
+        given_by="train.init_from",
+        symbols=symbols,
     )
     return TranslationTask(data, tok, seed, splits={"train": train})

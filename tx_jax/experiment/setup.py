@@ -17,7 +17,7 @@ import optax
 from etils import epath
 
 from tx_jax.config import task_of
-from tx_jax.data import directions, lm_task, tasks
+from tx_jax.data import backtranslation, directions, lm_task, tasks
 from tx_jax.experiment.validation import check_batch_divides, validate_config
 from tx_jax.inference import restore
 from tx_jax.model import ModelConfig, make_model
@@ -56,6 +56,8 @@ def build_run(config: ml_collections.ConfigDict, workdir: str | epath.Path) -> R
     prepare = lm_task.prepare_lm_task if is_lm else tasks.prepare_translation_task
     if directions.is_multilingual(config.data):
         prepare = directions.prepare_multilingual_task
+    elif backtranslation.has_synthetic(config.data) and not is_lm:
+        prepare = backtranslation.prepare_backtranslation_task
     source = _init_source(config, workdir)
     task = prepare(config.data, workdir, seed=config.seed, tokenizer=task_tokenizer(source))
     parts = build_model(config, task.tokenizer.vocab_size, task.tokenizer.bos_id)

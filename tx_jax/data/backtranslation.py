@@ -1,0 +1,286 @@
+"""Synthetic parallel corpora mixed with the real train split: back-translation's data side.
+
+    data.synthetic_corpora = [
+        {"source": "gs://b/bt/mono.de.en-*.txt", "target": "gs://b/bt/mono.de-*.txt",
+         "ratio": 1.0, "tag": True},
+    ]
+    data.synthetic_tag = "<BT>"
+
+    task = prepare_backtranslation_task(config.data, workdir, seed=config.seed)
+    task.train_iterator(n)               real and synthetic pairs in one stream (mixture.py)
+    task.eval_batches('validation', n)   the real dataset's splits only, as TranslationTask's
+
+A synthetic corpus is two plain-text files (or globs with wildcards in the file name, or lists
+of them, read in sorted order one after another; '.gz' files are decompressed) of aligned
+lines: line k of `source` is the source of line k of `target`. Back-translation (Sennrich et
+al., 2016) sends target-language monolingual text through a reverse model: `tx_jax.translate
+--input` reads mono.de and writes mono.de.en beside it, so the synthetic source is the
+translation and the target its input.
+Local or gs:// paths (paths.py); the line counts must match, and an error names both files.
+
+Ratio: the expected number of examples drawn from a synthetic corpus per real example, over
+the kept examples of the stream (pairs too long for data.max_len are skipped inside their own
+corpus, so the ratio holds for what trains). With real corpus 0 and synthetic ratios r_1..r_k,
+example j of the stream is drawn from corpus i with probability
+
+    p_0 = 1 / (1 + sum_i r_i),    p_i = r_i / (1 + sum_i r_i)
+
+so ratio 1.0 is half of every batch synthetic on average, 0.25 one synthetic pair in five.
+Each corpus is read without replacement epoch by epoch, whatever its share (mixture.py).
+
+Tagged back-translation (Caswell et al., 2019): with "tag": True the id of `data.synthetic_tag`
+goes before every source of that corpus (after the task's own source prefix, an imported
+model's language token, if any), and never before a real source. The tag must be one piece of
+the tokenizer: a tokenizer trained by the run gets it as a user-defined symbol; a given one
+(`data.tokenizer_path`, `train.init_from`) without it is an error.
+
+The iterator state is the mixture's: the stream position and every corpus's own position,
+so a checkpoint resumes the identical batches; its fingerprint holds each corpus's size, so a
+synthetic file that changed length since is an error at restore, not a silent reshuffle.
+Validation loss, BLEU during training and the test score read only the real dataset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from etils import epath
+
+from tx_jax import paths
+from tx_jax.data import mixture, tasks
+from tx_jax.data.input_shards import ShardedTrainIterator, Span
+from tx_jax.data.tokenizer import Tokenizer
+from tx_jax.data.train_input import sharded_train_iterator
+
+KEY = "data.synthetic_corpora"
+DEFAULT_TAG = "<BT>"
+REAL = "train"  # the real train split's name in the mixture (its 'kept/train' count)
+_FIELDS = {"source", "target", "ratio", "tag", "name"}
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticCorpus:
+    """One entry of data.synthetic_corpora, checked (module docstring)."""
+
+    name: str  # in the mixture's state and its 'kept/<name>' count: 'synthetic0' unless named
+    source: tuple[str, ...]  # paths or globs, read in order
+    target: tuple[str, ...]
+    ratio: float
+    tag: bool
+
+
+def _files(spec: Any, key: str) -> tuple[str, ...]:
+    items = [spec] if isinstance(spec, str) else list(spec or ())
+    if not items or not all(isinstance(x, str) and x.strip() for x in items):
+        raise ValueError(f"{key}={spec!r}: give a path, a glob or a list of paths")
+    return tuple(x.strip() for x in items)
+
+
+def parse_synthetic_corpora(data: Any) -> list[SyntheticCorpus]:
+    """config.data's synthetic corpora, checked without reading them; [] when unset.
+    ValueError names the entry and key (`data.synthetic_corpora[1].ratio`)."""
+    spec = data.get("synthetic_corpora") or []
+    spec = spec.to_dict() if hasattr(spec, "to_dict") else spec  # a ConfigDict of one dict
+    if isinstance(spec, Mapping) or not isinstance(spec, Sequence) or isinstance(spec, str):
+        raise ValueError(f"{KEY}={spec!r}: a list of {{'source', 'target', 'ratio', 'tag'}}")
+    out = []
+    for i, entry in enumerate(spec):
+        where = f"{KEY}[{i}]"
+        entry = entry.to_dict() if hasattr(entry, "to_dict") else entry
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"{where}={entry!r}: a dict with 'source', 'target' and 'ratio'")
+        if unknown := set(entry) - _FIELDS:
+            raise ValueError(f"{where}: unknown keys {sorted(unknown)}; known: {sorted(_FIELDS)}")
+        for field in ("source", "target", "ratio"):
+            if field not in entry:
+                raise ValueError(f"{where} has no {field!r}")
+        ratio = entry["ratio"]
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio > 0:
+            raise ValueError(f"{where}.ratio={ratio!r} must be a positive number")
+        if not math.isfinite(ratio):
+            raise ValueError(f"{where}.ratio={ratio!r} must be finite")
+        tag = entry.get("tag", False)
+        if not isinstance(tag, bool):
+            raise ValueError(f"{where}.tag={tag!r} must be true or false")
+        name = str(entry.get("name") or f"synthetic{i}")
+        if name == REAL or name in [c.name for c in out]:
+            raise ValueError(f"{where}.name={name!r} is taken; give each corpus its own name")
+        out.append(
+            SyntheticCorpus(
+                name,
+                _files(entry["source"], f"{where}.source"),
+                _files(entry["target"], f"{where}.target"),
+                float(ratio),
+                tag,
+            )
+        )
+    return out
+
+
+def synthetic_tag(data: Any) -> str:
+    return data.get("synthetic_tag") or DEFAULT_TAG
+
+
+def validate_config(data: Any, task: str = "translation") -> None:
+    """The back-translation keys of config.data, before anything is read."""
+    corpora = parse_synthetic_corpora(data)
+    if not corpora:
+        return
+    if task == "lm":
+        raise ValueError(f"{KEY} is for translation; task='lm' reads one side of the pairs")
+    if data.get("directions"):
+        raise ValueError(
+            f"{KEY} with data.directions: synthetic corpora mix into one direction's train "
+            "split; a multilingual run has no single one (not supported yet)"
+        )
+    tag = synthetic_tag(data)
+    if any(c.tag for c in corpora) and (not isinstance(tag, str) or " " in tag.strip()):
+        raise ValueError(f"data.synthetic_tag={tag!r} must be one word, e.g. '<BT>'")
+
+
+def proportions(ratios: Sequence[float]) -> list[float]:
+    """The mixture's probabilities of [real, *synthetic] from the synthetic ratios."""
+    total = 1.0 + sum(ratios)
+    return [1.0 / total, *(r / total for r in ratios)]
+
+
+def _read_file(path: str) -> list[str]:
+    if not epath.Path(path).is_file():
+        raise FileNotFoundError(f"no file {path}")
+    try:
+        raw = paths.read_bytes(path)
+    except (OSError, EOFError) as e:  # a damaged .gz
+        raise ValueError(f"{path}: not readable ({e})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 ({e.reason})") from None
+    # '\n' only: a translation may hold other line-break characters inside one line.
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    return [x.removesuffix("\r") for x in lines]
+
+
+def read_side(specs: Sequence[str], key: str) -> tuple[list[str], list[tuple[str, int]]]:
+    """Every line of the files `specs` name, in order -> (lines, [(file, line count)])."""
+    lines: list[str] = []
+    counts: list[tuple[str, int]] = []
+    for spec in specs:
+        try:
+            found = paths.glob(spec)
+        except ValueError as e:
+            raise ValueError(f"{key}: {e}") from None
+        if not found:
+            raise FileNotFoundError(f"{key}: no file matches {spec!r}")
+        for path in found:
+            part = _read_file(path)
+            lines += part
+            counts.append((str(path), len(part)))
+    return lines, counts
+
+
+def _show(files: Sequence[tuple[str, int]]) -> str:
+    return ", ".join(f"{f} ({n} lines)" for f, n in files)
+
+
+def load_corpus(corpus: SyntheticCorpus, where: str = KEY) -> list[tuple[str, str]]:
+    """The aligned (source, target) pairs of one synthetic corpus. A ValueError names both
+    sides' files and line counts when they do not align."""
+    src, src_files = read_side(corpus.source, f"{where}.source")
+    tgt, tgt_files = read_side(corpus.target, f"{where}.target")
+    aligned = len(src) == len(tgt)
+    if len(src_files) == len(tgt_files):  # file by file: the first pair that differs
+        aligned = aligned and all(a[1] == b[1] for a, b in zip(src_files, tgt_files))
+    if not aligned:
+        raise ValueError(
+            f"{where} ({corpus.name}): source and target are not aligned line for line: "
+            f"source {_show(src_files)} = {len(src)} lines; target {_show(tgt_files)} = "
+            f"{len(tgt)} lines"
+        )
+    if not src:
+        raise ValueError(f"{where} ({corpus.name}): {_show(src_files)}: no lines")
+    return list(zip(src, tgt))
+
+
+def check_tag(tokenizer: Tokenizer, tag: str, where: str) -> int:
+    """The id of `tag`, which must be one piece of `tokenizer` -> ValueError naming `where`."""
+    i = tokenizer.piece_to_id(tag)
+    if i in (tokenizer.unk_id, tokenizer.pad_id):
+        raise ValueError(
+            f"the tokenizer of {where} has no piece {tag!r}: tagged back-translation "
+            f"({KEY}[...].tag) needs the tag as one piece (a tokenizer trained with it as a "
+            "user-defined symbol, as this run trains its own; or set the corpora's tag to false)"
+        )
+    return i
+
+
+@dataclasses.dataclass
+class BacktranslationTask(tasks.TranslationTask):
+    """A TranslationTask whose train stream mixes in synthetic corpora (module docstring);
+    evaluation, pairs and splits are the real dataset's (inherited)."""
+
+    synthetic: dict[str, Sequence[tuple[str, str]]] = dataclasses.field(default_factory=dict)
+    ratios: dict[str, float] = dataclasses.field(default_factory=dict)
+    tagged: dict[str, bool] = dataclasses.field(default_factory=dict)
+    tag_id: int | None = None  # the id of data.synthetic_tag (None when no corpus is tagged)
+
+    @property
+    def probabilities(self) -> dict[str, float]:
+        """Sampling probability of the real split and of each synthetic corpus."""
+        probs = proportions([self.ratios[n] for n in self.synthetic])
+        return dict(zip([REAL, *self.synthetic], probs))
+
+    def train_iterator(
+        self, batch_multiple: int, spans: Sequence[Span] | None = None
+    ) -> ShardedTrainIterator:
+        """This process's rows of the global batches mixing real and synthetic pairs."""
+        corpora = {REAL: self.train_pairs(), **self.synthetic}
+        prefix = list(self.source_prefix)
+        sources = {n: prefix + ([self.tag_id] if self.tagged[n] else []) for n in self.synthetic}
+        build = functools.partial(
+            mixture.make_mixture_train_iterator,
+            corpora,
+            list(self.probabilities.values()),
+            self.tokenizer,
+            source_prefixes={REAL: prefix, **sources},
+            target_prefixes=dict.fromkeys(corpora, list(self.target_prefix)),
+        )
+        return sharded_train_iterator(self.data, self.seed, build, batch_multiple, spans)
+
+
+def has_synthetic(data: Any) -> bool:
+    """Whether config.data mixes synthetic corpora into the train split."""
+    return bool(data.get("synthetic_corpora"))
+
+
+def prepare_backtranslation_task(
+    data: Any, workdir: str | epath.Path, *, seed: int, tokenizer: Tokenizer | None = None
+) -> BacktranslationTask:
+    """The real task (tasks.prepare_translation_task; a tokenizer trained here gets the tag
+    as a piece when a corpus is tagged), the tag checked, and every synthetic corpus read."""
+    corpora = parse_synthetic_corpora(data)
+    tag = synthetic_tag(data)
+    tagged = any(c.tag for c in corpora)
+    task = tasks.prepare_translation_task(
+        data, workdir, seed=seed, tokenizer=tokenizer, symbols=[tag] if tagged else []
+    )
+    tag_id = None
+    if tagged:
+        given = "train.init_from" if tokenizer is not None else data.get("tokenizer_path")
+        where = f"{epath.Path(workdir) / 'tokenizer.model'}" + (f" ({given})" if given else "")
+        tag_id = check_tag(task.tokenizer, tag, where)
+    synthetic = {c.name: load_corpus(c, f"{KEY}[{i}]") for i, c in enumerate(corpora)}
+    fields = {f.name: getattr(task, f.name) for f in dataclasses.fields(task)}
+    return BacktranslationTask(
+        **fields,
+        synthetic=synthetic,
+        ratios={c.name: c.ratio for c in corpora},
+        tagged={c.name: c.tag for c in corpora},
+        tag_id=tag_id,
+    )
