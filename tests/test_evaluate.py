@@ -183,7 +183,7 @@ def test_translations_do_not_depend_on_order_batching_or_padding(workdir, greedy
             assert outs[0] == pathlib.Path(record["hypotheses"]).read_text().split("\n")[:-1]
     # and the batches really were padded to evaluation's buckets (16, 24, 32: 8 is no longer one)
     shapes = []
-    real = translation.scoring.translate_batches
+    real = translation.scoring.decode_batches
 
     def spy(config, params, batches, *args, **kwargs):
         batches = list(batches)
@@ -192,7 +192,7 @@ def test_translations_do_not_depend_on_order_batching_or_padding(workdir, greedy
 
     monkeypatch = pytest.MonkeyPatch()
     with monkeypatch.context() as m:
-        m.setattr(translation.scoring, "translate_batches", spy)
+        m.setattr(translation.scoring, "decode_batches", spy)
         translation.translate_lines(loaded, sources, beam_size=1, batch_size=4)
     assert set(shapes) == {16, 24, 32}
 

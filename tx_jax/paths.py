@@ -8,6 +8,8 @@ opened, listed, appended to and renamed.
     paths.write_atomic(path, data)                      readers see the old or the new file, whole
     paths.rename(src, dst)                              a file or a directory tree
     paths.files(root)                                   every file under root, relative, sorted
+    paths.glob("gs://b/corpus/*.en.gz")                 the files a pattern names, sorted
+    paths.read_bytes(path)                              a file's bytes, .gz decompressed
     with paths.staged_dir(out) as local: ...            a library that writes only local files
 
 An object store has no append and no rename: an object is written whole, and replacing it is
@@ -20,6 +22,8 @@ then deletes (gcsfs). Locally they are what POSIX gives.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
+import gzip
 import os
 import shutil
 import tempfile
@@ -113,6 +117,28 @@ def files(root: Any) -> list[str]:
             else:
                 out.append(str(child)[len(str(root)) :].lstrip("/"))
     return sorted(out)
+
+
+def glob(pattern: str) -> list[str]:
+    """The files `pattern` names, sorted: itself when it has no wildcard (*, ?, [...]); else
+    the files of its directory whose names match (wildcards in the last component only, as
+    one listing of a bucket prefix gives them)."""
+    if not any(c in pattern for c in "*?["):
+        return [pattern]
+    parent, name = pattern.rsplit("/", 1) if "/" in pattern else (".", pattern)
+    if any(c in parent for c in "*?["):
+        raise ValueError(f"{pattern}: wildcards may only be in the file name, not in {parent}")
+    root = epath.Path(parent)
+    if not root.is_dir():
+        return []
+    found = [c for c in root.iterdir() if fnmatch.fnmatchcase(c.name, name) and not c.is_dir()]
+    return sorted(f"{parent}/{c.name}" for c in found)
+
+
+def read_bytes(path: Any) -> bytes:
+    """The bytes of a file, decompressed when its name ends in .gz."""
+    data = epath.Path(path).read_bytes()
+    return gzip.decompress(data) if str(path).endswith(".gz") else data
 
 
 def upload_tree(local: Any, dst: Any) -> None:

@@ -6,6 +6,9 @@
     python -m tx_jax.translate --checkpoint=runs/default/averaged/last5/600 < source.txt
     python -m tx_jax.translate --workdir=runs/multi --target_lang=fr [--pivot=en] < de.txt
     python -m tx_jax.translate --workdir=runs/nllb --source_lang=eng_Latn --target_lang=deu_Latn
+    python -m tx_jax.translate --workdir=runs/default --input='corpus/*.en.gz,extra.en' \
+        --output_dir=out [--shard_lines=2000] [--nbest=4 --scores] [--sampling=topk:10 \
+        --temperature=0.8 --seed=1]
 
 Parameters, tokenizer and model config come from the checkpoint (inference/restore.py); no
 dataset is read or prepared. Lines are split on '\\n' (a trailing '\\r' is dropped), decoded
@@ -14,10 +17,21 @@ sources, each padded to the checkpoint's data.max_eval_len tokens as evaluation 
 the same line gets the same translation). An empty or whitespace-only line gives an empty
 line; a line longer than that (EOS included) is truncated, with a warning on stderr. Progress
 and warnings go to stderr, translations alone to stdout.
+
+With --input (comma-separated files or globs, local or gs://, plain or .gz) the lines are
+translated into --output_dir instead, one output file per input (its name without .gz), in
+fixed shards of --shard_lines lines that the processes of a multi-host run share and a
+relaunch resumes (inference/corpus.py; README: "Translating a corpus").
+
+Output format (both modes): one line per input line; --nbest=N gives N lines per input line
+(best first; N samples with --sampling), --scores adds two tab-separated columns,
+ln p(output | source) and its token count (as tx_jax.score prints them). A blank input line
+gives N empty lines (with --scores: <TAB>nan<TAB>0).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from typing import BinaryIO
@@ -25,8 +39,9 @@ from typing import BinaryIO
 from absl import app, flags
 
 from tx_jax.cli import common
-from tx_jax.inference import languages, restore
+from tx_jax.inference import corpus, languages, restore, scoring, translation
 from tx_jax.inference.translation import translate_lines
+from tx_jax.training import parallel
 
 
 def _stderr(message: str) -> None:
@@ -36,17 +51,145 @@ def _stderr(message: str) -> None:
 def read_lines(stream: BinaryIO) -> list[str]:
     """Lines of a byte stream as text: split on b'\\n', '\\r' before it dropped, invalid
     UTF-8 replaced; a final newline does not start another line."""
-    data = stream.read()
-    lines = data.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()
-    return [line.removesuffix(b"\r").decode("utf-8", errors="replace") for line in lines]
+    return corpus.split_lines(stream.read())
+
+
+def _sampling(f) -> scoring.Sampling | None:
+    """--sampling=topk:K | topp:P (with --temperature, --seed) -> Sampling; None: search."""
+    if not f.sampling:
+        return None
+    kind, _, value = f.sampling.partition(":")
+    try:
+        if kind == "topk" and int(value) >= 0:
+            return scoring.Sampling(f.temperature, int(value), 1.0, f.seed)
+        if kind == "topp" and 0.0 < float(value) <= 1.0:
+            return scoring.Sampling(f.temperature, 0, float(value), f.seed)
+    except ValueError:
+        pass
+    raise app.UsageError(
+        f"--sampling={f.sampling}: expected topk:K (K >= 0, 0: the whole softmax) or topp:P "
+        "(0 < P <= 1)"
+    )
+
+
+def _decoder(f, loaded: restore.Loaded, sampling: scoring.Sampling | None):
+    """decode(lines, line_ids, progress(done), line_name) -> each line's hypotheses, with the
+    flags' search, languages and output options (translation.decode_lines)."""
+    if f.nbest < 1:
+        raise app.UsageError(f"--nbest={f.nbest}: expected >= 1")
+    if sampling is None and f.nbest > f.beam_size:
+        raise app.UsageError(
+            f"--nbest={f.nbest} needs --beam_size >= {f.nbest} (or --sampling: N samples)"
+        )
+    if sampling is not None and f.temperature < 0:
+        raise app.UsageError(f"--temperature={f.temperature}: expected >= 0 (0: greedy)")
+    if f.pivot and not loaded.config.data.get("directions"):
+        raise app.UsageError("--pivot is for tx_jax's multilingual runs")
+    if f.pivot and not f.target_lang:
+        raise app.UsageError("--pivot needs --target_lang (a multilingual checkpoint)")
+    kwargs = dict(
+        beam_size=f.beam_size,
+        alpha=f.alpha,
+        batch_size=f.batch_size,
+        max_len=f.max_len,
+        length_penalty=f.length_penalty,
+        sampling=sampling,
+        length_buckets=None if f.length_buckets is None else [int(x) for x in f.length_buckets],
+    )
+    source, target = languages.prefixes(loaded, f.source_lang, f.target_lang)
+    pivot = languages.prefixes(loaded, None, f.pivot) if f.pivot else None
+
+    def decode(lines, line_ids, progress, line_name=None):
+        report = lambda done, total: progress(done)  # noqa: E731
+        if pivot is not None:  # into the pivot language first, its best (or first sample)
+            first = translation.decode_lines(
+                loaded, lines, source_prefix=pivot[0], line_ids=line_ids, **kwargs
+            )
+            lines = [h[0].text if h else "" for h in first]
+        return translation.decode_lines(
+            loaded,
+            lines,
+            source_prefix=source,
+            target_prefix=target,
+            line_ids=line_ids,
+            nbest=f.nbest,
+            scores=f.scores,
+            progress=report,
+            line_name=line_name,
+            **kwargs,
+        )
+
+    return decode
+
+
+def _settings(f, loaded: restore.Loaded, sampling, overrides) -> dict:
+    """What decides a corpus job's outputs (corpus.Job.settings): a relaunch must match."""
+    return dict(
+        checkpoint=str(loaded.path),
+        step=int(loaded.step),
+        overrides=dict(overrides),
+        beam_size=None if sampling else f.beam_size,
+        alpha=None if sampling else f.alpha,
+        length_penalty=None if sampling else f.length_penalty,
+        sampling=None if sampling is None else [f.sampling, f.temperature, f.seed],
+        nbest=f.nbest,
+        scores=f.scores,
+        max_len=f.max_len,
+        source_lang=f.source_lang,
+        target_lang=f.target_lang,
+        pivot=f.pivot,
+    )
+
+
+def _translate_corpus(f, where: dict, overrides: dict[str, str]) -> None:
+    """--input: the files translated into --output_dir, shard by shard (inference/corpus.py),
+    this process's share of a multi-host run (jax.distributed, as training starts it)."""
+    if not f.output_dir:
+        raise app.UsageError("--input needs --output_dir (where the translations go)")
+    parallel.maybe_initialize_distributed({})  # JAX_COORDINATOR_ADDRESS & co., before JAX runs
+    import jax
+
+    inputs = corpus.expand(f.input)
+    loaded = restore.load(f.workdir, **where, overrides=overrides)
+    sampling = _sampling(f)
+    decode = _decoder(f, loaded, sampling)
+    index, count = jax.process_index(), jax.process_count()
+    how = f"sampling {f.sampling}" if sampling else f"beam {f.beam_size}"
+    _stderr(
+        f"translate: {loaded.path} (step {loaded.step}), {how}, {len(inputs)} files -> "
+        f"{f.output_dir}, process {index} of {count}"
+    )
+    job = corpus.Job(inputs, f.output_dir, f.shard_lines, _settings(f, loaded, sampling, overrides))
+    written = corpus.run(
+        job,
+        decode,
+        functools.partial(corpus.format_line, nbest=f.nbest, scores=f.scores),
+        process_index=index,
+        process_count=count,
+    )
+    for path in written:
+        _stderr(f"translate: wrote {path}")
 
 
 def _main(argv: list[str], overrides: dict[str, str]) -> None:
-    where = common.checkpoint_args(argv, " (sources come on stdin)")
     f = flags.FLAGS
+    if f.input:
+        return _translate_corpus(f, common.checkpoint_args(argv, " (sources: --input)"), overrides)
+    where = common.checkpoint_args(argv, " (sources come on stdin)")
     start = time.time()
+    if f.nbest != 1 or f.scores or f.sampling:  # the corpus mode's outputs, on stdout
+        loaded = restore.load(f.workdir, **where, overrides=overrides)
+        lines = read_lines(sys.stdin.buffer)
+        decode = _decoder(f, loaded, _sampling(f))
+        hyps = decode(
+            lines,
+            list(range(len(lines))),
+            lambda done: _stderr(f"translate: {done} lines, {time.time() - start:.1f} s"),
+        )
+        text = "".join(corpus.format_line(h, f.nbest, f.scores) for h in hyps)
+        sys.stdout.buffer.write(text.encode("utf-8"))
+        sys.stdout.flush()
+        return
     loaded = restore.load(f.workdir, **where, overrides=overrides)
     _stderr(f"translate: {loaded.path} (step {loaded.step}), beam {f.beam_size}")
     lines = read_lines(sys.stdin.buffer)
@@ -127,6 +270,36 @@ def main() -> None:
         None,
         "With --target_lang: translate into this language first, then from it (e.g. en).",
     )
+    flags.DEFINE_string(
+        "input",
+        None,
+        "Translate files instead of stdin: comma-separated files or globs (wildcards in the "
+        "file name), local or gs://, plain or .gz; outputs go to --output_dir.",
+    )
+    flags.DEFINE_string(
+        "output_dir", None, "With --input: OUT/<input name without .gz> (and OUT/.shards)."
+    )
+    flags.DEFINE_integer(
+        "shard_lines",
+        2000,
+        "With --input: lines per shard, the unit processes share and a relaunch redoes; a "
+        "relaunch must keep it.",
+    )
+    flags.DEFINE_integer(
+        "nbest", 1, "Outputs per input line, each on its own line (beam: <= --beam_size)."
+    )
+    flags.DEFINE_bool(
+        "scores", False, "Add ln p(output | source) and its token count, tab-separated."
+    )
+    flags.DEFINE_string(
+        "sampling",
+        None,
+        "Sample instead of beam search: topk:K (K >= 0; 0: the whole softmax) or topp:P. "
+        "Line i's samples come from --seed and i (its index over all inputs), so they do not "
+        "depend on batching, sharding or the number of processes.",
+    )
+    flags.DEFINE_float("temperature", 1.0, "With --sampling: softmax temperature (0: greedy).")
+    flags.DEFINE_integer("seed", 0, "With --sampling: the seed of every line's samples.")
     common.run_cli(_main)
 
 

@@ -92,11 +92,25 @@ def score_pairs(
         raise ValueError(f"{loaded.path} holds a {loaded.task!r} model; scoring needs translation")
     src_prefix, tgt_prefix = languages.prefixes(loaded, source_lang, target_lang)
     pairs = encode_pairs(loaded, sources, targets, src_prefix, tgt_prefix)
+    return score_ids(loaded, pairs, skip=len(tgt_prefix), batch_size=batch_size, progress=progress)
+
+
+def score_ids(
+    loaded,
+    pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+    *,
+    skip: int = 0,
+    batch_size: int = 32,
+    progress=None,
+) -> list[PairScore]:
+    """One PairScore per (source ids, target ids) pair, in order: ln p(target | source) of
+    the target's ids after its first `skip` (a forced prefix: fed, not scored). Ids as the
+    model reads them: EOS included where it ends the sequence (translation.py scores its
+    outputs as decoded, without re-encoding their text)."""
     params = nn.meta.unbox(loaded.params)
     config = loaded.model_config.replace(dropout_rate=0.0)
     order = sorted(range(len(pairs)), key=lambda i: (len(pairs[i][1]), len(pairs[i][0])))
     out: list[PairScore | None] = [None] * len(pairs)
-    skip = len(tgt_prefix)
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
         rows = [pairs[i] for i in chunk] + [pairs[chunk[-1]]] * (batch_size - len(chunk))

@@ -129,6 +129,122 @@ def _beam(params: Any, inputs: jax.Array, *, config: ModelConfig, prefix=(), **k
     return decoding.translate_beam(config, params, inputs, prompt=_prompt(inputs, prefix), **kw)
 
 
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """Ancestral sampling instead of search: softmax(filtered logits / temperature), top_k
+    (0: off) and top_p (1.0: off) filtered (search.filter_logits). Row r's draws come from
+    key fold_in(fold_in(key(seed), line), k) for its line's id and sample number k, so a
+    line's samples do not depend on which lines share its batch, or on its place in it."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+def _sample(params: Any, inputs: jax.Array, *, config: ModelConfig, seed: int, prefix=(), **kw):
+    """inputs [B, 2 + S]: each row's line id, sample number, then its source -> tokens [B, T].
+
+    Each row is sampled alone (vmap over batches of one) with its own key: search.py's
+    sampling draws one key per step for the whole batch, so a row's draws would otherwise
+    follow its place in the batch."""
+    base = jax.random.key(seed)
+
+    def one(line: jax.Array, k: jax.Array, source: jax.Array) -> jax.Array:
+        key = jax.random.fold_in(jax.random.fold_in(base, line), k)
+        source = source[None]  # [1, S]
+        return decoding.sample(
+            config, params, key, inputs=source, prompt=_prompt(source, prefix), **kw
+        )[0]
+
+    return jax.vmap(one)(inputs[:, 0], inputs[:, 1], inputs[:, 2:])
+
+
+def decode_batches(
+    model_config: ModelConfig,
+    params: Any,
+    batches: Iterable[dict[str, np.ndarray]],
+    eos_id: int,
+    num_examples: int,
+    *,
+    beam_size: int = 1,
+    alpha: float = 0.6,
+    max_decode_len: int | None = None,
+    devices: Sequence[jax.Device] | None = None,
+    target_prefix: Sequence[int] = (),
+    length_penalty: str = "gnmt",
+    nbest: int = 1,
+    sampling: Sampling | None = None,
+) -> list[tuple[np.ndarray, list[np.ndarray]]]:
+    """Decode every batch -> per example, in corpus order: (its source ids [S'] as decoded,
+    padding dropped; its `nbest` outputs, each token ids [T'] with forced prefix and EOS,
+    padding dropped), best first for beam search.
+
+    Greedy when beam_size == 1 and `sampling` is None; beam search keeps its `nbest` best
+    (nbest <= beam_size). With `sampling`, batches also carry 'sample_key' [B, 2] (each row's
+    line id and sample number, Sampling's key), and every row is one sample. Devices and
+    compilation as `translate_batches` says."""
+    if nbest > 1 and sampling is None and nbest > beam_size:
+        raise ValueError(f"nbest={nbest} needs beam_size >= {nbest} (beam_size={beam_size})")
+    out: list = [None] * num_examples
+    params = nn.meta.unbox(params)
+    devices = data_parallel.devices_for(params) if devices is None else list(devices)
+    static: dict[str, Any] = dict(config=model_config, max_decode_len=max_decode_len, eos_id=eos_id)
+    if sampling is not None:
+        fn = _sample
+        static.update(
+            seed=int(sampling.seed),
+            temperature=float(sampling.temperature),
+            top_k=int(sampling.top_k),
+            top_p=float(sampling.top_p),
+        )
+        # The key columns go before the source: group_batches pads sources on the right.
+        batches = [
+            {**b, "inputs": np.concatenate([b["sample_key"], b["inputs"]], 1).astype(np.int32)}
+            for b in batches
+        ]
+    elif beam_size > 1:
+        fn = _beam
+        static.update(beam_size=beam_size, alpha=alpha)
+        if length_penalty != "gnmt":
+            static.update(length_penalty=length_penalty)
+    else:
+        fn = _greedy
+    if target_prefix:
+        static.update(prefix=tuple(int(i) for i in target_prefix))
+    if devices:
+        rows = data_parallel.Rows(devices, params)
+        batches = data_parallel.group_batches(list(batches), len(devices))
+
+        def call(inputs: np.ndarray):
+            return lambda: rows(fn, static, inputs)
+    else:  # on the mesh the parameters live on
+        batches = list(batches)
+
+        def call(inputs: np.ndarray):
+            return lambda: compilation.cached_call(fn, static, params, jax.numpy.asarray(inputs))
+
+    pending = compilation.dispatch(  # all dispatched, then fetched: JAX runs them meanwhile
+        [call(b["inputs"]) for b in batches],
+        [b["inputs"].shape for b in batches],
+        # A mesh's programs hold collectives: every device must see them in one order.
+        workers=None if devices else 1,
+    )
+    skip = 2 if sampling is not None else 0  # the key columns
+    for batch, tokens in zip(batches, pending):
+        beams = fn is _beam
+        tokens = np.asarray(jax.device_get(tokens[0] if beams else tokens))
+        tokens = tokens[:, :nbest] if beams else tokens[:, None]  # [rows, n, T]
+        for row, (index, valid) in enumerate(zip(batch["example_index"], batch["example_mask"])):
+            if valid:
+                source = batch["inputs"][row, skip:]
+                out[int(index)] = (source[source != 0], [t[t != 0] for t in tokens[row]])
+    missing = [i for i, h in enumerate(out) if h is None]
+    if missing:
+        raise RuntimeError(f"{len(missing)} examples were not decoded (first: {missing[:5]})")
+    return out
+
+
 def translate_batches(
     model_config: ModelConfig,
     params: Any,
@@ -154,47 +270,20 @@ def translate_batches(
     `devices`, default all of them; D consecutive batches at a time, batch k on device k);
     parameters spread over a mesh, on that mesh. The programs of different batch shapes
     compile concurrently (compilation.dispatch)."""
-    out: list[str | None] = [None] * num_examples
-    eos = tokenizer.eos_id
-    params = nn.meta.unbox(params)
-    devices = data_parallel.devices_for(params) if devices is None else list(devices)
-    static = dict(config=model_config, max_decode_len=max_decode_len, eos_id=eos)
-    if beam_size > 1:
-        static.update(beam_size=beam_size, alpha=alpha)
-        if length_penalty != "gnmt":
-            static.update(length_penalty=length_penalty)
-    if target_prefix:
-        static.update(prefix=tuple(int(i) for i in target_prefix))
-    fn = _greedy if beam_size == 1 else _beam
-    if devices:
-        rows = data_parallel.Rows(devices, params)
-        batches = data_parallel.group_batches(list(batches), len(devices))
-
-        def call(inputs: np.ndarray):
-            return lambda: rows(fn, static, inputs)
-    else:  # on the mesh the parameters live on
-        batches = list(batches)
-
-        def call(inputs: np.ndarray):
-            return lambda: compilation.cached_call(fn, static, params, jax.numpy.asarray(inputs))
-
-    pending = compilation.dispatch(  # all dispatched, then fetched: JAX runs them meanwhile
-        [call(b["inputs"]) for b in batches],
-        [b["inputs"].shape for b in batches],
-        # A mesh's programs hold collectives: every device must see them in one order.
-        workers=None if devices else 1,
+    decoded = decode_batches(
+        model_config,
+        params,
+        batches,
+        tokenizer.eos_id,
+        num_examples,
+        beam_size=beam_size,
+        alpha=alpha,
+        max_decode_len=max_decode_len,
+        devices=devices,
+        target_prefix=target_prefix,
+        length_penalty=length_penalty,
     )
-    for batch, tokens in zip(batches, pending):
-        tokens = np.asarray(jax.device_get(tokens[0] if beam_size > 1 else tokens))
-        if beam_size > 1:
-            tokens = tokens[:, 0]  # best first
-        for row, (index, valid) in enumerate(zip(batch["example_index"], batch["example_mask"])):
-            if valid:
-                out[int(index)] = tokenizer.decode(tokens[row].tolist())
-    missing = [i for i, h in enumerate(out) if h is None]
-    if missing:
-        raise RuntimeError(f"{len(missing)} examples were not decoded (first: {missing[:5]})")
-    return out  # type: ignore[return-value]
+    return [tokenizer.decode(hyps[0].tolist()) for _, hyps in decoded]
 
 
 Translator = Callable[[list[str]], list[str]]  # sources -> hypotheses, in order

@@ -9,11 +9,14 @@ included) is truncated, with a warning.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from tx_jax.data import eval_pipeline
-from tx_jax.inference import restore, scoring
+from tx_jax.inference import likelihood, restore, scoring
 
 # Batches encoded and decoded between progress reports: few and large, since each chunk's tail
 # runs on fewer threads than there are cores.
@@ -39,15 +42,33 @@ def _source_lengths(loaded, lines, indices, max_len, extra: int = 0) -> dict[int
     return {i: len(loaded.tokenizer.encode(lines[i][:cap])) + 1 + extra for i in indices}
 
 
-def _warn_truncated(lengths: dict[int, int], max_len: int, warn) -> None:
+def _warn_truncated(lengths: dict[int, int], max_len: int, warn, name=None) -> None:
     long = [i for i, n in lengths.items() if n > max_len]
     for i in long[:5]:
-        warn(f"warning: line {i + 1} is longer than {max_len} tokens; truncated")
+        where = name(i) if name else f"line {i + 1}"
+        warn(f"warning: {where} is longer than {max_len} tokens; truncated")
     if len(long) > 5:
         warn(f"warning: {len(long)} lines in all were truncated to {max_len} tokens")
 
 
-def translate_lines(
+@dataclasses.dataclass(frozen=True)
+class Hypothesis:
+    """One output for a line: its text (one line), and with scores=True the model's
+    ln p(output ids | source ids) and how many ids that counts (EOS included, a forced
+    target-language token not: likelihood.score_ids)."""
+
+    text: str
+    logprob: float | None = None
+    tokens: int | None = None
+
+
+def translate_lines(loaded: restore.Loaded, lines: Sequence[str | bytes], **kwargs) -> list[str]:
+    """Translations of `lines`, aligned: one output per input, '' for blank inputs
+    (`decode_lines`' best or only hypothesis of each line; its keyword arguments)."""
+    return [hyps[0].text if hyps else "" for hyps in decode_lines(loaded, lines, **kwargs)]
+
+
+def decode_lines(
     loaded: restore.Loaded,
     lines: Sequence[str | bytes],
     *,
@@ -62,8 +83,14 @@ def translate_lines(
     target_prefix: Sequence[int] = (),
     length_penalty: str = "gnmt",
     length_buckets: Sequence[int] | None = None,
-) -> list[str]:
-    """Translations of `lines`, aligned: one output per input, '' for blank inputs.
+    nbest: int = 1,
+    sampling: scoring.Sampling | None = None,
+    line_ids: Sequence[int] | None = None,
+    scores: bool = False,
+    line_name: Callable[[int], str] | None = None,
+) -> list[list[Hypothesis]]:
+    """Each line's hypotheses, aligned with `lines`: `nbest` of them (best first for beam
+    search, sample 0, 1, ... with `sampling`), none for a blank line.
 
     `batch_size`: sentences per decoding batch (default the checkpoint's
     data.eval_batch_size). Sources are truncated to `max_len` tokens (default
@@ -72,11 +99,17 @@ def translate_lines(
     target-language tag (multilingual.py); `target_prefix`: ids each output is forced to
     start with (an M2M100/NLLB target-language token: inference/languages.py gives both).
     `length_penalty`: beam search's, 'gnmt' or 'fairseq' (Transformers' length^alpha).
+    `sampling` (scoring.Sampling) samples instead of searching; line i's k-th sample draws
+    from the key of (seed, line_ids[i], k) (default line_ids: 0, 1, ...). `scores`: each
+    hypothesis' log-probability (Hypothesis). `line_name(i)`: how warnings name line i
+    (default 'line {i + 1}'; a corpus shard's: 'FILE:LINE').
 
     `length_buckets` (e.g. (16, 32, 64)): the lengths batches are padded to (each to the
     smallest that holds its longest source; max_len is always one), one compilation per
     length used; default: evaluation's (data.eval_bucket_boundaries, or 16, 24, 40, 64, ...).
-    The translations do not depend on them, nor on `batch_size` or `sort_by_length`."""
+    The outputs do not depend on them, nor on `batch_size` or `sort_by_length`."""
+    if nbest < 1:
+        raise ValueError(f"nbest={nbest}: expected >= 1")
     max_len = max_len or max_source_len(loaded)
     batch_size = batch_size or loaded.config.data.eval_batch_size
     if length_buckets is None:
@@ -84,17 +117,24 @@ def translate_lines(
         length_buckets = configured or eval_pipeline.eval_bucket_boundaries(max_len)
     buckets = sorted({int(b) for b in length_buckets if 0 < int(b) < max_len}) + [max_len]
     texts = [x.decode("utf-8", errors="replace") if isinstance(x, bytes) else x for x in lines]
+    line_ids = range(len(texts)) if line_ids is None else line_ids
+    if len(line_ids) != len(texts):
+        raise ValueError(f"{len(line_ids)} line ids for {len(texts)} lines")
     todo = [i for i, t in enumerate(texts) if t.strip()]
     lengths = _source_lengths(loaded, texts, todo, max_len, len(source_prefix))
-    _warn_truncated(lengths, max_len, warn)
+    _warn_truncated(lengths, max_len, warn, line_name)
     if sort_by_length:  # longest first over all lines, then chunks: batches of like lengths
         todo.sort(key=lambda i: -min(lengths[i], max_len))
-    out = [""] * len(texts)
+    # A sampled line is decoded once per sample, each a row of its own; a search's n-best
+    # come from one row.
+    copies = nbest if sampling is not None else 1
+    examples = [(i, k) for i in todo for k in range(copies)]
+    out: list[list[Hypothesis]] = [[] for _ in texts]
     chunk = batch_size * CHUNK_BATCHES
-    for start in range(0, len(todo), chunk):
-        part = todo[start : start + chunk]
+    for start in range(0, len(examples), chunk):
+        part = examples[start : start + chunk]
         batches = eval_pipeline.encode_sources(
-            [texts[i] for i in part],
+            [texts[i] for i, _ in part],
             loaded.tokenizer,
             max_len=max_len,
             batch_size=batch_size,
@@ -102,22 +142,52 @@ def translate_lines(
             sort_by_length=sort_by_length,
             source_prefix=source_prefix,
         )
-        hyps = scoring.translate_batches(
+        if sampling is not None:
+            keys = np.array([(line_ids[i], k) for i, k in part], np.int32).reshape(-1, 2)
+            batches = [_with_keys(b, keys) for b in batches]
+        decoded = scoring.decode_batches(
             loaded.model_config,
             loaded.params,
             batches,
-            loaded.tokenizer,
+            loaded.tokenizer.eos_id,
             len(part),
-            beam_size=beam_size,
+            beam_size=1 if sampling is not None else beam_size,
             alpha=alpha,
             target_prefix=target_prefix,
             length_penalty=length_penalty,
+            nbest=1 if sampling is not None else nbest,
+            sampling=sampling,
         )
-        for i, hyp in zip(part, hyps):
-            out[i] = " ".join(hyp.splitlines())
+        found = [(source, ids) for source, hyps in decoded for ids in hyps]
+        scored = (
+            likelihood.score_ids(loaded, found, skip=len(target_prefix), batch_size=batch_size)
+            if scores
+            else [None] * len(found)
+        )
+        for (_, ids), score, (i, _) in zip(found, scored, _owners(part, decoded)):
+            text = " ".join(loaded.tokenizer.decode(ids.tolist()).splitlines())
+            if score is None:
+                out[i].append(Hypothesis(text))
+            else:
+                out[i].append(Hypothesis(text, score.logprob, score.tokens))
         if progress is not None:
-            progress(min(start + chunk, len(todo)), len(todo))
+            progress(min(start + chunk, len(examples)) // copies, len(todo))
     return out
+
+
+def _with_keys(batch: dict[str, np.ndarray], keys: np.ndarray) -> dict[str, np.ndarray]:
+    """The batch with 'sample_key' [B, 2]: each row's (line id, sample number); padding
+    rows get (0, 0), which decode nothing."""
+    index = np.where(batch["example_mask"] > 0, batch["example_index"], 0)
+    sample_key = np.where(batch["example_mask"][:, None] > 0, keys[index], 0)
+    return {**batch, "sample_key": sample_key.astype(np.int32)}
+
+
+def _owners(part, decoded):
+    """(line, sample) of each decoded hypothesis, in `decode_batches`' output order."""
+    for (i, k), (_, hyps) in zip(part, decoded):
+        for _ in hyps:
+            yield i, k
 
 
 def translate(
