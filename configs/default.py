@@ -56,6 +56,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.target_lang = "tgt"
     c.data.data_dir = ml_collections.FieldReference(None, field_type=str)  # TFDS dir; None: default
     c.data.manual_dir = ml_collections.FieldReference(None, field_type=str)  # raw files (Multi30k)
+    # A gs:// data_dir is read from a verified local copy here (None: $TX_JAX_DATA_CACHE or
+    # ~/.cache/tx_jax/data): array_record reads local files only (tx_jax/data/staging.py).
+    c.data.data_cache_dir = ml_collections.FieldReference(None, field_type=str)
     c.data.download = False  # may the TFDS data be downloaded (never for 'synthetic')
     c.data.synthetic = ml_collections.ConfigDict(
         dict(num_train=50_000, num_validation=1_000, num_test=1_000, seed=0)

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import pytest
 from etils import epath
-from helpers import ROOT, tiny_config
+from helpers import ROOT, tiny_config, train_losses
 
 from tx_jax import paths
 from tx_jax.experiment.loop import train_and_evaluate
@@ -321,3 +321,58 @@ def test_sweep_with_a_gs_root_writes_its_logs_and_tables_there(gcs, tfds_dir):
     assert log.startswith("$ ") and "--config=" in log and "step      2/2" in log
     assert "bucket_boundaries" in (point / "sweep_config.py").read_text()
     assert (point / sweep.DONE_FILE).exists() and (point / "checkpoints" / "2").exists()
+
+
+def test_gs_data_dir_is_staged_to_a_verified_local_cache(gcs, tfds_dir, tmp_path, monkeypatch):
+    """TFDS data prepared locally, uploaded, then trained and evaluated from gs:// through the
+    staged copy: the same losses as from the local directory; the copy is reused, a damaged
+    one copied again, a checksum mismatch refused, and a bucket without the data named."""
+    from tx_jax.data import datasets, staging
+
+    cfg = lambda data_dir, **kw: tiny_config(  # noqa: E731
+        data_dir, **{"train.num_steps": 3, "eval.every": 3, "eval.test_split": "test", **kw}
+    )
+    datasets.load_split(cfg(tfds_dir).data, "train")  # prepared locally (once per session)
+    remote = f"{BUCKET}/tfds"
+    paths.upload_tree(str(tfds_dir), remote)
+    cache = tmp_path / "cache"
+    final = train_and_evaluate(
+        cfg(remote, **{"data.data_cache_dir": str(cache)}), tmp_path / "from_gs"
+    )
+    local = train_and_evaluate(cfg(tfds_dir), tmp_path / "from_local")
+    assert train_losses(tmp_path / "from_gs") == train_losses(tmp_path / "from_local")
+    assert final["loss"] == local["loss"]
+    tests = {k: v for k, v in final.items() if k.startswith("test_")}  # the test split's score
+    assert tests and tests == {k: local[k] for k in tests}
+
+    root = pathlib.Path(staging.local_data_dir(remote, str(cache)))
+    assert root == cache / "gs" / "tx-jax-test" / "tfds"
+    (manifest,) = root.rglob(staging.MANIFEST)
+    version = manifest.parent
+    relative = str(version.relative_to(root))
+    for rel in json.loads(manifest.read_text())["files"]:
+        assert (version / rel).read_bytes() == (
+            pathlib.Path(tfds_dir) / relative / rel
+        ).read_bytes()
+    # reused when complete: nothing is copied again
+    monkeypatch.setattr(staging, "_copy", lambda *a: pytest.fail("copied again"))
+    assert staging.stage_prepared(remote, relative, str(cache)) == str(root)
+    monkeypatch.undo()
+    # a damaged copy (a short file) is copied again, whole
+    shard = next(p for p in version.iterdir() if "array_record" in p.name)
+    good = shard.read_bytes()
+    shard.write_bytes(good[:10])
+    staging.stage_prepared(remote, relative, str(cache))
+    assert shard.read_bytes() == good
+    assert not [p for p in version.parent.iterdir() if ".staging-" in p.name or ".old-" in p.name]
+    # a checksum that does not match is refused; the good copy stays
+    listing = staging._listing(f"{remote}/{relative}")
+    assert all(md5 for _, md5 in listing.values())  # the store keeps MD5s: they are checked
+    bad = {k: [n, "AAAAAAAAAAAAAAAAAAAAAA=="] for k, (n, _) in listing.items()}
+    monkeypatch.setattr(staging, "_listing", lambda _: bad)
+    with pytest.raises(OSError, match="MD5 differs from the store's"):
+        staging.stage_prepared(remote, relative, str(cache))
+    assert shard.read_bytes() == good
+    monkeypatch.undo()
+    with pytest.raises(FileNotFoundError, match=r"no prepared dataset at gs://tx-jax-test/none/"):
+        staging.stage_prepared(f"{BUCKET}/none", relative, str(cache))

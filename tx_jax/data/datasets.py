@@ -33,6 +33,7 @@ import collections.abc
 import contextlib
 import dataclasses
 import difflib
+import functools
 import operator
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -41,7 +42,8 @@ from typing import Any
 import tensorflow_datasets as tfds
 from etils import epath
 
-from tx_jax.data import multi30k, synthetic
+from tx_jax import paths
+from tx_jax.data import multi30k, staging, synthetic
 
 _ITER_CHUNK = 1024  # Records per batched read when iterating.
 
@@ -187,6 +189,7 @@ def load_translation_split(
     manual_dir: str | None = None,
     download: bool = False,
     builder_kwargs: dict | None = None,
+    data_cache_dir: str | None = None,
 ) -> TranslationSource:
     """Opens one split of a translation dataset for random access.
 
@@ -198,11 +201,13 @@ def load_translation_split(
       source_lang: feature key of the source side ('en', 'src', ...).
       target_lang: feature key of the target side.
       data_dir: where TFDS data is (or is prepared); None for TFDS's default
-        (~/tensorflow_datasets or $TFDS_DATA_DIR).
+        (~/tensorflow_datasets or $TFDS_DATA_DIR). A gs:// data_dir must hold the prepared
+        data, which is read from a verified local copy (staging.py).
       manual_dir: directory of raw files (Multi30k: train.en.gz, val.en.gz, ...); passed to TFDS
         as DownloadConfig(manual_dir=...).
       download: whether data that is not prepared may be downloaded and prepared.
       builder_kwargs: extra keyword arguments of the TFDS builder (config, version, ...).
+      data_cache_dir: where a gs:// data_dir is staged (None: staging.cache_root's default).
 
     Returns:
       A TranslationSource whose items are (source_text, target_text) str pairs.
@@ -212,13 +217,20 @@ def load_translation_split(
       FileNotFoundError: the data is not prepared and may not be prepared here.
     """
     entry = entry_of(name)
-    builder = entry.builder(
+    make = functools.partial(
+        entry.builder,
         name,
         source_lang=source_lang,
         target_lang=target_lang,
-        data_dir=data_dir,
         builder_kwargs=dict(builder_kwargs or {}),
     )
+    if data_dir is not None and paths.is_remote(data_dir):
+        # array_record's reader opens local files only: the version directory this builder
+        # reads is copied to the cache first, and TFDS reads the copy.
+        local_root = staging.local_data_dir(str(data_dir), data_cache_dir)
+        relative = staging.builder_relative_dir(make(data_dir=local_root), local_root)
+        data_dir = staging.stage_prepared(str(data_dir), relative, data_cache_dir)
+    builder = make(data_dir=data_dir)
     label = f"{name} ({builder.info.full_name})"
     _check_languages(builder, label, source_lang, target_lang)
     _ensure_prepared(builder, entry, label, manual_dir=manual_dir, download=download)
@@ -245,6 +257,7 @@ def load_split(data: Any, split: str) -> TranslationSource:
         manual_dir=data.manual_dir,
         download=data.download,
         builder_kwargs=entry_of(data.dataset).config_kwargs(data),
+        data_cache_dir=data.get("data_cache_dir"),
     )
 
 
