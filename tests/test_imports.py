@@ -159,8 +159,8 @@ def test_no_library_module_imports_cli():
 
 
 def readme_tree() -> set[str]:
-    """The files and folders the README's Architecture tree lists, as paths under tx_jax/."""
-    text = (PACKAGE.parent / "README.md").read_text()
+    """The files and folders docs/design.md's Architecture tree lists, as paths under tx_jax/."""
+    text = (PACKAGE.parent / "docs" / "design.md").read_text()
     block = text.split("## Architecture", 1)[1].split("```", 2)[1]
     listed, folder = set(), ""
     for line in block.splitlines()[1:]:
@@ -184,8 +184,8 @@ def test_readme_architecture_tree_matches_the_package():
     } | {f"{p.name}/" for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
     listed = readme_tree()
     assert listed == actual, (
-        f"in the package, not in README: {sorted(actual - listed)}; "
-        f"in README, not in the package: {sorted(listed - actual)}"
+        f"in the package, not in docs/design.md: {sorted(actual - listed)}; "
+        f"in docs/design.md, not in the package: {sorted(listed - actual)}"
     )
 
 
