@@ -1,0 +1,417 @@
+"""README.md and docs/*.md against the repository: the paths, commands, flags and config keys
+they name exist, and the README's tour runs end to end on debug configs.
+
+What is read from a page: backtick spans, link targets and code blocks (fenced or indented),
+with a shell line's trailing backslash joining it to the next. A path counts when it starts
+with one of the repository's top-level names (`TOP`); runs/, /tmp, gs:// and the like never
+do. Placeholders (<...>, NAME, BUCKET, ...) are skipped; a glob must match something.
+Commands that cannot run here (gcloud, a GPU) are checked for their flags only.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import fnmatch
+import functools
+import glob
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+TOP = (
+    "tx_jax/",
+    "configs/",
+    "benchmarks/",
+    "experiments/",
+    "tests/",
+    "docs/",
+    "scripts/",
+    ".ci/",
+    "launch.sh",
+    "BENCHMARKS.md",
+    "README.md",
+    "setup.cfg",
+    "pyproject.toml",
+)
+PLACEHOLDER = re.compile(r"<[^>]*>|\b(NAME|FILE|DIR|ROOT|BUCKET|PATH|OUT|WORKDIR|REV|N)\b")
+CONFIG_SECTIONS = ("model", "data", "train", "eval", "checkpoint", "parallel")
+README_MAX_LINES = 250
+
+
+# ---------------------------------------------------------------------- reading the pages
+
+
+def _fences(text: str) -> tuple[list[str], str]:
+    """-> (code lines, prose with the code blocks removed)."""
+    code, prose, fenced = [], [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        if fenced or (line.startswith("    ") and not line.lstrip().startswith(("-", "|"))):
+            code.append(line.strip())
+        else:
+            prose.append(line)
+    return code, "\n".join(prose)
+
+
+@functools.cache
+def page_parts(page: Path) -> tuple[list[str], list[str], list[str]]:
+    """-> (code lines, backtick spans, link targets) of a page, continuation lines joined."""
+    code, prose = _fences(page.read_text())
+    joined, pending = [], ""
+    for line in code:
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+        else:
+            joined.append(pending + line)
+            pending = ""
+    prose_one_line = re.sub(r"\s*\n\s*", " ", prose)
+    spans = re.findall(r"`([^`]+)`", prose_one_line)
+    links = re.findall(r"\]\(([^)\s]+)\)", prose)
+    return joined, spans, links
+
+
+def _tokens(text: str) -> list[str]:
+    return [t for t in re.split(r"[\s=,'\"()\[\]|]+", text) if t]
+
+
+def _clean_path(token: str) -> str | None:
+    token = token.removeprefix("./").rstrip(".,;:")
+    if not token.startswith(TOP) or PLACEHOLDER.search(token):
+        return None
+    token = token.split("::")[0]  # tests/test_x.py::test_name
+    token = re.sub(r"(\.py):.*$", r"\1", token)  # configs/x.py:variant=...
+    return token
+
+
+def named_paths() -> list[tuple[str, str]]:
+    """(page, repository-relative path) for every path a page names."""
+    found = set()
+    for page in PAGES:
+        code, spans, links = page_parts(page)
+        for text in code + spans:
+            for token in _tokens(text):
+                path = _clean_path(token)
+                if path:
+                    found.add((page.name, path))
+        for link in links:
+            target = link.split("#")[0]
+            if not target or "://" in target:
+                continue
+            resolved = os.path.normpath(page.parent / target)
+            found.add((page.name, os.path.relpath(resolved, ROOT)))
+    return sorted(found)
+
+
+def commands() -> list[tuple[str, str]]:
+    """(page, command) for every `python -m tx_jax.X ...` and `./launch.sh X ...` named."""
+    found = []
+    for page in PAGES:
+        code, spans, _ = page_parts(page)
+        for text in code + spans:
+            # One command: up to a pipe, redirection, ';', '&&' or a comment.
+            for part in re.split(r"\s(?:\||>|<|;|&&|#)\s|\s#|\s>\s?\S+|\s<\s?\S+", " " + text):
+                for m in re.finditer(r"(python -m tx_jax\.\w+|\./launch\.sh [\w*-]+).*", part):
+                    found.append((page.name, m.group(0).strip()))
+    return sorted(set(found))
+
+
+def flags(command: str) -> list[str]:
+    return re.findall(r"(?<![\w-])--([A-Za-z][\w.-]*)", command)
+
+
+# ---------------------------------------------------------------------- the module help texts
+
+
+def _help(module: str) -> str:
+    """Every flag the module accepts, as its help lists them: --helpfull for an absl command
+    (--help shows only its docstring), --help for the others. One process each."""
+    cli = ROOT / "tx_jax" / "cli" / f"{'train' if module == 'main' else module}.py"
+    absl_cli = "DEFINE_" in cli.read_text()
+    for flag in ("--helpfull", "--help") if absl_cli else ("--help",):
+        proc = subprocess.run(
+            [sys.executable, "-m", f"tx_jax.{module}", flag],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+            timeout=120,
+        )
+        out = proc.stdout + proc.stderr
+        assert "Traceback" not in out, f"python -m tx_jax.{module} {flag}:\n{out[-3000:]}"
+        if proc.returncode in (0, 1) and f"tx_jax.{module}" in out:
+            return out
+    raise AssertionError(f"python -m tx_jax.{module} --help:\n{out[-3000:]}")
+
+
+def _module(command: str) -> str | None:
+    """The tx_jax module a command runs (./launch.sh sweep runs tx_jax.sweep), or None."""
+    if command.startswith("./launch.sh sweep"):
+        return "sweep"
+    m = re.match(r"python -m tx_jax\.(\w+)", command)
+    return m.group(1) if m else None
+
+
+@functools.cache
+def help_texts() -> dict[str, str]:
+    modules = {_module(c) for _, c in commands()} - {None}
+    modules = [m for m in sorted(modules) if (ROOT / "tx_jax" / f"{m}.py").is_file()]
+    if any(c.startswith("./launch.sh sweep") for _, c in commands()):
+        modules = sorted(set(modules) | {"sweep"})
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        return dict(zip(modules, pool.map(_help, modules)))
+
+
+def _accepts(help_text: str, flag: str) -> bool:
+    names = {n.replace("-", "_") for n in re.findall(r"--(?:\[no\])?([A-Za-z][\w-]*)", help_text)}
+    return flag.replace("-", "_") in names or flag.removeprefix("no").replace("-", "_") in names
+
+
+# ---------------------------------------------------------------------- configs
+
+
+@functools.cache
+def config_of(spec: str):
+    """'configs/x.py[:arg]' -> its ConfigDict; an argument that needs something not here (a
+    workdir to fine-tune from, a placeholder) falls back to the file's default, then to
+    configs/default.py's (every config has the same sections and model keys)."""
+    from tx_jax.config import load_config
+
+    path, _, arg = spec.partition(":")
+    for candidate in (spec, path, "configs/default.py"):
+        try:
+            return load_config(str(ROOT / candidate))
+        except Exception:  # noqa: BLE001 -- a placeholder argument or a missing workdir
+            continue
+    raise AssertionError(f"no config loads for {spec}")
+
+
+def has_key(config, dotted: str) -> bool:
+    node = config
+    for part in dotted.split("."):
+        try:
+            node = node[part]
+        except (KeyError, TypeError, AttributeError):
+            return False
+    return True
+
+
+def _placeholder_key(flag: str) -> bool:
+    """--config.key, --config.section.key, --config.a.b: how a page writes "any key"."""
+    return flag.removeprefix("--").removeprefix("config.") in {"key", "section.key", "a.b", "x.y"}
+
+
+def config_uses() -> list[tuple[str, str, str]]:
+    """(page, config spec, dotted key) for every --config.a.b on a command line."""
+    found = set()
+    for page, command in commands():
+        spec_match = re.search(r"--config=(\S+)", command)
+        spec = spec_match.group(1) if spec_match else "configs/default.py"
+        for flag in flags(command):
+            if flag.startswith("config.") and not _placeholder_key(flag):
+                found.add((page, spec, flag.removeprefix("config.")))
+    for page in PAGES:  # a key named alone, outside a command
+        code, spans, _ = page_parts(page)
+        for text in spans:
+            if "python -m" in text or "launch.sh" in text:
+                continue
+            for m in re.finditer(r"--config\.([\w.]+)", text):
+                if not _placeholder_key(m.group(0)):
+                    found.add((page.name, "configs/default.py", m.group(1)))
+    return sorted(found)
+
+
+# ---------------------------------------------------------------------- the checks
+
+
+def test_readme_is_short():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines"
+
+
+def test_the_pages_exist_and_start_with_their_commands():
+    names = {p.name for p in PAGES}
+    for page in ("training", "data", "evaluation", "planning", "tpu_and_cloud", "models"):
+        assert f"{page}.md" in names
+    for page in ("experiments", "reliability", "design"):
+        assert f"{page}.md" in names
+    for page in PAGES[1:]:
+        head = page.read_text().split("\n## ", 1)[0]
+        assert "```" in head or "\n    " in head, f"{page.name} does not start with commands"
+
+
+def test_every_named_path_exists():
+    missing = []
+    for page, path in named_paths():
+        if any(ch in path for ch in "*?["):
+            ok = bool(glob.glob(str(ROOT / path)))
+        else:
+            ok = (ROOT / path).exists()
+        if not ok:
+            missing.append(f"{page}: {path}")
+    assert not missing, "named but not in the repository:\n" + "\n".join(missing)
+    assert len(named_paths()) > 50  # the extractor sees the pages
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_every_link_to_a_section_has_its_heading():
+    bad = []
+    for page in PAGES:
+        for link in page_parts(page)[2]:
+            target, _, anchor = link.partition("#")
+            if not anchor or "://" in target:
+                continue
+            doc = (page.parent / target).resolve() if target else page
+            headings = re.findall(r"^#+ (.+)$", doc.read_text(), flags=re.M)
+            if anchor not in {_anchor(h) for h in headings}:
+                bad.append(f"{page.name}: {link}")
+    assert not bad, "links to missing sections:\n" + "\n".join(bad)
+
+
+def test_every_launch_sh_subcommand_exists():
+    case = (ROOT / "launch.sh").read_text().split('case "$cmd" in', 1)[1]
+    labels = {
+        name
+        for line in re.findall(r"^\s+([\w|*-]+)\)", case, flags=re.M)
+        for name in line.split("|")
+    }
+    tpu_script = (ROOT / "scripts" / "tpu.sh").read_text()
+    bad = []
+    for page, command in commands():
+        if not command.startswith("./launch.sh"):
+            continue
+        sub = command.split()[1]
+        if not any(fnmatch.fnmatch(label, sub) for label in labels):
+            bad.append(f"{page}: {command}")
+        if sub.startswith("tpu-"):  # gcloud is not run here: its flags are checked only
+            own = command.split(" -- ")[0]
+            bad += [f"{page}: {command} (--{f})" for f in flags(own) if f"--{f}" not in tpu_script]
+    assert not bad, "\n".join(bad)
+
+
+def test_every_python_module_answers_help_and_accepts_its_flags():
+    texts = help_texts()
+    bad = []
+    for page, command in commands():
+        module = _module(command)
+        if module is None:
+            continue
+        if module not in texts:
+            bad.append(f"{page}: {command} (no module tx_jax.{module})")
+            continue
+        for flag in flags(command):
+            if not flag.startswith("config.") and not _accepts(texts[module], flag):
+                bad.append(f"{page}: {command} (--{flag})")
+    assert not bad, "\n".join(bad)
+
+
+def test_every_config_key_exists_in_its_config():
+    uses = config_uses()
+    assert uses, "no --config.a.b found: the extractor is broken"
+    bad = []
+    for page, spec, key in uses:
+        path = spec.partition(":")[0]
+        if not (ROOT / path).is_file():
+            bad.append(f"{page}: --config={spec} (no such file)")
+        elif not has_key(config_of(spec), key):
+            bad.append(f"{page}: --config.{key} not in {spec}")
+    assert not bad, "\n".join(bad)
+
+
+# ---------------------------------------------------------------------- the tour, end to end
+
+
+def _run(args: list[str], stdin: str | None = None, timeout: int = 300) -> str:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        args, input=stdin, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout
+    )
+    assert proc.returncode == 0, (
+        f"{shlex.join(args)} exited {proc.returncode}:\n{proc.stderr[-4000:]}"
+    )
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_the_readme_tour_runs_on_debug_configs(tmp_path):
+    """The tour's commands 1, 3-8, 10 and 11 on configs/default.py:debug, one after another.
+
+    Not run: 2 (needs the Multi30k files), 9 (a downloaded OPUS-MT directory; tests/
+    test_import_model.py imports tiny ones), 11 for real (gcloud and a TPU VM): only its
+    --dry-run."""
+    readme = (ROOT / "README.md").read_text()
+    tour = readme.split("## A tour", 1)[1].split("\n## ", 1)[0]
+    for module in ("main", "evaluate", "translate", "score", "plan", "export", "import_model"):
+        assert f"python -m tx_jax.{module}" in tour or module == "main"
+    for sub in ("train", "sweep", "tpu-run"):
+        assert f"./launch.sh {sub}" in tour
+    py, run = sys.executable, tmp_path / "run"
+    debug = "--config=configs/default.py:debug"
+    _run([py, "-m", "tx_jax.main", debug, f"--workdir={run}"])  # 1
+    out = _run([py, "-m", "tx_jax.evaluate", f"--workdir={run}", "--limit=8", "--beam_size=2"])  # 3
+    assert "BLEU" in out
+    line = _run(
+        [py, "-m", "tx_jax.translate", f"--workdir={run}"], stdin="the dog sees two cats .\n"
+    )  # 4
+    assert len(line.splitlines()) == 1
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.src").write_text("the dog sees two cats .\n\nthe cat runs .\n")
+    _run(
+        [
+            py,
+            "-m",
+            "tx_jax.translate",
+            f"--workdir={run}",
+            f"--input={corpus}/*.src",
+            f"--output_dir={tmp_path / 'out'}",
+        ]
+    )  # 5
+    assert len((tmp_path / "out" / "a.src").read_text().splitlines()) == 3
+    (tmp_path / "src.txt").write_text("the dog sees two cats .\nthe cat runs .\n")
+    (tmp_path / "tgt.txt").write_text("a b\nc\n")
+    scores = _run(
+        [
+            py,
+            "-m",
+            "tx_jax.score",
+            f"--workdir={run}",
+            f"--source={tmp_path / 'src.txt'}",
+            f"--target={tmp_path / 'tgt.txt'}",
+        ]
+    )  # 6
+    assert len(scores.splitlines()) == 2
+    plan = _run([py, "-m", "tx_jax.plan", debug, "--target=tpu:v5e-4", "--programs=train"])  # 7
+    assert "FITS" in plan
+    _run(
+        [py, "-m", "tx_jax.export", f"--workdir={run}", "--format=hf", f"--out={tmp_path / 'hf'}"]
+    )  # 8
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    _run([py, "-m", "tx_jax.sweep", "experiments/table3_cpu.py", "--dry_run", "--only", "0"])  # 10
+    dry = _run(
+        [
+            "bash",
+            "scripts/tpu.sh",
+            "tpu-create",
+            "tx1",
+            "--zone",
+            "us-central2-b",
+            "--accelerator-type",
+            "v4-8",
+            "--dry-run",
+        ]
+    )  # 11, as far as it goes without gcloud
+    assert "gcloud" in dry
