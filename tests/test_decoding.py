@@ -530,3 +530,107 @@ def test_decoding_loops_carry_the_cross_attention_cache_unchanged(translation):
     ):
         text = lowered.as_text()
         assert "while" in text and "stablehlo.case" not in text and "stablehlo.if" not in text
+
+
+def _markov_search(table, *, beams, alpha, kind, length):
+    """search.beam_search of one row under a hand-made model: log p(next | last token) =
+    log table[last] [V, V] (rows sum to 1; zero: -inf) -> (best tokens [T], its score)."""
+    logp = jnp.log(jnp.asarray(table, jnp.float32))
+
+    def tokens_to_logits(tokens, cache):
+        _, _, cache = cache_lib.extend_prefix(cache, tokens)
+        return logp[tokens[:, 0]], cache
+
+    tokens, scores = search.beam_search(
+        tokens_to_logits,
+        cache_lib.prefix(beams, length),
+        batch_size=1,
+        beam_size=beams,
+        max_decode_len=length,
+        bos_id=BOS,
+        eos_id=EOS,
+        alpha=alpha,
+        length_penalty_kind=kind,
+    )
+    return np.asarray(tokens[0, 0]), float(scores[0, 0])
+
+
+def _markov(rows):
+    """{last token: {next: p}} -> [7, 7] table; other rows: a fixed spread (no ties)."""
+    table = np.tile([0.0, 0.1, 0.15, 0.2, 0.25, 0.3, 0.0], (7, 1))
+    for last, probs in rows.items():
+        table[last] = 0.0
+        for token, p in probs.items():
+            table[last, token] = p
+    return table
+
+
+A, C, D = 4, 5, 6
+
+
+def test_hf_rules_finish_only_the_best_n_candidates():
+    """Transformers (length_penalty='hf') finishes a hypothesis only from the best N of the
+    2N candidates of a step; tx_jax's rules keep any EOS among them. Beam 2, alpha 0 (score
+    = log p): EOS is the third candidate of step 0 (log 0.2 = -1.61) and every 2-token output
+    scores below it, so 'fairseq' returns it and 'hf' returns a c (log 0.45 * 0.35)."""
+    table = _markov(
+        {
+            BOS: {A: 0.45, C: 0.3, EOS: 0.2, D: 0.05},
+            A: {1: 0.1, A: 0.2, EOS: 0.05, C: 0.35, D: 0.3},
+            C: {1: 0.1, A: 0.27, EOS: 0.28, C: 0.2, D: 0.15},
+        }
+    )
+    kw = dict(beams=2, alpha=0.0, length=2)
+    tokens, score = _markov_search(table, kind="fairseq", **kw)
+    np.testing.assert_array_equal(tokens, [EOS, 0])
+    np.testing.assert_allclose(score, np.log(0.2), rtol=1e-6)
+    for kind in ("hf", "hf_early", "hf_never"):
+        tokens, score = _markov_search(table, kind=kind, **kw)
+        np.testing.assert_array_equal(tokens, [A, C], kind)
+        np.testing.assert_allclose(score, np.log(0.45 * 0.35), rtol=1e-6)
+
+
+def test_hf_rules_stop_by_transformers_heuristic():
+    """Beam 1, alpha 1 (score = log p / length), limit 3: EOS first (log 0.6 / 1 = -0.51)
+    fills the one finished slot, and the live a (log 0.3 / 1 = -1.20) cannot beat it at
+    its length so far, so Transformers' early_stopping False and True close the row ('hf',
+    'hf_early'). It is no bound: a c EOS scores log(0.3 * 0.9 * 0.9) / 3 = -0.47, which
+    tx_jax's bound (log p / penalty(limit)) and early_stopping="never" go on to find."""
+    table = _markov(
+        {
+            BOS: {EOS: 0.6, A: 0.3, C: 0.06, D: 0.04},
+            A: {1: 0.01, EOS: 0.04, C: 0.9, D: 0.05},
+            C: {1: 0.02, EOS: 0.9, A: 0.05, D: 0.03},
+        }
+    )
+    kw = dict(beams=1, alpha=1.0, length=3)
+    for kind in ("fairseq", "hf_never"):
+        tokens, score = _markov_search(table, kind=kind, **kw)
+        np.testing.assert_array_equal(tokens, [A, C, EOS], kind)
+        np.testing.assert_allclose(score, np.log(0.3 * 0.9 * 0.9) / 3, rtol=1e-6)
+    for kind in ("hf", "hf_early"):
+        tokens, score = _markov_search(table, kind=kind, **kw)
+        np.testing.assert_array_equal(tokens, [EOS, 0, 0], kind)
+        np.testing.assert_allclose(score, np.log(0.6), rtol=1e-6)
+
+
+def test_hf_early_closes_a_row_once_its_finished_slots_are_full():
+    """Beam 2, alpha 1, limit 3: EOS (step 0, -0.80) and a EOS (step 1, log 0.25 / 2 =
+    -0.69) fill both finished slots. The live a c (log 0.225 / 2 = -0.75) beats the worst
+    of them at its length, so early_stopping=False ('hf') goes on to a c EOS (-0.53), as
+    tx_jax's rules do; early_stopping=True ('hf_early') closes the row when they are full."""
+    table = _markov(
+        {
+            BOS: {A: 0.5, EOS: 0.45, C: 0.03, D: 0.02},
+            A: {EOS: 0.5, C: 0.45, A: 0.03, D: 0.02},
+            C: {1: 0.02, EOS: 0.9, A: 0.05, D: 0.03},
+        }
+    )
+    kw = dict(beams=2, alpha=1.0, length=3)
+    for kind in ("fairseq", "hf", "hf_never"):
+        tokens, score = _markov_search(table, kind=kind, **kw)
+        np.testing.assert_array_equal(tokens, [A, C, EOS], kind)
+        np.testing.assert_allclose(score, np.log(0.5 * 0.45 * 0.9) / 3, rtol=1e-6)
+    tokens, score = _markov_search(table, kind="hf_early", **kw)
+    np.testing.assert_array_equal(tokens, [A, EOS, 0])
+    np.testing.assert_allclose(score, np.log(0.25) / 2, rtol=1e-6)

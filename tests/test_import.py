@@ -4,9 +4,9 @@ Tiny random checkpoints are built here with transformers' own classes and writte
 `save_pretrained` (no downloads). Every bias, LayerNorm gain, final_logits_bias and
 embedding row (padding's included) is randomised first, so that a wrong mapping cannot hide
 behind zeros and ones. Asserted: tx_jax's teacher-forced log-probabilities equal
-transformers' (float32, a padded batch of pairs of different lengths), greedy decoding
-equals `generate`, export(import(x)) reproduces x bit for bit, and each refusal names what
-it refuses.
+transformers' (float32, a padded batch of pairs of different lengths), greedy and beam-4
+decoding (length_penalty='hf') equal `generate`, export(import(x)) reproduces x bit for
+bit, and each refusal names what it refuses.
 """
 
 from __future__ import annotations
@@ -238,6 +238,85 @@ def test_greedy_decoding_equals_generate(checkpoint, imported):
         max_len_b=T,
     )
     np.testing.assert_array_equal(np.asarray(got)[:, :T], want)
+
+
+def _hf_beams(model, hf_config, src, T, N, **kw):
+    """generate's beam search of src (HF ids) with the output limit T -> (best hypotheses
+    [B, T] in HF ids, HF's pad after the end, their scores [B])."""
+    pad = hf_config["pad_token_id"]
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=torch.as_tensor(src),
+            attention_mask=torch.as_tensor(src != pad).long(),
+            max_new_tokens=T,
+            num_beams=N,
+            do_sample=False,
+            suppress_tokens=[pad],  # tx_jax never generates padding
+            forced_eos_token_id=None,
+            bad_words_ids=None,
+            return_dict_in_generate=True,
+            output_scores=True,
+            **kw,
+        )
+    tokens = np.full((len(src), T), pad, np.int64)
+    tokens[:, : out.sequences.shape[1] - 1] = out.sequences.numpy()[:, 1:]  # no decoder start
+    return tokens, out.sequences_scores.numpy()
+
+
+# Beyond generate's defaults (early_stopping=False, length_penalty 1.0), each case checks one
+# more of its settings (rule, early_stopping, length_penalty, forced_bos_token_id): every
+# setting is covered, at one compilation more per case.
+MORE_BEAMS = {
+    "marian-tied-swish": ("hf_early", True, 0.6, None),
+    "marian-untied-relu": ("hf_never", "never", 1.0, None),
+    "marian-tied-gelu": ("hf", False, 0.6, None),
+    "marian-untied-swish": ("hf_early", True, 1.0, None),
+    "marian-separate-tied-gelu_new": ("hf_never", "never", 0.6, None),
+    "m2m100-relu": ("hf", False, 1.0, 7),
+    "m2m100-gelu": ("hf_early", True, 0.6, 7),
+}
+
+
+def test_beam4_decoding_equals_generate(request, checkpoint, imported):
+    """translate_beam(length_penalty='hf') is generate(num_beams=4) token for token, with
+    its score (sequences_scores), for every case, at generate's defaults (early_stopping
+    False, length_penalty 1.0) and at the case's MORE_BEAMS setting ('hf_early': True,
+    'hf_never': "never"; M2M100 with a forced first token, forced_bos_token_id, as tx_jax's
+    prompt). These random models seldom end early, so the searches here mostly differ from
+    tx_jax's own rules only in their scores' bookkeeping; test_decoding.py's hand-made
+    models show each rule that does differ (test_hf_rules_*)."""
+    from tx_jax.inference.decoding import translate_beam
+
+    model, _, hf_config = checkpoint
+    cfg, params = imported
+    src = np.concatenate([_pairs(hf_config, seed=s)[0] for s in (1, 2)])  # 8 rows
+    perm = pretrained.vocab_permutation(hf_config)
+    perm_t = pretrained.vocab_permutation(hf_config, target=True)
+    ids = pretrained.special_ids(hf_config)
+    T, N = 9, 4
+    more = MORE_BEAMS[request.node.callspec.params["checkpoint"]]
+    for rule, early_stopping, alpha, first in [("hf", False, 1.0, None), more]:
+        kw = {} if first is None else dict(forced_bos_token_id=first)
+        hf, hf_scores = _hf_beams(
+            model, hf_config, src, T, N, length_penalty=alpha, early_stopping=early_stopping, **kw
+        )
+        prompt = None if first is None else jnp.full((len(src), 1), perm_t[first], jnp.int32)
+        tokens, scores = translate_beam(
+            cfg,
+            params,
+            jnp.asarray(perm[src]),
+            beam_size=N,
+            alpha=alpha,
+            length_penalty=rule,
+            max_decode_len=T,
+            eos_id=ids.eos,
+            prompt=prompt,
+            max_len_a=0.0,
+            max_len_b=T,
+        )
+        setting = f"{rule=} {alpha=} {first=}"
+        np.testing.assert_array_equal(np.asarray(tokens)[:, 0, :T], perm_t[hf], setting)
+        np.testing.assert_allclose(np.asarray(scores)[:, 0], hf_scores, rtol=1e-5, err_msg=setting)
 
 
 # ------------------------------------------------------------------ refusals

@@ -323,8 +323,11 @@ def translate_beam(
     """Beam-search translation of inputs [B, S] -> tokens [B, N, T], scores [B, N], best
     first. Defaults are the paper's (beam 4, alpha 0.6, output limit n + 50 per row, as
     translate_greedy's); `length_penalty` is 'gnmt' or 'fairseq' (see `length_penalty` and
-    `beam_search`; compact as translate_greedy's). prompt [B, P]: forced first tokens in
-    every beam, scored as search.beam_search says (no log-probability, not counted)."""
+    `beam_search`; compact as translate_greedy's), or 'hf' / 'hf_early' / 'hf_never' for
+    Transformers' beam search token for token (generate's length_penalty=alpha,
+    early_stopping=False / True / "never"; search.beam_search). prompt [B, P]: forced first
+    tokens in every beam, scored as search.beam_search says (no log-probability, not counted;
+    counted by the 'hf' rules, as forced_bos_token_id is)."""
     B = inputs.shape[0]
     T, limits, fn, cache, grow_at = _translation_setup(
         config, params, inputs, max_decode_len, max_len_a, max_len_b, beam_size, use_cache

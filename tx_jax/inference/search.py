@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from tx_jax.inference import cache as cache_lib
@@ -47,7 +48,10 @@ LogitsFn = Callable[[Array, Cache], tuple[Array, Cache]]
 
 PAD_ID = 0
 EOS_ID = 3
-LENGTH_PENALTIES = ("gnmt", "fairseq")
+LENGTH_PENALTIES = ("gnmt", "fairseq", "hf", "hf_early", "hf_never")
+# Transformers' beam search (generate(num_beams=N), length_penalty=alpha) with its
+# early_stopping=False (generate's default), True and "never": `beam_search`.
+HF_EARLY_STOPPING = {"hf": False, "hf_early": True, "hf_never": "never"}
 
 
 # ------------------------------------------------------------- greedy and sampling
@@ -279,12 +283,12 @@ def length_penalty(length: int | Array, alpha: float, kind: str = "gnmt") -> Arr
     """Divisor of a hypothesis' log-probability; `length` counts its tokens, EOS included.
 
     gnmt: ((5 + length) / 6)^alpha (GNMT, Wu et al. 2016, section 7; the paper: alpha 0.6).
-    fairseq: length^alpha.
+    fairseq, and Transformers' rules (hf, hf_early, hf_never): length^alpha.
     """
     length = jnp.asarray(length, jnp.float32)
     if kind == "gnmt":
         return ((5.0 + length) / 6.0) ** alpha
-    if kind == "fairseq":
+    if kind == "fairseq" or kind in HF_EARLY_STOPPING:
         return length**alpha
     raise ValueError(f"length_penalty={kind!r}; expected one of {LENGTH_PENALTIES}")
 
@@ -302,6 +306,7 @@ class _Beams(NamedTuple):
     best_possible: Array  # [B] penalty(longest scored length): a live beam's score is at
     # most logp / this
     forced: _Forced | None  # each row's forced prefix (None: no prompt)
+    stopped: Array | None = None  # [B] Transformers' rules: rows whose finished are final
 
 
 def _take_beams(x: Array, index: Array) -> Array:
@@ -309,29 +314,39 @@ def _take_beams(x: Array, index: Array) -> Array:
     return jax.vmap(lambda row, i: row[i])(x, index)
 
 
-def _forcing(state: _Beams, logp: Array) -> tuple[Array, Array | None, Array]:
+def _forcing(
+    state: _Beams, logp: Array, count_forced: bool = False
+) -> tuple[Array, Array | None, Array]:
     """logp [B, N, V] of the step -> (logp with a forced row's every beam given its forced
     token at log-probability 0 and every other token -inf, forced [B] or None, the length
-    the penalty counts after this step: tokens after the forced prefix, EOS included)."""
+    the penalty counts after this step: tokens after the forced prefix, EOS included; all
+    tokens with count_forced, as Transformers' forced_bos_token_id counts its token)."""
     if state.forced is None:
         return logp, None, state.i + 1
     forced = state.i < state.forced.length  # [B]
     token = state.forced.tokens[:, state.i]  # [B]
     only = jnp.where(jnp.arange(logp.shape[-1]) == token[:, None], 0.0, -jnp.inf)  # [B, V]
     logp = jnp.where(forced[:, None, None], only[:, None, :], logp)
+    if count_forced:
+        return logp, forced, state.i + 1
     length = jnp.maximum(state.i + 1 - state.forced.length, 1)[:, None]  # [B, 1]
     return logp, forced, length
 
 
-def _beam_step(state: _Beams, tokens_to_logits: LogitsFn, bos_id, eos_id, penalty) -> _Beams:
-    """Extend every live beam by every token; keep the best N live and N finished."""
+def _beam_step(
+    state: _Beams, tokens_to_logits: LogitsFn, bos_id, eos_id, penalty, hf=None, alpha=0.0
+) -> _Beams:
+    """Extend every live beam by every token; keep the best N live and N finished.
+
+    hf (None: tx_jax's rules): Transformers' early_stopping (False, True or "never") for its
+    rules (beam_search)."""
     B, N, T = state.live_seqs.shape
     i = state.i
     prev = jnp.where(i == 0, bos_id, state.live_seqs[:, :, jnp.maximum(i - 1, 0)])
     logits, cache = tokens_to_logits(prev.reshape(B * N, 1), state.cache)
     V = logits.shape[-1]
     logp = jax.nn.log_softmax(logits.astype(jnp.float32)).at[:, PAD_ID].set(-jnp.inf)
-    logp, forced, length = _forcing(state, logp.reshape(B, N, V))
+    logp, forced, length = _forcing(state, logp.reshape(B, N, V), count_forced=hf is not None)
     candidates = (state.live_logp[..., None] + logp).reshape(B, N * V)
     # At most N of the best 2N candidates end in EOS, so at least N stay live.
     top_logp, top_index = lax.top_k(candidates, 2 * N)  # [B, 2N]
@@ -345,14 +360,19 @@ def _beam_step(state: _Beams, tokens_to_logits: LogitsFn, bos_id, eos_id, penalt
     if forced is not None:
         eos = eos & ~forced[:, None]
     last = (i + 1 >= state.limits)[:, None]  # [B, 1]
-    new_scores = jnp.where(eos | last, top_logp / penalty(length), -jnp.inf)
+    ended = eos | last
+    if hf is not None:
+        # Transformers finishes only the best N candidates (the other N are spares that keep
+        # N beams live) and adds nothing to a row its stopping rule has closed.
+        ended = ended & (jnp.arange(2 * N) < N) & ~state.stopped[:, None]
+    new_scores = jnp.where(ended, top_logp / penalty(length), -jnp.inf)
     fin_scores, k = lax.top_k(jnp.concatenate([state.fin_scores, new_scores], 1), N)
     fin_seqs = _take_beams(jnp.concatenate([state.fin_seqs, seqs], 1), k)
 
     live_logp, k = lax.top_k(jnp.where(eos, -jnp.inf, top_logp), N)
     live_logp = jnp.where(last, -jnp.inf, live_logp)  # nothing may grow past the limit
     cache = cache_lib.gather_beams(cache, jnp.take_along_axis(source_beam, k, axis=1))
-    return state._replace(
+    state = state._replace(
         i=i + 1,
         live_seqs=_take_beams(seqs, k),
         live_logp=live_logp,
@@ -360,6 +380,25 @@ def _beam_step(state: _Beams, tokens_to_logits: LogitsFn, bos_id, eos_id, penalt
         fin_scores=fin_scores,
         cache=cache,
     )
+    return state if hf is None else _hf_stop(state, penalty, hf, alpha)
+
+
+def _hf_stop(state: _Beams, penalty, early_stopping, alpha: float) -> _Beams:
+    """Transformers' stopping rule after a step (`_check_early_stop_heuristic`): a row closes
+    for good once its N finished slots are full and its best live log p / penalty(L) is no
+    more than the worst of them. L is the length so far (early_stopping False or True): a
+    heuristic, not a bound, since a longer beam may still score higher, but the row keeps what
+    it has (why 'hf' can differ from 'fairseq'). early_stopping="never" with alpha > 0 takes
+    the row's limit for L (tx_jax's bound); early_stopping=True also closes a row as soon as
+    its N slots are full."""
+    bound = early_stopping == "never" and alpha > 0
+    divisor = state.best_possible if bound else penalty(state.i)
+    best_live = state.live_logp[:, 0] / divisor
+    worst_finished = state.fin_scores[:, -1]
+    stopped = state.stopped | ~(best_live > worst_finished)
+    if early_stopping is True:
+        stopped = stopped | (worst_finished > -jnp.inf)
+    return state._replace(stopped=stopped)
 
 
 def beam_search(
@@ -394,17 +433,36 @@ def beam_search(
     (as likelihood.py scores a forced prefix): they add no log-probability and the length
     the penalty counts starts after them (at least 1); the row's limit counts them, as they
     are in the output. Without a prompt the search is the same program as before it existed.
+
+    length_penalty_kind 'hf', 'hf_early', 'hf_never': Transformers' beam search
+    (generate(num_beams=N, length_penalty=alpha, early_stopping=False, True, "never"); 'hf'
+    is generate's default), token for token: the penalty is length^alpha (computed in float64,
+    as Python does there); only EOS among the best N of the 2N candidates of a step finishes a
+    hypothesis (the other N are spares that keep N beams live); a row closes by
+    Transformers' heuristic (`_hf_stop`), not a bound, and keeps its finished ones from then
+    on. A forced prompt token counts in the length (as forced_bos_token_id's does) and adds
+    no log-probability. Any alpha is allowed, as Transformers allows it.
     """
-    if alpha < 0:
-        raise ValueError(f"alpha={alpha} must be >= 0 (the early-stopping bound needs it)")
     length_penalty(1, alpha, length_penalty_kind)  # validate the kind
+    hf = HF_EARLY_STOPPING.get(length_penalty_kind)
+    if alpha < 0 and hf is None:
+        raise ValueError(f"alpha={alpha} must be >= 0 (the early-stopping bound needs it)")
     B, N, T = batch_size, beam_size, max_decode_len
-    penalty = functools.partial(length_penalty, alpha=alpha, kind=length_penalty_kind)
+    if hf is None:
+        penalty = functools.partial(length_penalty, alpha=alpha, kind=length_penalty_kind)
+    else:
+        # Transformers divides by the Python float length ** alpha (float64), cast to
+        # float32; XLA's float32 power can differ in the last bit, which can swap near-ties.
+        table = jnp.asarray((np.maximum(np.arange(T + 1), 1) ** float(alpha)).astype(np.float32))
+        penalty = table.__getitem__
     limits = _row_limits(limits, B, T)
     forced = None if prompt is None else _forced(prompt, B, T)
-    longest = limits if forced is None else limits - forced.length  # the most counted
+    # The most tokens a score counts ('hf' counts a forced prefix).
+    longest = limits if forced is None or hf is not None else limits - forced.length
 
     def going(state: _Beams) -> Array:
+        if hf is not None:
+            return ~state.stopped
         best_live = state.live_logp[:, 0] / state.best_possible
         worst_finished = state.fin_scores[:, -1]
         return ~((worst_finished > best_live) | (best_live == -jnp.inf))
@@ -423,6 +481,7 @@ def beam_search(
         limits=limits,
         best_possible=penalty(jnp.maximum(longest, 1)),
         forced=forced,
+        stopped=None if hf is None else limits <= 0,
     )
     step = functools.partial(
         _beam_step,
@@ -430,6 +489,8 @@ def beam_search(
         bos_id=bos_id,
         eos_id=eos_id,
         penalty=penalty,
+        hf=hf,
+        alpha=alpha,
     )
     outputs = lambda s: (s.fin_seqs, s.fin_scores)  # noqa: E731
     return _staged(init, step, going, outputs, T=T, grow_at=grow_at, compact=compact, beams=N)
