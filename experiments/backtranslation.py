@@ -47,16 +47,17 @@ killed process) resumes from its last checkpoint when the same command is rerun.
 Size (`default`): configs/multi30k.py's `small` model (d_model 256, 3+3 layers, dropout 0.3,
 bfloat16 compute), batches of 4,096 tokens, 1,800 updates (warmup 600, peak 2e-3, linear
 cooldown over the last 360), validation every 300 updates (loss; greedy BLEU on the first
-500 sentences). The full 9,000-update recipe is 132 min on a 2-core Sapphire Rapids and 196 on
-a 2-core Zen 4 (docs/experiments.md, Time to BLEU: ~0.9 and ~1.3 s per update with its
+500 sentences). The full 9,000-update recipe is 132 min on a 2-core Sapphire Rapids and 196
+on a 2-core Zen 4 (docs/experiments.md, Time to BLEU: ~0.9 and ~1.3 s per update with its
 evaluations), so 1,800 updates are ~28 / ~39 min per run: under 45 min on either CPU. Its
-validation BLEU at 2,000 updates on all 29k pairs was ~36; on half of them, with 20% of the schedule left for
-the cooldown, the settings should land in the high 20s to mid 30s, far enough from the floor
-for differences of a BLEU or two to show. A CPU without bfloat16 units (no avx512_bf16 / AMX)
-is faster with --override model.dtype=float32. The whole study: 6 runs for seed 0 (~3-4 h),
-the back-translations (~15-30 min beam, ~5-10 min sampling), 5 test decodes, and up to
-5 second-seed runs (~3 h more). `--debug` is the same pipeline with a 1-layer d_model-32 model,
-40 updates and 400 train pairs: a few minutes (tests/test_backtranslation_study.py).
+validation BLEU at 2,000 updates on all 29k pairs was ~36; on half of them, with 20% of the
+schedule left for the cooldown, the settings should land in the high 20s to mid 30s, far
+enough from the floor for differences of a BLEU or two to show. A CPU without bfloat16
+units (no avx512_bf16 / AMX) is faster with --override model.dtype=float32. The whole
+study: 6 runs for seed 0 (~3-4 h), the back-translations (~15-30 min beam, ~5-10 min
+sampling), 5 test decodes, and up to 5 second-seed runs (~3 h more). `--debug` is the same
+pipeline with a 1-layer d_model-32 model, 40 updates and 400 train pairs: a few minutes
+(tests/test_backtranslation_study.py).
 """
 
 from __future__ import annotations
