@@ -40,6 +40,7 @@ from absl import app, flags
 
 from tx_jax.cli import common
 from tx_jax.inference import corpus, languages, restore, scoring, translation
+from tx_jax.inference.search import LENGTH_PENALTIES
 from tx_jax.inference.translation import translate_lines
 from tx_jax.training import parallel
 
@@ -261,9 +262,10 @@ def main() -> None:
     flags.DEFINE_enum(
         "length_penalty",
         "gnmt",
-        ["gnmt", "fairseq"],
+        list(LENGTH_PENALTIES),
         "Beam search divides log p by ((5 + length) / 6)^alpha (gnmt) or length^alpha "
-        "(fairseq: Transformers' and CTranslate2's).",
+        "(fairseq: CTranslate2's); hf / hf_early / hf_never: Transformers' generate with "
+        "early_stopping=False / True / 'never', token for token.",
     )
     flags.DEFINE_string(
         "pivot",
