@@ -164,3 +164,47 @@ def test_weight_decay_skips_biases_and_norm_scales_on_the_real_model():
                 np.testing.assert_allclose(u, -1e-3 * 0.1 * values[path], rtol=1e-6, atol=1e-12)
         assert any("embedding" in n for n in decayed) and any("kernel" in n for n in decayed)
         assert any(n.endswith("bias']") for n, _ in [(jax.tree_util.keystr(p), u) for p, u in flat])
+
+
+def test_bfloat16_params_train_and_stay_bfloat16():
+    """param_dtype=bfloat16 (fine-tuning an imported model in its own dtype): Optax computes
+    the update in the gradients' float32, and train_step's cond needs both branches in the
+    stored dtypes, so params and Adam moments come back bfloat16 and the loss falls."""
+    import functools
+
+    import flax.linen as nn
+
+    from tx_jax.model.config import variant
+    from tx_jax.model.transformer import EncoderDecoder
+    from tx_jax.training.state import TrainState
+    from tx_jax.training.step import train_step
+
+    cfg = variant(
+        "tiny",
+        vocab_size=16,
+        num_encoder_layers=1,
+        num_decoder_layers=1,
+        dropout_rate=0.0,
+        param_dtype="bfloat16",
+    )
+    model = EncoderDecoder(cfg)
+    ones = jnp.ones((1, 8), jnp.int32)
+    params = nn.meta.unbox(model.init(jax.random.key(0), ones, ones)["params"])
+    train = _train_cfg(schedule="constant", peak_lr=1e-2, weight_decay=0.01, clip_grad_norm=1.0)
+    tx, schedule = optim.make_optimizer(train, cfg.d_model)
+    zero = jnp.zeros((), jnp.int32)
+    state = TrainState(zero, params, tx.init(params), jax.random.PRNGKey(5), zero, zero)
+    step = jax.jit(
+        functools.partial(train_step, model=model, tx=tx, schedule=schedule, label_smoothing=0.1)
+    )
+    tokens = np.random.default_rng(0).integers(3, 16, size=(2, 4, 9))
+    batch = {"inputs": jnp.asarray(tokens[0]), "targets": jnp.asarray(tokens[1])}
+    losses = []
+    for _ in range(5):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert int(state.nonfinite_total) == 0
+    assert {x.dtype for x in jax.tree_util.tree_leaves(state.params)} == {jnp.dtype("bfloat16")}
+    floats = {x.dtype for x in jax.tree_util.tree_leaves(state.opt_state) if x.ndim}
+    assert floats == {jnp.dtype("bfloat16")}  # the moments keep optax's (the params') dtype
+    assert losses[-1] < losses[0] - 0.5, losses

@@ -132,7 +132,18 @@ def train_step(
 
     def update():
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        return optax.apply_updates(state.params, updates), opt_state
+        # Optax computes in the gradients' float32 (the division by the float32 token count
+        # promotes bfloat16 ones); every state entry keeps its stored dtype, or the two
+        # branches of the cond below differ for param_dtype=bfloat16. No-ops for float32.
+        opt_state = jax.tree_util.tree_map(
+            lambda new, old: new.astype(old.dtype), opt_state, state.opt_state
+        )
+        params = jax.tree_util.tree_map(
+            lambda new, old: new.astype(old.dtype),
+            optax.apply_updates(state.params, updates),
+            state.params,
+        )
+        return params, opt_state
 
     # A conditional, not a select per leaf: jnp.where(finite, new, old) over the params and
     # Adam moments makes XLA copy every moment so that the donated buffers can be written in
