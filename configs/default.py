@@ -42,6 +42,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.share_embeddings = True  # joint vocabulary -> one embedding matrix
     c.model.tie_output = True  # logits = x E^T
     c.model.dtype = "float32"  # compute dtype; 'bfloat16' on accelerators
+    c.model.param_dtype = "float32"  # storage dtype of parameters and Adam moments
     c.model.attention_impl = "auto"  # auto | xla | chunked | cudnn | splash (Pallas, TPU)
     c.model.kernels = "auto"  # auto (XLA:CPU-tuned kernels on CPU only) | cpu | generic
     c.model.remat = "none"  # none | full (recompute each layer) | dots (keep matmul outputs)
