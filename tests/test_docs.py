@@ -25,6 +25,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+MEASURES = [ROOT / "BENCHMARKS.md", ROOT / "benchmarks" / "HISTORY.md"]  # paths and links only
 TOP = (
     "tx_jax/",
     "configs/",
@@ -92,10 +93,10 @@ def _clean_path(token: str) -> str | None:
     return token
 
 
-def named_paths() -> list[tuple[str, str]]:
+def named_paths(pages: tuple[Path, ...] = tuple(PAGES)) -> list[tuple[str, str]]:
     """(page, repository-relative path) for every path a page names."""
     found = set()
-    for page in PAGES:
+    for page in pages:
         code, spans, links = page_parts(page)
         for text in code + spans:
             for token in _tokens(text):
@@ -250,7 +251,7 @@ def test_the_pages_exist_and_start_with_their_commands():
 
 def test_every_named_path_exists():
     missing = []
-    for page, path in named_paths():
+    for page, path in named_paths(tuple(PAGES + MEASURES)):
         if any(ch in path for ch in "*?["):
             ok = bool(glob.glob(str(ROOT / path)))
         else:
@@ -269,7 +270,7 @@ def _anchor(heading: str) -> str:
 
 def test_every_link_to_a_section_has_its_heading():
     bad = []
-    for page in PAGES:
+    for page in PAGES + MEASURES:
         for link in page_parts(page)[2]:
             target, _, anchor = link.partition("#")
             if not anchor or "://" in target:
@@ -279,6 +280,19 @@ def test_every_link_to_a_section_has_its_heading():
             if anchor not in {_anchor(h) for h in headings}:
                 bad.append(f"{page.name}: {link}")
     assert not bad, "links to missing sections:\n" + "\n".join(bad)
+
+
+def test_every_cited_benchmarks_section_exists():
+    """`BENCHMARKS.md, "Name"` (or `BENCHMARKS.md "Name"`, `BENCHMARKS.md ("Name")`) in a page
+    names the start of one of BENCHMARKS.md's headings."""
+    headings = re.findall(r"^#+ (.+)$", (ROOT / "BENCHMARKS.md").read_text(), flags=re.M)
+    bad = []
+    for page in PAGES:
+        prose = re.sub(r"\s*\n\s*", " ", page.read_text())
+        for name in re.findall(r'BENCHMARKS\.md,? \(?"([^"]+)"', prose):
+            if not any(h.startswith(name.rstrip(".")) for h in headings):
+                bad.append(f"{page.name}: {name}")
+    assert not bad, "BENCHMARKS.md sections cited but missing:\n" + "\n".join(bad)
 
 
 def test_every_launch_sh_subcommand_exists():
