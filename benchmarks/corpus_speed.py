@@ -132,7 +132,7 @@ def main() -> None:
 
     one, two, ct2 = read(out1), read(out2), read(ct2_out)
     result = {
-        "workdir": args.workdir,
+        "workdir": _common.portable_path(args.workdir),
         "lines": len(lines),
         "beam": args.beam,
         "cores": threads,
