@@ -25,20 +25,12 @@ import gpu_step  # noqa: E402
 
 def run_case(case: str, steps: int, device) -> dict:
 
-    from tx_jax.config import apply_overrides, load_config
     from tx_jax.data.tokenizer import BOS_ID
     from tx_jax.experiment.setup import build_model
     from tx_jax.planning import programs
     from tx_jax.planning.targets import Target
 
-    spec, *assignments = case.split("/")
-    variant, dtype, *rest = spec.split(":")
-    config = load_config(f"{gpu_step.CONFIG}:variant={variant}")
-    overrides = {"model.dtype": dtype}
-    if rest and rest[0]:
-        overrides["model.attention_impl"] = rest[0]
-    overrides.update(a.split("=", 1) for a in assignments)
-    apply_overrides(config, overrides, from_text=True)
+    config = gpu_step.case_config(case)
     row: dict = {"case": case, "xla_flags": os.environ.get("XLA_FLAGS", "")}
     try:
         chip_name, _ = gpu_step.chip_of(device)

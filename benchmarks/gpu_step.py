@@ -105,15 +105,9 @@ def _packed_batch(shapes: dict, vocab: int, seed: int, sharding) -> dict:
     return batch
 
 
-def measure_case(case: str, steps: int, device, chip_name, chip) -> dict:
-    import jax
-
+def case_config(case: str):
+    """VARIANT:DTYPE[:ATTENTION][/KEY=VALUE...] -> configs/wmt14_ende.py's config for it."""
     from tx_jax.config import apply_overrides, load_config
-    from tx_jax.data.tokenizer import BOS_ID
-    from tx_jax.experiment.setup import build_model
-    from tx_jax.planning import plan as plan_lib
-    from tx_jax.planning import programs
-    from tx_jax.planning.targets import Target
 
     spec, *assignments = case.split("/")
     variant, dtype, *rest = spec.split(":")
@@ -123,6 +117,19 @@ def measure_case(case: str, steps: int, device, chip_name, chip) -> dict:
         overrides["model.attention_impl"] = rest[0]
     overrides.update(a.split("=", 1) for a in assignments)
     apply_overrides(config, overrides, from_text=True)
+    return config
+
+
+def measure_case(case: str, steps: int, device, chip_name, chip) -> dict:
+    import jax
+
+    from tx_jax.data.tokenizer import BOS_ID
+    from tx_jax.experiment.setup import build_model
+    from tx_jax.planning import plan as plan_lib
+    from tx_jax.planning import programs
+    from tx_jax.planning.targets import Target
+
+    config = case_config(case)
     platform = device.platform
     target = Target(f"{platform}:{chip_name or platform}-1", platform, chip_name or "", 1)
     built = programs.build(config, target, [device])
