@@ -120,9 +120,10 @@ def case_config(case: str):
     return config
 
 
-def measure_case(case: str, steps: int, device, chip_name, chip) -> dict:
-    import jax
-
+def prepare_case(case: str, device, chip_name):
+    """A case's run as the planner builds it, its train step compiled for `device`, a real
+    state and a random packed batch: (row of static figures, step executable, state, batch,
+    strategy)."""
     from tx_jax.data.tokenizer import BOS_ID
     from tx_jax.experiment.setup import build_model
     from tx_jax.planning import plan as plan_lib
@@ -156,8 +157,14 @@ def measure_case(case: str, steps: int, device, chip_name, chip) -> dict:
     _, _, _, _, init_fn = build_model(config, config.data.vocab_size, BOS_ID)
     s = built.strategy
     state = s.init_state(init_fn)
-    step = program.executable
     batch = _packed_batch(shapes, config.data.vocab_size, config.seed, s.batch_sharding())
+    return row, program.executable, state, batch, s
+
+
+def measure_case(case: str, steps: int, device, chip_name, chip) -> dict:
+    import jax
+
+    row, step, state, batch, s = prepare_case(case, device, chip_name)
     losses = []
     with s.context():
         for _ in range(3):  # warm-up

@@ -126,3 +126,46 @@ def test_gpu_step_batch_has_four_segments_a_row_and_restarting_positions():
     assert pos[1].tolist() == [0, 1, 0, 1, 0, 1, 0, 1, 2, 3]
     tokens = np.asarray(batch["targets"])
     assert tokens.dtype == np.int32 and tokens.min() >= 3 and tokens.max() < 50
+
+
+def test_gpu_profile_timelines_take_the_union_of_nested_events():
+    import gpu_profile
+
+    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7"}}]
+    events = [{"ph": "X", "pid": 1, "tid": 7, "ts": t, "dur": d, "name": n}
+              for t, d, n in ((0, 10, "a"), (2, 3, "b"), (20, 5, "a"), (22, 10, "c"))]  # fmt: skip
+    (line,) = gpu_profile.timelines({"traceEvents": meta + events})
+    assert (line["process"], line["thread"]) == ("/device:GPU:0", "Stream #7")
+    assert line["busy_us"] == 10 + 12  # [0, 10] and [20, 32]
+    assert line["span_us"] == 32
+    assert {k: (v["us"], v["count"]) for k, v in line["names"].items()} == {
+        "a": (15, 2), "c": (10, 1), "b": (3, 1)}  # fmt: skip
+
+
+def test_gpu_profile_reads_what_each_instruction_computes_from_compiled_hlo():
+    import gpu_profile
+    import jax
+    import jax.numpy as jnp
+
+    def f(x, w):
+        logits = x @ w
+        return jax.nn.logsumexp(logits, axis=-1).sum() + jnp.tanh(x).sum()
+
+    x, w = jnp.ones((64, 32)), jnp.ones((32, 48))
+    index = gpu_profile.hlo_index(jax.jit(f).lower(x, w).compile().as_text())
+    cats = {gpu_profile.category(info, name) for name, info in index.items()}
+    assert "matmul" in cats and "softmax / loss (reductions with exp/log)" in cats
+    assert gpu_profile.category(None, "nvjet_sm90_tst_128x128_64x6_2x1_v_bz_NNT") == "matmul"
+    assert gpu_profile.category(None, "cudnn_generated_fort_native_sdpa_sm90") == "attention (cuDNN)"
+    assert gpu_profile.source({"op_name": "jit(f)/encoder/layer_0/ffn_dropout/jit(_bernoulli)"}) == (
+        "dropout (bits and masks)")  # fmt: skip
+
+
+def test_gpu_profile_summarizes_the_committed_h100_profile():
+    import gpu_profile
+
+    out = gpu_profile.summarize(os.path.join(_common.ROOT, "benchmarks/results/gpu_profile"))
+    assert sum(out["categories_ms"].values()) == pytest.approx(out["total_ms"])
+    assert sum(out["sources_ms"].values()) == pytest.approx(out["total_ms"])
+    assert 16 < out["categories_ms"]["matmul"] < 17  # BENCHMARKS.md, "The fourth lent GPU"

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One call on a lent GPU host: where the paper's base step spends its time, and what issue 38's
+# levers, the per-GPU batch, XLA's GPU flags and deterministic mode do to it, on one machine
+# (device time is scarce: ~7 minutes on an H100). Ordered so that a call cut off by its limit
+# keeps the most telling results:
+# 1. benchmarks/gpu_profile.py on base bf16 (the default): per-kernel times from a jax.profiler
+#    trace of 3 steps, sorted into matmuls, attention, dropout bits, reductions, elementwise.
+# 2. benchmarks/gpu_step.py, one process: base bf16 as it is by default, with each lever on top of
+#    the default (packed and rbg dropout bits, the blocked loss), with twice the per-GPU batch,
+#    and with XLA attention (the reference for 3).
+# 3. base bf16 with XLA attention under --xla_gpu_deterministic_ops=true (train.deterministic).
+# 4. base bf16 under each XLA flag in FLAGS, one process each (a flag is read when JAX starts).
+#
+#   bash benchmarks/gpu_profile.sh OUT_DIR
+#   BASE=debug PEAK=256 JAX_PLATFORMS=cpu bash benchmarks/gpu_profile.sh /tmp/out   # CPU dry run
+#
+# Results: OUT_DIR/{profile.json, hlo.txt.gz, trace.json.gz, levers.json, deterministic.json,
+# flag_*.json}.
+set -u
+out=${1:?OUT_DIR}
+mkdir -p "$out"
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/tx_jax_jcc}  # base compiled once for 1 and 2
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=${JAX_PLATFORMS:-cuda,cpu}
+B=${BASE:-base}
+tokens=${TOKENS:-53248}  # twice the paper's 26,624 per step (debug: 2048)
+steps=${STEPS:-10}
+quiet() { grep -v "^WARNING\|^I0000\|^W0000\|^E0000\|^  File\|^    "; }
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,temperature.gpu --format=csv,noheader 2>&1
+python3 -c 'import jax, jaxlib, flax, optax; print("jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__, jax.devices())' 2>&1 | quiet
+
+timeout 120 python3 benchmarks/gpu_profile.py --case "$B:bfloat16" --steps 3 --out-dir "$out" 2>&1 | quiet
+step() {  # NAME CASES: one gpu_step.py process
+  timeout "${2:-90}" python3 benchmarks/gpu_step.py --cases "$3" --steps "$steps" \
+    --peak-size "${PEAK:-8192}" --peak-reps 3 --out "$out/$1.json" 2>&1 | quiet
+}
+step levers 240 "$B:bfloat16,$B:bfloat16/model.dropout_bits=packed,$B:bfloat16/model.dropout_bits=rbg,$B:bfloat16/model.loss_impl=blocked,$B:bfloat16/data.tokens_per_batch=$tokens,$B:bfloat16:xla"
+XLA_FLAGS=--xla_gpu_deterministic_ops=true step deterministic 70 "$B:bfloat16:xla"
+for flag in ${FLAGS:---xla_gpu_enable_cudnn_layer_norm=true --xla_gpu_enable_triton_gemm=false --xla_gpu_enable_command_buffer=}; do
+  name=$(echo "$flag" | sed 's/^--xla_gpu_//; s/=.*//')
+  XLA_FLAGS=$flag step "flag_$name" 70 "$B:bfloat16"
+done
+echo done
