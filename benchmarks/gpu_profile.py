@@ -111,6 +111,13 @@ def timelines(trace) -> list[dict]:
 
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\(.*?\)|\S+)\s+([\w\-]+)\(")
+_FIELDS = (
+    ("calls", r"calls=%?([\w.\-]+)"),
+    ("target", r'custom_call_target="([^"]+)"'),
+    ("kind", r"kind=(\w+)"),
+    ("backend", r"backend_config=(\{.*\})"),
+    ("op_name", r'op_name="([^"]+)"'),
+)
 _COMP = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 
 
@@ -130,9 +137,7 @@ def hlo_index(text: str) -> dict[str, dict]:
         if m and current is not None:
             name, typ, opcode = m.groups()
             info = {"opcode": opcode, "type": typ, "comp": current}
-            for key, pat in (("calls", r"calls=%?([\w.\-]+)"), ("target", r'custom_call_target="([^"]+)"'),
-                             ("kind", r"kind=(\w+)"), ("backend", r"backend_config=(\{.*\})"),
-                             ("op_name", r'op_name="([^"]+)"')):  # fmt: skip
+            for key, pat in _FIELDS:
                 mm = re.search(pat, line)
                 if mm:
                     info[key] = mm.group(1)[:400]
@@ -233,7 +238,8 @@ def summarize(out_dir: str, top: int = 25) -> dict:
             # (cuBLAS, cuDNN) only by its hlo_op, which is the CUDA graph's when one runs.
             op = n["args"].get("hlo_op", "") if isinstance(n["args"], dict) else ""
             keys = (name, re.sub(r"_(\d+)$", r".\1", name), op)
-            info = next((index[k] for k in keys if k in index and not k.startswith("command_buffer")), None)
+            known = [k for k in keys if k in index and not k.startswith("command_buffer")]
+            info = index[known[0]] if known else None
             c = category(info, name)
             cats[c] += n["us"] / steps
             sources[source(info)] += n["us"] / steps

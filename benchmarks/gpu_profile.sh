@@ -10,6 +10,7 @@
 #    and with XLA attention (the reference for 3).
 # 3. base bf16 with XLA attention under --xla_gpu_deterministic_ops=true (train.deterministic).
 # 4. base bf16 under each XLA flag in FLAGS, one process each (a flag is read when JAX starts).
+# A process needs ~70 s on an H100 before its first case is timed (start, ceilings, compile).
 #
 #   bash benchmarks/gpu_profile.sh OUT_DIR
 #   BASE=debug PEAK=256 JAX_PLATFORMS=cpu bash benchmarks/gpu_profile.sh /tmp/out   # CPU dry run
@@ -34,9 +35,9 @@ step() {  # NAME CASES: one gpu_step.py process
     --peak-size "${PEAK:-8192}" --peak-reps 3 --out "$out/$1.json" 2>&1 | quiet
 }
 step levers 240 "$B:bfloat16,$B:bfloat16/model.dropout_bits=packed,$B:bfloat16/model.dropout_bits=rbg,$B:bfloat16/model.loss_impl=blocked,$B:bfloat16/data.tokens_per_batch=$tokens,$B:bfloat16:xla"
-XLA_FLAGS=--xla_gpu_deterministic_ops=true step deterministic 70 "$B:bfloat16:xla"
+XLA_FLAGS=--xla_gpu_deterministic_ops=true step deterministic 130 "$B:bfloat16:xla"
 for flag in ${FLAGS:---xla_gpu_enable_cudnn_layer_norm=true --xla_gpu_enable_triton_gemm=false --xla_gpu_enable_command_buffer=}; do
   name=$(echo "$flag" | sed 's/^--xla_gpu_//; s/=.*//')
-  XLA_FLAGS=$flag step "flag_$name" 70 "$B:bfloat16"
+  XLA_FLAGS=$flag step "flag_$name" 130 "$B:bfloat16"
 done
 echo done

@@ -131,8 +131,10 @@ def test_gpu_step_batch_has_four_segments_a_row_and_restarting_positions():
 def test_gpu_profile_timelines_take_the_union_of_nested_events():
     import gpu_profile
 
-    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
-            {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7"}}]
+    meta = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7"}},
+    ]
     events = [{"ph": "X", "pid": 1, "tid": 7, "ts": t, "dur": d, "name": n}
               for t, d, n in ((0, 10, "a"), (2, 3, "b"), (20, 5, "a"), (22, 10, "c"))]  # fmt: skip
     (line,) = gpu_profile.timelines({"traceEvents": meta + events})
@@ -157,9 +159,10 @@ def test_gpu_profile_reads_what_each_instruction_computes_from_compiled_hlo():
     cats = {gpu_profile.category(info, name) for name, info in index.items()}
     assert "matmul" in cats and "softmax / loss (reductions with exp/log)" in cats
     assert gpu_profile.category(None, "nvjet_sm90_tst_128x128_64x6_2x1_v_bz_NNT") == "matmul"
-    assert gpu_profile.category(None, "cudnn_generated_fort_native_sdpa_sm90") == "attention (cuDNN)"
-    assert gpu_profile.source({"op_name": "jit(f)/encoder/layer_0/ffn_dropout/jit(_bernoulli)"}) == (
-        "dropout (bits and masks)")  # fmt: skip
+    cudnn = gpu_profile.category(None, "cudnn_generated_fort_native_sdpa_sm90")
+    assert cudnn == "attention (cuDNN)"
+    op_name = "jit(f)/encoder/layer_0/ffn_dropout/jit(_bernoulli)"
+    assert gpu_profile.source({"op_name": op_name}) == "dropout (bits and masks)"
 
 
 def test_gpu_profile_summarizes_the_committed_h100_profile():

@@ -86,6 +86,24 @@ def versions() -> dict[str, str]:
 TB_SYNC_SECONDS = 30.0
 
 
+def _summary_writer_class():
+    """tensorboardX's SummaryWriter, imported without torch where torch is installed but not yet
+    loaded: tensorboardX imports it only to recognise torch tensors (we log floats), and it
+    costs ~4 s of every training process's start on a 2-core CPU."""
+    import sys
+
+    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None  # `import torch` raises ImportError: tensorboardX's fallback
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 class MetricLogger:
     """Writes scalars to TensorBoard and metrics.jsonl; prints the console line."""
 
@@ -113,8 +131,7 @@ class MetricLogger:
         self._last_sync = 0.0
         if self.enabled:
             self.workdir.mkdir(parents=True, exist_ok=True)
-            from tensorboardX import SummaryWriter
-
+            SummaryWriter = _summary_writer_class()
             tb_dir = str(self.workdir / "tensorboard")
             if paths.is_remote(self.workdir):
                 self._staging = tb_dir = tempfile.mkdtemp(prefix="tx_jax_tensorboard_")
