@@ -110,7 +110,6 @@ def timelines(trace) -> list[dict]:
     return sorted(out, key=lambda t: -t["busy_us"])
 
 
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\(.*?\)|\S+)\s+([\w\-]+)\(")
 _FIELDS = (
     ("calls", r"calls=%?([\w.\-]+)"),
     ("target", r'custom_call_target="([^"]+)"'),
@@ -118,39 +117,33 @@ _FIELDS = (
     ("backend", r"backend_config=(\{.*\})"),
     ("op_name", r'op_name="([^"]+)"'),
 )
-_COMP = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 
 
 def hlo_index(text: str) -> dict[str, dict]:
-    """Instruction name -> {opcode, type, ops: the opcodes it runs (a fusion's whole body,
-    nested calls included), target: a custom call's target, kind: a fusion's kind}."""
-    comps: dict[str, list] = {}
-    current = None
+    """Instruction name -> {opcode, comp, ops: the opcodes it runs (a fusion's whole body,
+    nested calls included), target: a custom call's target, kind: a fusion's kind, op_name},
+    read with the planner's HLO reader."""
+    from tx_jax.planning import hlo
+
+    module = hlo.parse(text)
     instrs = {}
-    for line in text.splitlines():
-        m = _COMP.match(line)
-        if m and line[:1] not in (" ", "\t"):  # a computation's header; instructions are indented
-            current = m.group(1)
-            comps[current] = []
-            continue
-        m = _INSTR.match(line)
-        if m and current is not None:
-            name, typ, opcode = m.groups()
-            info = {"opcode": opcode, "type": typ, "comp": current}
+    for comp, body in module.computations.items():
+        for i in body:
+            info = {"opcode": i.opcode, "comp": comp}
             for key, pat in _FIELDS:
-                mm = re.search(pat, line)
-                if mm:
-                    info[key] = mm.group(1)[:400]
-            comps[current].append((name, info))
-            instrs[name] = info
+                m = re.search(pat, i.rest)
+                if m:
+                    info[key] = m.group(1)[:400]
+            instrs[i.name] = info
 
     def body_ops(comp, seen):
         ops = collections.Counter()
-        for _, info in comps.get(comp, []):
-            ops[info["opcode"]] += 1
-            if "calls" in info and info["calls"] not in seen:
-                seen.add(info["calls"])
-                ops.update(body_ops(info["calls"], seen))
+        for i in module.computations.get(comp, []):
+            ops[i.opcode] += 1
+            callee = instrs[i.name].get("calls")
+            if callee and callee not in seen:
+                seen.add(callee)
+                ops.update(body_ops(callee, seen))
         return ops
 
     for info in instrs.values():

@@ -285,7 +285,7 @@ def test_profile_steps_are_checked_before_anything_runs(tmp_path, tfds_dir, valu
 
 
 def test_metric_logger_writes_tensorboard_without_importing_torch(tmp_path):
-    """tensorboardX imports torch when it can (~4 s of every training process's start); the
+    """tensorboardX imports torch when it can (seconds of every training process's start); the
     logger writes its scalars without it, and torch still imports afterwards."""
     out = run_python(
         "import sys, glob\n"

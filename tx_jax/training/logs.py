@@ -88,10 +88,8 @@ TB_SYNC_SECONDS = 30.0
 
 def _summary_writer_class():
     """tensorboardX's SummaryWriter, imported without torch where torch is installed but not yet
-    loaded: tensorboardX imports it only to recognise torch tensors (we log floats), and it
-    costs ~4 s of every training process's start on a 2-core CPU."""
-    import sys
-
+    loaded: tensorboardX imports it only to recognise torch tensors (we log floats), and that
+    import is seconds of every training process's start."""
     if "tensorboardX" in sys.modules or "torch" in sys.modules:
         from tensorboardX import SummaryWriter
 
