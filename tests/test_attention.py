@@ -543,7 +543,7 @@ def _encoder_decoder(impl="xla", **kw):
     src = jnp.array([[5, 6, 7, 8, 9], [4, 9, 10, 0, 0]], jnp.int32)
     tgt = jnp.array([[5, 6, 7, 8, 9, 4], [4, 9, 10, 1, 5, 0]], jnp.int32)
     model = EncoderDecoder(cfg)
-    params = nn.meta.unbox(model.init(jax.random.key(0), src, tgt)["params"])
+    params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), src, tgt)["params"])
     return model, params, src, tgt
 
 
@@ -570,9 +570,10 @@ def test_model_with_value_head_dim_differing_from_head_dim():
         logits = model.apply({"params": params}, src, tgt)
         return jnp.mean(jax.nn.log_softmax(logits)[..., 4]), logits
 
-    (l_xla, logits), g_xla = jax.value_and_grad(loss, has_aux=True)(params, model)
+    grad = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
+    (l_xla, logits), g_xla = grad(params, model)
     chunked, _, _, _ = _encoder_decoder("chunked", **kw)
-    (l_chk, logits_chk), g_chk = jax.value_and_grad(loss, has_aux=True)(params, chunked)
+    (l_chk, logits_chk), g_chk = grad(params, chunked)
     assert logits.shape == (2, 6, 11) and np.isfinite(np.asarray(logits)).all()
     np.testing.assert_allclose(logits_chk, logits, rtol=1e-5, atol=1e-5)
     for a, b in zip(jax.tree_util.tree_leaves(g_xla), jax.tree_util.tree_leaves(g_chk)):
