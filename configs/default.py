@@ -47,7 +47,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.kernels = "auto"  # auto (XLA:CPU-tuned kernels on CPU only) | cpu | generic
     c.model.remat = "none"  # none | full (recompute each layer) | dots (keep matmul outputs)
     c.model.dropout_bits = "auto"  # auto | bernoulli | packed | rbg: dropout's random bits
-    c.model.loss_impl = "auto"  # auto | dense | blocked (logits recomputed per position block)
+    c.model.loss_impl = "auto"  # auto | dense | onepass (logits read once) | blocked (per block)
     c.model.loss_block = 64  # 'blocked': target positions per block
 
     # Data: TFDS dataset, SentencePiece vocabulary, token-budget batches.

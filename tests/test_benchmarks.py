@@ -172,3 +172,15 @@ def test_gpu_profile_summarizes_the_committed_h100_profile():
     assert sum(out["categories_ms"].values()) == pytest.approx(out["total_ms"])
     assert sum(out["sources_ms"].values()) == pytest.approx(out["total_ms"])
     assert 16 < out["categories_ms"]["matmul"] < 17  # BENCHMARKS.md, "The fourth lent GPU"
+
+
+def test_loss_benchmark_checks_both_implementations_agree_and_records_times(tmp_path):
+    import loss
+
+    out = tmp_path / "loss.json"
+    loss.main(["--shapes", "2x5x13,1x3x7", "--reps", "2", "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert [c["shape"] for c in record["cases"]] == [[2, 5, 13], [1, 3, 7]]
+    for case in record["cases"]:
+        assert set(case["seconds"]) == {"dense", "onepass"}
+        assert all(len(v) == 2 and min(v) > 0 for v in case["seconds"].values())

@@ -47,6 +47,40 @@ def test_smoothed_cross_entropy_gradient_is_softmax_minus_q(eps):
     np.testing.assert_allclose(jax.jit(ours)(logits), jax.grad(textbook)(logits), atol=1e-6)
 
 
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_one_pass_loss_sums_equal_the_three_functions(eps):
+    """loss_sums(one_pass=True), one variadic reduction with an online logsumexp, gives the
+    sums and gradients of smoothed_cross_entropy, nll and accuracy: with logits of scale
+    1e3 (exp overflows unless rescaled), -inf entries (a banned token; with smoothing, whose
+    q gives it mass, -1e4), ties for the max."""
+    rng = np.random.default_rng(2)
+    logits = rng.normal(size=(3, 6, 13)).astype(np.float32) * 4
+    logits[0, 0] *= 250  # scale 1e3
+    logits[1, :, 5] = -np.inf if eps == 0 else -1e4  # never a target below
+    logits[2, 1, [3, 9]] = logits[2, 1].max() + 1.0  # a tie for the max
+    targets = rng.integers(6, 13, size=(3, 6))
+    targets[2, 1] = 9
+    targets[0, 1:3] = np.argmax(logits[0, 1:3], -1)  # hits
+    z, t = jnp.asarray(logits), jnp.asarray(targets)
+    w = jnp.asarray(rng.random((3, 6)) > 0.2, jnp.float32)
+
+    def sums(one_pass):
+        def f(z):
+            out = losses.loss_sums(z, t, w, eps, one_pass=one_pass)
+            return out["loss"] + 0.5 * out["nll"], out
+
+        return jax.jit(jax.grad(f, has_aux=True))(z)
+
+    (g3, s3), (g1, s1) = sums(False), sums(True)
+    assert set(s1) == {"loss", "nll", "correct", "weight"}
+    for k in s1:
+        np.testing.assert_allclose(float(s1[k]), float(s3[k]), rtol=1e-6, err_msg=k)
+    assert float(s1["correct"]) >= 2.0 and np.isfinite(float(s1["loss"]))
+    np.testing.assert_allclose(np.asarray(g1), np.asarray(g3), atol=1e-6)
+    if eps == 0:
+        assert np.all(np.asarray(g1)[1, :, 5] == 0.0)  # a -inf logit's probability is 0
+
+
 def test_perfect_prediction_has_zero_smoothed_loss():
     V, eps = 6, 0.1
     q = np.full((1, 1, V), eps / (V - 1))

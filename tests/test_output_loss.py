@@ -113,12 +113,15 @@ def test_bad_block_shapes_and_names_error():
         OL.resolve("fused")
 
 
-def test_auto_resolves_to_dense_on_every_platform_for_now():
+def test_auto_resolves_to_dense_on_cpu_and_onepass_on_accelerators():
     assert OL.LOSS_IMPLS == LOSS_IMPLS
-    assert OL.resolve("blocked") == "blocked" and OL.resolve("dense") == "dense"
+    for impl in ("dense", "onepass", "blocked"):
+        assert OL.resolve(impl) == impl
+    expected = {"cpu": "dense", "gpu": "onepass", "tpu": "onepass"}
+    assert set(expected) == set(backend.PLATFORMS)
     for platform in backend.PLATFORMS:
         with backend.target(platform):
-            assert OL.resolve("auto") == "dense"
+            assert OL.resolve("auto") == expected[platform]
 
 
 MODELS = {
@@ -182,22 +185,24 @@ def test_output_projection_names_what_is_missing():
 @pytest.mark.parametrize("eps", [0.0, 0.1])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_loss_sums_and_gradients_of_every_param_match_dense(name, eps):
-    """The step's loss function with loss_impl='blocked' (block 4 over L = 11: padded) equals
-    'dense' in float32: sums, and the gradient of every parameter within 1e-5 relative."""
+    """The step's loss function with loss_impl='blocked' (block 4 over L = 11: padded) or
+    'onepass' equals 'dense' in float32: sums, and the gradient of every parameter within 1e-5
+    relative."""
     sums, grads = {}, {}
-    for impl in ("dense", "blocked"):
+    for impl in ("dense", "onepass", "blocked"):
         model, params = _model(name, loss_impl=impl, loss_block=4)
         fn = jax.grad(
             functools.partial(_loss_sums, model, label_smoothing=eps, deterministic=True),
             has_aux=True,
         )
         grads[impl], sums[impl] = jax.jit(fn)(params, _batch(), None)
-    _close([sums["dense"][k] for k in KEYS], [sums["blocked"][k] for k in KEYS], 1e-5)
-    assert float(sums["blocked"]["weight"]) == 4 * 11 - 5
-    assert jax.tree_util.tree_structure(grads["dense"]) == jax.tree_util.tree_structure(
-        grads["blocked"]
-    )
-    _close(grads["dense"], grads["blocked"], 1e-5)
+    for impl in ("onepass", "blocked"):
+        _close([sums["dense"][k] for k in KEYS], [sums[impl][k] for k in KEYS], 1e-5)
+        assert float(sums[impl]["weight"]) == 4 * 11 - 5
+        assert jax.tree_util.tree_structure(grads["dense"]) == jax.tree_util.tree_structure(
+            grads[impl]
+        )
+        _close(grads["dense"], grads[impl], 1e-5)
 
 
 def _state_and_step(model, params, grad_accum_steps=1):
@@ -216,11 +221,11 @@ def _state_and_step(model, params, grad_accum_steps=1):
 
 
 @pytest.mark.parametrize("name,accum", [("tied_shared", 1), ("lm_untied_bias", 2)])
-def test_train_steps_with_blocked_loss_equal_dense(name, accum):
+def test_train_steps_with_blocked_or_onepass_loss_equal_dense(name, accum):
     """Three Adam steps with dropout on (the same masks: the model is the same up to its
-    output layer): the metrics and updated parameters of 'blocked' equal 'dense'."""
+    output layer): the metrics and updated parameters of 'blocked' and 'onepass' equal 'dense'."""
     out = {}
-    for impl in ("dense", "blocked"):
+    for impl in ("dense", "onepass", "blocked"):
         model, params = _model(name, loss_impl=impl, loss_block=4, dropout_rate=0.1)
         state, step = _state_and_step(model, params, accum)
         history = []
@@ -228,11 +233,12 @@ def test_train_steps_with_blocked_loss_equal_dense(name, accum):
             state, metrics = step(state, _batch(seed=i))
             history.append(metrics)
         out[impl] = (history, state.params)
-    for m_dense, m_blocked in zip(out["dense"][0], out["blocked"][0], strict=True):
-        for k in ("loss", "nll", "accuracy", "tokens", "grad_norm"):
-            np.testing.assert_allclose(float(m_blocked[k]), float(m_dense[k]), rtol=1e-5)
+    for impl in ("onepass", "blocked"):
+        for m_dense, m_other in zip(out["dense"][0], out[impl][0], strict=True):
+            for k in ("loss", "nll", "accuracy", "tokens", "grad_norm"):
+                np.testing.assert_allclose(float(m_other[k]), float(m_dense[k]), rtol=1e-5)
+        _close(out["dense"][1], out[impl][1], 1e-5)
     assert float(out["dense"][0][0]["tokens"]) == 4 * 11 - 5
-    _close(out["dense"][1], out["blocked"][1], 1e-5)
 
 
 def test_bfloat16_blocked_matches_dense_within_bfloat16_rounding():

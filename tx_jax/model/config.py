@@ -28,7 +28,7 @@ SINUSOID_STYLES = ("paper", "marian", "fairseq")
 NORM_POSITIONS = ("post", "pre")
 POOLINGS = ("mean", "first")
 REMATS = ("none", "full", "dots")
-LOSS_IMPLS = ("auto", "dense", "blocked")
+LOSS_IMPLS = ("auto", "dense", "onepass", "blocked")
 DTYPES = ("float32", "bfloat16", "float16")
 
 

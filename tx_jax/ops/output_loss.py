@@ -10,7 +10,7 @@ block's logits [B, T, V] to per-token statistics at once, and keeps only those; 
 pass recomputes each block's logits from the hidden states. Same loss, NLL, accuracy and
 gradients as the dense path (losses.py), up to float rounding.
 
-    resolve(loss_impl)       'auto' | 'dense' | 'blocked' -> 'dense' | 'blocked'
+    resolve(loss_impl)       'auto' | 'dense' | 'onepass' | 'blocked' -> one of the last three
     output_loss(h, table, bias, targets, weights, label_smoothing, block)
                              -> {'loss', 'nll', 'correct', 'weight'} float32 sums
 
@@ -30,13 +30,16 @@ from jax import lax
 from tx_jax.ops import backend
 
 Array = jax.Array
-LOSS_IMPLS = ("auto", "dense", "blocked")
-# What 'auto' picks per platform: the dense path until a chip measurement says otherwise.
-_AUTO = {"cpu": "dense", "gpu": "dense", "tpu": "dense"}
+LOSS_IMPLS = ("auto", "dense", "onepass", "blocked")
+# What 'auto' picks per platform. 'onepass' (training/losses.loss_sums: the whole logits read
+# once in the forward pass instead of four times) on the accelerators, by the compiled plans'
+# traffic until a chip measures it; XLA:CPU runs its variadic reduction several times slower.
+_AUTO = {"cpu": "dense", "gpu": "onepass", "tpu": "onepass"}
 
 
 def resolve(loss_impl: str) -> str:
-    """'auto' | 'dense' | 'blocked' -> 'dense' | 'blocked' (auto: by ops.backend.current())."""
+    """'auto' | 'dense' | 'onepass' | 'blocked' -> one of the last three (auto: by
+    ops.backend.current())."""
     if loss_impl not in LOSS_IMPLS:
         raise ValueError(f"model.loss_impl={loss_impl!r}; expected one of {LOSS_IMPLS}")
     if loss_impl == "auto":

@@ -62,7 +62,8 @@ def _loss_sums(model, params, batch, rng, label_smoothing, deterministic):
         args, kwargs = (batch["inputs"], batch["targets"]), model_kwargs(batch)
     targets = batch["targets"]
     weights = (targets > 0).astype(jnp.float32)
-    if output_loss.resolve(model.config.loss_impl) == "blocked":  # no [B, L, V] logits
+    loss_impl = output_loss.resolve(model.config.loss_impl)
+    if loss_impl == "blocked":  # no [B, L, V] logits
         hidden = model.apply(
             {"params": params},
             *args,
@@ -79,10 +80,10 @@ def _loss_sums(model, params, batch, rng, label_smoothing, deterministic):
     logits = model.apply(
         {"params": params}, *args, **kwargs, deterministic=deterministic, rngs=rngs
     )
-    loss, weight = losses.smoothed_cross_entropy(logits, targets, weights, label_smoothing)
-    nll, _ = losses.nll(logits, targets, weights)
-    correct, _ = losses.accuracy(logits, targets, weights)
-    return loss, {"loss": loss, "nll": nll, "correct": correct, "weight": weight}
+    sums = losses.loss_sums(
+        logits, targets, weights, label_smoothing, one_pass=loss_impl == "onepass"
+    )
+    return sums["loss"], sums
 
 
 def train_step(
