@@ -3,6 +3,8 @@
 # levers, the per-GPU batch, XLA's GPU flags and deterministic mode do to it, on one machine
 # (device time is scarce: ~7 minutes on an H100). Ordered so that a call cut off by its limit
 # keeps the most telling results:
+# 0. benchmarks/cudnn_bias.py: does cuDNN take the mask as [B, 1, L, S] (an eighth of the bias
+#    reads), with the same outputs and gradients as [B, H, L, S]? (~30 s)
 # 1. benchmarks/gpu_profile.py on base bf16 (the default): per-kernel times from a jax.profiler
 #    trace of 3 steps, sorted into matmuls, attention, dropout bits, reductions, elementwise.
 # 2. benchmarks/gpu_step.py, one process: base bf16 as it is by default, with the loss as it was
@@ -16,8 +18,8 @@
 #   bash benchmarks/gpu_profile.sh OUT_DIR
 #   BASE=debug PEAK=256 JAX_PLATFORMS=cpu bash benchmarks/gpu_profile.sh /tmp/out   # CPU dry run
 #
-# Results: OUT_DIR/{profile.json, hlo.txt.gz, trace.json.gz, levers.json, deterministic.json,
-# flag_*.json}.
+# Results: OUT_DIR/{cudnn_bias.json, profile.json, hlo.txt.gz, trace.json.gz, levers.json,
+# deterministic.json, flag_*.json}.
 set -u
 out=${1:?OUT_DIR}
 mkdir -p "$out"
@@ -30,6 +32,7 @@ quiet() { grep -v "^WARNING\|^I0000\|^W0000\|^E0000\|^  File\|^    "; }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,temperature.gpu --format=csv,noheader 2>&1
 python3 -c 'import jax, jaxlib, flax, optax; print("jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__, jax.devices())' 2>&1 | quiet
 
+timeout 90 python3 benchmarks/cudnn_bias.py --out "$out/cudnn_bias.json" 2>&1 | quiet
 timeout 120 python3 benchmarks/gpu_profile.py --case "$B:bfloat16" --steps 3 --out-dir "$out" 2>&1 | quiet
 step() {  # NAME CASES: one gpu_step.py process
   timeout "${2:-90}" python3 benchmarks/gpu_step.py --cases "$3" --steps "$steps" \

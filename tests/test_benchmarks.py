@@ -184,3 +184,17 @@ def test_loss_benchmark_checks_both_implementations_agree_and_records_times(tmp_
     for case in record["cases"]:
         assert set(case["seconds"]) == {"dense", "onepass"}
         assert all(len(v) == 2 and min(v) > 0 for v in case["seconds"].values())
+
+
+def test_cudnn_bias_probe_compares_both_mask_forms(tmp_path):
+    """The probe the next GPU runs first, here with XLA's attention: the [B, 1, L, S] and
+    [B, H, L, S] masks give the same outputs and gradients, timed for both."""
+    import cudnn_bias
+
+    out = tmp_path / "bias.json"
+    cudnn_bias.main(["--impl", "xla", "--shape", "2,16,2,8", "--reps", "2", "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert [c["causal"] for c in record["cases"]] == [False, True]
+    for case in record["cases"]:
+        assert case["max_abs_diff"] == 0.0
+        assert set(case["seconds"]) == {"B,H,L,S", "B,1,L,S"}
