@@ -71,11 +71,10 @@ def main(argv: list[str] | None = None) -> None:
         results, times, hlo = {}, {}, {}
         for name, mask in (("B,H,L,S", full), ("B,1,L,S", head1)):
             compiled = grad.lower(mask, q, k, v).compile()
-            calls = re.findall(r"custom-call\(([^)]*)\)[^\n]*custom_call_target=\"([^\"]+)\"",
-                               compiled.as_text())  # fmt: skip
-            hlo[name] = sorted({target for _, target in calls})
-            bias_shapes = re.findall(r"(bf16\[\d+,\d+,\d+,\d+\])\{3,2,1,0\}\}", compiled.as_text())
-            hlo[name] += sorted(set(bias_shapes))
+            # each cuDNN call's operands, the mask's bias last or next to last
+            hlo[name] = sorted(set(re.findall(
+                r'custom_call_target="(__cudnn[^"]+)", operand_layout_constraints=(\{[^=]*\})',
+                compiled.as_text())))  # fmt: skip
             results[name] = jax.block_until_ready(compiled(mask, q, k, v))
             times[name] = [
                 _common.time_once(functools.partial(compiled, mask, q, k, v), jax.block_until_ready)

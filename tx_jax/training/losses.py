@@ -26,15 +26,8 @@ def smoothed_cross_entropy(
     logits [B, L, V] float32, targets [B, L] int, weights [B, L] -> (loss_sum, weight_sum).
     Never materialises the [B, L, V] one-hot (see `token_cross_entropy`).
     """
-    V = logits.shape[-1]
-    confidence = 1.0 - label_smoothing
-    low = label_smoothing / (V - 1) if V > 1 else 0.0
     loss = token_cross_entropy(logits.astype(jnp.float32), targets, float(label_smoothing))
-    # the entropy of q, so that the minimum loss is 0 (as fairseq/flax report it)
-    entropy = -confidence * np.log(confidence) if confidence > 0 else 0.0
-    if low > 0:
-        entropy -= (V - 1) * low * np.log(low)
-    loss = (loss - entropy) * weights
+    loss = (loss - _entropy(logits.shape[-1], float(label_smoothing))) * weights
     return loss.sum(), weights.sum()
 
 
@@ -53,6 +46,15 @@ def token_cross_entropy(logits: Array, targets: Array, label_smoothing: float) -
 def _smoothing(V: int, label_smoothing: float) -> tuple[float, float]:
     low = label_smoothing / (V - 1) if V > 1 else 0.0
     return 1.0 - label_smoothing, low
+
+
+def _entropy(V: int, label_smoothing: float) -> float:
+    """The entropy of q, subtracted so that the minimum loss is 0 (as fairseq/flax report it)."""
+    confidence, low = _smoothing(V, label_smoothing)
+    entropy = -confidence * np.log(confidence) if confidence > 0 else 0.0
+    if low > 0:
+        entropy -= (V - 1) * low * np.log(low)
+    return entropy
 
 
 def _token_ce_fwd(logits, targets, label_smoothing):
@@ -97,11 +99,7 @@ def loss_sums(
         nll_sum, _ = nll(logits, targets, weights)
         correct, _ = accuracy(logits, targets, weights)
         return {"loss": loss, "nll": nll_sum, "correct": correct, "weight": weight}
-    V = logits.shape[-1]
-    confidence, low = _smoothing(V, float(label_smoothing))
-    entropy = -confidence * np.log(confidence) if confidence > 0 else 0.0
-    if low > 0:
-        entropy -= (V - 1) * low * np.log(low)
+    entropy = _entropy(logits.shape[-1], float(label_smoothing))
     ce, tok_nll, hit = token_statistics(logits.astype(jnp.float32), targets, float(label_smoothing))
     w = weights.astype(jnp.float32)
     return {
