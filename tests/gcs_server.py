@@ -194,6 +194,10 @@ def _upload_name(body: bytes) -> str:
 
 class Proxy(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # TCP_NODELAY: a reply is written as headers then body; with Nagle's algorithm the body
+    # waits for the client's delayed ACK of the headers (~40 ms a request on Linux), which
+    # made a checkpoint save on gs:// take 4 s instead of 1.
+    disable_nagle_algorithm = True
     upstream: int = 0
     faults: Faults
     lock = threading.Lock()  # the emulator serves one request at a time
