@@ -9,10 +9,12 @@
 #    trace of 3 steps, sorted into matmuls, attention, dropout bits, reductions, elementwise.
 # 2. benchmarks/gpu_step.py, one process: base bf16 as it is by default, with the loss as it was
 #    before 'onepass' became the GPU's default (model.loss_impl=dense), twice the per-GPU batch,
-#    each other lever on top of the default (packed and rbg dropout bits, the blocked loss), and
-#    XLA attention (the reference for 3).
+#    and XLA attention (the reference for 3). Packed and rbg dropout bits and the blocked loss,
+#    timed on two H100s without gain (BENCHMARKS.md), are left out for device time.
 # 3. base bf16 with XLA attention under --xla_gpu_deterministic_ops=true (train.deterministic).
-# 4. base bf16 under each XLA flag in FLAGS, one process each (a flag is read when JAX starts).
+# 4. base bf16 under each XLA flag in FLAGS, one process each (a flag is read when JAX starts);
+#    first the dot merger off: XLA merges the q/k/v projections into one product and copies
+#    each slice out for cuDNN, 144 copy kernels a step (BENCHMARKS.md, "XLA's dot merger").
 # A process needs ~70 s on an H100 before its first case is timed (start, ceilings, compile).
 #
 #   bash benchmarks/gpu_profile.sh OUT_DIR
@@ -38,9 +40,9 @@ step() {  # NAME CASES: one gpu_step.py process
   timeout "${2:-90}" python3 benchmarks/gpu_step.py --cases "$3" --steps "$steps" \
     --peak-size "${PEAK:-8192}" --peak-reps 3 --out "$out/$1.json" 2>&1 | quiet
 }
-step levers 240 "$B:bfloat16,$B:bfloat16/model.loss_impl=dense,$B:bfloat16/data.tokens_per_batch=$tokens,$B:bfloat16/model.dropout_bits=packed,$B:bfloat16/model.dropout_bits=rbg,$B:bfloat16/model.loss_impl=blocked,$B:bfloat16:xla"
+step levers 180 "$B:bfloat16,$B:bfloat16/model.loss_impl=dense,$B:bfloat16/data.tokens_per_batch=$tokens,$B:bfloat16:xla"
 XLA_FLAGS=--xla_gpu_deterministic_ops=true step deterministic 130 "$B:bfloat16:xla"
-for flag in ${FLAGS:---xla_gpu_enable_cudnn_layer_norm=true --xla_gpu_enable_triton_gemm=false --xla_gpu_enable_command_buffer=}; do
+for flag in ${FLAGS:---xla_gpu_dot_merger_threshold_mb=0 --xla_gpu_enable_cudnn_layer_norm=true --xla_gpu_enable_triton_gemm=false --xla_gpu_enable_command_buffer=}; do
   name=$(echo "$flag" | sed 's/^--xla_gpu_//; s/=.*//')
   XLA_FLAGS=$flag step "flag_$name" 130 "$B:bfloat16"
 done
