@@ -171,24 +171,7 @@ def import_state_dict(
 def config_dict(cfg: ModelConfig, hf_config: Mapping[str, Any]) -> dict[str, Any]:
     """config.json for `cfg`: `hf_config` (the imported one) with every key the
     architecture sets taken from `cfg`."""
-    out = dict(hf_config)
-    out["activation_function"] = layout.hf_activation(cfg, out.get("activation_function"))
-    out.update(
-        model_type=MODEL_TYPE,
-        vocab_size=cfg.vocab_size,
-        d_model=cfg.d_model,
-        encoder_layers=cfg.num_encoder_layers,
-        decoder_layers=cfg.num_decoder_layers,
-        encoder_attention_heads=cfg.num_heads,
-        decoder_attention_heads=cfg.num_heads,
-        encoder_ffn_dim=cfg.d_ff,
-        decoder_ffn_dim=cfg.d_ff,
-        scale_embedding=cfg.scale_embeddings,
-        tie_word_embeddings=cfg.tie_output,
-        dropout=cfg.dropout_rate,
-        attention_dropout=cfg.attention_dropout_rate,
-        activation_dropout=cfg.ffn_dropout_rate,
-    )
+    out = layout.hf_config_dict(cfg, hf_config, MODEL_TYPE)
     if cfg.position_offset != int(out["pad_token_id"]) + 1:
         raise weights_lib.ExportError(
             f"model.position_offset={cfg.position_offset}: M2M100 needs pad_token_id + 1 "

@@ -196,25 +196,10 @@ def import_state_dict(
 def config_dict(cfg: ModelConfig, hf_config: Mapping[str, Any]) -> dict[str, Any]:
     """config.json for `cfg`: `hf_config` (the imported one: ids, metadata, generation
     defaults) with every key the architecture sets taken from `cfg`."""
-    out = dict(hf_config)
-    out["activation_function"] = layout.hf_activation(cfg, out.get("activation_function"))
+    out = layout.hf_config_dict(cfg, hf_config, MODEL_TYPE)
     out.update(
-        model_type=MODEL_TYPE,
-        vocab_size=cfg.vocab_size,
         decoder_vocab_size=cfg.output_vocab_size,
-        d_model=cfg.d_model,
-        encoder_layers=cfg.num_encoder_layers,
-        decoder_layers=cfg.num_decoder_layers,
-        encoder_attention_heads=cfg.num_heads,
-        decoder_attention_heads=cfg.num_heads,
-        encoder_ffn_dim=cfg.d_ff,
-        decoder_ffn_dim=cfg.d_ff,
-        scale_embedding=cfg.scale_embeddings,
         share_encoder_decoder_embeddings=cfg.share_embeddings,
-        tie_word_embeddings=cfg.tie_output,
-        dropout=cfg.dropout_rate,
-        attention_dropout=cfg.attention_dropout_rate,
-        activation_dropout=cfg.ffn_dropout_rate,
     )
     out["decoder_start_token_id"] = int(vocab_permutation(out, target=True)[cfg.bos_id])
     return out

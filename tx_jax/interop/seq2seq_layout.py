@@ -154,6 +154,30 @@ def hf_activation(cfg: Any, current: str | None) -> str:
     return names[cfg.activation]
 
 
+def hf_config_dict(cfg: Any, hf_config: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+    """config.json keys the BART-family architectures (MarianMT, M2M100) share, from `cfg`,
+    over `hf_config` (the imported one: ids, metadata, generation defaults)."""
+    out = dict(hf_config)
+    out["activation_function"] = hf_activation(cfg, out.get("activation_function"))
+    out.update(
+        model_type=model_type,
+        vocab_size=cfg.vocab_size,
+        d_model=cfg.d_model,
+        encoder_layers=cfg.num_encoder_layers,
+        decoder_layers=cfg.num_decoder_layers,
+        encoder_attention_heads=cfg.num_heads,
+        decoder_attention_heads=cfg.num_heads,
+        encoder_ffn_dim=cfg.d_ff,
+        decoder_ffn_dim=cfg.d_ff,
+        scale_embedding=cfg.scale_embeddings,
+        tie_word_embeddings=cfg.tie_output,
+        dropout=cfg.dropout_rate,
+        attention_dropout=cfg.attention_dropout_rate,
+        activation_dropout=cfg.ffn_dropout_rate,
+    )
+    return out
+
+
 def check_exportable(cfg: Any, fixed: Mapping[str, Any], what: str) -> None:
     """ExportError naming each field whose value the family `what` cannot express."""
     width = cfg.d_model // cfg.num_heads
