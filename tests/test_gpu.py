@@ -71,12 +71,17 @@ def _attend(impl, q, k, v, q_seg, kv_seg, causal):
     )
 
 
+# 'cudnn_broadcast': does cuDNN take the mask as [B, 1, L, S] (benchmarks/cudnn_bias.py)?
+_IMPLS = ("cudnn_native", "cudnn", "cudnn_broadcast")
+
+
+@pytest.mark.parametrize("impl", _IMPLS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_cudnn_forward_matches_float64_reference(causal):
+def test_cudnn_forward_matches_float64_reference(causal, impl):
     q, k, v, q_seg, kv_seg = _problem(np.random.default_rng(1), causal)
     fn = jax.jit(functools.partial(_attend, causal=causal), static_argnums=0)
-    assert "__cudnn$fmha" in fn.lower("cudnn", q, k, v, q_seg, kv_seg).as_text()
-    out = np.asarray(fn("cudnn_native", q, k, v, q_seg, kv_seg), np.float64)
+    assert "__cudnn$fmha" in fn.lower(impl, q, k, v, q_seg, kv_seg).as_text()
+    out = np.asarray(fn(impl, q, k, v, q_seg, kv_seg), np.float64)
     xla = np.asarray(fn("xla", q, k, v, q_seg, kv_seg), np.float64)
     mask = masks.dense_mask(
         L, k.shape[1], is_causal=causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg
@@ -94,8 +99,9 @@ def test_cudnn_forward_matches_float64_reference(causal):
     np.testing.assert_array_equal(out[0, 100:], 0.0)  # fully masked rows are zeros
 
 
+@pytest.mark.parametrize("impl", _IMPLS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_cudnn_gradients_match_xla_in_float32(causal):
+def test_cudnn_gradients_match_xla_in_float32(causal, impl):
     q, k, v, q_seg, kv_seg = _problem(np.random.default_rng(2), causal)
     w = jnp.asarray(np.random.default_rng(3).normal(size=(B, L, H, D)), jnp.float32)
 
@@ -106,7 +112,7 @@ def test_cudnn_gradients_match_xla_in_float32(causal):
     grad = jax.jit(jax.grad(loss, argnums=(1, 2, 3)), static_argnums=0)
     with jax.default_matmul_precision("highest"):
         ref = grad("xla", *(x.astype(jnp.float32) for x in (q, k, v)))
-    got = grad("cudnn_native", q, k, v)
+    got = grad(impl, q, k, v)
     for name, g, r in zip("qkv", got, ref):
         g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
         assert np.isfinite(g).all(), name

@@ -281,6 +281,41 @@ def test_cudnn_native_masks_lower_without_bias(case):
         assert f"tensor<{B}x{M + 1}xi32>" in text
 
 
+@pytest.mark.parametrize("impl, heads", [("cudnn", 4), ("cudnn_broadcast", 1)])
+def test_cudnn_bias_has_the_heads_the_implementation_says(impl, heads):
+    """A packed causal mask [B, 1, L, L] reaches cuDNN as a [B, H, L, L] bias ('cudnn') or
+    as [B, 1, L, L] ('cudnn_broadcast': an eighth of the reads at 8 heads), and so does the
+    bias gradient cuDNN's backward writes; the guard for rows with no key keeps [B, L, 1, 1]."""
+    from tx_jax.model import attention as A
+
+    B, L, H, D = 2, 128, 4, 64  # L != D: the bias's type is no other operand's
+    q = jax.ShapeDtypeStruct((B, L, H, D), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((B, L), jnp.int32)
+
+    def loss(q, k, v, seg):
+        kw = {"q_segment_ids": seg, "kv_segment_ids": seg, "is_causal": True}
+        out = A.dot_product_attention(q, k, v, implementation=impl, **kw)
+        return out.astype(jnp.float32).sum()
+
+    try:
+        traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, q, seg)
+    except ValueError as e:
+        if not isinstance(e.__cause__, RuntimeError):
+            raise
+        pytest.skip(f"'cudnn' attention not lowerable without CUDA's jaxlib: {e.__cause__}")
+    with _skip_if_unlowerable("cuda"):
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    calls = _fmha_calls(text)
+    fwd = [c for c in calls if "@__cudnn$fmhaScaleBiasSoftmax(" in c]
+    bwd = [c for c in calls if "@__cudnn$fmhaScaleBiasSoftmaxBackward(" in c]
+    assert len(fwd) == len(bwd) == 1, [c[:120] for c in calls]
+    bias = f"tensor<{B}x{heads}x{L}x{L}xbf16>"
+    other = f"tensor<{B}x{H + 1 - heads}x{L}x{L}xbf16>"
+    assert bias in fwd[0] and other not in fwd[0], fwd[0][-400:]
+    result = bwd[0].rsplit("->", 1)[1]  # dq, dk, dv, the bias gradient, workspace
+    assert bias in result and other not in result, result
+
+
 def test_abstract_strategy_names_bad_config():
     with pytest.raises(ValueError, match="parallel.strategy='pmap'"):
         parallel.make_abstract_strategy({"strategy": "pmap"}, 8)

@@ -40,8 +40,11 @@ from tx_jax.ops import backend
 from tx_jax.ops.kernels import dropout
 
 Array = jax.Array
-Implementation = Literal["auto", "xla", "chunked", "cudnn", "cudnn_native", "splash"]
-IMPLEMENTATIONS = ("auto", "xla", "chunked", "cudnn", "cudnn_native", "splash")
+Implementation = Literal[
+    "auto", "xla", "chunked", "cudnn", "cudnn_broadcast", "cudnn_native", "splash"
+]
+IMPLEMENTATIONS = ("auto", "xla", "chunked", "cudnn", "cudnn_broadcast", "cudnn_native", "splash")
+_CUDNN = ("cudnn", "cudnn_broadcast", "cudnn_native")
 _NEG = -1e30  # finite "minus infinity": exp(_NEG - m) == 0 without inf - inf = NaN.
 _LANES = 128  # splash's block lengths are multiples of the TPU's 128 lanes
 # Pallas interpret mode for 'splash', so that tests run the TPU kernel on a CPU; tests set it
@@ -87,7 +90,10 @@ def dot_product_attention(
         (cuDNN's fused attention on a GPU, bf16/fp16, Dv == Dk; the masks as a dense bias),
         'cudnn_native' (the same with is_causal and segment ids in cuDNN's own form,
         cudnn_masks.py: no bias, but 1.7x slower on an H100 in the paper's packed base step,
-        BENCHMARKS.md; opt-in until a cuDNN makes it pay), 'splash' (the
+        BENCHMARKS.md; opt-in until a cuDNN makes it pay), 'cudnn_broadcast' (the dense
+        mask kept [B, 1, L, S] where it has no head axis, cuDNN broadcasting it over heads:
+        an eighth of the bias reads and bias-gradient writes, if cuDNN takes it; opt-in until
+        a GPU says so: benchmarks/cudnn_bias.py), 'splash' (the
         Pallas TPU kernel: is_causal and segment ids only; no mask, bias, dropout or weights), or
         'auto' (by backend.current(): 'splash' on a TPU where it applies).
       return_weights: also return the [B, H, L, S] weights ('xla' only).
@@ -143,8 +149,8 @@ def dot_product_attention(
         q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids,
     )
-    if impl in ("cudnn", "cudnn_native"):
-        return _attention_cudnn(query, key, value, full, bias)
+    if impl in _CUDNN:
+        return _attention_cudnn(query, key, value, full, bias, heads=impl != "cudnn_broadcast")
     out, weights = _attention_xla(query, key, value, full, bias, drop, precision)
     return (out, weights) if return_weights else out
 
@@ -232,7 +238,7 @@ def _choose(
     """The implementation for `impl`; `dense`: a mask or bias array is given."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={impl!r}; expected one of {IMPLEMENTATIONS}")
-    if impl in ("cudnn", "cudnn_native") and backend.deterministic_ops():
+    if impl in _CUDNN and backend.deterministic_ops():
         raise ValueError(
             f"implementation={impl!r}: cuDNN's fused attention fails under XLA_FLAGS="
             f"{backend.DETERMINISTIC_FLAG} (train.deterministic); use 'auto' or 'xla'"
@@ -408,10 +414,11 @@ def _attention_chunked_scan(query, key, value, mask, bias, is_causal, q_seg, kv_
     return out.reshape(B, L, H, Dv).astype(value.dtype)
 
 
-def _attention_cudnn(query, key, value, mask, bias, structure=None):
-    """cuDNN's fused attention with a dense mask/bias, or, given `structure` (is_causal,
-    q_segment_ids, kv_segment_ids), with those in cuDNN's native form; None where the native
-    form does not apply (the caller falls back to the dense mask)."""
+def _attention_cudnn(query, key, value, mask, bias, structure=None, heads=True):
+    """cuDNN's fused attention with a dense mask/bias (broadcast to every head, or with
+    `heads` False left [B, 1, L, S] where it has no head axis), or, given `structure`
+    (is_causal, q_segment_ids, kv_segment_ids), with those in cuDNN's native form; None where
+    the native form does not apply (the caller falls back to the dense mask)."""
     # No check of jax.default_backend(): a CPU host with CUDA's jaxlib plugin can lower this
     # for 'cuda' (jax.export, tests/test_lowering.py). Without the plugin jax raises here.
     if value.shape[-1] != key.shape[-1]:
@@ -421,7 +428,10 @@ def _attention_cudnn(query, key, value, mask, bias, structure=None):
             "'chunked' for d_v != d_k"
         )
     B, L, H, _ = query.shape
-    full = None if mask is None else jnp.broadcast_to(mask, (B, H, L, key.shape[1]))
+    if mask is not None:
+        mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+        mask = jnp.broadcast_to(mask, (B, H if heads else mask.shape[1], L, key.shape[1]))
+    full = mask
     try:
         if structure is not None:
             return cudnn_masks.attention(query, key, value, *structure)
