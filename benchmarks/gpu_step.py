@@ -272,15 +272,21 @@ def main(argv=None) -> None:
         ),
         flush=True,
     )
-    rows = []
+    rows, failed = [], []
+    payload = {"device_kind": device.device_kind, "chip": chip_name, "ceilings": ceil}
     for case in args.cases.split(","):
-        row = derive(measure_case(case, args.steps, device, chip_name, chip), ceil, chip)
-        rows.append(row)
-        ms, rate = row["step_seconds"] * 1e3, row["tokens_per_second"]
-        print(f"  {case}: {ms:.2f} ms/step, {rate:,.0f} tok/s, losses {row['losses']}", flush=True)
+        try:
+            row = derive(measure_case(case, args.steps, device, chip_name, chip), ceil, chip)
+        except Exception as e:  # noqa: BLE001  (a case the device refuses: the rest still run)
+            failed.append({"case": case, "error": f"{type(e).__name__}: {str(e)[:2000]}"})
+            print(f"  {case}: FAILED {failed[-1]['error'][:300]}", flush=True)
+        else:
+            rows.append(row)
+            ms, rate = row["step_seconds"] * 1e3, row["tokens_per_second"]
+            losses = row["losses"]
+            print(f"  {case}: {ms:.2f} ms/step, {rate:,.0f} tok/s, losses {losses}", flush=True)
         # after every case: a call cut off by its time limit keeps the cases it finished
-        payload = {"device_kind": device.device_kind, "chip": chip_name, "ceilings": ceil}
-        path = _common.write_json(args.name, payload | {"rows": rows}, args.out)
+        path = _common.write_json(args.name, payload | {"rows": rows, "failed": failed}, args.out)
     print(table(rows))
     print(f"wrote {path}")
 

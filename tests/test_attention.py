@@ -424,9 +424,12 @@ def test_bad_arguments_are_named(rng):
         A.dot_product_attention(q, k, v[:, :5])
     with pytest.raises(ValueError, match="return_weights"):
         A.dot_product_attention(q, k, v, implementation="chunked", return_weights=True)
+    with pytest.raises(ValueError, match="needs bfloat16 or float16 inputs; got float32"):
+        A.dot_product_attention(q, k, v, implementation="cudnn")
     if jax.default_backend() != "gpu":
         with pytest.raises(ValueError, match="GPU"):
-            A.dot_product_attention(q, k, v, implementation="cudnn")
+            bf16 = (x.astype(jnp.bfloat16) for x in (q, k, v))
+            A.dot_product_attention(*bf16, implementation="cudnn")
 
 
 def _mha_params(module, x, kv=None):

@@ -198,3 +198,21 @@ def test_cudnn_bias_probe_compares_both_mask_forms(tmp_path):
     for case in record["cases"]:
         assert case["max_abs_diff"] == 0.0
         assert set(case["seconds"]) == {"B,H,L,S", "B,1,L,S"}
+
+
+def test_gpu_step_records_a_refused_case_and_runs_the_rest(tmp_path):
+    """A case the device cannot run (here cuDNN attention on a CPU) is recorded with its
+    error; the cases after it are still timed (device time is too scarce to lose them)."""
+    import gpu_step
+
+    out = tmp_path / "g.json"
+    cases = "debug:float32/model.attention_impl=cudnn,debug:float32"
+    gpu_step.main(["--cases", cases, "--steps", "1", "--peak-size", "64", "--peak-reps", "1",
+                   "--out", str(out)])  # fmt: skip
+    saved = json.loads(out.read_text())
+    assert [r["case"] for r in saved["rows"]] == ["debug:float32"]
+    assert saved["rows"][0]["step_seconds"] > 0
+    (failed,) = saved["failed"]
+    assert failed["case"] == "debug:float32/model.attention_impl=cudnn"
+    assert failed["error"].startswith("ValueError: implementation='cudnn'")
+    assert "needs bfloat16 or float16 inputs; got float32" in failed["error"]

@@ -427,6 +427,11 @@ def _attention_cudnn(query, key, value, mask, bias, structure=None, heads=True):
             f"equal to the key's; got key {key.shape}, value {value.shape}: use 'xla' or "
             "'chunked' for d_v != d_k"
         )
+    if query.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(
+            f"implementation='cudnn' (cuDNN's fused attention) needs bfloat16 or float16 "
+            f"inputs; got {query.dtype}: set model.dtype=bfloat16, or use 'auto' or 'xla'"
+        )
     B, L, H, _ = query.shape
     if mask is not None:
         mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
