@@ -62,8 +62,11 @@ def run_python(code: str, *, devices: int = 8, timeout: int = 600, env=None) -> 
     full_env["XLA_FLAGS"] = forced_devices(devices)
     full_env["JAX_PLATFORMS"] = "cpu"
     full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
+    # A hang prints every thread's stack and exits before the timeout: the failure says where.
+    limit = max(timeout - 30, 1)
+    dump = f"import faulthandler\nfaulthandler.dump_traceback_later({limit}, exit=True)\n"
     proc = subprocess.run(
-        [sys.executable, "-c", code],
+        [sys.executable, "-c", dump + code],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -71,5 +74,5 @@ def run_python(code: str, *, devices: int = 8, timeout: int = 600, env=None) -> 
         cwd=ROOT,
     )
     if proc.returncode != 0:
-        raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stderr[-12000:]}")
     return proc.stdout

@@ -198,7 +198,7 @@ class Strategy:
                 ocp_utils.fully_replicated_host_local_array_to_global_array, state
             )
         if self.kind == "pmap":
-            return jax.tree_util.tree_map(lambda x: x[0], state)
+            return jax.tree_util.tree_map(_first_replica, state)
         return state
 
     # ----------------------------------------------------------------- batches
@@ -336,6 +336,15 @@ class Strategy:
         if self.kind == "pmap":
             metrics = jax.tree_util.tree_map(lambda x: x[0], metrics)
         return {k: float(v) for k, v in metrics.items()}
+
+
+def _first_replica(x: jax.Array) -> jax.Array:
+    """Device 0's copy of a pmap-replicated array, without a program over every device:
+    `x[0]` compiles a gather with an all-reduce across the 8 devices, and one such program
+    per leaf, dispatched together, deadlocked XLA:CPU's collectives now and then (8 forced
+    devices on 2 cores: participants of different programs waiting for each other)."""
+    local = x.addressable_shards[0].data  # [1, ...] on device 0
+    return local.reshape(local.shape[1:])
 
 
 class _Null:
