@@ -43,6 +43,18 @@ def _skip_if_unlowerable(platform: str):
         pytest.skip(f"not lowerable for {platform!r} with this jaxlib: {e}")
 
 
+@contextlib.contextmanager
+def _skip_without_cudnn():
+    """Skip where tracing 'cudnn' attention fails because this jaxlib has no CUDA
+    (attention.py's ValueError raised from jax's RuntimeError)."""
+    try:
+        yield
+    except ValueError as e:
+        if not isinstance(e.__cause__, RuntimeError):
+            raise
+        pytest.skip(f"'cudnn' attention not lowerable without CUDA's jaxlib: {e.__cause__}")
+
+
 def _setup(**model_overrides):
     """The debug config's model (dropout on: its random bits are lowered too) and optimizer,
     and the state's init function, as experiment/setup.py builds them."""
@@ -179,14 +191,9 @@ def test_cudnn_attention_lowers_for_cuda():
     step_fn = functools.partial(
         train_step, model=model, tx=tx, schedule=schedule, label_smoothing=0.1
     )
-    try:  # init traces the model too, so the state's shapes come under the same check
+    with _skip_without_cudnn():  # init traces the model too: its shapes come under the check
         state = nn.meta.unbox(jax.eval_shape(init_fn))
         traced = jax.jit(step_fn).trace(state, _batch())
-    except ValueError as e:
-        if not isinstance(e.__cause__, RuntimeError):
-            raise
-        # attention.py's error for jax's RuntimeError: a jaxlib without CUDA has no cuDNN.
-        pytest.skip(f"'cudnn' attention not lowerable without CUDA's jaxlib: {e.__cause__}")
     with _skip_if_unlowerable("cuda"):
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert "__cudnn$fmha" in text
@@ -251,13 +258,8 @@ def test_cudnn_native_masks_lower_without_bias(case):
         return out.astype(jnp.float32).sum()
 
     step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-    try:
-        with jax.set_mesh(_h100_mesh()):
-            traced = step.trace(q, kv, kv, seg_q, seg_kv)
-    except ValueError as e:
-        if not isinstance(e.__cause__, RuntimeError):
-            raise
-        pytest.skip(f"'cudnn' attention not lowerable without CUDA's jaxlib: {e.__cause__}")
+    with _skip_without_cudnn(), jax.set_mesh(_h100_mesh()):
+        traced = step.trace(q, kv, kv, seg_q, seg_kv)
     with _skip_if_unlowerable("cuda"):
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
     calls = [c.replace("\\22", '"') for c in _fmha_calls(text)]  # backend config's quotes
@@ -297,12 +299,8 @@ def test_cudnn_bias_has_the_heads_the_implementation_says(impl, heads):
         out = A.dot_product_attention(q, k, v, implementation=impl, **kw)
         return out.astype(jnp.float32).sum()
 
-    try:
+    with _skip_without_cudnn():
         traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, q, seg)
-    except ValueError as e:
-        if not isinstance(e.__cause__, RuntimeError):
-            raise
-        pytest.skip(f"'cudnn' attention not lowerable without CUDA's jaxlib: {e.__cause__}")
     with _skip_if_unlowerable("cuda"):
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
     calls = _fmha_calls(text)
