@@ -46,7 +46,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.attention_impl = "auto"  # auto | xla | chunked | cudnn | splash (Pallas, TPU)
     c.model.kernels = "auto"  # auto (XLA:CPU-tuned kernels on CPU only) | cpu | generic
     c.model.remat = "none"  # none | full (recompute each layer) | dots (keep matmul outputs)
-    c.model.dropout_bits = "auto"  # auto | bernoulli | packed | rbg: dropout's random bits
+    c.model.dropout_bits = "auto"  # auto | bernoulli | packed | rbg | hash: dropout's random bits
     c.model.loss_impl = "auto"  # auto | dense | onepass (logits read once) | blocked (per block)
     c.model.loss_block = 64  # 'blocked': target positions per block
 

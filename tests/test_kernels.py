@@ -2,8 +2,10 @@
 model, 'auto' picks by backend, and the generic dropout is a proper dropout on any layout."""
 
 import collections
+import contextlib
 import dataclasses
 import functools
+import io
 import json
 
 import flax.linen as nn
@@ -151,13 +153,15 @@ def test_kernels_is_one_of_restores_harmless_model_keys():
 @pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
 def test_generic_dropout_keeps_the_rate_and_scale(impl):
     rate, shape = 0.1, (64, 1000)
-    out = K.dropout(jnp.ones(shape), rate, jax.random.key(3, impl=impl), "generic")
+    out = K.dropout(jnp.ones(shape), rate, jax.random.key(3, impl=impl), "generic", "bernoulli")
     values = np.unique(np.asarray(out))
     np.testing.assert_allclose(values, [0.0, 1 / (1 - rate)], rtol=1e-6)
     n = out.size
     dropped = float((out == 0).mean())
     assert abs(dropped - rate) < 4 * np.sqrt(rate * (1 - rate) / n), dropped
-    assert K.effective_rate(rate, "generic") == rate  # not rounded to 2^-16 like the CPU masks
+    assert (
+        K.effective_rate(rate, "generic", "bernoulli") == rate
+    )  # not rounded to 2^-16 like the CPU masks
 
 
 def test_generic_dropout_differs_between_steps_of_the_train_step():
@@ -177,8 +181,9 @@ def test_generic_dropout_differs_between_steps_of_the_train_step():
 def test_generic_masks_across_pmap_devices_and_a_sharded_jit():
     """8 forced devices: under pmap (the key folded with axis_index, as train_step does) the
     8 masks differ pairwise and each keeps the rate; under a jit over a mesh, the mask of an
-    array sharded 8 ways equals the unsharded mask and, with jax_threefry_partitionable, is
-    drawn shard by shard without collectives; and the pmap train step with the same batch on
+    array sharded 8 ways equals the unsharded mask and is drawn shard by shard without
+    collectives (jax.random.bernoulli with jax_threefry_partitionable, and the hashed bits);
+    and the pmap train step with the same batch on
     every device sees 8 different masks."""
     out = run_python(_EIGHT_DEVICES)
     result = json.loads(out.strip().splitlines()[-1])
@@ -187,6 +192,7 @@ def test_generic_masks_across_pmap_devices_and_a_sharded_jit():
     assert all(abs(r - 0.25) < 4 * np.sqrt(0.25 * 0.75 / (16 * 512)) for r in result["rates"])
     assert result["sharded_equals_unsharded"]
     assert result["collectives"] == []  # each device draws only its shard of the mask
+    assert result["hash_sharded_equals_unsharded"] and result["hash_collectives"] == []
     # Same batch everywhere: different masks per device make the mean loss differ from one
     # device's; without dropout they agree.
     assert abs(result["pmap_loss"] - result["single_loss"]) > 1e-4, result
@@ -210,7 +216,7 @@ x = jnp.ones((n, 16, 512))
 @functools.partial(jax.pmap, axis_name="batch")
 def masks(x):
     rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(0), 7), jax.lax.axis_index("batch"))
-    return K.dropout(x, 0.25, rng, "generic") != 0
+    return K.dropout(x, 0.25, rng, "generic", "bernoulli") != 0
 
 m = np.asarray(masks(x))
 pairs = sum(int((m[i] == m[j]).all()) for i in range(n) for j in range(i + 1, n))
@@ -218,13 +224,21 @@ rates = [float(1 - m[i].mean()) for i in range(n)]
 
 mesh = Mesh(np.array(jax.devices()), ("data",))
 y = jnp.ones((n * 16, 512))
-f = jax.jit(lambda y: K.dropout(y, 0.25, jax.random.key(1), "generic"))
+f = jax.jit(lambda y: K.dropout(y, 0.25, jax.random.key(1), "generic", "bernoulli"))
 sharded = f(jax.device_put(y, NamedSharding(mesh, P("data"))))
 unsharded = f(jax.device_put(y, jax.devices()[0]))
 assert len(sharded.sharding.device_set) == n
 hlo = f.lower(jax.device_put(y, NamedSharding(mesh, P("data")))).compile().as_text()
 collectives = [op for op in ("all-gather", "all-reduce", "collective-permute", "all-to-all")
                if op in hlo]
+# the hashed masks: element i's bits come from (key, i) through iotas, sharded like y
+h = jax.jit(lambda y: K.dropout(y, 0.25, jax.random.key(1), "generic", "hash"))
+hash_sharded = h(jax.device_put(y, NamedSharding(mesh, P("data"))))
+hash_hlo = h.lower(jax.device_put(y, NamedSharding(mesh, P("data")))).compile().as_text()
+hash_collectives = [op for op in ("all-gather", "all-reduce", "collective-permute", "all-to-all")
+                    if op in hash_hlo]
+hash_unsharded = h(jax.device_put(y, jax.devices()[0]))
+hash_equal = bool((np.asarray(hash_sharded) == np.asarray(hash_unsharded)).all())
 
 def losses(rate):
     cfg = T._tiny(kernels="generic", dropout_rate=rate, ffn_dropout_rate=rate)
@@ -241,7 +255,8 @@ pmap_loss, single_loss = losses(0.3)
 pmap_nodrop, single_nodrop = losses(0.0)
 print(json.dumps({
     "devices": n, "pairs_equal": pairs, "rates": rates,
-    "collectives": collectives,
+    "collectives": collectives, "hash_collectives": hash_collectives,
+    "hash_sharded_equals_unsharded": hash_equal,
     "sharded_equals_unsharded": bool((np.asarray(sharded) == np.asarray(unsharded)).all()),
     "pmap_loss": pmap_loss, "single_loss": single_loss,
     "pmap_loss_nodrop": pmap_nodrop, "single_loss_nodrop": single_nodrop,
@@ -299,13 +314,14 @@ def test_cpu_bfloat16_matmuls_accumulate_in_float32_and_round_once():
     np.testing.assert_allclose(db, f32(y).reshape(64, 48).sum(0), rtol=1e-6)
 
 
-@pytest.mark.parametrize("bits", ["bernoulli", "packed", "rbg"])
+@pytest.mark.parametrize("bits", ["bernoulli", "packed", "rbg", "hash"])
 def test_every_dropout_generator_keeps_the_rate_and_scale_and_is_a_function_of_the_key(bits):
     rate, shape = 0.1, (64, 1000)
     x = jnp.ones(shape)
     out = K.dropout(x, rate, jax.random.key(3), "generic", bits)
     used = K.effective_rate(rate, "generic", bits)
-    assert used == (rate if bits == "bernoulli" else 6554 / 65536)
+    expected = {"bernoulli": rate, "hash": 429496730 / 2**32}.get(bits, 6554 / 65536)
+    assert used == expected
     np.testing.assert_allclose(np.unique(np.asarray(out)), [0.0, 1 / (1 - used)], rtol=1e-6)
     dropped = float((out == 0).mean())
     assert abs(dropped - used) < 4 * np.sqrt(used * (1 - used) / out.size), dropped
@@ -316,14 +332,11 @@ def test_every_dropout_generator_keeps_the_rate_and_scale_and_is_a_function_of_t
 
 
 def test_dropout_bits_choose_the_generator():
-    """'auto' follows the kernels ('packed' with the CPU kernels, jax.random.bernoulli with
+    """'auto' follows the kernels ('packed' with the CPU kernels, the hashed bits with
     the generic ones); 'packed' are the CPU kernels' masks whatever the kernels; 'rbg' draws
     with XLA's RngBitGenerator; a bad value names the config key."""
     key, shape = jax.random.key(5), (8, 37)
-    assert (
-        K.resolve_bits("auto", "cpu") == "packed"
-        and K.resolve_bits("auto", "generic") == "bernoulli"
-    )
+    assert K.resolve_bits("auto", "cpu") == "packed" and K.resolve_bits("auto", "generic") == "hash"
     packed = K.keep_mask(key, 0.2, shape, "generic", "packed")
     from tx_jax.ops import dropout as D
 
@@ -339,7 +352,38 @@ def test_dropout_bits_choose_the_generator():
         K.keep_mask(key, 0.2, shape, "generic", "fast")
 
 
-@pytest.mark.parametrize("bits", ["packed", "rbg"])
+def test_hashed_dropout_keeps_no_mask_for_the_backward_pass_and_its_draws_are_independent():
+    """'hash': the gradient is the forward's mask times the scale, hashed again from the key
+    (the residuals hold no mask or bits of x's shape, where jax.random.bernoulli's keep a
+    bool mask); neighbouring elements, rows and keys are uncorrelated."""
+    from jax.ad_checkpoint import print_saved_residuals
+
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(64, 1000)), jnp.float32)
+    key = jax.random.key(3)
+    out, vjp = jax.vjp(lambda x: K.dropout(x, 0.1, key, "generic", "hash"), x)
+    dy = jnp.asarray(np.random.default_rng(1).normal(size=x.shape), jnp.float32)
+    scale = 1 / (1 - K.effective_rate(0.1, "generic", "hash"))
+    keep = np.asarray(out) != 0
+    np.testing.assert_allclose(np.asarray(vjp(dy)[0]), np.where(keep, dy * scale, 0), rtol=1e-6)
+    np.testing.assert_array_equal(
+        keep, np.asarray(K.keep_mask(key, 0.1, x.shape, "generic", "hash"))
+    )
+
+    def residuals(bits):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            print_saved_residuals(lambda x: K.dropout(x, 0.1, key, "generic", bits).sum(), x)
+        return [line for line in buf.getvalue().splitlines() if "64,1000" in line]
+
+    assert residuals("hash") == []
+    assert any("bool[64,1000]" in line for line in residuals("bernoulli"))
+    drop = (~keep).astype(float)
+    other = (np.asarray(K.dropout(x, 0.1, jax.random.key(4), "generic", "hash")) == 0).astype(float)
+    for a, b in ((drop[:, :-1], drop[:, 1:]), (drop[:-1], drop[1:]), (drop, other)):
+        assert abs(np.corrcoef(a.ravel(), b.ravel())[0, 1]) < 0.02
+
+
+@pytest.mark.parametrize("bits", ["packed", "rbg", "hash"])
 def test_train_step_with_each_dropout_generator_is_repeatable_and_differs_between_steps(bits):
     cfg = _tiny(kernels="generic", dropout_rate=0.3, ffn_dropout_rate=0.3, dropout_bits=bits)
     state, step = _state_and_step(DecoderOnly, cfg)

@@ -67,7 +67,7 @@ class ModelConfig:
     # auto | xla | chunked | cudnn | cudnn_broadcast | cudnn_native | splash (model/attention.py)
     attention_impl: str = "auto"
     kernels: str = "auto"  # auto | cpu | generic: projections and dropout (tx_jax/ops/kernels.py)
-    # auto | bernoulli | packed | rbg: how dropout's random bits are drawn (ops/kernels.py)
+    # auto | bernoulli | packed | rbg | hash: how dropout's random bits are drawn (ops/kernels.py)
     dropout_bits: str = "auto"
     # auto | dense | blocked: the training loss over full [B, L, V] logits, or over blocks of
     # positions with the logits recomputed in the backward pass (ops/output_loss.py)

@@ -18,30 +18,41 @@ Dropout's random bits (`ModelConfig.dropout_bits`), separately from the projecti
     'packed'     dropout.py's unrolled Threefry, four 16-bit draws per block (the CPU masks).
     'rbg'        XLA's RngBitGenerator (Philox on GPU) keyed by 128 bits hashed from the key,
                  16 bits per element: the fewest operations on an accelerator.
-    'auto'       'packed' where the kernels resolve to 'cpu', else 'bernoulli'.
+    'hash'       32 bits per element hashed from (64 bits of the key, the element's index) by
+                 elementwise integer ops, with a custom VJP that hashes them again in the
+                 backward pass: the bits and the mask are never stored, XLA computes them inside
+                 the fusions that read and write the activation (issue 38's 'bits hashed inside
+                 the consuming fusion').
+    'auto'       'packed' where the kernels resolve to 'cpu', else 'hash' (in the compiled
+                 plans of GPU and TPU steps it moves the least memory: BENCHMARKS.md,
+                 "Dropout's bits hashed where they are used").
 Every choice is a function of the key alone, so resume stays exact; 'packed' and 'rbg' round
-the rate to a multiple of 2^-16.
+the rate to a multiple of 2^-16, 'hash' to a multiple of 2^-32.
 
-Sharded dropout (jax.random's module docstring has the table). The masks are drawn with the
-implementation of the key the model is given (the train state's, made under
-`jax_default_prng_impl`). With Threefry (the default) their values do not depend on the
-sharding, so a run's masks, and its losses, do not change with its mesh. Keep
+Sharded dropout. 'hash' masks take two words from the key and element i's bits from (words,
+i) through iotas: under a sharded jit each device hashes its own shard, with no collective, and
+the values do not depend on the mesh (tests/test_kernels.py, 8 CPU devices). 'bernoulli' masks
+(jax.random's module docstring has the table) are drawn with the implementation of the key the
+model is given (the train state's, made under `jax_default_prng_impl`). With Threefry (the
+default) their values do not depend on the sharding either, given
 `jax_threefry_partitionable=True` (jax's default from 0.5; this module does not set it, and
-jax 0.4.x users should): element i of a mask then depends only on (key, i), so under a
-sharded jit each device draws only its own shard; without it XLA gathers and communicates
-to draw the same values (both checked in tests/test_kernels.py on 8 CPU devices).
-The 'rbg' / 'unsafe_rbg' implementations (XLA's RngBitGenerator) are the fastest on TPU but
-shard efficiently only with XLA_FLAGS=--xla_tpu_spmd_rng_bit_generator_unsafe=1, and then the
-masks do change with the sharding.
+jax 0.4.x users should): element i then depends only on (key, i); without it XLA gathers and
+communicates to draw the same values. The 'rbg' / 'unsafe_rbg' implementations (XLA's
+RngBitGenerator) shard efficiently only with XLA_FLAGS=--xla_tpu_spmd_rng_bit_generator_unsafe=1,
+and then the masks do change with the sharding.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 from tx_jax.ops import backend
 from tx_jax.ops import dropout as cpu_dropout
@@ -49,7 +60,7 @@ from tx_jax.ops import matmul as cpu_matmul
 
 Array = jax.Array
 KERNELS = ("auto", "cpu", "generic")
-DROPOUT_BITS = ("auto", "bernoulli", "packed", "rbg")
+DROPOUT_BITS = ("auto", "bernoulli", "packed", "rbg", "hash")
 
 
 def resolve(kernels: str) -> str:
@@ -83,19 +94,77 @@ def tied_logits(x: Array, table: Array, kernels: str = "auto") -> Array:
 
 
 def resolve_bits(bits: str, kernels: str = "auto") -> str:
-    """'auto' | 'bernoulli' | 'packed' | 'rbg' -> the generator dropout masks are drawn with."""
+    """One of DROPOUT_BITS -> the generator dropout masks are drawn with ('auto' resolved)."""
     if bits not in DROPOUT_BITS:
         raise ValueError(f"model.dropout_bits={bits!r}; expected one of {DROPOUT_BITS}")
     if bits == "auto":
-        return "packed" if resolve(kernels) == "cpu" else "bernoulli"
+        return "packed" if resolve(kernels) == "cpu" else "hash"
     return bits
 
 
 def effective_rate(rate: float, kernels: str = "auto", bits: str = "auto") -> float:
     """The dropout probability `keep_mask` actually uses (16-bit draws round to 2^-16)."""
-    if resolve_bits(bits, kernels) == "bernoulli":
+    chosen = resolve_bits(bits, kernels)
+    if chosen == "bernoulli":
         return float(rate)
+    if chosen == "hash":
+        return _hash_threshold(rate) / 2**32
     return cpu_dropout.effective_rate(rate)
+
+
+# lowbias32 (C. Wellons, "Hash function prospector", 2018): a 32-bit integer mixer whose
+# output bits each flip with probability ~1/2 when any input bit does.
+_MIX = (np.uint32(0x7FEB352D), np.uint32(0x846CA68B))
+
+
+def _mix32(h: Array) -> Array:
+    h = h ^ (h >> 16)
+    h = h * _MIX[0]
+    h = h ^ (h >> 15)
+    h = h * _MIX[1]
+    return h ^ (h >> 16)
+
+
+def _hash_threshold(rate: float) -> int:
+    return min(round(rate * 2**32), 2**32 - 1)
+
+
+def _hash_words(rng: Array) -> Array:
+    """uint32[2] from the key (the only thing the masks depend on besides the shape)."""
+    return jax.random.bits(rng, (2,), jnp.uint32)
+
+
+def _hash_keep(words: Array, threshold: int, shape: tuple[int, ...]) -> Array:
+    size = math.prod(shape)
+    if size >= 2**32:
+        raise ValueError(f"dropout_bits='hash' numbers elements in 32 bits; {shape} has {size}")
+    # the row-major index from per-axis iotas: elementwise, so it fuses and shards like x
+    index = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for axis in reversed(range(len(shape))):
+        index = index + lax.broadcasted_iota(jnp.uint32, shape, axis) * np.uint32(stride)
+        stride *= shape[axis]
+    bits = _mix32(_mix32(index ^ words[0]) + words[1])
+    return bits >= np.uint32(threshold)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _hash_dropout(x: Array, words: Array, threshold: int, scale: float) -> Array:
+    keep = _hash_keep(words, threshold, x.shape)
+    return jnp.where(keep, x * jnp.asarray(scale, x.dtype), jnp.zeros((), x.dtype))
+
+
+def _hash_dropout_fwd(x, words, threshold, scale):
+    return _hash_dropout(x, words, threshold, scale), words  # the key alone is kept
+
+
+def _hash_dropout_bwd(threshold, scale, words, dy):
+    keep = _hash_keep(words, threshold, dy.shape)
+    dx = jnp.where(keep, dy * jnp.asarray(scale, dy.dtype), jnp.zeros((), dy.dtype))
+    return dx, np.zeros(words.shape, jax.dtypes.float0)
+
+
+_hash_dropout.defvjp(_hash_dropout_fwd, _hash_dropout_bwd)
 
 
 def _rbg_keep_mask(rng: Array, rate: float, shape: tuple[int, ...]) -> Array:
@@ -116,6 +185,8 @@ def keep_mask(
         return cpu_dropout.keep_mask(rng, rate, shape)
     if chosen == "rbg":
         return _rbg_keep_mask(rng, rate, shape)
+    if chosen == "hash":
+        return _hash_keep(_hash_words(rng), _hash_threshold(rate), shape)
     return jax.random.bernoulli(rng, 1.0 - rate, shape)
 
 
@@ -126,6 +197,8 @@ def dropout(x: Array, rate: float, rng: Array, kernels: str = "auto", bits: str 
     rate_used = effective_rate(rate, kernels, bits)
     if rate_used == 0.0:
         return x
+    if resolve_bits(bits, kernels) == "hash":
+        return _hash_dropout(x, _hash_words(rng), _hash_threshold(rate), 1.0 / (1.0 - rate_used))
     scale = jnp.asarray(1.0 / (1.0 - rate_used), x.dtype)
     keep = keep_mask(rng, rate, x.shape, kernels, bits)
     return jnp.where(keep, x * scale, jnp.zeros((), x.dtype))
