@@ -242,3 +242,63 @@ def test_bfloat16_params_train_and_stay_bfloat16():
     floats = {x.dtype for x in jax.tree_util.tree_leaves(state.opt_state) if x.ndim}
     assert floats == {jnp.dtype("bfloat16")}  # the moments keep optax's (the params') dtype
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_a_non_finite_step_leaves_the_state_as_it_was_on_each_backend(platform):
+    """The skipped update is a conditional on XLA:CPU and a select per leaf on GPU and TPU
+    (traced here for a GPU through ops.backend.target): a finite step gives the CPU's update,
+    and a NaN loss leaves the params and Adam moments bit for bit and counts the skip."""
+    import functools
+
+    import flax.linen as nn
+
+    from tx_jax.model.config import variant
+    from tx_jax.model.transformer import EncoderDecoder
+    from tx_jax.ops import backend
+    from tx_jax.training.state import TrainState
+    from tx_jax.training.step import train_step
+
+    cfg = variant("tiny", vocab_size=16, num_encoder_layers=1, num_decoder_layers=1)
+    model = EncoderDecoder(cfg.replace(kernels="generic"))
+    ones = jnp.ones((1, 8), jnp.int32)
+    params = nn.meta.unbox(model.init(jax.random.key(0), ones, ones)["params"])
+    tx, schedule = optim.make_optimizer(_train_cfg(schedule="constant", peak_lr=1e-2), cfg.d_model)
+    zero = jnp.zeros((), jnp.int32)
+    tokens = np.random.default_rng(0).integers(3, 16, size=(2, 4, 9))
+    batch = {"inputs": jnp.asarray(tokens[0]), "targets": jnp.asarray(tokens[1])}
+    fn = functools.partial(train_step, model=model, tx=tx, schedule=schedule, label_smoothing=0.1)
+    state = TrainState(zero, params, tx.init(params), jax.random.PRNGKey(5), zero, zero)
+    state, _ = jax.jit(fn)(state, batch)  # one good step: the moments are not zero
+    leaves = jax.tree_util.tree_leaves
+
+    def step(state, platform):
+        fresh = functools.partial(fn)  # jax caches traces by function, not by backend.target
+        with backend.target(platform):
+            program = str(jax.make_jaxpr(fresh)(state, batch))
+            return jax.jit(fresh)(state, batch)[0], program
+
+    after, program = step(state, platform)
+    reference, cpu_program = step(state, "cpu")
+    assert program.count("cond[") == cpu_program.count("cond[") - (platform != "cpu")
+    assert (int(after.nonfinite_total), int(after.step)) == (0, 2)
+    for a, b in zip(
+        leaves((after.params, after.opt_state)), leaves((reference.params, reference.opt_state))
+    ):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    assert not all(np.array_equal(a, b) for a, b in zip(leaves(after.params), leaves(state.params)))
+
+    # NaN layer-norm scales and biases poison the loss and every gradient
+    poisoned = state.replace(
+        params=jax.tree_util.tree_map(lambda x: x * jnp.nan if x.ndim == 1 else x, state.params)
+    )
+    skipped, _ = step(poisoned, platform)
+    assert (int(skipped.nonfinite_total), int(skipped.nonfinite_run), int(skipped.step)) == (
+        1,
+        1,
+        2,
+    )
+    for a, b in zip(
+        leaves((skipped.params, skipped.opt_state)), leaves((poisoned.params, poisoned.opt_state))
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

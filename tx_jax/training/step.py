@@ -23,7 +23,7 @@ from jax import lax
 
 from tx_jax.model import DecoderOnly
 from tx_jax.model.transformer import output_projection
-from tx_jax.ops import output_loss
+from tx_jax.ops import backend, output_loss
 from tx_jax.training import losses
 from tx_jax.training.state import TrainState
 
@@ -134,8 +134,9 @@ def train_step(
     def update():
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         # Optax computes in the gradients' float32 (the division by the float32 token count
-        # promotes bfloat16 ones); every state entry keeps its stored dtype, or the two
-        # branches of the cond below differ for param_dtype=bfloat16. No-ops for float32.
+        # promotes bfloat16 ones); every state entry keeps its stored dtype, or the cond's
+        # two branches (the select's two sides) differ for param_dtype=bfloat16. No-ops for
+        # float32.
         opt_state = jax.tree_util.tree_map(
             lambda new, old: new.astype(old.dtype), opt_state, state.opt_state
         )
@@ -146,10 +147,7 @@ def train_step(
         )
         return params, opt_state
 
-    # A conditional, not a select per leaf: jnp.where(finite, new, old) over the params and
-    # Adam moments makes XLA copy every moment so that the donated buffers can be written in
-    # place (BENCHMARKS.md).
-    params, opt_state = lax.cond(finite, update, lambda: (state.params, state.opt_state))
+    params, opt_state = _update_if(finite, update, (state.params, state.opt_state))
     skipped = 1 - finite.astype(jnp.int32)
     new_state = state.replace(
         step=state.step + 1,
@@ -171,6 +169,18 @@ def train_step(
         "nonfinite_total": new_state.nonfinite_total.astype(jnp.float32),
     }
     return new_state, metrics
+
+
+def _update_if(finite: Array, update, old):
+    """update() where `finite`, else `old` (the params and optimizer state), as each backend
+    compiles best (BENCHMARKS.md, "The skipped update without a conditional")."""
+    if backend.current() == "cpu":
+        # XLA:CPU copies every Adam moment to write a select's result into the donated buffers
+        return lax.cond(finite, update, lambda: old)
+    # XLA:GPU and XLA:TPU copy every leaf out of a conditional's result into the donated
+    # buffers (1,092 copy kernels in base's H100 plan); a select writes them in place, and
+    # discards a non-finite update whatever it holds
+    return jax.tree_util.tree_map(functools.partial(jnp.where, finite), update(), old)
 
 
 def eval_sums(params, batch: dict[str, Array], *, model: nn.Module) -> dict[str, Array]:
