@@ -159,9 +159,8 @@ def test_generic_dropout_keeps_the_rate_and_scale(impl):
     n = out.size
     dropped = float((out == 0).mean())
     assert abs(dropped - rate) < 4 * np.sqrt(rate * (1 - rate) / n), dropped
-    assert (
-        K.effective_rate(rate, "generic", "bernoulli") == rate
-    )  # not rounded to 2^-16 like the CPU masks
+    # not rounded to 2^-16 like the CPU masks
+    assert K.effective_rate(rate, "generic", "bernoulli") == rate
 
 
 def test_generic_dropout_differs_between_steps_of_the_train_step():

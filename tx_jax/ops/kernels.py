@@ -17,12 +17,11 @@ Dropout's random bits (`ModelConfig.dropout_bits`), separately from the projecti
     'bernoulli'  jax.random.bernoulli: one Threefry block and one float per element.
     'packed'     dropout.py's unrolled Threefry, four 16-bit draws per block (the CPU masks).
     'rbg'        XLA's RngBitGenerator (Philox on GPU) keyed by 128 bits hashed from the key,
-                 16 bits per element: the fewest operations on an accelerator.
+                 16 bits per element.
     'hash'       32 bits per element hashed from (64 bits of the key, the element's index) by
                  elementwise integer ops, with a custom VJP that hashes them again in the
                  backward pass: the bits and the mask are never stored, XLA computes them inside
-                 the fusions that read and write the activation (issue 38's 'bits hashed inside
-                 the consuming fusion').
+                 the fusions that read and write the activation.
     'auto'       'packed' where the kernels resolve to 'cpu', else 'hash' (in the compiled
                  plans of GPU and TPU steps it moves the least memory: BENCHMARKS.md,
                  "Dropout's bits hashed where they are used").
@@ -103,7 +102,8 @@ def resolve_bits(bits: str, kernels: str = "auto") -> str:
 
 
 def effective_rate(rate: float, kernels: str = "auto", bits: str = "auto") -> float:
-    """The dropout probability `keep_mask` actually uses (16-bit draws round to 2^-16)."""
+    """The dropout probability `keep_mask` actually uses (16-bit draws round to 2^-16, 'hash'
+    to 2^-32)."""
     chosen = resolve_bits(bits, kernels)
     if chosen == "bernoulli":
         return float(rate)

@@ -178,8 +178,7 @@ def _update_if(finite: Array, update, old):
         # XLA:CPU copies every Adam moment to write a select's result into the donated buffers
         return lax.cond(finite, update, lambda: old)
     # XLA:GPU and XLA:TPU copy every leaf out of a conditional's result into the donated
-    # buffers (1,092 copy kernels in base's H100 plan); a select writes them in place, and
-    # discards a non-finite update whatever it holds
+    # buffers; a select writes them in place, and discards a non-finite update whatever it holds
     return jax.tree_util.tree_map(functools.partial(jnp.where, finite), update(), old)
 
 
