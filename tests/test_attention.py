@@ -412,6 +412,35 @@ def test_attention_dropout(rng):
         A.dot_product_attention(q, k, v, dropout_rate=0.1, deterministic=False)
 
 
+def test_attention_dropout_draws_its_bits_where_dropout_bits_says(rng):
+    """The weights' dropout follows model.dropout_bits in every implementation: 'xla' drops
+    exactly ops.kernels.keep_mask's [B, K, G, L, S] mask of that generator, and the blockwise
+    paths (flash's custom VJP, the biased scan) give other draws for another generator."""
+    from tx_jax.ops import kernels as K_
+
+    q, k, v, _, _ = _random_problem(rng)
+    key, rate = jax.random.key(7), 0.3
+    kw = dict(dropout_rate=rate, dropout_rng=key, deterministic=False, kernels="generic")
+    _, w = A.dot_product_attention(q, k, v, implementation="xla", return_weights=True)
+    B, L, H, D = q.shape
+    Kh = k.shape[2]
+    w = np.asarray(w).reshape(B, Kh, H // Kh, L, -1)
+    keep = np.asarray(K_.keep_mask(key, rate, w.shape, "generic", "hash"))
+    used = np.where(keep, w / (1 - K_.effective_rate(rate, "generic", "hash")), 0.0)
+    want = np.einsum("bkgls,bskd->blkgd", used, v).reshape(B, L, H, -1)
+    got = A.dot_product_attention(q, k, v, implementation="xla", dropout_bits="hash", **kw)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    bias = jnp.zeros((1, 1, L, k.shape[1]), jnp.float32)
+    for impl, extra in (("xla", {}), ("chunked", {}), ("chunked", {"bias": bias})):
+        outs = [
+            A.dot_product_attention(
+                q, k, v, implementation=impl, chunk_size=8, dropout_bits=bits, **extra, **kw
+            )
+            for bits in ("hash", "bernoulli")
+        ]
+        assert not np.allclose(outs[0], outs[1]), (impl, extra.keys())
+
+
 def test_bad_arguments_are_named(rng):
     q, k, v, _, _ = _random_problem(rng)
     with pytest.raises(ValueError, match="implementation"):

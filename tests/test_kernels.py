@@ -392,3 +392,15 @@ def test_train_step_with_each_dropout_generator_is_repeatable_and_differs_betwee
     assert abs(one - two) > 1e-3, (one, two)
     plain = _state_and_step(DecoderOnly, cfg.replace(dropout_rate=0.0, ffn_dropout_rate=0.0))
     assert abs(one - float(plain[1](plain[0], _batch())[1]["loss"])) > 1e-3
+
+
+def test_the_attention_weights_dropout_follows_the_models_dropout_bits():
+    """The model hands dropout_bits to its attention: with only the weights' dropout on,
+    another generator gives another loss."""
+    cfg = _tiny(kernels="generic", dropout_rate=0.0, ffn_dropout_rate=0.0)
+    cfg = cfg.replace(attention_dropout_rate=0.3, attention_impl="xla")
+    losses = {}
+    for bits in ("hash", "bernoulli"):
+        state, step = _state_and_step(DecoderOnly, cfg.replace(dropout_bits=bits))
+        losses[bits] = float(step(state, _batch())[1]["loss"])
+    assert abs(losses["hash"] - losses["bernoulli"]) > 1e-4, losses

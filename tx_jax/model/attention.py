@@ -73,6 +73,7 @@ def dot_product_attention(
     chunk_size: int = 512,
     precision: Any = None,
     kernels: str = "auto",
+    dropout_bits: str = "auto",
 ) -> Array | tuple[Array, Array]:
     """softmax(q k^T / sqrt(Dk) + bias) v over [B, L, H, Dk] queries, [B, S, K, Dk] keys and
     [B, S, K, Dv] values.
@@ -98,6 +99,7 @@ def dot_product_attention(
         'auto' (by backend.current(): 'splash' on a TPU where it applies).
       return_weights: also return the [B, H, L, S] weights ('xla' only).
       kernels: whose dropout masks, 'auto' | 'cpu' | 'generic' (tx_jax/ops/kernels.py).
+      dropout_bits: where the weights' dropout bits come from (ModelConfig.dropout_bits).
     Returns:
       [B, L, H, Dv] in value's dtype, and the float32 weights if return_weights.
     """
@@ -110,7 +112,7 @@ def dot_product_attention(
     if return_weights and impl != "xla":
         raise ValueError(f"return_weights=True needs implementation='xla', not {impl!r}")
     L, S = query.shape[1], key.shape[1]
-    drop = (dropout_rate, dropout_rng, kernels) if dropout else None
+    drop = (dropout_rate, dropout_rng, kernels, dropout_bits) if dropout else None
     if impl == "splash":
         unsupported = {"mask": mask is not None, "bias": bias is not None, "dropout": dropout}
         named = [name for name, given in unsupported.items() if given]
@@ -310,7 +312,7 @@ def _attention_chunked(query, key, value, mask, bias, is_causal, q_seg, kv_seg, 
     (query and key blocks; the backward pass recomputes each block from the saved output and
     log-sum-exp), or with a bias the rematerialised scan below."""
     if bias is None:
-        rate, rng, kernels = drop if drop is not None else (0.0, None, "auto")
+        rate, rng, kernels, bits = drop if drop is not None else (0.0, None, "auto", "auto")
         return flash_attention(
             query,
             key,
@@ -324,6 +326,7 @@ def _attention_chunked(query, key, value, mask, bias, is_causal, q_seg, kv_seg, 
             chunk_size=C,
             precision=prec,
             kernels=kernels,
+            dropout_bits=bits,
         )
     return _attention_chunked_scan(
         query, key, value, mask, bias, is_causal, q_seg, kv_seg, drop, C, prec
@@ -396,8 +399,8 @@ def _attention_chunked_scan(query, key, value, mask, bias, is_causal, q_seg, kv_
         corr = jnp.exp(m - m_new)
         l_new = l * corr + p.sum(-1)
         if drop is not None:
-            rate, rng, kernels = drop
-            p = dropout(p, rate, jax.random.fold_in(rng, x["start"]), kernels)
+            rate, rng, kernels, bits = drop
+            p = dropout(p, rate, jax.random.fold_in(rng, x["start"]), kernels, bits)
         pv = jnp.einsum("bkgls,bskd->blkgd", p.astype(value.dtype), x["v"], precision=prec)
         o_new = o * jnp.moveaxis(corr, 3, 1)[..., None] + pv.astype(jnp.float32)
         return (o_new, m_new, l_new), None

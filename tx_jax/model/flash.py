@@ -56,6 +56,7 @@ def flash_attention(
     chunk_size: int = 512,
     precision: Any = None,
     kernels: str = "auto",
+    dropout_bits: str = "auto",
 ) -> Array:
     """[B, L, H, Dk] queries, [B, S, K, Dk] keys, [B, S, K, Dv] values -> [B, L, H, Dv] in
     value's dtype.
@@ -74,6 +75,7 @@ def flash_attention(
         rate=float(dropout_rate) if dropout_rng is not None else 0.0,
         precision=precision,
         kernels=kernels,
+        bits=dropout_bits,
     )
     extras = (mask, q_segment_ids, kv_segment_ids, dropout_rng)
     return _flash(spec, query, key, value, extras)
@@ -89,6 +91,7 @@ class _Spec:
     rate: float
     precision: Any
     kernels: str = "auto"  # whose dropout masks (tx_jax/ops/kernels.py)
+    bits: str = "auto"  # and where their bits come from (ModelConfig.dropout_bits)
 
 
 # ------------------------------------------------------------------------- block layout
@@ -180,8 +183,9 @@ class _Problem:
         if self.spec.rate == 0.0:
             return p
         rng = jax.random.fold_in(jax.random.fold_in(self.rng, i), j)
-        keep = keep_mask(rng, self.spec.rate, p.shape, self.spec.kernels)
-        return jnp.where(keep, p / (1.0 - effective_rate(self.spec.rate, self.spec.kernels)), 0.0)
+        spec = self.spec
+        keep = keep_mask(rng, spec.rate, p.shape, spec.kernels, spec.bits)
+        return jnp.where(keep, p / (1.0 - effective_rate(spec.rate, spec.kernels, spec.bits)), 0.0)
 
     def unblock(self, x: Array, n: int, length: int) -> Array:
         """[n, B, block, ...] -> [B, length, ...] (padding dropped)."""

@@ -136,6 +136,7 @@ class _ResidualLayer(nn.Module):
             decode=cfg.decode,
             sow_weights=cfg.sow_attention_weights,
             kernels=cfg.kernels,
+            dropout_bits=cfg.dropout_bits,
             dtype=cfg.compute_dtype,
             param_dtype=cfg.parameter_dtype,
             name=name,

@@ -64,6 +64,7 @@ class MultiHeadAttention(nn.Module):
     decode: bool = False
     sow_weights: bool = False
     kernels: str = "auto"  # ModelConfig.kernels: projections' and dropout's implementations
+    dropout_bits: str = "auto"  # ModelConfig.dropout_bits: the weights' dropout bits
     dtype: Any = None
     param_dtype: Any = jnp.float32
     precision: Any = None
@@ -171,6 +172,7 @@ class MultiHeadAttention(nn.Module):
             return_weights=self.sow_weights,
             precision=self.precision,
             kernels=self.kernels,
+            dropout_bits=self.dropout_bits,
         )
         if self.sow_weights:
             result, weights = result
