@@ -156,6 +156,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.parallel = ml_collections.ConfigDict()
     c.parallel.strategy = "pmap"
     c.parallel.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+    # An axis of 0 in parallel.mesh takes its size from here for the devices' platform
+    # ({'tpu': {'tensor': 2}}) where that divides the devices, else 1.
+    c.parallel.mesh_by_platform = ml_collections.ConfigDict()
     c.parallel.rules = [list(r) for r in DEFAULT_RULES]  # logical axis -> mesh axes
     c.parallel.distributed = False  # jax.distributed.initialize (TPU pods, multi-host)
     c.parallel.coordinator_address = ml_collections.FieldReference(None, field_type=str)

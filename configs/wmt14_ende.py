@@ -96,8 +96,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.checkpoint.best_metric = "bleu"
     c.checkpoint.best_mode = "max"
 
-    # Devices: sharded jit over a (data, fsdp, tensor) mesh; all devices on the data axis.
+    # Devices: sharded jit over a (data, fsdp, tensor) mesh; all devices on the data axis,
+    # but on TPU the tensor axis 2 (0 = the platform's size): for base on a v5e-16 the plan's
+    # --search ranks data=8 tensor=2 first, 3.6 GB of HBM traffic a chip a step against 4.6
+    # with data=16, because each chip's Adam update and embedding gradient are half as large
+    # (BENCHMARKS.md, issue 38's levers). On one GPU or 8 CPU devices the same config is data-
+    # parallel. Any size given explicitly wins: --config.parallel.mesh.tensor=1 for data=16.
     c.parallel.strategy = "mesh"
+    c.parallel.mesh.tensor = 0
+    c.parallel.mesh_by_platform = {"tpu": {"tensor": 2}}
 
     if args.variant == "big":
         c.model.update(MODEL_VARIANTS["big"])  # M 1024, H 16, d_ff 4096, 6 + 6 layers

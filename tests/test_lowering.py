@@ -322,3 +322,25 @@ def test_abstract_strategy_names_bad_config():
     strategy = parallel.make_abstract_strategy({"strategy": "mesh", "mesh": {"fsdp": -1}}, 8)
     assert dict(strategy.mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 1}
     assert strategy.global_batch_multiple == 8
+
+
+def test_a_mesh_axis_of_zero_takes_the_platforms_size_where_it_fits():
+    """parallel.mesh's 0: mesh_by_platform's size on that platform where it divides the
+    devices, else 1; an explicit size wins; a bad entry is named."""
+    p = {
+        "strategy": "mesh",
+        "mesh": {"data": -1, "fsdp": 1, "tensor": 0},
+        "mesh_by_platform": {"tpu": {"tensor": 2}},
+    }
+
+    def shape(n, platform, **mesh):
+        q = {**p, "mesh": {**p["mesh"], **mesh}}
+        return tuple(parallel.make_abstract_strategy(q, n, platform).mesh.shape.values())
+
+    assert shape(16, "tpu") == (8, 1, 2)
+    assert shape(16, "gpu") == (16, 1, 1) and shape(16, None) == (16, 1, 1)
+    assert shape(1, "tpu") == (1, 1, 1)  # 2 does not divide one chip
+    assert shape(16, "tpu", tensor=1) == (16, 1, 1)
+    assert shape(16, "tpu", fsdp=0) == (8, 1, 2)  # no fsdp entry: 1
+    with pytest.raises(ValueError, match="mesh_by_platform.tpu has unknown axes"):
+        parallel.make_abstract_strategy({**p, "mesh_by_platform": {"tpu": {"model": 2}}}, 16, "tpu")

@@ -11,10 +11,12 @@ import os
 import subprocess
 import sys
 
+import jax
+import ml_collections
 import pytest
 from helpers import ROOT, default_config
 
-from tx_jax.config import apply_overrides
+from tx_jax.config import apply_overrides, load_config
 from tx_jax.planning import hlo, plan, programs, search, targets
 
 libtpu = pytest.importorskip("libtpu", reason="the TPU compiler (pip install -e '.[plan]')")
@@ -209,6 +211,25 @@ def test_data_parallel_all_reduces_and_fsdp_gathers():
     assert f["all-gather"]["count"] >= 1  # parameters gathered for the matmuls
     assert f["reduce-scatter"]["count"] + f["all-reduce"]["count"] >= 1
     assert fsdp["bytes_per_device"]["params"] < dp["bytes_per_device"]["params"]
+
+
+def test_the_wmt14_config_takes_its_tensor_axis_on_tpu_only():
+    """configs/wmt14_ende.py: data=8 tensor=2 on a v5e-16 (--search's best for base), all
+    data-parallel on this host's CPU devices; --config.parallel.mesh.tensor=1 gives data=16."""
+    config = load_config(str(ROOT / "configs/wmt14_ende.py") + ":variant=base")
+
+    def mesh(spec, **overrides):
+        c = ml_collections.ConfigDict(config.to_dict())
+        apply_overrides(c, overrides)
+        target = targets.parse(spec)
+        return dict(programs.build(c, target, target.devices()).strategy.mesh.shape)
+
+    assert mesh("tpu:v5e-16") == {"data": 8, "fsdp": 1, "tensor": 2}
+    assert mesh("tpu:v5e-16", **{"parallel.mesh.tensor": 1}) == {"data": 16, "fsdp": 1, "tensor": 1}
+    from tx_jax.training import parallel
+
+    here = dict(parallel.make_strategy(config.parallel).mesh.shape)
+    assert here == {"data": len(jax.devices()), "fsdp": 1, "tensor": 1}
 
 
 def test_two_slices_plan_as_one_mesh():

@@ -105,15 +105,30 @@ def _pmap(fn: Callable, **kwargs: Any) -> Callable:
     return pmapped
 
 
-def mesh_shape(requested: dict[str, int], num_devices: int) -> tuple[int, ...]:
-    """{'data': -1, 'fsdp': 2, 'tensor': 1} -> (4, 2, 1) on 8 devices; -1 fills the rest."""
+def mesh_shape(
+    requested: dict[str, int], num_devices: int, platform_sizes: dict[str, int] | None = None
+) -> tuple[int, ...]:
+    """{'data': -1, 'fsdp': 2, 'tensor': 1} -> (4, 2, 1) on 8 devices; -1 fills the rest.
+
+    0 asks for the platform's size of that axis (`platform_sizes`, parallel.mesh_by_platform's
+    entry for the devices' platform) where it divides the devices with the other axes, else 1:
+    a config can prefer a mesh on one platform and still run anywhere, and a size given
+    explicitly (on the command line, by the planner's --search) always wins."""
     unknown = sorted(set(requested) - set(MESH_AXES))
     if unknown:
         raise ValueError(f"parallel.mesh has unknown axes {unknown}; valid: {MESH_AXES}")
     sizes = [int(requested.get(a, 1)) for a in MESH_AXES]
+    for i, axis in enumerate(MESH_AXES):
+        if sizes[i] != 0:
+            continue
+        want = int((platform_sizes or {}).get(axis, 1))
+        others = int(np.prod([s for j, s in enumerate(sizes) if j != i and s > 0]))
+        sizes[i] = want if want > 0 and num_devices % (want * others) == 0 else 1
     if sizes.count(-1) > 1:
         raise ValueError(f"parallel.mesh={requested}: at most one axis may be -1")
     fixed = int(np.prod([s for s in sizes if s != -1]))
+    if fixed < 1:
+        raise ValueError(f"parallel.mesh={requested}: sizes are -1, 0 or positive")
     if num_devices % fixed:
         raise ValueError(
             f"parallel.mesh={requested}: {fixed} does not divide the {num_devices} devices"
@@ -125,6 +140,21 @@ def mesh_shape(requested: dict[str, int], num_devices: int) -> tuple[int, ...]:
             f"but there are {num_devices}"
         )
     return tuple(sizes)
+
+
+def platform_sizes(parallel: Any, platform: str | None) -> dict[str, int]:
+    """parallel.mesh_by_platform's entry for `platform` ('tpu', 'gpu', 'cpu'), or {}."""
+    table = parallel.get("mesh_by_platform") or {}
+    entry = table.get(platform) if platform else None
+    if entry is None:
+        return {}
+    entry = dict(entry)
+    unknown = sorted(set(entry) - set(MESH_AXES))
+    if unknown:
+        raise ValueError(
+            f"parallel.mesh_by_platform.{platform} has unknown axes {unknown}; valid: {MESH_AXES}"
+        )
+    return {k: int(v) for k, v in entry.items()}
 
 
 @dataclasses.dataclass
@@ -412,20 +442,25 @@ def make_strategy(parallel: Any, devices: Sequence[Any] | None = None) -> Strate
     if kind == "pmap":
         return Strategy("pmap", rules=rules)
     devices = jax.devices() if devices is None else list(devices)
-    shape = mesh_shape(dict(parallel.mesh), len(devices))
+    sizes = platform_sizes(parallel, devices[0].platform)
+    shape = mesh_shape(dict(parallel.mesh), len(devices), sizes)
     return Strategy("mesh", Mesh(np.asarray(devices).reshape(shape), MESH_AXES), rules)
 
 
-def make_abstract_strategy(parallel: Any, num_devices: int) -> Strategy:
+def make_abstract_strategy(
+    parallel: Any, num_devices: int, platform: str | None = None
+) -> Strategy:
     """A 'mesh' Strategy over `num_devices` devices that need not exist (an AbstractMesh shaped
-    by `parallel.mesh`, with `parallel.rules`): for lowering steps for another platform or a
-    larger slice than this host has (`Strategy.export_step`), never for running them."""
+    by `parallel.mesh` on `platform`, with `parallel.rules`): for lowering steps for another
+    platform or a larger slice than this host has (`Strategy.export_step`), never for running
+    them."""
     if parallel.get("strategy", "mesh") != "mesh":
         raise ValueError(
             f"parallel.strategy={parallel.get('strategy')!r}: an abstract mesh needs 'mesh' "
             "(jax.export lowers jax.jit, not jax.pmap)"
         )
-    shape = mesh_shape(dict(parallel.get("mesh", {})), num_devices)
+    sizes = platform_sizes(parallel, platform)
+    shape = mesh_shape(dict(parallel.get("mesh", {})), num_devices, sizes)
     return Strategy("mesh", AbstractMesh(shape, MESH_AXES), _rules(parallel))
 
 
