@@ -361,3 +361,41 @@ def test_finetuning_m2m_100_trains_the_language_tokens_and_lowers_the_loss(m2m_1
     records = [json.loads(x) for x in (tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()]
     nll = [r["nll"] for r in records if r.get("split") == "train"]
     assert len(nll) == 4 and nll[-1] < nll[0]  # steps 2, 4, 6, 8
+
+
+def test_an_imported_multilingual_model_translates_a_corpus_into_the_forced_language(
+    m2m_100, tmp_path
+):
+    """`tx_jax.translate --input --output_dir --target_lang --scores` on an imported M2M100:
+    the shards' text equals the stdin mode's translation with the same language tokens (a blank
+    line kept), another --target_lang gives other scores (this random model's text barely
+    depends on it), and a relaunch into the same directory with another language is refused,
+    naming it."""
+    _, _, root = m2m_100
+    loaded = restore.load(root / "w")
+    lines = [*pf.EN[:3], "", *pf.EN[3:6]]
+    (tmp_path / "en.txt").write_text("".join(x + "\n" for x in lines))
+
+    def launch(out, lang):
+        return subprocess.run(
+            [sys.executable, "-m", "tx_jax.translate", f"--workdir={root / 'w'}"]
+            + [f"--input={tmp_path / 'en.txt'}", f"--output_dir={out}", "--shard_lines=3"]
+            + ["--beam_size=2", "--scores", "--source_lang=en", f"--target_lang={lang}"],
+            capture_output=True,
+            text=True,
+        )
+
+    outputs = {}
+    for lang in ("fr", "de"):
+        proc = launch(tmp_path / lang, lang)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        source, target = languages.prefixes(loaded, "en", lang)
+        want = translation.translate_lines(
+            loaded, lines, beam_size=2, source_prefix=source, target_prefix=target
+        )
+        rows = [r.split("\t") for r in (tmp_path / lang / "en.txt").read_text().splitlines()]
+        assert [r[0] for r in rows] == want and want[3] == "" and rows[3][1:] == ["nan", "0"]
+        outputs[lang] = [float(r[1]) for i, r in enumerate(rows) if i != 3]
+    assert all(a != b for a, b in zip(outputs["fr"], outputs["de"])), outputs
+    proc = launch(tmp_path / "fr", "de")
+    assert proc.returncode == 1 and "target_lang: 'fr' then, 'de' now" in proc.stderr, proc.stderr
