@@ -174,15 +174,15 @@ def test_killed_at_any_point_a_relaunch_gives_the_same_files(run, tmp_path):
         assert _run_here(run, target, 4, sampling="topk:5", seed=1) == reference
 
 
-def test_two_processes_with_two_devices_give_one_process_files(run, tmp_path):
-    """2 processes x 2 forced CPU devices (jax.distributed on 127.0.0.1), sampling 2 per line
+def test_two_processes_with_four_devices_give_one_process_files(run, tmp_path):
+    """2 processes x 4 forced CPU devices (jax.distributed on 127.0.0.1), sampling 2 per line
     with scores, give the files of this one-process, one-device run: each took its shards."""
     reference = _run_here(run, tmp_path / "one", 5, sampling="topk:5", seed=3, nbest=2, scores=True)
     port = portpicker.pick_unused_port()
     procs = []
     for i in range(2):
         env = _env(
-            XLA_FLAGS=forced_devices(2),
+            XLA_FLAGS=forced_devices(4),
             JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
             JAX_NUM_PROCESSES="2",
             JAX_PROCESS_ID=str(i),
