@@ -311,6 +311,25 @@ def _fingerprint(config) -> str:
     return json.dumps(config.to_dict(), sort_keys=True, default=str)
 
 
+def config_changes(stored: str, config) -> list[str]:
+    """The dotted keys whose value differs between a stored fingerprint and `config`. Keys
+    the stored run did not have are left out: options added to the code since, at defaults
+    that keep the old behaviour, must not orphan a finished or half-trained run."""
+    now = json.loads(_fingerprint(config))
+
+    def walk(old, new, prefix):
+        if isinstance(old, dict) and isinstance(new, dict):
+            for k in old:
+                if k not in new:
+                    yield f"{prefix}{k}"
+                else:
+                    yield from walk(old[k], new[k], f"{prefix}{k}.")
+        elif old != new:
+            yield prefix.rstrip(".")
+
+    return list(walk(json.loads(stored), now, ""))
+
+
 def _last_step(workdir: pathlib.Path) -> int:
     if not (workdir / locate.CHECKPOINTS_DIR).exists():
         return 0
@@ -329,8 +348,12 @@ def train_and_score(config, workdir: pathlib.Path, label: str, log=print) -> dic
     path = workdir / RESULT
     if path.exists():
         result = json.loads(path.read_text())
-        if result["fingerprint"] != _fingerprint(config):
-            raise SystemExit(f"{path}: trained with another config; use another --root")
+        changed = config_changes(result["fingerprint"], config)
+        if changed:
+            raise SystemExit(
+                f"{path}: trained with another config ({', '.join(changed[:8])} differ); "
+                "use another --root"
+            )
         return result
     start = time.time()
     if _last_step(workdir) < config.train.num_steps:

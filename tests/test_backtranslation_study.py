@@ -94,6 +94,24 @@ def test_split_is_seeded_disjoint_and_reused(tmp_path):
         study.split_corpus(raw, tmp_path / "one", study.SIZES["default"])
 
 
+def test_a_stored_run_is_reused_unless_a_key_it_had_changed(tmp_path):
+    """A finished run's fingerprint: options added to the code since (keys it lacked) do not
+    orphan it; a key it had with another value does, named in the error."""
+    size = study.SIZES["default"]
+    config = study.make_config(size, tmp_path, "en-de", 0, [], {})
+    stored = json.loads(study._fingerprint(config))
+    del stored["parallel"]["mesh_by_platform"], stored["model"]["dropout_bits"]
+    assert study.config_changes(json.dumps(stored), config) == []
+    stored["model"]["d_model"] = 512
+    stored["train"]["gone"] = 1
+    assert study.config_changes(json.dumps(stored), config) == ["model.d_model", "train.gone"]
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / study.RESULT).write_text(json.dumps({"fingerprint": json.dumps(stored)}))
+    with pytest.raises(SystemExit, match=r"another config \(model.d_model, train.gone differ\)"):
+        study.train_and_score(config, workdir, "label")
+
+
 def test_second_seed_rule():
     first = {"a_only": 20.0, "bt_beam": 22.5, "bt_sample": 22.9, "bt_tagged": 24.0, "a_plus_b": 30}
     assert study.second_seed_settings(first, "close") == ["bt_beam", "bt_sample"]
