@@ -18,6 +18,7 @@ from helpers import ROOT, default_config
 
 from tx_jax.config import apply_overrides, load_config
 from tx_jax.planning import hlo, plan, programs, search, targets
+from tx_jax.training import parallel
 
 libtpu = pytest.importorskip("libtpu", reason="the TPU compiler (pip install -e '.[plan]')")
 
@@ -226,8 +227,6 @@ def test_the_wmt14_config_takes_its_tensor_axis_on_tpu_only():
 
     assert mesh("tpu:v5e-16") == {"data": 8, "fsdp": 1, "tensor": 2}
     assert mesh("tpu:v5e-16", **{"parallel.mesh.tensor": 1}) == {"data": 16, "fsdp": 1, "tensor": 1}
-    from tx_jax.training import parallel
-
     here = dict(parallel.make_strategy(config.parallel).mesh.shape)
     assert here == {"data": len(jax.devices()), "fsdp": 1, "tensor": 1}
 
