@@ -1,8 +1,9 @@
 """Back-translation on Multi30k en->de: beam, sampling, tagged, against the real pairs.
 
-    python experiments/backtranslation.py [--root=runs/backtranslation] [--debug]
+    python experiments/backtranslation.py [--root=runs/backtranslation]
+        [--size=default|long|debug] [--debug] [--record=DIR]
         [--manual_dir=../shared/data/multi30k] [--second_seed=close|all|none]
-        [--override model.dtype=float32 ...]
+        [--override KEY=VALUE ...]
 
 Multi30k's 29,000 train pairs are split in two halves with a seeded permutation (SPLIT_SEED):
 A (14,500 pairs, parallel) and B (14,500: its German side is the monolingual text; its English
@@ -40,22 +41,26 @@ is within 1 BLEU of another setting's (`all`: every setting; `none`: seed 0 only
 
 ROOT/REPORT.md (table, curves, conclusion), ROOT/results.json and ROOT/curves.png are
 written at the end. Everything is resumable: the split, tokenizer and back-translations are
-reused when present; a run whose checkpoints reach its last step is not trained again and
-its test score is kept in WORKDIR/study_result.json; an interrupted run (SIGTERM/SIGINT, or a
-killed process) resumes from its last checkpoint when the same command is rerun.
+reused when present; an interrupted run (SIGTERM/SIGINT, or a killed process) resumes from
+its last checkpoint when the same command is rerun. A finished run's test score and
+validation curve are kept twice: WORKDIR/study_result.json, and the record
+(--record, default experiments/results/backtranslation/SIZE, committed to the repository),
+so that the study outlives ROOT: a run found in either, trained with the same config (ROOT
+written as $ROOT), is not trained again. The de->en model is trained again only where a
+back-translation is missing and a run that needs it is not finished; each run records the
+sha256 of the synthetic corpus it trained on, and the report names runs whose
+back-translation differs from the recorded one (a de->en model retrained on another CPU).
+The back-translated runs go first (RUN_ORDER) so they share one back-translation.
 
-Size (`default`): configs/multi30k.py's `small` model (d_model 256, 3+3 layers, dropout 0.3,
-bfloat16 compute), batches of 4,096 tokens, 1,800 updates (warmup 600, peak 2e-3, linear
-cooldown over the last 360), validation every 300 updates (loss; greedy BLEU on the first
-500 sentences). The full 9,000-update recipe is 132 min on a 2-core Sapphire Rapids and 196
-on a 2-core Zen 4 (docs/experiments.md, Time to BLEU: ~0.9 and ~1.3 s per update with its
-evaluations), so 1,800 updates are ~28 / ~39 min per run: under 45 min on either CPU. Its
-validation BLEU at 2,000 updates on all 29k pairs was ~36; on half of them, with 20% of the
-schedule left for the cooldown, the settings should land in the high 20s to mid 30s, far
-enough from the floor for differences of a BLEU or two to show. A CPU without bfloat16
-units (no avx512_bf16 / AMX) is faster with --override model.dtype=float32. The whole
-study: 6 runs for seed 0 (~3-4 h), the back-translations (~15-30 min beam, ~5-10 min
-sampling), 5 test decodes, and up to 5 second-seed runs (~3 h more). `--debug` is the same
+Sizes (--size): `default`, each run within the issue's 45 minutes on the 2-core CPU:
+configs/multi30k.py's `small` model (d_model 256, 3+3 layers) with dropout 0.1 (600
+updates are ~11 epochs of A, where 0.3 mostly slows learning: docs/experiments.md, Table 3
+at CPU scale), float32 compute, batches of 4,096 tokens, 600 updates (warmup 150, peak 2e-3,
+linear cooldown over the last 120), validation every 150 updates (loss; greedy BLEU on the
+first 500 sentences). On the Zen 4 VM it trains at ~2,000 target tokens/s in float32 (bfloat16:
+~1,450), 1.8 s an update: ~18 min a run, ~25 with its evaluations and test decode. `long`:
+the same model with dropout 0.3 for 1,800 updates (warmup 600, cooldown 360), ~1 h 20 min a
+run on free cores (its partial results: docs/experiments.md). `debug` (--debug): the same
 pipeline with a 1-layer d_model-32 model, 40 updates and 400 train pairs: a few minutes
 (tests/test_backtranslation_study.py).
 """
@@ -65,9 +70,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gzip
+import hashlib
 import json
 import math
 import pathlib
+import platform
 import shutil
 import statistics
 import subprocess
@@ -102,6 +109,8 @@ SETTINGS: dict[str, tuple[str, tuple[str, bool] | None]] = {
     "bt_tagged": ("A + BT(B), beam 4, tagged", ("beam", True)),
     "a_plus_b": ("A + B (real pairs: the ceiling)", ("real", False)),
 }
+RUN_ORDER = ("bt_beam", "bt_sample", "bt_tagged", "a_only", "a_plus_b")
+RECORDS = REPO / "experiments" / "results" / "backtranslation"  # finished runs, committed
 BT_METHODS = {"beam": ["--beam_size=4"], "topk10": ["--sampling=topk:10", f"--seed={SAMPLE_SEED}"]}
 
 
@@ -128,6 +137,20 @@ class Size:
 SIZES = {
     "default": Size(
         "default",
+        # 600 updates are ~11 epochs of A: dropout 0.3 only slows learning; float32 is the
+        # faster on CPUs without bfloat16 matmul units and the same on every VM kind
+        {"dropout_rate": 0.1, "dtype": "float32"},
+        vocab_size=8000,
+        tokens_per_batch=4096,
+        steps=600,
+        warmup=150,
+        cooldown=120,
+        eval_every=150,
+        bleu_examples=500,
+        peak_lr=2e-3,
+    ),
+    "long": Size(
+        "long",
         {},
         vocab_size=8000,
         tokens_per_batch=4096,
@@ -228,12 +251,14 @@ def shared_tokenizer(root: pathlib.Path, size: Size) -> pathlib.Path:
     return path
 
 
-def back_translate(root: pathlib.Path, method: str, log=print) -> pathlib.Path:
+def back_translate(root: pathlib.Path, method: str, ensure_model, log=print) -> pathlib.Path:
     """ROOT/bt/<method>/B.de: B's German in English by the de_en model (tx_jax.translate
-    --input in a subprocess; a rerun reuses the file, or resumes the shards written)."""
+    --input in a subprocess; a rerun reuses the file, or resumes the shards written).
+    ensure_model() trains the de_en model first where its checkpoints are gone."""
     out_dir = root / "bt" / method
     out = out_dir / "B.de"  # named after its input; holds the English
     if not out.exists():
+        ensure_model()
         cmd = [
             sys.executable,
             "-m",
@@ -253,15 +278,19 @@ def back_translate(root: pathlib.Path, method: str, log=print) -> pathlib.Path:
     return out
 
 
+def _sha256(path: pathlib.Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def bt_stats(path: pathlib.Path) -> dict[str, Any]:
     """Lines, empty lines and mean words per line of B's English (back-translated or real)."""
     lines = _lines(path)
     words = [len(x.split()) for x in lines]
     return {
-        "path": str(path),
         "lines": len(lines),
         "empty": sum(1 for x in lines if not x.strip()),
         "mean_words": round(statistics.fmean(words), 2) if words else 0.0,
+        "sha256": _sha256(path),
     }
 
 
@@ -307,15 +336,18 @@ def make_config(size: Size, root: pathlib.Path, pair: str, seed: int, synthetic,
     return c
 
 
-def _fingerprint(config) -> str:
-    return json.dumps(config.to_dict(), sort_keys=True, default=str)
+def _fingerprint(config, root: pathlib.Path | None = None) -> str:
+    """The config as JSON, with ROOT written as $ROOT: a record made under one --root is
+    reused under another."""
+    text = json.dumps(config.to_dict(), sort_keys=True, default=str)
+    return text.replace(json.dumps(str(root))[1:-1], "$ROOT") if root is not None else text
 
 
-def config_changes(stored: str, config) -> list[str]:
+def config_changes(stored: str, config, root: pathlib.Path | None = None) -> list[str]:
     """The dotted keys whose value differs between a stored fingerprint and `config`. Keys
     the stored run did not have are left out: options added to the code since, at defaults
     that keep the old behaviour, must not orphan a finished or half-trained run."""
-    now = json.loads(_fingerprint(config))
+    now = json.loads(_fingerprint(config, root))
 
     def walk(old, new, prefix):
         if isinstance(old, dict) and isinstance(new, dict):
@@ -342,20 +374,18 @@ def _last_step(workdir: pathlib.Path) -> int:
     return step
 
 
-def train_and_score(config, workdir: pathlib.Path, label: str, log=print) -> dict[str, Any]:
-    """Train (resume, or skip when its last checkpoint is the last step), then score the
-    test split once; the result is kept in WORKDIR/study_result.json and reused."""
-    path = workdir / RESULT
-    if path.exists():
-        result = json.loads(path.read_text())
-        changed = config_changes(result["fingerprint"], config)
-        if changed:
-            raise SystemExit(
-                f"{path}: trained with another config ({', '.join(changed[:8])} differ); "
-                "use another --root"
-            )
-        return result
-    start = time.time()
+def _check(result: dict, config, root, where) -> dict:
+    changed = config_changes(result["fingerprint"], config, root)
+    if changed:
+        raise SystemExit(
+            f"{where}: trained with another config ({', '.join(changed[:8])} differ); "
+            "use another --root / --record"
+        )
+    return result
+
+
+def train_model(config, workdir: pathlib.Path, label: str, log=print) -> None:
+    """Train to the last step (resuming), or nothing when its last checkpoint is there."""
     if _last_step(workdir) < config.train.num_steps:
         log(f"[{label}] training {config.train.num_steps} steps in {workdir}")
         final = train_and_evaluate(config, str(workdir))
@@ -364,10 +394,36 @@ def train_and_score(config, workdir: pathlib.Path, label: str, log=print) -> dic
                 f"{workdir}: stopped at step {int(final['stopped_at'])}: rerun the same "
                 "command to resume the study"
             )
+
+
+def train_and_score(
+    config,
+    workdir: pathlib.Path,
+    label: str,
+    log=print,
+    *,
+    root: pathlib.Path | None = None,
+    record: pathlib.Path | None = None,
+    extra: dict | None = None,
+) -> dict[str, Any]:
+    """Train (resume, or skip when its last checkpoint is the last step), then score the
+    test split once. The result goes to WORKDIR/study_result.json and, with `record`, to
+    RECORD.json with its validation records in RECORD.metrics.jsonl: a run found in either
+    (trained with the same config) is not trained again, so a record kept in the repository
+    outlives ROOT. `extra` (e.g. the hash of the corpus it trained on) joins the result."""
+    path = workdir / RESULT
+    for where in (path, record.with_suffix(".json") if record else None):
+        if where is not None and where.exists():
+            result = _check(json.loads(where.read_text()), config, root, where)
+            if record is not None and not record.with_suffix(".json").exists():
+                _write_record(record, result, workdir)
+            log(f"[{label}] reused: {where}")
+            return result
+    start = time.time()
+    train_model(config, workdir, label, log)
     train_s = time.time() - start
     test = evaluation.evaluate(workdir, split=TEST_SPLIT, beam_size=4, alpha=0.6)
     result = {
-        "workdir": str(workdir),
         "seed": int(config.seed),
         "step": int(test["step"]),
         "bleu": round(test["bleu"], 2),
@@ -377,11 +433,35 @@ def train_and_score(config, workdir: pathlib.Path, label: str, log=print) -> dic
         "examples": test["examples"],
         "train_s": round(train_s, 1),
         "test_s": round(time.time() - start - train_s, 1),
-        "fingerprint": _fingerprint(config),
+        "cpu": _cpu_name(),
+        **(extra or {}),
+        "fingerprint": _fingerprint(config, root),
     }
     path.write_text(json.dumps(result, indent=1) + "\n")
+    if record is not None:
+        _write_record(record, result, workdir)
     log(f"[{label}] {TEST_SPLIT}: BLEU {result['bleu']:.2f} chrF {result['chrf']:.2f}")
     return result
+
+
+def _write_record(record: pathlib.Path, result: dict, workdir: pathlib.Path) -> None:
+    """RECORD.json (the result) and RECORD.metrics.jsonl (its validation records: the
+    curves), the metrics first so that a record's .json implies its curve."""
+    record.parent.mkdir(parents=True, exist_ok=True)
+    metrics = workdir / "metrics.jsonl"
+    rows = [r for r in visualize.read_metrics(metrics) if r.get("split") == "validation"]
+    _write(record.with_suffix(".metrics.jsonl"), [json.dumps(r, sort_keys=True) for r in rows])
+    _write(record.with_suffix(".json"), [json.dumps(result, indent=1)])
+
+
+def _cpu_name() -> str:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def second_seed_settings(first: dict[str, float], policy: str) -> list[str]:
@@ -394,9 +474,9 @@ def second_seed_settings(first: dict[str, float], policy: str) -> list[str]:
     return [s for s in first if any(abs(first[s] - first[t]) < 1.0 for t in first if t != s)]
 
 
-def validation_curve(workdir: pathlib.Path) -> list[dict[str, float]]:
+def validation_curve(metrics: pathlib.Path) -> list[dict[str, float]]:
     """(step, validation loss, greedy validation BLEU) of a run, from its metrics.jsonl."""
-    records = visualize.read_metrics(workdir / "metrics.jsonl")
+    records = visualize.read_metrics(metrics)
     return [
         {"step": r["step"], "loss": round(r["loss"], 4), "bleu": round(r.get("bleu", math.nan), 2)}
         for r in records
@@ -458,6 +538,39 @@ def conclusion(results: dict) -> list[str]:
     return lines
 
 
+def _times(results: dict) -> str:
+    """Each run's training time and CPU (runs may come from several sessions' records)."""
+    runs = [("de_en", results["de_en"])] + [
+        (f"{k}/seed{r['seed']}", r) for k, v in results["runs"].items() for r in v
+    ]
+    cpus = sorted({r.get("cpu", "?") for _, r in runs})
+    return (
+        "Training time per run: "
+        + ", ".join(f"{name} {_duration(r['train_s'])}" for name, r in runs)
+        + f" (on {'; '.join(cpus)})."
+    )
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 600 else f"{seconds / 60:.0f} min"
+
+
+def _bt_note(results: dict) -> list[str]:
+    """A line for runs that trained on a back-translation other than the recorded one (the
+    de->en model trained again, on another CPU, after ROOT was lost)."""
+    odd = [
+        f"{k}/seed{r['seed']}"
+        for k, v in results["runs"].items()
+        for r in v
+        if SETTINGS[k][1]
+        and SETTINGS[k][1][0] in results["bt"]
+        and r.get("synthetic_sha256") not in (None, results["bt"][SETTINGS[k][1][0]]["sha256"])
+    ]
+    if not odd:
+        return []
+    return ["", f"Trained on a regenerated back-translation (not the recorded one): {odd}."]
+
+
 def write_report(root: pathlib.Path, size: Size, results: dict) -> pathlib.Path:
     s, d = results["settings"], results["de_en"]
     a_only = s["a_only"]["bleu"]
@@ -473,9 +586,8 @@ def write_report(root: pathlib.Path, size: Size, results: dict) -> pathlib.Path:
         f"parallel and B = {split['b']} (German only, but for the ceiling); synthetic corpora "
         f"at ratio 1.0 (half of each batch from B). {TEST_SPLIT}: last checkpoint, beam 4, "
         "alpha 0.6. Produced by `python experiments/backtranslation.py"
-        f"{' --debug' if size.debug_variant else ''}`; wall times: "
-        + ", ".join(f"{k} {v:.0f} s" for k, v in results["wall_s"].items())
-        + ".",
+        f"{' --debug' if size.debug_variant else ''}`. " + _times(results),
+        *_bt_note(results),
         "",
         "| setting | test BLEU | per seed | test chrF | seeds | vs A alone |",
         "|---|---|---|---|---|---|",
@@ -521,40 +633,64 @@ def write_report(root: pathlib.Path, size: Size, results: dict) -> pathlib.Path:
 # ---------------------------------------------------------------------- the study
 
 
+def _finished(workdir: pathlib.Path, record: pathlib.Path) -> bool:
+    return (workdir / RESULT).exists() or record.with_suffix(".json").exists()
+
+
 def run_study(root: pathlib.Path, size: Size, manual_dir: pathlib.Path, args, log=print):
     overrides = parse_assignments(args.override, "--override")
-    walls: dict[str, float] = {}
+    record = pathlib.Path(args.record)
+    split = split_corpus(manual_dir, root, size)
+    shared_tokenizer(root, size)
+    de_en_config = make_config(size, root, "de-en", 0, [], overrides)
+    de_en = train_and_score(
+        de_en_config, root / "de_en", "de_en", log, root=root, record=record / "de_en"
+    )
 
-    def timed(name, fn, *a):
-        start = time.time()
-        out = fn(*a)
-        walls[name] = walls.get(name, 0.0) + round(time.time() - start, 1)
-        return out
+    def corpus(method: str) -> pathlib.Path:
+        path = back_translate(
+            root,
+            method,
+            lambda: train_model(de_en_config, root / "de_en", "de_en", log),
+            log,
+        )
+        stats, kept = bt_stats(path), record / "bt" / f"{method}.json"
+        if not kept.exists():
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            _write(kept, [json.dumps(stats, indent=1)])
+        elif json.loads(kept.read_text())["sha256"] != stats["sha256"]:
+            log(
+                f"[bt/{method}] {path} differs from the recorded one ({kept}): the de->en model "
+                "was trained again on another CPU; the runs record which one they used"
+            )
+        return path
 
-    split = timed("split", split_corpus, manual_dir, root, size)
-    timed("tokenizer", shared_tokenizer, root, size)
-    config = make_config(size, root, "de-en", 0, [], overrides)
-    de_en = timed("de_en", train_and_score, config, root / "de_en", "de_en", log)
-    bt = {m: bt_stats(timed(f"bt_{m}", back_translate, root, m, log)) for m in BT_METHODS}
-    bt["real"] = bt_stats(root / "data" / "B.en")
     runs: dict[str, list[dict]] = {k: [] for k in SETTINGS}
 
     def en_de(setting: str, seed: int) -> None:
-        c = make_config(size, root, "en-de", seed, synthetic_corpora(root, setting), overrides)
         name = f"{setting}/seed{seed}"
-        runs[setting].append(timed(name, train_and_score, c, root / "en_de" / name, name, log))
+        workdir, kept = root / "en_de" / name, record / "en_de" / setting / f"seed{seed}"
+        how, extra = SETTINGS[setting][1], {}
+        if how is not None and not _finished(workdir, kept):
+            source = root / "data" / "B.en" if how[0] == "real" else corpus(how[0])
+            extra["synthetic_sha256"] = _sha256(source)
+        c = make_config(size, root, "en-de", seed, synthetic_corpora(root, setting), overrides)
+        runs[setting].append(
+            train_and_score(c, workdir, name, log, root=root, record=kept, extra=extra)
+        )
 
-    for setting in SETTINGS:
+    for setting in RUN_ORDER:  # the back-translated runs first, while the corpora are here
         en_de(setting, 0)
+    runs = {k: runs[k] for k in SETTINGS}
     again = second_seed_settings({k: v[0]["bleu"] for k, v in runs.items()}, args.second_seed)
-    for setting in again:
+    for setting in [s for s in RUN_ORDER if s in again]:
         en_de(setting, 1)
-    curves = {k: validation_curve(root / "en_de" / k / "seed0") for k in SETTINGS}
+    bt = {m: json.loads((record / "bt" / f"{m}.json").read_text()) for m in BT_METHODS}
+    bt["real"] = bt_stats(root / "data" / "B.en")
+    metrics = {k: record / "en_de" / k / "seed0.metrics.jsonl" for k in SETTINGS}
+    curves = {k: validation_curve(m) for k, m in metrics.items()}
     visualize.plot_curves(
-        [root / "en_de" / k / "seed0" / "metrics.jsonl" for k in SETTINGS],
-        root / "curves.png",
-        keys=("loss", "bleu"),
-        labels=list(SETTINGS),
+        list(metrics.values()), root / "curves.png", keys=("loss", "bleu"), labels=list(SETTINGS)
     )
     strip = lambda r: {k: v for k, v in r.items() if k != "fingerprint"}  # noqa: E731
     return {
@@ -562,7 +698,6 @@ def run_study(root: pathlib.Path, size: Size, manual_dir: pathlib.Path, args, lo
         "overrides": overrides,
         "split": split,
         "second_seed": {"policy": args.second_seed, "settings": again},
-        "wall_s": walls,
         "de_en": strip(de_en),
         "bt": bt,
         "settings": {k: summarise(v) for k, v in runs.items()},
@@ -574,14 +709,24 @@ def run_study(root: pathlib.Path, size: Size, manual_dir: pathlib.Path, args, lo
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--root", default=str(REPO / "runs" / "backtranslation"))
-    parser.add_argument("--debug", action="store_true", help="the minutes-sized study (test)")
+    parser.add_argument("--size", choices=sorted(SIZES), default="default")
+    parser.add_argument("--debug", action="store_true", help="--size=debug (the test)")
+    parser.add_argument(
+        "--record",
+        default="",
+        help="where each finished run's score and curve are kept (default: "
+        "experiments/results/backtranslation/SIZE, in the repository; debug: ROOT/record)",
+    )
     parser.add_argument("--manual_dir", default=str(DEFAULT_MANUAL_DIR), help="raw Multi30k")
     parser.add_argument("--second_seed", choices=("close", "all", "none"), default="close")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
-    size = SIZES["debug" if args.debug else "default"]
+    size = SIZES["debug" if args.debug else args.size]
     root = pathlib.Path(args.root).resolve()
     root.mkdir(parents=True, exist_ok=True)
+    if not args.record:
+        default = root / "record" if size.name == "debug" else RECORDS / size.name
+        args.record = str(default)
     results = run_study(root, size, pathlib.Path(args.manual_dir).resolve(), args)
     (root / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     report = write_report(root, size, results)

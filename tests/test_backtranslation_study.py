@@ -1,6 +1,7 @@
-"""experiments/backtranslation.py: the runs' configs, the A/B split, the second-seed rule
-(seconds, in CI), and the `--debug` study end to end (a smoke test: ~3-5 minutes on the
-2-core CPU, so it runs only with TX_JAX_STUDY_SMOKE=1). The end-to-end test reads the real
+"""experiments/backtranslation.py: the runs' configs, the A/B split, the second-seed rule,
+a run reused from its record (seconds, in CI), and the `--debug` study end to end, then
+rebuilt from its record alone (~3-5 minutes on the 2-core CPU, so it runs only with
+TX_JAX_STUDY_SMOKE=1). The end-to-end test reads the real
 Multi30k files with the debug size's limits when ../shared/data/multi30k exists, otherwise a
 Multi30k-shaped en/de fixture written here (word-for-word translations of invented words)."""
 
@@ -57,7 +58,8 @@ def test_configs_hold_the_design(tmp_path):
         assert (c.data.eval_split, c.eval.test_split) == ("validation", "")
     assert (base.data.source_lang, base.data.target_lang) == ("en", "de")
     assert (configs["de_en"].data.source_lang, configs["de_en"].data.target_lang) == ("de", "en")
-    assert base.train.num_steps == 1800 and base.model.d_model == 256
+    assert base.train.num_steps == 600 and base.model.d_model == 256
+    assert base.model.dropout_rate == 0.1 and base.data.tokens_per_batch == 4096
     peak = base.train.lr_scale * (base.model.d_model * base.train.warmup_steps) ** -0.5
     assert math.isclose(peak, 2e-3)
     assert list(base.data.synthetic_corpora) == []
@@ -112,6 +114,27 @@ def test_a_stored_run_is_reused_unless_a_key_it_had_changed(tmp_path):
         study.train_and_score(config, workdir, "label")
 
 
+def test_a_recorded_run_is_reused_under_another_root(tmp_path):
+    """A finished run kept in --record (the repository) is not trained again when ROOT is
+    gone: its config is compared with ROOT written as $ROOT; another config is refused."""
+    size = study.SIZES["default"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    config = study.make_config(size, one, "en-de", 0, study.synthetic_corpora(one, "bt_beam"), {})
+    fingerprint = study._fingerprint(config, one)
+    assert str(one) not in fingerprint and "$ROOT/bt/beam/B.de" in fingerprint
+    record = tmp_path / "record" / "en_de" / "bt_beam" / "seed0"
+    record.parent.mkdir(parents=True)
+    kept = {"seed": 0, "bleu": 12.5, "chrf": 40.0, "fingerprint": fingerprint}
+    record.with_suffix(".json").write_text(json.dumps(kept))
+    again = study.make_config(size, two, "en-de", 0, study.synthetic_corpora(two, "bt_beam"), {})
+    workdir = two / "en_de" / "bt_beam" / "seed0"  # never created: nothing trains
+    result = study.train_and_score(again, workdir, "x", root=two, record=record)
+    assert result == kept and not workdir.exists()
+    other = study.make_config(size, two, "en-de", 1, [], {})
+    with pytest.raises(SystemExit, match=r"another config \(data.synthetic_corpora, seed"):
+        study.train_and_score(other, workdir, "x", root=two, record=record)
+
+
 def test_second_seed_rule():
     first = {"a_only": 20.0, "bt_beam": 22.5, "bt_sample": 22.9, "bt_tagged": 24.0, "a_plus_b": 30}
     assert study.second_seed_settings(first, "close") == ["bt_beam", "bt_sample"]
@@ -146,3 +169,10 @@ def test_debug_study_end_to_end(tmp_path):
     for name in study.SETTINGS:  # every en->de run trained to its last step
         last = (root / "en_de" / name / "seed0" / "metrics.jsonl").read_text().splitlines()[-1]
         assert json.loads(last)["step"] == study.SIZES["debug"].steps
+    # ROOT lost, its record kept: the study is rebuilt from the record, nothing trains
+    other = tmp_path / "elsewhere"
+    argv = ["--debug", f"--root={other}", f"--manual_dir={raw}", f"--record={root / 'record'}"]
+    assert study.main(argv) == 0
+    again = json.loads((other / "results.json").read_text())
+    assert again["settings"] == results["settings"] and again["curves"] == results["curves"]
+    assert not (other / "en_de").exists() and not (other / "de_en").exists()
