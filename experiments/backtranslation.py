@@ -706,6 +706,29 @@ def run_study(root: pathlib.Path, size: Size, manual_dir: pathlib.Path, args, lo
     }
 
 
+def status_table(record: pathlib.Path) -> list[str]:
+    """The study's table from its record alone, finished runs only (--status)."""
+
+    def cell(path: pathlib.Path) -> tuple[str, str]:
+        if not path.exists():
+            return "not run", ""
+        r = json.loads(path.read_text())
+        return f"{r['bleu']:.2f}", f"{r['chrf']:.2f}"
+
+    rows = [("de->en on A (back-translates B)", [record / "de_en.json"])]
+    rows += [
+        (label, sorted((record / "en_de" / k).glob("seed*.json")) or [record / "en_de" / k])
+        for k, (label, _) in SETTINGS.items()
+    ]
+    lines = ["| trained on | test BLEU | test chrF |", "|---|---|---|"]
+    for label, paths in rows:
+        cells = [cell(p) for p in paths]
+        bleu = " / ".join(c[0] for c in cells)
+        chrf = " / ".join(c[1] for c in cells if c[1])
+        lines.append(f"| {label} | {bleu} | {chrf} |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--root", default=str(REPO / "runs" / "backtranslation"))
@@ -720,6 +743,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--manual_dir", default=str(DEFAULT_MANUAL_DIR), help="raw Multi30k")
     parser.add_argument("--second_seed", choices=("close", "all", "none"), default="close")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument(
+        "--status", action="store_true", help="print the finished runs' table and stop"
+    )
     args = parser.parse_args(argv)
     size = SIZES["debug" if args.debug else args.size]
     root = pathlib.Path(args.root).resolve()
@@ -727,6 +753,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.record:
         default = root / "record" if size.name == "debug" else RECORDS / size.name
         args.record = str(default)
+    if args.status:
+        print("\n".join(status_table(pathlib.Path(args.record))))
+        return 0
     results = run_study(root, size, pathlib.Path(args.manual_dir).resolve(), args)
     (root / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     report = write_report(root, size, results)

@@ -130,6 +130,9 @@ def test_a_recorded_run_is_reused_under_another_root(tmp_path):
     workdir = two / "en_de" / "bt_beam" / "seed0"  # never created: nothing trains
     result = study.train_and_score(again, workdir, "x", root=two, record=record)
     assert result == kept and not workdir.exists()
+    table = study.status_table(tmp_path / "record")  # --status: the record alone
+    assert "| A + BT(B), beam 4 | 12.50 | 40.00 |" in table
+    assert "| A alone | not run |  |" in table and len(table) == 2 + 1 + len(study.SETTINGS)
     other = study.make_config(size, two, "en-de", 1, [], {})
     with pytest.raises(SystemExit, match=r"another config \(data.synthetic_corpora, seed"):
         study.train_and_score(other, workdir, "x", root=two, record=record)
