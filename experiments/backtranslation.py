@@ -75,7 +75,6 @@ import hashlib
 import json
 import math
 import pathlib
-import platform
 import shutil
 import statistics
 import subprocess
@@ -420,10 +419,10 @@ def train_and_score(
                 _write_record(record, result, workdir)
             log(f"[{label}] reused: {where}")
             return result
-    start = time.time()
     train_model(config, workdir, label, log)
-    train_s = time.time() - start
+    start = time.time()
     test = evaluation.evaluate(workdir, split=TEST_SPLIT, beam_size=4, alpha=0.6)
+    train_s, cpu = _training(workdir)
     result = {
         "seed": int(config.seed),
         "step": int(test["step"]),
@@ -433,8 +432,8 @@ def train_and_score(
         "chrf_signature": test["chrf_signature"],
         "examples": test["examples"],
         "train_s": round(train_s, 1),
-        "test_s": round(time.time() - start - train_s, 1),
-        "cpu": _cpu_name(),
+        "test_s": round(time.time() - start, 1),
+        "cpu": cpu,
         **(extra or {}),
         "fingerprint": _fingerprint(config, root),
     }
@@ -455,14 +454,12 @@ def _write_record(record: pathlib.Path, result: dict, workdir: pathlib.Path) -> 
     _write(record.with_suffix(".json"), [json.dumps(result, indent=1)])
 
 
-def _cpu_name() -> str:
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+def _training(workdir: pathlib.Path) -> tuple[float, str]:
+    """(training seconds over all the run's segments, the CPUs that trained it) from
+    WORKDIR/segments.jsonl: a run stopped and resumed counts every segment."""
+    segments = [json.loads(x) for x in (workdir / "segments.jsonl").read_text().splitlines()]
+    cpus = dict.fromkeys(r.get("cpu", "?") for r in segments)
+    return float(segments[-1]["train_seconds"]), "; ".join(cpus)
 
 
 def second_seed_settings(first: dict[str, float], policy: str) -> list[str]:
