@@ -660,7 +660,7 @@ def test_deterministic_gpu_mode_keeps_cudnn_out(monkeypatch):
         )
         assert backend.deterministic_ops()
         assert _choose("auto", q, q, q, False, False) == "xla"
-        for impl in ("cudnn", "cudnn_broadcast", "cudnn_native"):
+        for impl in ("cudnn", "cudnn_broadcast", "cudnn_native", "cudnn_jax"):
             with pytest.raises(ValueError, match="xla_gpu_deterministic_ops"):
                 _choose(impl, q, q, q, False, False)
 

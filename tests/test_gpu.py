@@ -5,7 +5,8 @@
 'cudnn' attention (jax.nn.dot_product_attention's cuDNN fused kernel) against the float64
 reference and against 'xla' on the same GPU, forward and gradients, masks as the model builds
 them (padding, causal, packed segments, fully masked rows); 'auto' choosing it in bfloat16;
-and the model's bfloat16 train step through it against the same step through 'xla'.
+the model's bfloat16 train step through it against the same step through 'xla'; and the
+masked call without a bias gradient against jax.nn's, which writes one.
 """
 
 import functools
@@ -72,7 +73,7 @@ def _attend(impl, q, k, v, q_seg, kv_seg, causal):
 
 
 # 'cudnn_broadcast': does cuDNN take the mask as [B, 1, L, S] (benchmarks/cudnn_bias.py)?
-_IMPLS = ("cudnn_native", "cudnn", "cudnn_broadcast")
+_IMPLS = ("cudnn_native", "cudnn", "cudnn_broadcast", "cudnn_jax")
 
 
 @pytest.mark.parametrize("impl", _IMPLS)
@@ -119,6 +120,43 @@ def test_cudnn_gradients_match_xla_in_float32(causal, impl):
         err = np.abs(g - r).max() / np.abs(r).max()
         assert err < 3e-2, (name, err)
 
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_masked_attention_without_bias_gradient_equals_jax_nn(causal):
+    """cudnn_masks.masked_attention (cuDNN's backward asked for dq, dk, dv only) gives the
+    outputs and gradients of jax.nn.dot_product_attention with the same mask (which also
+    writes the bias gradient), and 'cudnn' uses it."""
+    from tx_jax.model import cudnn_masks
+
+    q, k, v, q_seg, kv_seg = _problem(np.random.default_rng(4), causal)
+    mask = masks.dense_mask(
+        L, k.shape[1], is_causal=causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg
+    )
+    mask = jnp.broadcast_to(mask, (B, H, L, k.shape[1]))
+    w = jnp.asarray(np.random.default_rng(5).normal(size=(B, L, H, D)), jnp.float32)
+
+    def ours(q, k, v):
+        return cudnn_masks.masked_attention(q, k, v, mask)
+
+    def theirs(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
+
+    results = []
+    for fn in (ours, theirs):
+        def loss(q, k, v, fn=fn):
+            return (fn(q, k, v).astype(jnp.float32) * w).sum()
+
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+        results.append(step(q, k, v))
+        bwd = [c for c in step.lower(q, k, v).as_text().splitlines() if "Backward(" in c]
+        assert len(bwd) == 1
+        bias_grads = bwd[0].rsplit("->", 1)[1].count(f"x{L}x{k.shape[1]}xbf16>")
+        assert bias_grads == (0 if fn is ours else 1), bwd[0][-300:]
+    (l1, g1), (l2, g2) = results
+    np.testing.assert_allclose(float(l1), float(l2), rtol=1e-3)
+    for name, a, b in zip("qkv", g1, g2):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.abs(a - b).max() <= 1e-2 * np.abs(b).max(), name
 
 def _hopper():
     cc = getattr(_gpu(), "compute_capability", "0.0")

@@ -283,11 +283,12 @@ def test_cudnn_native_masks_lower_without_bias(case):
         assert f"tensor<{B}x{M + 1}xi32>" in text
 
 
-@pytest.mark.parametrize("impl, heads", [("cudnn", 4), ("cudnn_broadcast", 1)])
+@pytest.mark.parametrize("impl, heads", [("cudnn", 4), ("cudnn_broadcast", 1), ("cudnn_jax", 4)])
 def test_cudnn_bias_has_the_heads_the_implementation_says(impl, heads):
     """A packed causal mask [B, 1, L, L] reaches cuDNN as a [B, H, L, L] bias ('cudnn') or
-    as [B, 1, L, L] ('cudnn_broadcast': an eighth of the reads at 8 heads), and so does the
-    bias gradient cuDNN's backward writes; the guard for rows with no key keeps [B, L, 1, 1]."""
+    as [B, 1, L, L] ('cudnn_broadcast': an eighth of the reads at 8 heads); cuDNN's backward
+    writes dq, dk and dv but no bias gradient (cudnn_masks.masked_attention: a mask has none),
+    where jax.nn's call ('cudnn_jax') has it write one of the bias's shape."""
     from tx_jax.model import attention as A
 
     B, L, H, D = 2, 128, 4, 64  # L != D: the bias's type is no other operand's
@@ -310,8 +311,12 @@ def test_cudnn_bias_has_the_heads_the_implementation_says(impl, heads):
     bias = f"tensor<{B}x{heads}x{L}x{L}xbf16>"
     other = f"tensor<{B}x{H + 1 - heads}x{L}x{L}xbf16>"
     assert bias in fwd[0] and other not in fwd[0], fwd[0][-400:]
-    result = bwd[0].rsplit("->", 1)[1]  # dq, dk, dv, the bias gradient, workspace
-    assert bias in result and other not in result, result
+    result = bwd[0].rsplit("->", 1)[1]  # dq, dk, dv, workspace
+    assert bias in bwd[0].rsplit("->", 1)[0]  # the backward reads the bias
+    if impl == "cudnn_jax":
+        assert result.count("bf16>") == 4 and bias in result and other not in result, result
+    else:
+        assert result.count("bf16>") == 3 and bias not in result and other not in result, result
 
 
 def test_abstract_strategy_names_bad_config():

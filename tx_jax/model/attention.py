@@ -41,10 +41,12 @@ from tx_jax.ops.kernels import dropout
 
 Array = jax.Array
 Implementation = Literal[
-    "auto", "xla", "chunked", "cudnn", "cudnn_broadcast", "cudnn_native", "splash"
+    "auto", "xla", "chunked", "cudnn", "cudnn_broadcast", "cudnn_native", "cudnn_jax", "splash"
 ]
-IMPLEMENTATIONS = ("auto", "xla", "chunked", "cudnn", "cudnn_broadcast", "cudnn_native", "splash")
-_CUDNN = ("cudnn", "cudnn_broadcast", "cudnn_native")
+IMPLEMENTATIONS = (
+    "auto", "xla", "chunked", "cudnn", "cudnn_broadcast", "cudnn_native", "cudnn_jax", "splash"
+)  # fmt: skip
+_CUDNN = ("cudnn", "cudnn_broadcast", "cudnn_native", "cudnn_jax")
 _NEG = -1e30  # finite "minus infinity": exp(_NEG - m) == 0 without inf - inf = NaN.
 _LANES = 128  # splash's block lengths are multiples of the TPU's 128 lanes
 # Pallas interpret mode for 'splash', so that tests run the TPU kernel on a CPU; tests set it
@@ -88,7 +90,10 @@ def dot_product_attention(
       dropout_rate, dropout_rng, deterministic: dropout on the attention weights.
       implementation: 'xla' (einsum-softmax-einsum), 'chunked' (online softmax over key
         blocks of `chunk_size`: memory linear in S, same result), 'cudnn'
-        (cuDNN's fused attention on a GPU, bf16/fp16, Dv == Dk; the masks as a dense bias),
+        (cuDNN's fused attention on a GPU, bf16/fp16, Dv == Dk; the masks as a dense bias,
+        whose gradient cuDNN's backward is not asked for: cudnn_masks.masked_attention),
+        'cudnn_jax' (the same through jax.nn.dot_product_attention, which asks for it: the
+        reference 'cudnn' is measured against, and the way back should jax's private call move),
         'cudnn_native' (the same with is_causal and segment ids in cuDNN's own form,
         cudnn_masks.py: no bias, but 1.7x slower on an H100 in the paper's packed base step,
         BENCHMARKS.md; opt-in until a cuDNN makes it pay), 'cudnn_broadcast' (the dense
@@ -152,7 +157,9 @@ def dot_product_attention(
         kv_segment_ids=kv_segment_ids,
     )
     if impl in _CUDNN:
-        return _attention_cudnn(query, key, value, full, bias, heads=impl != "cudnn_broadcast")
+        return _attention_cudnn(
+            query, key, value, full, bias, heads=impl != "cudnn_broadcast", own=impl != "cudnn_jax"
+        )
     out, weights = _attention_xla(query, key, value, full, bias, drop, precision)
     return (out, weights) if return_weights else out
 
@@ -417,9 +424,10 @@ def _attention_chunked_scan(query, key, value, mask, bias, is_causal, q_seg, kv_
     return out.reshape(B, L, H, Dv).astype(value.dtype)
 
 
-def _attention_cudnn(query, key, value, mask, bias, structure=None, heads=True):
+def _attention_cudnn(query, key, value, mask, bias, structure=None, heads=True, own=True):
     """cuDNN's fused attention with a dense mask/bias (broadcast to every head, or with
-    `heads` False left [B, 1, L, S] where it has no head axis), or, given `structure`
+    `heads` False left [B, 1, L, S] where it has no head axis; a mask alone, with `own`, through
+    cudnn_masks.masked_attention: no bias gradient), or, given `structure`
     (is_causal, q_segment_ids, kv_segment_ids), with those in cuDNN's native form; None where
     the native form does not apply (the caller falls back to the dense mask)."""
     # No check of jax.default_backend(): a CPU host with CUDA's jaxlib plugin can lower this
@@ -443,9 +451,13 @@ def _attention_cudnn(query, key, value, mask, bias, structure=None, heads=True):
     try:
         if structure is not None:
             return cudnn_masks.attention(query, key, value, *structure)
-        out = jax.nn.dot_product_attention(
-            query, key, value, bias=bias, mask=full, implementation="cudnn"
-        )
+        out = None
+        if own and bias is None and full is not None:  # a mask alone: no gradient to compute
+            out = cudnn_masks.masked_attention(query, key, value, full)
+        if out is None:
+            out = jax.nn.dot_product_attention(
+                query, key, value, bias=bias, mask=full, implementation="cudnn"
+            )
     except RuntimeError as e:  # no CUDA in jaxlib; or run eagerly on a CPU (no lowering rule)
         raise ValueError(
             f"implementation='cudnn' runs only on a GPU with cuDNN (jax: {e}); "

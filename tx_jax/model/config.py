@@ -64,7 +64,8 @@ class ModelConfig:
     attention_bias: bool = False  # biases in the Q/K/V/O projections
     ffn_bias: bool = True  # biases in the FFN (eq. 2 has b1, b2)
     logits_bias: bool = False  # a [V] bias added to the output logits (Marian's final_logits_bias)
-    # auto | xla | chunked | cudnn | cudnn_broadcast | cudnn_native | splash (model/attention.py)
+    # auto | xla | chunked | cudnn | cudnn_broadcast | cudnn_native | cudnn_jax | splash
+    # (model/attention.py)
     attention_impl: str = "auto"
     kernels: str = "auto"  # auto | cpu | generic: projections and dropout (tx_jax/ops/kernels.py)
     # auto | bernoulli | packed | rbg | hash: how dropout's random bits are drawn (ops/kernels.py)

@@ -282,3 +282,48 @@ def _zero_grad_bwd(outside, g):
 
 
 _zero_grad_where.defvjp(_zero_grad_fwd, _zero_grad_bwd)
+
+
+# jax's private cuDNN call (custom_vjp) with the parameters `masked_attention` passes
+_CORE_ARGS = (
+    "query", "key", "value", "bias", "q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets",
+    "page_table_k", "page_table_v", "scale", "seed", "dropout_rate", "variadic_args",
+    "mask_type", "layout", "sliding_window_length", "cudnn_version", "return_residual",
+)  # fmt: skip
+_CORE_HELPERS = ("combine_bias_and_mask", "check_layout", "check_cudnn_version", "_normalize_layout")
+
+
+def masked_attention(query: Array, key: Array, value: Array, mask: Array) -> Array | None:
+    """softmax(q k^T / sqrt(D) + bias) v through cuDNN, the bias 0 where the dense bool mask
+    [B, H or 1, L, S] is True and a large negative number elsewhere (jax.nn's 'cudnn' path),
+    with no bias gradient. jax.nn.dot_product_attention asks cuDNN's backward for d(bias)
+    whatever the bias (`should_export_dbias` answers True in jax 0.10; older jax asked only for
+    a [1, H, L, S] one), so each backward call writes a [B, H, L, S] array that the step then
+    drops: a mask has no gradient. None where jax's private call is not the one this was
+    written against (the caller then uses jax.nn.dot_product_attention).
+
+    query [B, L, H, D], key/value [B, S, K, D] in bf16/fp16 -> [B, L, H, D]."""
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as fa
+    except ImportError:
+        return None
+    core = getattr(fa, "_dot_product_attention", None)
+    if core is None or not all(hasattr(fa, n) for n in (*_CORE_HELPERS, "MaskType")):
+        return None
+    try:
+        params = tuple(inspect.signature(getattr(core, "fun", core)).parameters)
+    except (TypeError, ValueError):
+        return None
+    if params != _CORE_ARGS:
+        return None
+    cudnn_version = fa.check_cudnn_version()
+    layout = fa._normalize_layout("BTNH")
+    bias = fa.combine_bias_and_mask(None, mask, query.dtype)
+    fa.check_layout(query, key, value, bias, None, None, None, None, None, None, layout)
+    unused = jnp.zeros(0, query.dtype)
+    # variadic_args (has_bias, has_dbias) = (True, False): the backward writes dq, dk, dv only
+    return core(
+        query, key, value, bias, unused, unused, unused, unused, unused, unused,
+        1.0 / math.sqrt(query.shape[-1]), 0, 0.0, (True, False), fa.MaskType.NO_MASK,
+        layout.value, None, cudnn_version, False,
+    )  # fmt: skip
