@@ -521,6 +521,15 @@ def conclusion(results: dict) -> list[str]:
         f"back-translation model would add here (the de->en model scores "
         f"{results['de_en']['bleu']:.2f} BLEU on the test set)."
     )
+    ceiling, spread = _versus(results, "a_plus_b", "a_only")
+    if abs(ceiling) < max(1.0, spread):
+        lines.append(
+            f"- B's real pairs themselves add only {ceiling:+.2f} BLEU to A at this size, within "
+            "the noise: the model and its updates, not the data, limit it, so no source side "
+            "for B (real or back-translated) can show an effect here. Edunov et al.'s and "
+            "Caswell et al.'s gains are for big models trained to convergence on millions of "
+            "pairs."
+        )
     if results["size"]["name"] == "debug":
         lines.append(
             "- Debug size: a 1-layer model after a few updates; these numbers test the "

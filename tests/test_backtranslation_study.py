@@ -145,6 +145,30 @@ def test_second_seed_rule():
     assert study.second_seed_settings(first, "none") == []
 
 
+
+def test_conclusion_weighs_each_difference_against_the_noise():
+    """Differences under 1 BLEU (or the seed spread) are no difference; when B's real pairs
+    add nothing measurable over A, the report says that this size cannot show an effect."""
+
+    def results(bleu: dict[str, list[float]]) -> dict:
+        settings = {k: study.summarise([{"bleu": b, "chrf": 50.0, "seed": i}
+                                        for i, b in enumerate(v)]) for k, v in bleu.items()}  # fmt: skip
+        return {"settings": settings, "split": {"a": 14500}, "de_en": {"bleu": 33.6},
+                "size": {"name": "default"}}  # fmt: skip
+
+    flat = {"a_only": [31.6, 31.2], "bt_beam": [31.9, 32.3], "bt_sample": [31.8, 31.0],
+            "bt_tagged": [31.0, 31.5], "a_plus_b": [32.5, 32.1]}  # fmt: skip
+    lines = study.conclusion(results(flat))
+    first = [l for l in lines if l.startswith(f"- {study.SETTINGS['a_plus_b'][0]} vs")]
+    assert len(first) == 1 and "+0.90 BLEU" in first[0] and "no difference shown" in first[0]
+    assert any("add only +0.90 BLEU to A at this size" in l for l in lines)
+    assert "The real pairs lead the best back-translation by +0.20 BLEU" in "".join(lines)
+    wide = dict(flat, a_plus_b=[35.0, 35.4], bt_beam=[33.0, 33.4])
+    lines = study.conclusion(results(wide))
+    assert not any("at this size" in l for l in lines)
+    beam = [l for l in lines if l.startswith(f"- {study.SETTINGS['bt_beam'][0]} vs")][0]
+    assert "+1.80 BLEU (better; seed spread 0.40)" in beam
+
 @pytest.mark.slow
 @pytest.mark.skipif(
     os.environ.get("TX_JAX_STUDY_SMOKE") != "1",
