@@ -16,7 +16,6 @@ the normalised z in the backward pass. -> benchmarks/results/norm_plan.json
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 
@@ -60,9 +59,7 @@ def _custom_sublayer():
         d = dout.astype(jnp.float32)
         dxhat = d * g
         dz = rstd * (
-            dxhat
-            - dxhat.mean(-1, keepdims=True)
-            - xhat * (dxhat * xhat).mean(-1, keepdims=True)
+            dxhat - dxhat.mean(-1, keepdims=True) - xhat * (dxhat * xhat).mean(-1, keepdims=True)
         )
         rows = tuple(range(d.ndim - 1))
         dz = dz.astype(z.dtype)
@@ -151,8 +148,12 @@ def main(argv: list[str] | None = None) -> None:
         _common.table(
             ["variant", "planner (activations)", "compiler (activations)", "kernels"],
             [
-                [r["variant"], f"{r['planner_activations']:.2f}",
-                 f"{r['compiler_activations']:.2f}", r["kernels"]]
+                [
+                    r["variant"],
+                    f"{r['planner_activations']:.2f}",
+                    f"{r['compiler_activations']:.2f}",
+                    r["kernels"],
+                ]
                 for r in rows
             ],
         )  # fmt: skip

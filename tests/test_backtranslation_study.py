@@ -145,16 +145,21 @@ def test_second_seed_rule():
     assert study.second_seed_settings(first, "none") == []
 
 
-
 def test_conclusion_weighs_each_difference_against_the_noise():
     """Differences under 1 BLEU (or the seed spread) are no difference; when B's real pairs
     add nothing measurable over A, the report says that this size cannot show an effect."""
 
     def results(bleu: dict[str, list[float]]) -> dict:
-        settings = {k: study.summarise([{"bleu": b, "chrf": 50.0, "seed": i}
-                                        for i, b in enumerate(v)]) for k, v in bleu.items()}  # fmt: skip
-        return {"settings": settings, "split": {"a": 14500}, "de_en": {"bleu": 33.6},
-                "size": {"name": "default"}}  # fmt: skip
+        settings = {
+            k: study.summarise([{"bleu": b, "chrf": 50.0, "seed": i} for i, b in enumerate(v)])
+            for k, v in bleu.items()
+        }
+        return {
+            "settings": settings,
+            "split": {"a": 14500},
+            "de_en": {"bleu": 33.6},
+            "size": {"name": "default"},
+        }
 
     flat = {"a_only": [31.6, 31.2], "bt_beam": [31.9, 32.3], "bt_sample": [31.8, 31.0],
             "bt_tagged": [31.0, 31.5], "a_plus_b": [32.5, 32.1]}  # fmt: skip
@@ -168,6 +173,7 @@ def test_conclusion_weighs_each_difference_against_the_noise():
     assert not any("at this size" in l for l in lines)
     beam = [l for l in lines if l.startswith(f"- {study.SETTINGS['bt_beam'][0]} vs")][0]
     assert "+1.80 BLEU (better; seed spread 0.40)" in beam
+
 
 @pytest.mark.slow
 @pytest.mark.skipif(

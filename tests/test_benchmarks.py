@@ -218,6 +218,7 @@ def test_norm_plan_compares_two_ways_to_the_same_gradient():
         assert np.isfinite(a).all() and np.abs(a).max() > 0
         assert np.abs(a - b).max() <= 0.03 * np.abs(a).max()  # bf16 activations
 
+
 def test_cudnn_bias_probe_compares_both_mask_forms(tmp_path):
     """The probe the next GPU runs first, here with XLA's attention: the [B, 1, L, S] and
     [B, H, L, S] masks give the same outputs and gradients, timed for both."""

@@ -143,6 +143,7 @@ def test_masked_attention_without_bias_gradient_equals_jax_nn(causal):
 
     results = []
     for fn in (ours, theirs):
+
         def loss(q, k, v, fn=fn):
             return (fn(q, k, v).astype(jnp.float32) * w).sum()
 
@@ -157,6 +158,7 @@ def test_masked_attention_without_bias_gradient_equals_jax_nn(causal):
     for name, a, b in zip("qkv", g1, g2):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         assert np.abs(a - b).max() <= 1e-2 * np.abs(b).max(), name
+
 
 def _hopper():
     cc = getattr(_gpu(), "compute_capability", "0.0")

@@ -290,7 +290,12 @@ _CORE_ARGS = (
     "page_table_k", "page_table_v", "scale", "seed", "dropout_rate", "variadic_args",
     "mask_type", "layout", "sliding_window_length", "cudnn_version", "return_residual",
 )  # fmt: skip
-_CORE_HELPERS = ("combine_bias_and_mask", "check_layout", "check_cudnn_version", "_normalize_layout")
+_CORE_HELPERS = (
+    "combine_bias_and_mask",
+    "check_layout",
+    "check_cudnn_version",
+    "_normalize_layout",
+)
 
 
 def masked_attention(query: Array, key: Array, value: Array, mask: Array) -> Array | None:
