@@ -143,6 +143,12 @@ def test_second_seed_rule():
     assert study.second_seed_settings(first, "close") == ["bt_beam", "bt_sample"]
     assert study.second_seed_settings(first, "all") == list(first)
     assert study.second_seed_settings(first, "none") == []
+    assert study.second_seed_order(list(first)) == [
+        "bt_beam", "bt_sample", "bt_tagged", "a_only", "a_plus_b"
+    ]  # fmt: skip
+    assert study.second_seed_order(["a_plus_b", "a_only", "bt_sample"]) == [
+        "bt_sample", "a_only", "a_plus_b"
+    ]  # fmt: skip
 
 
 def test_conclusion_weighs_each_difference_against_the_noise():
