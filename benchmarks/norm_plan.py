@@ -71,7 +71,7 @@ def _custom_sublayer():
     return sublayer
 
 
-def grad_fn(variant: str, layers: int):
+def grad_fn(variant: str):
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
@@ -120,16 +120,18 @@ def measure(target_spec: str, variant: str, layers: int, shape: tuple[int, int, 
         spec((B, L, M), jnp.float32),
     )
     with programs._optimized(), backend.target(target.platform):
-        compiled = jax.jit(grad_fn(variant, layers)).lower(*args).compile()
+        compiled = jax.jit(grad_fn(variant)).lower(*args).compile()
     module = hlo.parse(compiled.as_text())
+    planner = hlo.hbm_traffic(module)
+    compiler = float(programs._cost(compiled).get("bytes accessed", 0.0))
     unit = B * L * M * 2  # one bf16 activation
     entry = module.computations[module.entry]
     return {
         "variant": variant,
-        "planner_bytes": hlo.hbm_traffic(module),
-        "compiler_bytes": float(programs._cost(compiled).get("bytes accessed", 0.0)),
-        "planner_activations": hlo.hbm_traffic(module) / unit,
-        "compiler_activations": float(programs._cost(compiled).get("bytes accessed", 0.0)) / unit,
+        "planner_bytes": planner,
+        "compiler_bytes": compiler,
+        "planner_activations": planner / unit,
+        "compiler_activations": compiler / unit,
         "kernels": sum(1 for i in entry if i.opcode in ("fusion", "custom-call")),
     }
 

@@ -124,8 +124,8 @@ def test_cudnn_gradients_match_xla_in_float32(causal, impl):
 @pytest.mark.parametrize("causal", [False, True])
 def test_masked_attention_without_bias_gradient_equals_jax_nn(causal):
     """cudnn_masks.masked_attention (cuDNN's backward asked for dq, dk, dv only) gives the
-    outputs and gradients of jax.nn.dot_product_attention with the same mask (which also
-    writes the bias gradient), and 'cudnn' uses it."""
+    outputs and gradients of jax.nn.dot_product_attention with the same mask, whose backward
+    also writes the bias gradient."""
     from tx_jax.model import cudnn_masks
 
     q, k, v, q_seg, kv_seg = _problem(np.random.default_rng(4), causal)
