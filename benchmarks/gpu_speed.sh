@@ -8,14 +8,16 @@
 #    train steps (bf16, float32; 'auto' attention and 'xla'; the default loss, 'onepass', and
 #    the four-pass 'dense' it replaced; the default dropout bits, 'hash', and the Threefry
 #    'bernoulli' masks they replaced; 'cudnn' attention without the mask's bias gradient and
-#    'cudnn_jax', jax.nn's call, with it): ms/step, tokens/s, MFU beside the
+#    'cudnn_jax', jax.nn's call, with it; the post-LN tail as XLA fuses it, the default, and
+#    as one Pallas kernel each way, model.residual_norm=pallas): ms/step, tokens/s, MFU beside the
 #    plan's roofline bound of the same compiled program -> OUT_DIR/gpu_step.json. Alone on the
 #    host while it times.
 # 2. benchmarks/attention.py in bfloat16 (xla, chunked, cudnn), L 1024-8192 ->
 #    OUT_DIR/attention_gpu.json; meanwhile `python -m tx_jax.plan --target=gpu:<chip>-1` for
 #    base and big compiles on the host's CPU as a CPU-only host would (the described GPU, no
 #    device) -> OUT_DIR/plan_{base,big}.json, to set beside step 1's measured times.
-# 3. tests/test_gpu.py (cuDNN attention against float64, the bf16 step through cuDNN).
+# 3. tests/test_gpu.py (cuDNN attention against float64, the bf16 step through cuDNN, the
+#    Pallas residual-norm kernel compiled by Triton against flax's LayerNorm).
 # Expects tx_jax importable (PYTHONPATH=.) with its dependencies (gpu_checks.sh lists what an
 # image with jax/flax/optax/orbax but not the data stack needs).
 set -u
@@ -28,7 +30,7 @@ chip=$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); import gpu_step
 print(gpu_step.chip_of(jax.devices()[0])[0])')
 
 JAX_PLATFORMS=cuda,cpu timeout ${STEP_TIMEOUT:-300} python3 benchmarks/gpu_step.py \
-  --cases "${CASES:-base:bfloat16,base:bfloat16/model.attention_impl=cudnn_jax,base:bfloat16/model.loss_impl=dense,base:bfloat16/model.dropout_bits=bernoulli,base:bfloat16:xla,base:float32,big:bfloat16,big:bfloat16/model.loss_impl=dense}" \
+  --cases "${CASES:-base:bfloat16,base:bfloat16/model.attention_impl=cudnn_jax,base:bfloat16/model.loss_impl=dense,base:bfloat16/model.dropout_bits=bernoulli,base:bfloat16/model.residual_norm=pallas,base:bfloat16:xla,base:float32,big:bfloat16,big:bfloat16/model.loss_impl=dense,big:bfloat16/model.residual_norm=pallas}" \
   --out "$out/gpu_step.json" 2>&1 | grep -v "^WARNING\|^I0000\|^W0000"
 echo "gpu_step exit ${PIPESTATUS[0]}"
 

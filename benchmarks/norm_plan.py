@@ -1,7 +1,8 @@
 """Post-LN sublayers, x = LayerNorm(x + Dropout(x W)), compiled for a GPU on this CPU: how much
 HBM traffic XLA:GPU gives flax's LayerNorm under autodiff against a hand-written custom VJP of
 the residual add, hashed dropout and layer norm together (the "one pass per sublayer" lever of
-issue 38, as far as jax alone can write it).
+issue 38, as far as jax alone can write it) and against model.residual_norm='pallas'
+(tx_jax/ops/residual_norm.py: one Pallas kernel each way).
 
     python benchmarks/norm_plan.py [--target gpu:h100-1] [--layers 4] [--shape 104x256x512]
 
@@ -10,7 +11,9 @@ activations, float32 statistics, the paper's dropout 0.1 with model.dropout_bits
 for the target's compile-only device (tx_jax.planning); traffic is counted as the planner counts
 it (hlo.hbm_traffic) and by the compiler, in units of one [B, L, M] bf16 activation. The custom
 VJP keeps z = x + dropout(y) in bf16 and the float32 row statistics, and recomputes the mask and
-the normalised z in the backward pass. -> benchmarks/results/norm_plan.json
+the normalised z in the backward pass; the Pallas kernels store nothing and recompute z from x
+and y. The compiler's count includes the custom calls' operands and results (programs._cost).
+-> benchmarks/results/norm_plan.json
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import _common  # noqa: E402
 
 EPS = 1e-6
 RATE = 0.1
+VARIANTS = ("flax", "custom_vjp", "pallas")
 
 
 def _custom_sublayer():
@@ -76,7 +80,7 @@ def grad_fn(variant: str):
     import jax
     import jax.numpy as jnp
 
-    from tx_jax.ops import kernels
+    from tx_jax.ops import kernels, residual_norm
 
     custom = _custom_sublayer()
 
@@ -91,6 +95,8 @@ def grad_fn(variant: str):
             k = jax.random.fold_in(key, i)
             if variant == "flax":
                 x = flax_sublayer(x, y, g, b, k)
+            elif variant == "pallas":
+                x = residual_norm.post_norm(x, y, g, b, RATE, k, eps=EPS)
             else:
                 x = custom(x, y, g, b, kernels._hash_words(k))
         return jnp.sum(x.astype(jnp.float32) * w)
@@ -145,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None, help="JSON path (default results/NAME.json)")
     args = parser.parse_args(argv)
     shape = tuple(int(n) for n in args.shape.split("x"))
-    rows = [measure(args.target, v, args.layers, shape) for v in ("flax", "custom_vjp")]
+    rows = [measure(args.target, v, args.layers, shape) for v in VARIANTS]
     print(
         _common.table(
             ["variant", "planner (activations)", "compiler (activations)", "kernels"],

@@ -49,6 +49,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.dropout_bits = "auto"  # auto | bernoulli | packed | rbg | hash: dropout's random bits
     c.model.loss_impl = "auto"  # auto | dense | onepass (logits read once) | blocked (per block)
     c.model.loss_block = 64  # 'blocked': target positions per block
+    c.model.residual_norm = "auto"  # auto (xla) | xla | pallas: post-LN tail in one kernel a way
 
     # Data: TFDS dataset, SentencePiece vocabulary, token-budget batches.
     c.data = ml_collections.ConfigDict()

@@ -188,8 +188,9 @@ def test_loss_benchmark_checks_both_implementations_agree_and_records_times(tmp_
 
 def test_norm_plan_compares_two_ways_to_the_same_gradient():
     """benchmarks/norm_plan.py plans flax's LayerNorm against a custom VJP of the residual,
-    hashed dropout and layer norm: both must compute the same gradients (run here on the CPU),
-    or the traffic they are compared by means nothing."""
+    hashed dropout and layer norm and against the Pallas kernels (in Pallas' interpreter
+    here): all must compute the same gradients, or the traffic they are compared by means
+    nothing."""
     import jax
     import jax.numpy as jnp
     import norm_plan
@@ -209,14 +210,17 @@ def test_norm_plan_compares_two_ways_to_the_same_gradient():
     w = jax.random.normal(keys[-1], (B, L, M), jnp.float32)
     got = {
         v: jax.jit(norm_plan.grad_fn(v))(params, x, jax.random.key(7), w)
-        for v in ("flax", "custom_vjp")
+        for v in norm_plan.VARIANTS
     }
-    flat = [jax.tree.leaves(got[v]) for v in ("flax", "custom_vjp")]
-    assert len(flat[0]) == len(flat[1]) == 3 * layers + 1
-    for a, b in zip(*flat):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        assert np.isfinite(a).all() and np.abs(a).max() > 0
-        assert np.abs(a - b).max() <= 0.03 * np.abs(a).max()  # bf16 activations
+    want = jax.tree.leaves(got["flax"])
+    assert len(want) == 3 * layers + 1
+    for variant in norm_plan.VARIANTS[1:]:
+        flat = jax.tree.leaves(got[variant])
+        assert len(flat) == len(want), variant
+        for a, b in zip(want, flat):
+            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+            assert np.isfinite(a).all() and np.abs(a).max() > 0
+            assert np.abs(a - b).max() <= 0.03 * np.abs(a).max(), variant  # bf16 activations
 
 
 def test_cudnn_bias_probe_compares_both_mask_forms(tmp_path):

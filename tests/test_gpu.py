@@ -5,8 +5,10 @@
 'cudnn' attention (jax.nn.dot_product_attention's cuDNN fused kernel) against the float64
 reference and against 'xla' on the same GPU, forward and gradients, masks as the model builds
 them (padding, causal, packed segments, fully masked rows); 'auto' choosing it in bfloat16;
-the model's bfloat16 train step through it against the same step through 'xla'; and the
-masked call without a bias gradient against jax.nn's, which writes one.
+the model's bfloat16 train step through it against the same step through 'xla'; the
+masked call without a bias gradient against jax.nn's, which writes one; and
+model.residual_norm='pallas' compiled by Triton against flax's LayerNorm after the hashed
+dropout (tests/test_residual_norm.py runs the same kernels in Pallas' interpreter).
 """
 
 import functools
@@ -310,3 +312,40 @@ def test_bfloat16_train_step_through_cudnn_equals_xla():
     assert np.isfinite(cudnn).all()
     assert cudnn[-1] < cudnn[0]  # it learns
     np.testing.assert_allclose(cudnn, xla, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_pallas_residual_norm_compiled_by_triton_matches_flax(dtype):
+    """The Triton kernels: the same masks (unsigned hashing and comparison as jax's), outputs
+    and gradients within float32 rounding (bf16: one bf16 step of z's scale)."""
+    from tx_jax.ops import kernels, residual_norm
+
+    rng = np.random.default_rng(8)
+    shape, M = (4, 96, 256), 256
+    x, y = (jnp.asarray(rng.normal(size=shape), dtype) for _ in range(2))
+    g = jnp.asarray(1.0 + 0.1 * rng.normal(size=M), jnp.float32)
+    b = jnp.asarray(0.1 * rng.normal(size=M), jnp.float32)
+    w = jnp.asarray(rng.normal(size=shape), jnp.float32)
+    key = jax.random.key(3)
+
+    def reference(x, y, g, b):
+        z = x + kernels.dropout(y, 0.1, key, kernels="generic", bits="hash")
+        ln = nn.LayerNorm(epsilon=1e-6, dtype=x.dtype)
+        return ln.apply({"params": {"scale": g, "bias": b}}, z)
+
+    def fused(x, y, g, b):
+        return residual_norm.post_norm(x, y, g, b, 0.1, key, eps=1e-6, interpret=False)
+
+    def loss(fn):
+        return lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * w)
+
+    step = jax.jit(jax.value_and_grad(loss(fused), argnums=(0, 1, 2, 3)))
+    assert step.lower(x, y, g, b).as_text().count("__gpu$xla.gpu.triton") == 2
+    got = step(x, y, g, b)
+    want = jax.jit(jax.value_and_grad(loss(reference), argnums=(0, 1, 2, 3)))(x, y, g, b)
+    keep = np.asarray(kernels.keep_mask(key, 0.1, shape, "generic", "hash"))
+    np.testing.assert_array_equal(np.asarray(got[1][1]) == 0, ~keep)  # dy's zeros: the mask
+    tol = 1e-5 if dtype == "float32" else 2.0**-6
+    for a, c in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        a, c = np.asarray(a, np.float64), np.asarray(c, np.float64)
+        np.testing.assert_allclose(c, a, rtol=tol, atol=tol * max(np.abs(a).max(), 1.0))

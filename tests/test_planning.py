@@ -117,6 +117,33 @@ def test_hlo_collectives_count_loop_trips_and_group_sizes():
     assert biggest["bytes"] == 4096 * 1024 * 4 and biggest["op"] == "jit(step)/big"
 
 
+KERNEL_HLO = """HloModule jit_step, entry_computation_layout={()->bf16[64,32]}
+
+%fused (p0: bf16[64,32]) -> bf16[64,32] {
+  %p0 = bf16[64,32]{1,0} parameter(0)
+  ROOT %n = bf16[64,32]{1,0} negate(%p0)
+}
+
+ENTRY %main (x: bf16[64,32], g: f32[32]) -> bf16[64,32] {
+  %x = bf16[64,32]{1,0} parameter(0)
+  %g = f32[32]{0} parameter(1)
+  %f = bf16[64,32]{1,0} fusion(%x), kind=kLoop, calls=%fused
+  %k = (bf16[64,32]{1,0}, f32[4,32]{1,0}) custom-call(%f, %x, %g), custom_call_target="{TRITON}"
+  %c = bf16[64,32]{1,0} custom-call(%f), custom_call_target="AllocateBuffer"
+  ROOT %o = bf16[64,32]{1,0} get-tuple-element(%k), index=0
+}
+"""
+
+
+def test_custom_calls_traffic_is_their_operands_and_results():
+    """What the cost analysis cannot see into (a Pallas or cuDNN kernel): the planner's count
+    of its operands and results, the free calls left out; programs._cost adds it on GPU."""
+    module = hlo.parse(KERNEL_HLO.replace("{TRITON}", "__gpu$xla.gpu.triton"))
+    kernel = (64 * 32 * 2) * 2 + 32 * 4 + (64 * 32 * 2 + 4 * 32 * 4)
+    assert hlo.hbm_traffic(module, custom_calls_only=True) == kernel
+    assert hlo.hbm_traffic(module) == kernel + 2 * (64 * 32 * 2)  # and the fusion's read, write
+
+
 def test_unknown_trip_count_is_per_iteration():
     text = HLO.replace(", backend_config={TRIP}", "")
     got = hlo.collectives(hlo.parse(text), num_devices=8)
@@ -308,6 +335,33 @@ def test_gpu_plan_compiles_for_h100():
     # the cost analysis cannot see into cuDNN's kernel: its attention FLOPs are missing
     compiled = p["flops_per_step_per_device"] * 8 / p["analytic_flops_per_step"]
     assert 0.7 <= compiled <= 1.0, compiled
+
+
+@pytest.mark.skipif(
+    os.environ.get("TX_JAX_GPU_PLAN_TESTS") != "1",
+    reason="GPU planning needs jax's CUDA plugin; set TX_JAX_GPU_PLAN_TESTS=1",
+)
+def test_gpu_cost_counts_a_pallas_kernels_operands_and_results():
+    """XLA:GPU's cost analysis (the CPU client's, on the GPU module) gives a Pallas kernel no
+    bytes; programs._cost adds its operands and results."""
+    import jax.numpy as jnp
+
+    from tx_jax.ops import backend, residual_norm
+
+    target = targets.parse("gpu:h100-1")
+    sharding = jax.sharding.SingleDeviceSharding(target.devices()[0])
+    act = jax.ShapeDtypeStruct((256, 128), jnp.bfloat16, sharding=sharding)
+    vec = jax.ShapeDtypeStruct((128,), jnp.float32, sharding=sharding)
+
+    def fn(x, y, g, b):
+        return residual_norm.post_norm(x, y, g, b, 0.0, None, eps=1e-6, interpret=False)
+
+    with programs._optimized(), backend.target("gpu"):
+        compiled = jax.jit(fn).lower(act, act, vec, vec).compile()
+    cost = programs._cost(compiled)
+    # reads x, y, g, b (and the key's two words), writes the output
+    assert cost["custom call bytes"] == 3 * 256 * 128 * 2 + 2 * 128 * 4 + 2 * 4
+    assert cost["bytes accessed"] >= cost["custom call bytes"]
 
 
 def test_traffic_of_a_looped_program_is_counted_by_trips():

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from tx_jax.model.attention import IMPLEMENTATIONS
 from tx_jax.ops.kernels import DROPOUT_BITS, KERNELS
+from tx_jax.ops.residual_norm import RESIDUAL_NORMS
 
 # gelu: flax's tanh approximation (Transformers' "gelu_new"); gelu_exact: the erf form
 # (Transformers' "gelu"); silu: x * sigmoid(x), not gated (Transformers' "swish", Marian's).
@@ -74,6 +75,9 @@ class ModelConfig:
     # positions with the logits recomputed in the backward pass (ops/output_loss.py)
     loss_impl: str = "auto"
     loss_block: int = 64  # 'blocked': target positions per block (of every batch row)
+    # auto | xla | pallas: the post-LN tail Norm(x + Dropout(y)) as XLA fuses it, or one Pallas
+    # kernel each way (ops/residual_norm.py)
+    residual_norm: str = "auto"
     dtype: str = "float32"  # compute dtype (activations, matmuls)
     param_dtype: str = "float32"  # storage dtype of the parameters
     remat: str = (
@@ -116,6 +120,7 @@ class ModelConfig:
             "remat": REMATS,
             "dropout_bits": DROPOUT_BITS,
             "loss_impl": LOSS_IMPLS,
+            "residual_norm": RESIDUAL_NORMS,
             "dtype": DTYPES,
             "param_dtype": DTYPES,
         }
@@ -165,6 +170,23 @@ class ModelConfig:
                 raise ValueError(f"model.{key}={getattr(self, key)} must be in [0, 1)")
         if self.positional == "rope" and (self.head_dim or self.d_model // self.num_heads) % 2:
             raise ValueError("model.positional='rope' needs an even head dimension")
+        if self.residual_norm == "pallas":
+            wants = {"norm": "layernorm", "norm_position": "post"}
+            for key, value in wants.items():
+                if getattr(self, key) != value:
+                    raise ValueError(
+                        f"model.residual_norm='pallas' fuses the post-LN LayerNorm; "
+                        f"model.{key}={getattr(self, key)!r} needs residual_norm='xla'"
+                    )
+            if self.dropout_bits not in ("auto", "hash"):
+                raise ValueError(
+                    "model.residual_norm='pallas' hashes its dropout masks (dropout_bits='hash'); "
+                    f"model.dropout_bits={self.dropout_bits!r} needs residual_norm='xla'"
+                )
+            if self.d_model & (self.d_model - 1):
+                raise ValueError(
+                    f"model.residual_norm='pallas' needs a power-of-two d_model; {self.d_model}"
+                )
 
     @property
     def compute_dtype(self) -> Any:

@@ -7,6 +7,8 @@ two orders (`ModelConfig.norm_position`):
     'post' (the paper):  x = Norm(x + Dropout(Sublayer(x)))
     'pre' (Xiong et al. 2020, most descendants):  x = x + Dropout(Sublayer(Norm(x)))
 Pre-LN stacks end with one more Norm (Encoder/Decoder in transformer.py add it).
+With `ModelConfig.residual_norm='pallas'` the post-LN tail is one Pallas kernel each way
+(ops/residual_norm.py), under the same parameter names.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import jax.numpy as jnp
 
 from tx_jax.model.config import ACTIVATIONS, NORMS, ModelConfig
 from tx_jax.model.multihead import MultiHeadAttention
+from tx_jax.ops import residual_norm
 from tx_jax.ops.kernels import Dropout, bias_add, dense
 
 Array = jax.Array
@@ -105,6 +108,26 @@ def make_norm(kind: str, epsilon: float, dtype: Any, param_dtype: Any, name: str
     raise ValueError(f"norm={kind!r}; expected one of {NORMS}")
 
 
+class _NormParams(nn.Module):
+    """LayerNorm's parameters alone, under the same names as make_norm's (a checkpoint reads
+    the same whichever `residual_norm` computes with them)."""
+
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, width: int) -> tuple[Array, Array]:
+        init = {
+            "scale": nn.initializers.ones_init(),
+            "bias": nn.initializers.zeros_init(),
+        }
+        return tuple(
+            self.param(
+                key, nn.with_logical_partitioning(fn, ("embed",)), (width,), self.param_dtype
+            )
+            for key, fn in init.items()
+        )
+
+
 class _ResidualLayer(nn.Module):
     """Shared plumbing: one residual sub-layer in the configured LN order."""
 
@@ -112,10 +135,21 @@ class _ResidualLayer(nn.Module):
 
     def residual(self, x: Array, fn: Callable[[Array], Array], name: str, det: bool) -> Array:
         cfg = self.config
+        drop = Dropout(cfg.dropout_rate, cfg.kernels, cfg.dropout_bits, name=f"{name}_dropout")
+        if residual_norm.resolve(cfg.residual_norm) == "pallas":  # post-LN (config.validate)
+            scale, bias = _NormParams(cfg.parameter_dtype, name=f"{name}_norm")(x.shape[-1])
+            y = fn(x)
+            dtype = jnp.result_type(x, y)
+            rng = None if det or cfg.dropout_rate == 0.0 else drop.key()
+            x, y = x.astype(dtype), y.astype(dtype)
+            out = residual_norm.post_norm(
+                x, y, scale, bias, cfg.dropout_rate, rng, eps=cfg.norm_epsilon
+            )
+            x = out.astype(cfg.compute_dtype)
+            return nn.with_logical_constraint(x, ("batch", "length", "embed"))
         norm = make_norm(
             cfg.norm, cfg.norm_epsilon, cfg.compute_dtype, cfg.parameter_dtype, f"{name}_norm"
         )
-        drop = Dropout(cfg.dropout_rate, cfg.kernels, cfg.dropout_bits, name=f"{name}_dropout")
         if cfg.norm_position == "pre":
             x = x + drop(fn(norm(x)), deterministic=det)
         else:

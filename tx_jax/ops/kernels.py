@@ -216,5 +216,9 @@ class Dropout(nn.Module):
     def __call__(self, x: Array, deterministic: bool = True) -> Array:
         if deterministic or self.rate == 0.0:
             return x
-        rng = self.make_rng(self.rng_collection)
-        return dropout(x, self.rate, rng, self.kernels, self.bits)
+        return dropout(x, self.rate, self.key(), self.kernels, self.bits)
+
+    def key(self) -> Array:
+        """The key this module's masks are drawn from (a fused kernel that does the dropout
+        itself asks for it, so the masks are the ones this module would draw)."""
+        return self.make_rng(self.rng_collection)

@@ -214,13 +214,15 @@ def _operands(rest: str) -> list[str]:
 _FREE_CALLS = ("ConcatBitcast", "AllocateBuffer", "AssumeGatherIndicesInBound")
 
 
-def hbm_traffic(module: Module) -> int:
+def hbm_traffic(module: Module, custom_calls_only: bool = False) -> int:
     """Bytes the program's top-level operations read from and write to HBM per execution:
     each fusion, matmul, kernel, copy or collective reads its operands and writes its result
     (what stays inside a fusion never reaches memory; operands and results the TPU compiler
     placed in on-chip memory, S(n) layouts, are not HBM traffic, only their copy from HBM is).
     An estimate: an operation that reads only part of an operand (a slice, a gather) is
-    counted with all of it, one that reads an operand several times once."""
+    counted with all of it, one that reads an operand several times once.
+    custom_calls_only: count the kernels called by name alone (cuDNN's, Pallas'), which XLA's
+    cost analysis cannot look into."""
     total = 0
     for name in _control(module):
         times = module.multiplicity.get(name, 0)
@@ -232,6 +234,8 @@ def hbm_traffic(module: Module) -> int:
                 continue
             target = _TARGET.search(ins.rest) if ins.opcode == "custom-call" else None
             if target and target.group(1) in _FREE_CALLS:
+                continue
+            if custom_calls_only and not target:
                 continue
             operands = set(_operands(ins.rest))  # an operand passed twice is read once
             if ins.opcode.endswith("-start"):

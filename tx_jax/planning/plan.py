@@ -7,7 +7,8 @@ traffic / HBM bandwidth, bytes sent / interconnect bandwidth), each per device f
 compiled program and the chip table (chips.py). HBM traffic is the smaller of two counts that
 each overcount in their own way: hlo.hbm_traffic (the whole operands and results of each
 top-level operation) and the cost analysis' "bytes accessed" (which also counts traffic
-inside fusions: 3.6x a fused matmul's operands and result on TPU). FLOPs come from the cost
+inside fusions: 3.6x a fused matmul's operands and result on TPU; on GPU, where it gives
+custom calls nothing, with their operands and results added). FLOPs come from the cost
 analysis, which cannot see inside custom kernels (cuDNN attention, Pallas): with those the
 compute term is low. The compiler's own time estimate is not used (the TPU compiler's
 `optimal_seconds` came out negative for a train step).
@@ -54,9 +55,9 @@ def analytic_flops(built: programs_lib.Built, shapes: dict[str, tuple[int, int]]
 def traffic(p: programs_lib.Program) -> float:
     """HBM bytes per step: the smaller of two overcounts, hlo.hbm_traffic (whole operands of
     each top-level operation) and the cost analysis' bytes accessed (traffic inside fusions
-    too; on GPU the CPU client's analysis of the GPU module). Where a loop body runs more
-    than once, hlo.hbm_traffic alone: the cost analysis counts the body once, which made a
-    blocked loss look 4 GB lighter than it is (BENCHMARKS.md)."""
+    too; on GPU the CPU client's analysis of the GPU module, custom calls added). Where a
+    loop body runs more than once, hlo.hbm_traffic alone: the cost analysis counts the body
+    once, which made a blocked loss look 4 GB lighter than it is (BENCHMARKS.md)."""
     if p.loop_trips > 1 and p.hbm_bytes > 0:
         return p.hbm_bytes
     counts = [x for x in (p.hbm_bytes, p.bytes_accessed) if x > 0]
@@ -127,6 +128,10 @@ def make_plan(
             "dtype": mc.dtype,
             "attention_impl": mc.attention_impl,
             "remat": mc.remat,
+            # issue 38's levers, as the config names them ('auto' resolves per platform)
+            "loss_impl": mc.loss_impl,
+            "dropout_bits": mc.dropout_bits,
+            "residual_norm": mc.residual_norm,
             "d_model": mc.d_model,
             "layers": [mc.num_encoder_layers, mc.num_decoder_layers],
         },

@@ -50,7 +50,9 @@ class Program:
     compile_seconds: float
     memory: dict[str, int]  # argument, output, alias, temp, code (bytes per device)
     flops: float  # per device, from the compiler's cost analysis
-    bytes_accessed: float  # per device, likewise (counts traffic inside fusions too)
+    # per device, likewise (counts traffic inside fusions too); on GPU with the custom calls'
+    # operands and results added, which the CPU client's analysis counts as nothing
+    bytes_accessed: float
     hbm_bytes: float  # per device: hlo.hbm_traffic of the optimized program
     collectives: dict[str, dict]
     largest_buffers: list[dict]
@@ -161,20 +163,29 @@ def _optimized():
             jax.config.update(k, v)
 
 
-def _cost(compiled) -> dict[str, float]:
-    """The compiler's cost analysis (per device). XLA:GPU's executables do not implement it
-    (UNIMPLEMENTED); there the same HLO cost analysis runs on the optimized module through
-    the CPU client, which counts the partitioned module's FLOPs and bytes just the same."""
+def _cost(compiled, platform: str = "gpu") -> dict[str, float]:
+    """The compiler's cost analysis (per device). XLA:GPU's compile-only executables do not
+    implement it (UNIMPLEMENTED); there the same HLO cost analysis runs on the optimized module
+    through the CPU client, which counts the partitioned module's FLOPs and bytes just the
+    same. On GPU either analysis gives a custom call (cuDNN's attention, a cuBLAS or Pallas
+    kernel) no bytes: its operands and results are added as the planner counts them, or a
+    kernel of our own would look free (BENCHMARKS.md, "One kernel for the residual, dropout
+    and layer norm"); 'custom call bytes' says how much that was."""
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):
         cost = cost[0] if cost else None
-    if cost:
-        return cost
-    from jax._src import xla_bridge
-    from jax._src.lib import _jax
+    if not cost:
+        from jax._src import xla_bridge
+        from jax._src.lib import _jax
 
-    module = compiled.runtime_executable().hlo_modules()[0]
-    return _jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module)
+        module = compiled.runtime_executable().hlo_modules()[0]
+        cost = _jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module)
+    cost = dict(cost)
+    if platform in ("gpu", "cuda", "rocm"):
+        seen = hlo.hbm_traffic(hlo.parse(compiled.as_text()), custom_calls_only=True)
+        cost["bytes accessed"] = cost.get("bytes accessed", 0.0) + seen
+        cost["custom call bytes"] = float(seen)
+    return cost
 
 
 _OOM = re.compile(r"Ran out of memory.*?\(([\d.]+)G\) exceeds available \w+ \(([\d.]+)G\)")
@@ -207,7 +218,7 @@ def _compile(built: Built, name: str, kind: str, lower, shapes, extra_bytes: int
         "temp": int(mem.temp_size_in_bytes),
         "code": int(mem.generated_code_size_in_bytes),
     }
-    cost = _cost(compiled)
+    cost = _cost(compiled, built.target.platform)
     module = hlo.parse(compiled.as_text())
     return Program(
         name,
