@@ -9,7 +9,8 @@
 #    the four-pass 'dense' it replaced; the default dropout bits, 'hash', and the Threefry
 #    'bernoulli' masks they replaced; 'cudnn' attention without the mask's bias gradient and
 #    'cudnn_jax', jax.nn's call, with it; the post-LN tail as XLA fuses it, the default, and
-#    as one Pallas kernel each way, model.residual_norm=pallas): ms/step, tokens/s, MFU beside the
+#    as one Pallas kernel each way, model.residual_norm=pallas; the loss from Pallas kernels that
+#    never write the logits, model.loss_impl=fused, alone and with it): ms/step, tokens/s, MFU beside the
 #    plan's roofline bound of the same compiled program -> OUT_DIR/gpu_step.json. Alone on the
 #    host while it times.
 # 2. benchmarks/attention.py in bfloat16 (xla, chunked, cudnn), L 1024-8192 ->
@@ -30,7 +31,7 @@ chip=$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); import gpu_step
 print(gpu_step.chip_of(jax.devices()[0])[0])')
 
 JAX_PLATFORMS=cuda,cpu timeout ${STEP_TIMEOUT:-300} python3 benchmarks/gpu_step.py \
-  --cases "${CASES:-base:bfloat16,base:bfloat16/model.attention_impl=cudnn_jax,base:bfloat16/model.loss_impl=dense,base:bfloat16/model.dropout_bits=bernoulli,base:bfloat16/model.residual_norm=pallas,base:bfloat16:xla,base:float32,big:bfloat16,big:bfloat16/model.loss_impl=dense,big:bfloat16/model.residual_norm=pallas}" \
+  --cases "${CASES:-base:bfloat16,base:bfloat16/model.attention_impl=cudnn_jax,base:bfloat16/model.loss_impl=dense,base:bfloat16/model.dropout_bits=bernoulli,base:bfloat16/model.residual_norm=pallas,base:bfloat16/model.loss_impl=fused,base:bfloat16/model.loss_impl=fused/model.residual_norm=pallas,base:bfloat16:xla,base:float32,big:bfloat16,big:bfloat16/model.loss_impl=dense,big:bfloat16/model.residual_norm=pallas,big:bfloat16/model.loss_impl=fused}" \
   --out "$out/gpu_step.json" 2>&1 | grep -v "^WARNING\|^I0000\|^W0000"
 echo "gpu_step exit ${PIPESTATUS[0]}"
 

@@ -47,7 +47,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.kernels = "auto"  # auto (XLA:CPU-tuned kernels on CPU only) | cpu | generic
     c.model.remat = "none"  # none | full (recompute each layer) | dots (keep matmul outputs)
     c.model.dropout_bits = "auto"  # auto | bernoulli | packed | rbg | hash: dropout's random bits
-    c.model.loss_impl = "auto"  # auto | dense | onepass (logits read once) | blocked (per block)
+    # auto | dense | onepass (logits read once) | blocked (per block) | fused (Pallas, no logits)
+    c.model.loss_impl = "auto"
     c.model.loss_block = 64  # 'blocked': target positions per block
     c.model.residual_norm = "auto"  # auto (xla) | xla | pallas: post-LN tail in one kernel a way
 

@@ -8,7 +8,8 @@ them (padding, causal, packed segments, fully masked rows); 'auto' choosing it i
 the model's bfloat16 train step through it against the same step through 'xla'; the
 masked call without a bias gradient against jax.nn's, which writes one; and
 model.residual_norm='pallas' compiled by Triton against flax's LayerNorm after the hashed
-dropout (tests/test_residual_norm.py runs the same kernels in Pallas' interpreter).
+dropout, and model.loss_impl='fused' against the dense loss (tests/test_residual_norm.py and
+tests/test_fused_loss.py run the same kernels in Pallas' interpreter).
 """
 
 import functools
@@ -346,6 +347,38 @@ def test_pallas_residual_norm_compiled_by_triton_matches_flax(dtype):
     keep = np.asarray(kernels.keep_mask(key, 0.1, shape, "generic", "hash"))
     np.testing.assert_array_equal(np.asarray(got[1][1]) == 0, ~keep)  # dy's zeros: the mask
     tol = 1e-5 if dtype == "float32" else 2.0**-6
+    for a, c in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        a, c = np.asarray(a, np.float64), np.asarray(c, np.float64)
+        np.testing.assert_allclose(c, a, rtol=tol, atol=tol * max(np.abs(a).max(), 1.0))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_loss_compiled_by_triton_matches_the_dense_path(dtype):
+    """model.loss_impl='fused': the Triton kernels' sums and gradients against the dense path's
+    (tests/test_fused_loss.py runs the same kernels in Pallas' interpreter)."""
+    from tx_jax.ops import fused_loss
+    from tx_jax.training import losses
+
+    rng = np.random.default_rng(9)
+    B, L, M, V = 4, 100, 256, 1000
+    h = jnp.asarray(rng.normal(size=(B, L, M)), dtype)
+    table = jnp.asarray(0.1 * rng.normal(size=(V, M)), jnp.float32)
+    targets = jnp.asarray(rng.integers(1, V, size=(B, L)), jnp.int32)
+    weights = jnp.asarray(rng.random((B, L)) > 0.2, jnp.float32)
+
+    def dense(h, table):
+        logits = jnp.einsum("blm,vm->blv", h, table.astype(h.dtype)).astype(jnp.float32)
+        return losses.loss_sums(logits, targets, weights, 0.1)["loss"]
+
+    def fused(h, table):
+        sums = fused_loss.fused_output_loss(h, table, None, targets, weights, 0.1)
+        return sums["loss"]
+
+    step = jax.jit(jax.value_and_grad(fused, argnums=(0, 1)))
+    assert step.lower(h, table).as_text().count("__gpu$xla.gpu.triton") == 2
+    got = step(h, table)
+    want = jax.jit(jax.value_and_grad(dense, argnums=(0, 1)))(h, table)
+    tol = 1e-5 if dtype == "float32" else 1e-2
     for a, c in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
         a, c = np.asarray(a, np.float64), np.asarray(c, np.float64)
         np.testing.assert_allclose(c, a, rtol=tol, atol=tol * max(np.abs(a).max(), 1.0))

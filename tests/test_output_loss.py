@@ -110,7 +110,7 @@ def test_bad_block_shapes_and_names_error():
     with pytest.raises(ValueError, match="loss_block"):
         ModelConfig(loss_block=0)
     with pytest.raises(ValueError, match="loss_impl"):
-        OL.resolve("fused")
+        OL.resolve("flash")
 
 
 def test_auto_resolves_to_dense_on_cpu_and_onepass_on_accelerators():

@@ -29,7 +29,7 @@ SINUSOID_STYLES = ("paper", "marian", "fairseq")
 NORM_POSITIONS = ("post", "pre")
 POOLINGS = ("mean", "first")
 REMATS = ("none", "full", "dots")
-LOSS_IMPLS = ("auto", "dense", "onepass", "blocked")
+LOSS_IMPLS = ("auto", "dense", "onepass", "blocked", "fused")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -71,8 +71,9 @@ class ModelConfig:
     kernels: str = "auto"  # auto | cpu | generic: projections and dropout (tx_jax/ops/kernels.py)
     # auto | bernoulli | packed | rbg | hash: how dropout's random bits are drawn (ops/kernels.py)
     dropout_bits: str = "auto"
-    # auto | dense | blocked: the training loss over full [B, L, V] logits, or over blocks of
-    # positions with the logits recomputed in the backward pass (ops/output_loss.py)
+    # auto | dense | onepass | blocked | fused: the training loss over full [B, L, V] logits,
+    # over blocks of positions with the logits recomputed in the backward pass
+    # (ops/output_loss.py), or in Pallas kernels that never write them (ops/fused_loss.py)
     loss_impl: str = "auto"
     loss_block: int = 64  # 'blocked': target positions per block (of every batch row)
     # auto | xla | pallas: the post-LN tail Norm(x + Dropout(y)) as XLA fuses it, or one Pallas
@@ -170,6 +171,10 @@ class ModelConfig:
                 raise ValueError(f"model.{key}={getattr(self, key)} must be in [0, 1)")
         if self.positional == "rope" and (self.head_dim or self.d_model // self.num_heads) % 2:
             raise ValueError("model.positional='rope' needs an even head dimension")
+        if self.loss_impl == "fused" and self.d_model % 64:
+            raise ValueError(
+                f"model.loss_impl='fused' needs d_model a multiple of 64; {self.d_model}"
+            )
         if self.residual_norm == "pallas":
             wants = {"norm": "layernorm", "norm_position": "post"}
             for key, value in wants.items():

@@ -10,7 +10,9 @@ block's logits [B, T, V] to per-token statistics at once, and keeps only those; 
 pass recomputes each block's logits from the hidden states. Same loss, NLL, accuracy and
 gradients as the dense path (losses.py), up to float rounding.
 
-    resolve(loss_impl)       'auto' | 'dense' | 'onepass' | 'blocked' -> one of the last three
+    resolve(loss_impl)       'auto' | 'dense' | 'onepass' | 'blocked' | 'fused' -> one of the
+                             last four ('fused': ops/fused_loss.py, the same sums from Pallas
+                             kernels that never write the logits)
     output_loss(h, table, bias, targets, weights, label_smoothing, block)
                              -> {'loss', 'nll', 'correct', 'weight'} float32 sums
 
@@ -30,7 +32,7 @@ from jax import lax
 from tx_jax.ops import backend
 
 Array = jax.Array
-LOSS_IMPLS = ("auto", "dense", "onepass", "blocked")
+LOSS_IMPLS = ("auto", "dense", "onepass", "blocked", "fused")  # fused: ops/fused_loss.py
 # What 'auto' picks per platform. 'onepass' (training/losses.loss_sums: the whole logits read
 # once in the forward pass instead of four times) on the accelerators, by the compiled plans'
 # traffic until a chip measures it; XLA:CPU runs its variadic reduction several times slower.
@@ -38,7 +40,7 @@ _AUTO = {"cpu": "dense", "gpu": "onepass", "tpu": "onepass"}
 
 
 def resolve(loss_impl: str) -> str:
-    """'auto' | 'dense' | 'onepass' | 'blocked' -> one of the last three (auto: by
+    """'auto' | 'dense' | 'onepass' | 'blocked' | 'fused' -> one of the last four (auto: by
     ops.backend.current())."""
     if loss_impl not in LOSS_IMPLS:
         raise ValueError(f"model.loss_impl={loss_impl!r}; expected one of {LOSS_IMPLS}")

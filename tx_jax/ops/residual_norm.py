@@ -229,7 +229,7 @@ def post_norm(
     """LayerNorm(x + Dropout(y)) * scale + bias over the last axis, as one Pallas kernel each
     way. x, y [..., M] of one dtype; scale, bias [M]; rng the dropout key (None or rate 0: no
     dropout). The mask is `kernels.dropout(y, rate, rng, bits='hash')`'s. interpret: run Pallas'
-    interpreter (default: unless compiling for a GPU)."""
+    interpreter (default: unless compiling for a GPU; a ValueError for a TPU)."""
     if x.shape != y.shape or x.dtype != y.dtype:
         raise ValueError(
             f"residual_norm: x {x.shape} {x.dtype} and y {y.shape} {y.dtype} must match"
@@ -247,6 +247,10 @@ def post_norm(
     if not 0.0 <= rate < 1.0:
         raise ValueError(f"dropout rate {rate} must be in [0, 1)")
     if interpret is None:
+        if backend.current() == "tpu":
+            raise ValueError(
+                "model.residual_norm='pallas' has Triton (GPU) kernels only; on TPU use 'xla'"
+            )
         interpret = backend.current() != "gpu"
     threshold = kernels._hash_threshold(rate) if (rate > 0.0 and rng is not None) else 0
     rows = int(np.prod(x.shape[:-1]))

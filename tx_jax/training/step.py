@@ -23,7 +23,7 @@ from jax import lax
 
 from tx_jax.model import DecoderOnly
 from tx_jax.model.transformer import output_projection
-from tx_jax.ops import backend, output_loss
+from tx_jax.ops import backend, fused_loss, output_loss
 from tx_jax.training import losses
 from tx_jax.training.state import TrainState
 
@@ -63,7 +63,7 @@ def _loss_sums(model, params, batch, rng, label_smoothing, deterministic):
     targets = batch["targets"]
     weights = (targets > 0).astype(jnp.float32)
     loss_impl = output_loss.resolve(model.config.loss_impl)
-    if loss_impl == "blocked":  # no [B, L, V] logits
+    if loss_impl in ("blocked", "fused"):  # no [B, L, V] logits
         hidden = model.apply(
             {"params": params},
             *args,
@@ -73,9 +73,14 @@ def _loss_sums(model, params, batch, rng, label_smoothing, deterministic):
             return_hidden=True,
         )
         table, bias = output_projection(model, params)
-        sums = output_loss.output_loss(
-            hidden, table, bias, targets, weights, label_smoothing, model.config.loss_block
-        )
+        if loss_impl == "fused":
+            sums = fused_loss.fused_output_loss(
+                hidden, table, bias, targets, weights, label_smoothing
+            )
+        else:
+            sums = output_loss.output_loss(
+                hidden, table, bias, targets, weights, label_smoothing, model.config.loss_block
+            )
         return sums["loss"], sums
     logits = model.apply(
         {"params": params}, *args, **kwargs, deterministic=deterministic, rngs=rngs
