@@ -151,3 +151,54 @@ def test_a_tpu_step_is_refused_not_interpreted():
     x = h[..., :64]
     with backend.target("tpu"), pytest.raises(ValueError, match="on TPU use 'xla'"):
         residual_norm.post_norm(x, x, table[0], table[1], 0.0, None, eps=1e-6)
+
+
+_SHARDED = r"""
+import json
+import flax.linen as nn
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from test_fused_loss import _problem
+from tx_jax.ops import fused_loss
+
+out = {}
+for with_bias in (True, False):
+    h, table, bias, targets, weights = _problem(8, 20, 64, 200, seed=6)
+    bias = bias if with_bias else None
+
+    def f(h, table, bias, weights):
+        s = fused_loss.fused_output_loss(h, table, bias, targets, weights, 0.1)
+        return s["loss"] + 0.5 * s["nll"], s
+
+    grad = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True))
+    (_, want_sums), want = grad(h, table, bias, weights)
+    mesh = jax.make_mesh((4, 2), ("data", "fsdp"))
+    with jax.set_mesh(mesh), nn.logical_axis_rules([("batch", ("data", "fsdp"))]):
+        put = lambda a: jax.device_put(a, NamedSharding(mesh, P(("data", "fsdp"))))
+        targets = put(targets)
+        args = (put(h), table, bias, put(weights))
+        text = grad.lower(*args).compile().as_text()
+        (_, sums), got = grad(*args)
+    out[str(with_bias)] = {
+        "sums": [abs(float(sums[k]) - float(want_sums[k])) / max(abs(float(want_sums[k])), 1.0)
+                 for k in ("loss", "nll", "correct", "weight")],
+        "grads": [float(np.abs(np.asarray(a) - np.asarray(c)).max() / np.abs(np.asarray(a)).max())
+                  for a, c in zip(jax.tree.leaves(want), jax.tree.leaves(got))],
+        "all_gather": "all-gather" in text,
+    }
+print(json.dumps(out))
+"""
+
+
+def test_sharded_batch_runs_per_shard_and_adds_the_sums():
+    """8 CPU devices, the batch split over (data, fsdp): each device's tokens in its own
+    kernels (no all-gather of the hidden states), the sums and the table's gradient added
+    across devices: the unsharded call's values."""
+    import json
+
+    from helpers import run_python
+
+    result = json.loads(run_python(_SHARDED).strip().splitlines()[-1])
+    for case in result.values():
+        assert max(case["sums"]) <= 1e-5 and max(case["grads"]) <= 1e-5, result
+        assert not case["all_gather"], result

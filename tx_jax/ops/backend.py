@@ -81,3 +81,24 @@ def skip_absent_tpu() -> str | None:
     platforms = "cuda,cpu" if os.path.exists("/dev/nvidiactl") else "cpu"
     jax.config.update("jax_platforms", platforms)
     return platforms
+
+
+def batch_split(ndim: int):
+    """For a Pallas kernel that runs per shard (its custom call is not partitioned by XLA):
+    (mesh, spec, batch axes) where the jit being traced has a mesh of several devices and
+    flax's logical rules split the [B, L, M] activations' batch axis alone; else None (one
+    device, or a layout whose rows are not whole on each device: XLA then gathers the
+    operands)."""
+    import flax.linen as nn
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1 or ndim != 3:
+        return None
+    spec = nn.logical_to_mesh_axes(("batch", "length", "embed"))
+    if spec is None or len(spec) == 0 or any(e is not None for e in tuple(spec)[1:]):
+        return None
+    axes = spec[0]
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    if not axes or all(mesh.shape[a] == 1 for a in axes):
+        return None
+    return mesh, jax.sharding.PartitionSpec(spec[0], None, None), axes

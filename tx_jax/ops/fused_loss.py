@@ -27,7 +27,8 @@ logits are computed twice (one more product of the output layer's size). The ari
 output_loss.py's: the logits rounded to h's dtype, then float32 plus the bias, dz in float32
 and rounded to h's dtype for the products. Triton on GPU; elsewhere Pallas' interpreter
 (correct, slow: the CPU tests). Same sums and gradients as the dense path to float32 rounding
-(tests/test_fused_loss.py).
+(tests/test_fused_loss.py). On a mesh splitting the batch (backend.batch_split) each device
+runs the kernels on its own tokens in a shard_map and the sums are added across it.
 """
 
 from __future__ import annotations
@@ -246,14 +247,34 @@ def fused_output_loss(
             )
         interpret = backend.current() != "gpu"
     vocab = table.shape[0]
-    n = h.shape[0] * h.shape[1]
-    n_pad, v_pad = -(-n // TN) * TN, -(-vocab // TV) * TV
-    hf = jnp.pad(h.reshape(n, width), ((0, n_pad - n), (0, 0)))
-    tf = jnp.pad(targets.reshape(n).astype(jnp.int32), (0, n_pad - n))
-    wf = jnp.pad(weights.reshape(n).astype(jnp.float32), (0, n_pad - n))
-    e = jnp.pad(table.astype(h.dtype), ((0, v_pad - vocab), (0, 0)))
-    b = jnp.zeros((v_pad,), jnp.float32) if bias is None else bias.astype(jnp.float32)
-    b = jnp.pad(b, (0, v_pad - b.shape[0]))
-    sums = _fused(hf, e, b, tf, wf, vocab, float(label_smoothing), bias is not None,
-                  bool(interpret))  # fmt: skip
-    return sums
+
+    def local(h, table, bias, targets, weights):
+        n = h.shape[0] * h.shape[1]
+        n_pad, v_pad = -(-n // TN) * TN, -(-vocab // TV) * TV
+        hf = jnp.pad(h.reshape(n, width), ((0, n_pad - n), (0, 0)))
+        tf = jnp.pad(targets.reshape(n).astype(jnp.int32), (0, n_pad - n))
+        wf = jnp.pad(weights.reshape(n).astype(jnp.float32), (0, n_pad - n))
+        e = jnp.pad(table.astype(h.dtype), ((0, v_pad - vocab), (0, 0)))
+        b = jnp.zeros((v_pad,), jnp.float32) if bias is None else bias.astype(jnp.float32)
+        b = jnp.pad(b, (0, v_pad - b.shape[0]))
+        has_bias = bias is not None
+        return _fused(hf, e, b, tf, wf, vocab, float(label_smoothing), has_bias, bool(interpret))
+
+    split = backend.batch_split(h.ndim)
+    if split is None:
+        return local(h, table, bias, targets, weights)
+    # a mesh splitting the batch: each device's tokens in its own kernels, the sums added
+    mesh, spec, axes = split
+    rows, rep = jax.sharding.PartitionSpec(spec[0], None), jax.sharding.PartitionSpec()
+
+    def sharded(h, table, bias, targets, weights):
+        sums = local(h, table, bias, targets, weights)
+        return {k: lax.psum(v, axes) for k, v in sums.items()}
+
+    return jax.shard_map(
+        sharded,
+        mesh=mesh,
+        in_specs=(spec, rep, None if bias is None else rep, rows, rows),
+        out_specs=rep,
+        check_vma=False,  # pallas_call's outputs carry no varying-axes type (jax 0.10)
+    )(h, table, bias, targets, weights)

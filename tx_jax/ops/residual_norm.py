@@ -272,7 +272,7 @@ def post_norm(
         out = _fused(*args, threshold, scale_drop, float(eps), bool(interpret))
         return out.reshape(shape)
 
-    split = _batch_split(x.ndim)
+    split = backend.batch_split(x.ndim)
     if split is None:
         return local(x, y, scale, bias, words, jnp.zeros((), jnp.uint32))
     mesh, spec, axes = split
@@ -291,22 +291,3 @@ def post_norm(
         out_specs=spec,
         check_vma=False,
     )(x, y, scale, bias, words)
-
-
-def _batch_split(ndim: int):
-    """(mesh, spec, batch axes) where the jit being traced has a mesh of several devices and
-    flax's logical rules split the activations' batch axis alone; else None (one device, or
-    a layout whose rows are not whole on each device: XLA then gathers the operands)."""
-    import flax.linen as nn
-
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1 or ndim != 3:
-        return None
-    spec = nn.logical_to_mesh_axes(("batch", "length", "embed"))
-    if spec is None or len(spec) == 0 or any(e is not None for e in tuple(spec)[1:]):
-        return None
-    axes = spec[0]
-    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-    if not axes or all(mesh.shape[a] == 1 for a in axes):
-        return None
-    return mesh, jax.sharding.PartitionSpec(spec[0], None, None), axes
