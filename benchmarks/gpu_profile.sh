@@ -14,7 +14,8 @@
 #    asks it (model.attention_impl=cudnn_jax; 'cudnn' no longer does), the mask broadcast over
 #    heads by cuDNN (model.attention_impl=cudnn_broadcast, where 0. says cuDNN takes it), the
 #    post-LN tail as one Pallas kernel each way (model.residual_norm=pallas), the loss with
-#    the logits never written (model.loss_impl=fused), twice
+#    the logits never written (model.loss_impl=fused), the FFN's bias and ReLU inside Pallas
+#    matmuls (model.ffn_impl=pallas) and the three together, twice
 #    the per-GPU batch, and XLA attention (the reference for 3). Packed and rbg dropout bits and the blocked loss,
 #    timed on two H100s without gain (BENCHMARKS.md), are left out for device time.
 # 3. base bf16 with XLA attention under --xla_gpu_deterministic_ops=true (train.deterministic).
@@ -46,7 +47,7 @@ step() {  # NAME CASES: one gpu_step.py process
   timeout "${2:-90}" python3 benchmarks/gpu_step.py --cases "$3" --steps "$steps" \
     --peak-size "${PEAK:-8192}" --peak-reps 3 --out "$out/$1.json" 2>&1 | quiet
 }
-step levers 230 "$B:bfloat16,$B:bfloat16/model.attention_impl=cudnn_jax,$B:bfloat16/model.dropout_bits=bernoulli,$B:bfloat16/model.attention_impl=cudnn_broadcast,$B:bfloat16/model.loss_impl=dense,$B:bfloat16/model.residual_norm=pallas,$B:bfloat16/model.loss_impl=fused,$B:bfloat16/data.tokens_per_batch=$tokens,$B:bfloat16:xla"
+step levers 230 "$B:bfloat16,$B:bfloat16/model.attention_impl=cudnn_jax,$B:bfloat16/model.dropout_bits=bernoulli,$B:bfloat16/model.attention_impl=cudnn_broadcast,$B:bfloat16/model.loss_impl=dense,$B:bfloat16/model.residual_norm=pallas,$B:bfloat16/model.loss_impl=fused,$B:bfloat16/model.ffn_impl=pallas,$B:bfloat16/model.ffn_impl=pallas/model.loss_impl=fused/model.residual_norm=pallas,$B:bfloat16/data.tokens_per_batch=$tokens,$B:bfloat16:xla"
 XLA_FLAGS=--xla_gpu_deterministic_ops=true step deterministic 130 "$B:bfloat16:xla"
 for flag in ${FLAGS:---xla_gpu_dot_merger_threshold_mb=0 --xla_gpu_enable_cudnn_layer_norm=true --xla_gpu_enable_triton_gemm=false --xla_gpu_enable_command_buffer=}; do
   name=$(echo "$flag" | sed 's/^--xla_gpu_//; s/=.*//')

@@ -51,6 +51,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.loss_impl = "auto"
     c.model.loss_block = 64  # 'blocked': target positions per block
     c.model.residual_norm = "auto"  # auto (xla) | xla | pallas: post-LN tail in one kernel a way
+    c.model.ffn_impl = "auto"  # auto (xla) | xla | pallas: FFN bias/ReLU inside Pallas matmuls
 
     # Data: TFDS dataset, SentencePiece vocabulary, token-budget batches.
     c.data = ml_collections.ConfigDict()

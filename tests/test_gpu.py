@@ -8,8 +8,9 @@ them (padding, causal, packed segments, fully masked rows); 'auto' choosing it i
 the model's bfloat16 train step through it against the same step through 'xla'; the
 masked call without a bias gradient against jax.nn's, which writes one; and
 model.residual_norm='pallas' compiled by Triton against flax's LayerNorm after the hashed
-dropout, and model.loss_impl='fused' against the dense loss (tests/test_residual_norm.py and
-tests/test_fused_loss.py run the same kernels in Pallas' interpreter).
+dropout, model.loss_impl='fused' against the dense loss and model.ffn_impl='pallas' against
+XLA's FFN (tests/test_residual_norm.py, tests/test_fused_loss.py and tests/test_ffn.py run the
+same kernels in Pallas' interpreter).
 """
 
 import functools
@@ -379,6 +380,36 @@ def test_fused_loss_compiled_by_triton_matches_the_dense_path(dtype):
     got = step(h, table)
     want = jax.jit(jax.value_and_grad(dense, argnums=(0, 1)))(h, table)
     tol = 1e-5 if dtype == "float32" else 1e-2
+    for a, c in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        a, c = np.asarray(a, np.float64), np.asarray(c, np.float64)
+        np.testing.assert_allclose(c, a, rtol=tol, atol=tol * max(np.abs(a).max(), 1.0))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_pallas_ffn_compiled_by_triton_matches_xla(dtype):
+    """model.ffn_impl='pallas': the Triton matmuls with the bias/ReLU and mask epilogues
+    against the XLA path (tests/test_ffn.py runs them in Pallas' interpreter)."""
+    from tx_jax.ops import ffn
+
+    rng = np.random.default_rng(10)
+    M, F = 256, 1024
+    x = jnp.asarray(rng.normal(size=(4, 200, M)), dtype)
+    w1, w2 = (jnp.asarray(0.05 * rng.normal(size=s), jnp.float32) for s in ((M, F), (F, M)))
+    b1, b2 = (jnp.asarray(0.1 * rng.normal(size=s), jnp.float32) for s in ((F,), (M,)))
+    w = jnp.asarray(rng.normal(size=x.shape), jnp.float32)
+
+    def reference(x, w1, b1, w2, b2):
+        h = nn.relu(jnp.einsum("blm,mf->blf", x, w1.astype(x.dtype)) + b1.astype(x.dtype))
+        return jnp.einsum("blf,fm->blm", h, w2.astype(x.dtype)) + b2.astype(x.dtype)
+
+    def loss(fn):
+        return lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * w)
+
+    step = jax.jit(jax.value_and_grad(loss(ffn.relu_ffn), argnums=range(5)))
+    assert step.lower(x, w1, b1, w2, b2).as_text().count("__gpu$xla.gpu.triton") == 2
+    got = step(x, w1, b1, w2, b2)
+    want = jax.jit(jax.value_and_grad(loss(reference), argnums=range(5)))(x, w1, b1, w2, b2)
+    tol = 1e-4 if dtype == "float32" else 2e-2
     for a, c in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
         a, c = np.asarray(a, np.float64), np.asarray(c, np.float64)
         np.testing.assert_allclose(c, a, rtol=tol, atol=tol * max(np.abs(a).max(), 1.0))

@@ -14,6 +14,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from tx_jax.model.attention import IMPLEMENTATIONS
+from tx_jax.ops.ffn import FFN_IMPLS
 from tx_jax.ops.kernels import DROPOUT_BITS, KERNELS
 from tx_jax.ops.residual_norm import RESIDUAL_NORMS
 
@@ -79,6 +80,9 @@ class ModelConfig:
     # auto | xla | pallas: the post-LN tail Norm(x + Dropout(y)) as XLA fuses it, or one Pallas
     # kernel each way (ops/residual_norm.py)
     residual_norm: str = "auto"
+    # auto | xla | pallas: the relu FFN's bias, ReLU and their gradients inside Pallas matmuls
+    # (ops/ffn.py)
+    ffn_impl: str = "auto"
     dtype: str = "float32"  # compute dtype (activations, matmuls)
     param_dtype: str = "float32"  # storage dtype of the parameters
     remat: str = (
@@ -122,6 +126,7 @@ class ModelConfig:
             "dropout_bits": DROPOUT_BITS,
             "loss_impl": LOSS_IMPLS,
             "residual_norm": RESIDUAL_NORMS,
+            "ffn_impl": FFN_IMPLS,
             "dtype": DTYPES,
             "param_dtype": DTYPES,
         }
@@ -175,6 +180,19 @@ class ModelConfig:
             raise ValueError(
                 f"model.loss_impl='fused' needs d_model a multiple of 64; {self.d_model}"
             )
+        if self.ffn_impl == "pallas":
+            wants = {"activation": "relu", "ffn_bias": True, "ffn_dropout_rate": 0.0}
+            for key, value in wants.items():
+                if getattr(self, key) != value:
+                    raise ValueError(
+                        f"model.ffn_impl='pallas' fuses the paper's FFN (relu, biases, no hidden "
+                        f"dropout); model.{key}={getattr(self, key)!r} needs ffn_impl='xla'"
+                    )
+            if self.d_model % 64 or self.d_ff % 128:
+                raise ValueError(
+                    "model.ffn_impl='pallas' needs d_model a multiple of 64 and d_ff of 128; "
+                    f"{self.d_model}, {self.d_ff}"
+                )
         if self.residual_norm == "pallas":
             wants = {"norm": "layernorm", "norm_position": "post"}
             for key, value in wants.items():

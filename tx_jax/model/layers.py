@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from tx_jax.model.config import ACTIVATIONS, NORMS, ModelConfig
 from tx_jax.model.multihead import MultiHeadAttention
+from tx_jax.ops import ffn as ffn_ops
 from tx_jax.ops import residual_norm
 from tx_jax.ops.kernels import Dropout, bias_add, dense
 
@@ -43,8 +44,22 @@ class FeedForward(nn.Module):
     use_bias: bool = True
     kernels: str = "auto"  # ModelConfig.kernels
     dropout_bits: str = "auto"  # ModelConfig.dropout_bits
+    impl: str = "auto"  # ModelConfig.ffn_impl
     dtype: Any = None
     param_dtype: Any = jnp.float32
+
+    def _params(self, name: str, shape: tuple[int, int], axes: tuple[str, str]):
+        kernel = self.param(
+            f"{name}_kernel", nn.with_logical_partitioning(_dense_init(), axes), shape,
+            self.param_dtype,
+        )  # fmt: skip
+        bias = self.param(
+            f"{name}_bias",
+            nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[1:]),
+            shape[1:],
+            self.param_dtype,
+        )
+        return kernel, bias
 
     def _dense(self, x: Array, features: int, axes: tuple[str, str], name: str) -> Array:
         kernel = self.param(
@@ -70,6 +85,10 @@ class FeedForward(nn.Module):
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation={self.activation!r}; expected one of {ACTIVATIONS}")
         M = x.shape[-1]
+        if ffn_ops.resolve(self.impl) == "pallas":  # relu, biases, no hidden dropout (validated)
+            w1, b1 = self._params("wi", (M, self.d_ff), ("embed", "mlp"))
+            w2, b2 = self._params("wo", (self.d_ff, M), ("mlp", "embed"))
+            return ffn_ops.relu_ffn(x.astype(self.dtype or x.dtype), w1, b1, w2, b2)
         h = self._dense(x, self.d_ff, ("embed", "mlp"), "wi")  # [B, L, F]
         if self.activation == "relu":
             h = nn.relu(h)
@@ -210,6 +229,7 @@ class _ResidualLayer(nn.Module):
             use_bias=cfg.ffn_bias,
             kernels=cfg.kernels,
             dropout_bits=cfg.dropout_bits,
+            impl=cfg.ffn_impl,
             dtype=cfg.compute_dtype,
             param_dtype=cfg.parameter_dtype,
             name="ffn",
