@@ -84,7 +84,8 @@ def test_model_with_pallas_equals_xla():
         return params, *jax.jit(jax.value_and_grad(loss))(params)
 
     p_x, l_x, g_x = run("xla")
-    p_p, l_p, g_p = run("pallas")
+    with backend.pallas_interpreter():
+        p_p, l_p, g_p = run("pallas")
     jax.tree.map(np.testing.assert_array_equal, p_x, p_p)
     np.testing.assert_allclose(float(l_p), float(l_x), rtol=1e-6)
     for (path, a), c in zip(jax.tree.leaves_with_path(g_x), jax.tree.leaves(g_p), strict=True):
@@ -106,15 +107,21 @@ def test_config_names_what_pallas_cannot_fuse(overrides, key):
         ModelConfig(vocab_size=32, d_model=64, num_heads=4, ffn_impl="pallas", **overrides)
 
 
-def test_a_tpu_step_is_refused_and_the_module_keeps_its_names():
+def test_pallas_resolves_to_xla_off_a_gpu_and_keeps_the_module_names():
     x, w1, b1, w2, b2, _ = _inputs((1, 8, 64), 128)
     with backend.target("tpu"), pytest.raises(ValueError, match="on TPU use 'xla'"):
-        ffn.relu_ffn(x, w1, b1, w2, b2)
-    names = {
-        impl: jax.tree.structure(FeedForward(128, impl=impl).init(jax.random.key(0), x)["params"])
-        for impl in ("xla", "pallas")
-    }
-    assert names["xla"] == names["pallas"]
+        ffn.relu_ffn(x, w1, b1, w2, b2)  # a direct call: refused, not interpreted
+    assert ffn.resolve("pallas") == "xla"
+    with backend.target("tpu"):
+        assert ffn.resolve("pallas") == "xla"
+    with backend.target("gpu"):
+        assert ffn.resolve("pallas") == "pallas"
+    with backend.pallas_interpreter():
+        assert ffn.resolve("pallas") == "pallas"
+        pallas = FeedForward(128, impl="pallas").init(jax.random.key(0), x)["params"]
+    xla = FeedForward(128, impl="xla").init(jax.random.key(0), x)["params"]
+    assert jax.tree.structure(pallas) == jax.tree.structure(xla)
+    jax.tree.map(np.testing.assert_array_equal, pallas, xla)
 
 
 def test_lowers_for_cuda_as_two_triton_matmuls():

@@ -17,7 +17,7 @@ import pytest
 
 from tx_jax.model.config import ModelConfig, variant
 from tx_jax.model.transformer import EncoderDecoder
-from tx_jax.ops import fused_loss
+from tx_jax.ops import backend, fused_loss, output_loss
 from tx_jax.training import losses
 from tx_jax.training.state import TrainState
 from tx_jax.training.step import train_step
@@ -85,8 +85,8 @@ def test_bfloat16_hidden_states_round_logits_as_the_dense_path():
 
 
 def test_train_steps_match_onepass():
-    """Five updates of the tiny model with dropout: the same losses with 'fused' as with
-    'onepass' (the same dropout masks, logits never written)."""
+    """Five updates of the tiny model with dropout: the same losses with 'fused' (its kernels
+    in the interpreter) as with 'onepass' (the same dropout masks, logits never written)."""
     V = 64
     tokens = np.random.default_rng(5).integers(3, V, size=(2, 4, 12))
     tokens[:, :, -3:] = 0
@@ -111,7 +111,9 @@ def test_train_steps_match_onepass():
             out.append([float(metrics[k]) for k in ("loss", "nll", "accuracy", "grad_norm")])
         return np.array(out)
 
-    fused, onepass = run("fused"), run("onepass")
+    with backend.pallas_interpreter():
+        fused = run("fused")
+    onepass = run("onepass")
     assert fused[-1, 0] < fused[0, 0]  # it learns
     np.testing.assert_allclose(fused, onepass, rtol=2e-5)
 
@@ -142,8 +144,18 @@ def test_lowers_for_cuda_as_two_triton_kernels():
     assert "tensor<128x256xbf16>" in text  # dz, written once
 
 
-def test_a_tpu_step_is_refused_not_interpreted():
-    from tx_jax.ops import backend, residual_norm
+def test_fused_resolves_to_the_kernels_on_gpu_and_to_auto_elsewhere():
+    assert output_loss.resolve("fused") == "dense"  # this CPU's 'auto'
+    with backend.target("tpu"):
+        assert output_loss.resolve("fused") == "onepass"
+    with backend.target("gpu"):
+        assert output_loss.resolve("fused") == "fused"
+    with backend.pallas_interpreter():
+        assert output_loss.resolve("fused") == "fused"
+
+
+def test_a_direct_call_on_tpu_is_refused_not_interpreted():
+    from tx_jax.ops import residual_norm
 
     h, table, bias, targets, weights = _problem(1, 64, 64, 128)
     with backend.target("tpu"), pytest.raises(ValueError, match="on TPU use 'onepass'"):
@@ -159,7 +171,7 @@ import flax.linen as nn
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from test_fused_loss import _problem
-from tx_jax.ops import fused_loss
+from tx_jax.ops import backend, fused_loss, output_loss
 
 out = {}
 for with_bias in (True, False):

@@ -115,7 +115,7 @@ def test_bad_block_shapes_and_names_error():
 
 def test_auto_resolves_to_dense_on_cpu_and_onepass_on_accelerators():
     assert OL.LOSS_IMPLS == LOSS_IMPLS
-    for impl in ("dense", "onepass", "blocked", "fused"):
+    for impl in ("dense", "onepass", "blocked"):
         assert OL.resolve(impl) == impl
     expected = {"cpu": "dense", "gpu": "onepass", "tpu": "onepass"}
     assert set(expected) == set(backend.PLATFORMS)
@@ -189,7 +189,7 @@ def test_loss_sums_and_gradients_of_every_param_match_dense(name, eps):
     'onepass' equals 'dense' in float32: sums, and the gradient of every parameter within 1e-5
     relative."""
     sums, grads = {}, {}
-    for impl in ("dense", "onepass", "blocked", "fused"):
+    for impl in ("dense", "onepass", "blocked"):
         model, params = _model(name, loss_impl=impl, loss_block=4)
         fn = jax.grad(
             functools.partial(_loss_sums, model, label_smoothing=eps, deterministic=True),
@@ -229,7 +229,7 @@ def test_train_steps_with_blocked_or_onepass_loss_equal_dense(name, accum):
     differences in near-zero gradients into visible updates (2e-4 of a leaf on a Zen 4 VM
     with AVX-512), whatever the loss's implementation."""
     out = {}
-    for impl in ("dense", "onepass", "blocked", "fused"):
+    for impl in ("dense", "onepass", "blocked"):
         model, params = _model(name, loss_impl=impl, loss_block=4, dropout_rate=0.1)
         state, step = _state_and_step(model, params, accum, optax.sgd(0.5, momentum=0.9))
         history = []

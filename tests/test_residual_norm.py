@@ -14,7 +14,7 @@ import pytest
 
 from tx_jax.model.config import ModelConfig, variant
 from tx_jax.model.transformer import EncoderDecoder
-from tx_jax.ops import kernels, residual_norm
+from tx_jax.ops import backend, kernels, residual_norm
 
 EPS = 1e-6
 
@@ -113,7 +113,8 @@ def test_model_with_pallas_equals_xla_with_dropout():
     """The same parameter tree (a checkpoint loads either way), loss and gradients: the fused
     kernel draws the residual dropout's masks from the Dropout module's own key."""
     p_xla, l_xla, g_xla = _model_loss_and_grads("xla")
-    p_pal, l_pal, g_pal = _model_loss_and_grads("pallas")
+    with backend.pallas_interpreter():
+        p_pal, l_pal, g_pal = _model_loss_and_grads("pallas")
     assert jax.tree.structure(p_xla) == jax.tree.structure(p_pal)
     jax.tree.map(np.testing.assert_array_equal, p_xla, p_pal)
     np.testing.assert_allclose(float(l_pal), float(l_xla), rtol=1e-6)
@@ -139,6 +140,20 @@ def test_config_names_what_pallas_cannot_fuse(overrides, key):
         ModelConfig(vocab_size=32, residual_norm="pallas", **overrides)
     with pytest.raises(ValueError, match="model.residual_norm='fused'"):
         ModelConfig(vocab_size=32, residual_norm="fused")
+
+
+def test_pallas_is_the_kernels_on_gpu_and_xla_elsewhere():
+    """A GPU run's config evaluates on a CPU or trains on a TPU at that platform's speed:
+    'pallas' resolves to the kernels for a GPU (or in the interpreter when asked), else to
+    'xla'."""
+    assert residual_norm.resolve("auto") == residual_norm.resolve("xla") == "xla"
+    assert residual_norm.resolve("pallas") == "xla"  # this CPU
+    with backend.target("tpu"):
+        assert residual_norm.resolve("pallas") == "xla"
+    with backend.target("gpu"):
+        assert residual_norm.resolve("pallas") == "pallas"
+    with backend.pallas_interpreter():
+        assert residual_norm.resolve("pallas") == "pallas"
 
 
 def test_lowers_for_cuda_as_two_triton_kernels():

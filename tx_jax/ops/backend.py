@@ -42,6 +42,33 @@ def target(platform: str):
         _TARGET.reset(token)
 
 
+_INTERPRET: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "tx_jax_pallas_interpret", default=False
+)
+
+
+@contextlib.contextmanager
+def pallas_interpreter():
+    """Trace the Pallas levers (model.residual_norm='pallas', loss_impl='fused',
+    ffn_impl='pallas') as their kernels in Pallas' interpreter on a CPU or TPU, where they
+    otherwise resolve to their XLA references: for tests and debugging (slow)."""
+    token = _INTERPRET.set(True)
+    try:
+        yield
+    finally:
+        _INTERPRET.reset(token)
+
+
+def pallas_kernels() -> bool:
+    """Whether a Pallas lever runs as its kernels here: compiled by Triton for a GPU, or in the
+    interpreter inside `pallas_interpreter()` (or with TX_JAX_PALLAS_INTERPRET=1). Elsewhere
+    (a CPU, a TPU) the model computes the same function the XLA way, so a GPU run's config
+    trains, evaluates and decodes anywhere at that platform's speed."""
+    if current() == "gpu":
+        return True
+    return _INTERPRET.get() or os.environ.get("TX_JAX_PALLAS_INTERPRET") == "1"
+
+
 DETERMINISTIC_FLAG = "--xla_gpu_deterministic_ops=true"
 
 

@@ -13,8 +13,9 @@ layers: 6.5 GB of its H100 plan). Here:
               products
 
 The ReLU's mask is read off h (h > 0 where x W1 + b1 > 0), so nothing beyond h is kept. Tiles of
-128 x 128 over the output, 64 along the contraction; Triton on GPU, Pallas' interpreter
-elsewhere (correct, slow: tests/test_ffn.py), a ValueError on TPU. Same outputs and gradients as
+128 x 128 over the output, 64 along the contraction; Triton on GPU. On a CPU or TPU the model
+computes the XLA path instead (`resolve`), unless backend.pallas_interpreter() asks for the
+kernels in Pallas' interpreter (correct, slow: tests/test_ffn.py). Same outputs and gradients as
 the XLA path to float32 rounding; in bf16 the bias is added to the float32 product before it is
 rounded, where XLA rounds the product first.
 """
@@ -37,10 +38,11 @@ BM, BN, BK = 128, 128, 64
 
 
 def resolve(choice: str) -> str:
-    """'auto' | 'xla' | 'pallas' -> 'xla' | 'pallas' ('auto': 'xla' until a GPU has timed it)."""
+    """'auto' | 'xla' | 'pallas' -> 'xla' | 'pallas' ('auto': 'xla' until a GPU has timed it;
+    'pallas' where backend.pallas_kernels(), else 'xla', the same function)."""
     if choice not in FFN_IMPLS:
         raise ValueError(f"model.ffn_impl={choice!r}; expected one of {FFN_IMPLS}")
-    return "xla" if choice == "auto" else choice
+    return "pallas" if choice == "pallas" and backend.pallas_kernels() else "xla"
 
 
 def _matmul_kernel(a_ref, b_ref, c_ref, out_ref, *rest, trans_b, epilogue):

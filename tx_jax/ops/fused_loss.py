@@ -25,8 +25,10 @@ shared memory for base's): so dz is written once, where the dense path writes th
 them twice and writes dz. The forward pass writes no [N, V] array; the backward one, dz; the
 logits are computed twice (one more product of the output layer's size). The arithmetic is
 output_loss.py's: the logits rounded to h's dtype, then float32 plus the bias, dz in float32
-and rounded to h's dtype for the products. Triton on GPU; elsewhere Pallas' interpreter
-(correct, slow: the CPU tests). Same sums and gradients as the dense path to float32 rounding
+and rounded to h's dtype for the products. Triton on GPU; on a CPU or TPU the training step
+takes the platform's 'auto' loss instead (output_loss.resolve), unless
+backend.pallas_interpreter() asks for the kernels in Pallas' interpreter (correct, slow: the
+CPU tests). Same sums and gradients as the dense path to float32 rounding
 (tests/test_fused_loss.py). On a mesh splitting the batch (backend.batch_split) each device
 runs the kernels on its own tokens in a shard_map and the sums are added across it.
 """

@@ -44,8 +44,8 @@ def resolve(loss_impl: str) -> str:
     ops.backend.current())."""
     if loss_impl not in LOSS_IMPLS:
         raise ValueError(f"model.loss_impl={loss_impl!r}; expected one of {LOSS_IMPLS}")
-    if loss_impl == "auto":
-        return _AUTO[backend.current()]
+    if loss_impl == "auto" or (loss_impl == "fused" and not backend.pallas_kernels()):
+        return _AUTO[backend.current()]  # 'fused' off a GPU: the platform's own choice
     return loss_impl
 
 

@@ -9,9 +9,11 @@
               each block's partial dg, db), with the dropout mask hashed inside both from the
               key's two words exactly as `kernels.dropout(..., bits='hash')` hashes it: the
               row statistics, z = x + dropout(y) and the mask are recomputed, never stored.
-              Triton on GPU; elsewhere the same kernels run in Pallas' interpreter (correct and
-              slow: the CPU tests run them so). Rows are whole blocks of the model width, so
-              the width must be a power of two (Triton's blocks are).
+              Triton on GPU. On a CPU or TPU the model computes 'xla' instead (the same
+              function; the masks are then dropout_bits' own), unless
+              `backend.pallas_interpreter()` asks for the kernels in Pallas' interpreter
+              (correct and slow: the CPU tests run them so). Rows are whole blocks of the
+              model width, so the width must be a power of two (Triton's blocks are).
     'auto'    'xla' (until a lent GPU has timed 'pallas': BENCHMARKS.md, "One kernel for the
               residual, dropout and layer norm").
 
@@ -44,10 +46,11 @@ RESIDUAL_NORMS = ("auto", "xla", "pallas")
 
 
 def resolve(choice: str) -> str:
-    """'auto' | 'xla' | 'pallas' -> 'xla' | 'pallas'."""
+    """'auto' | 'xla' | 'pallas' -> 'xla' | 'pallas' ('pallas' where backend.pallas_kernels():
+    a GPU, or the interpreter asked for; else 'xla', the same function)."""
     if choice not in RESIDUAL_NORMS:
         raise ValueError(f"model.residual_norm={choice!r}; expected one of {RESIDUAL_NORMS}")
-    return "xla" if choice == "auto" else choice
+    return "pallas" if choice == "pallas" and backend.pallas_kernels() else "xla"
 
 
 def _block_rows(rows: int, width: int) -> int:
