@@ -55,7 +55,7 @@ def test_sums_and_gradients_match_the_dense_path(shape, smoothing, with_bias):
 
         return f
 
-    fused = functools.partial(fused_loss.fused_output_loss)
+    fused = fused_loss.fused_output_loss
     (_, want), gw = jax.value_and_grad(objective(_dense), argnums=(0, 1, 2, 3), has_aux=True)(
         h, table, bias, weights
     )

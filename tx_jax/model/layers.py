@@ -49,10 +49,13 @@ class FeedForward(nn.Module):
     param_dtype: Any = jnp.float32
 
     def _params(self, name: str, shape: tuple[int, int], axes: tuple[str, str]):
+        """`name`_kernel [K, N] and, with use_bias, `name`_bias [N] (else None)."""
         kernel = self.param(
             f"{name}_kernel", nn.with_logical_partitioning(_dense_init(), axes), shape,
             self.param_dtype,
         )  # fmt: skip
+        if not self.use_bias:
+            return kernel, None
         bias = self.param(
             f"{name}_bias",
             nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[1:]),
@@ -62,21 +65,10 @@ class FeedForward(nn.Module):
         return kernel, bias
 
     def _dense(self, x: Array, features: int, axes: tuple[str, str], name: str) -> Array:
-        kernel = self.param(
-            f"{name}_kernel",
-            nn.with_logical_partitioning(_dense_init(), axes),
-            (x.shape[-1], features),
-            self.param_dtype,
-        )
+        kernel, b = self._params(name, (x.shape[-1], features), axes)
         dtype = self.dtype or x.dtype
         y = dense(x.astype(dtype), kernel.astype(dtype), kernels=self.kernels)  # [B, L, M] @ [M, F]
-        if self.use_bias:
-            b = self.param(
-                f"{name}_bias",
-                nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[1:]),
-                (features,),
-                self.param_dtype,
-            )
+        if b is not None:
             y = bias_add(y, b.astype(dtype), kernels=self.kernels)
         return y
 

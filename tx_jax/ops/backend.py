@@ -69,6 +69,24 @@ def pallas_kernels() -> bool:
     return _INTERPRET.get() or os.environ.get("TX_JAX_PALLAS_INTERPRET") == "1"
 
 
+def pallas_interpret(interpret: bool | None, lever: str, instead: str) -> bool:
+    """A Pallas op called directly: `interpret` as given, else the interpreter unless
+    compiling for a GPU; a ValueError naming `lever` and what to use `instead` for a TPU,
+    where the interpreter would be the whole step."""
+    if interpret is not None:
+        return bool(interpret)
+    if current() == "tpu":
+        raise ValueError(f"{lever} has Triton (GPU) kernels only; on TPU use {instead}")
+    return current() != "gpu"
+
+
+def shard_map_kernels(fn, mesh, in_specs, out_specs):
+    """jax.shard_map for Pallas kernels run per shard (see batch_split), without the
+    varying-axes check: pallas_call's outputs carry no such type (jax 0.10); replicated
+    inputs' cotangents are then summed across the mesh by the transpose."""
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
 DETERMINISTIC_FLAG = "--xla_gpu_deterministic_ops=true"
 
 

@@ -145,12 +145,7 @@ def relu_ffn(
             f"model.ffn_impl='pallas' needs d_model a multiple of {BK} and d_ff of {BN}; "
             f"{width}, {features}"
         )
-    if interpret is None:
-        if backend.current() == "tpu":
-            raise ValueError(
-                "model.ffn_impl='pallas' has Triton (GPU) kernels only; on TPU use 'xla'"
-            )
-        interpret = backend.current() != "gpu"
+    interpret = backend.pallas_interpret(interpret, "model.ffn_impl='pallas'", "'xla'")
     dtype = x.dtype
     w1, w2 = w1.astype(dtype), w2.astype(dtype)
 
@@ -167,10 +162,6 @@ def relu_ffn(
         return local(x, w1, b1, w2, b2)
     mesh, spec, _ = split
     rep = jax.sharding.PartitionSpec()
-    return jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=(spec, rep, rep, rep, rep),
-        out_specs=spec,
-        check_vma=False,  # pallas_call's outputs carry no varying-axes type (jax 0.10)
-    )(x, w1, b1, w2, b2)
+    return backend.shard_map_kernels(local, mesh, (spec, rep, rep, rep, rep), spec)(
+        x, w1, b1, w2, b2
+    )

@@ -44,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tx_jax.ops import backend
-from tx_jax.ops.output_loss import _smoothing
+from tx_jax.ops.output_loss import _smoothing, token_sums
 
 Array = jax.Array
 TN, TV, TK = 64, 128, 64  # rows, vocabulary entries and model dims a tile takes
@@ -184,19 +184,8 @@ def _fused(h, e, b, t, w, vocab, label_smoothing, has_bias, interpret):
 
 
 def _fused_fwd(h, e, b, t, w, vocab, label_smoothing, has_bias, interpret):
-    c, u, entropy = _smoothing(vocab, label_smoothing)
     lse, total, target, top = _stats(h, e, b, t, vocab, interpret)
-    ce = lse - (c - u) * target
-    if u > 0:
-        ce = ce - u * total
-    tok_loss, tok_nll = ce - entropy, lse - target
-    hit = (target >= top).astype(jnp.float32)
-    sums = {
-        "loss": (tok_loss * w).sum(),
-        "nll": (tok_nll * w).sum(),
-        "correct": (hit * w).sum(),
-        "weight": w.sum(),
-    }
+    sums, (tok_loss, tok_nll, hit) = token_sums(lse, target, total, top, w, vocab, label_smoothing)
     return sums, (h, e, b, t, w, lse, tok_loss, tok_nll, hit)
 
 
@@ -242,12 +231,7 @@ def fused_output_loss(
         )
     if bias is not None and bias.shape != table.shape[:1]:
         raise ValueError(f"fused_output_loss: bias {bias.shape}; expected [{table.shape[0]}]")
-    if interpret is None:
-        if backend.current() == "tpu":
-            raise ValueError(
-                "model.loss_impl='fused' has Triton (GPU) kernels only; on TPU use 'onepass'"
-            )
-        interpret = backend.current() != "gpu"
+    interpret = backend.pallas_interpret(interpret, "model.loss_impl='fused'", "'onepass'")
     vocab = table.shape[0]
 
     def local(h, table, bias, targets, weights):
@@ -273,10 +257,5 @@ def fused_output_loss(
         sums = local(h, table, bias, targets, weights)
         return {k: lax.psum(v, axes) for k, v in sums.items()}
 
-    return jax.shard_map(
-        sharded,
-        mesh=mesh,
-        in_specs=(spec, rep, None if bias is None else rep, rows, rows),
-        out_specs=rep,
-        check_vma=False,  # pallas_call's outputs carry no varying-axes type (jax 0.10)
-    )(h, table, bias, targets, weights)
+    in_specs = (spec, rep, None if bias is None else rep, rows, rows)
+    return backend.shard_map_kernels(sharded, mesh, in_specs, rep)(h, table, bias, targets, weights)

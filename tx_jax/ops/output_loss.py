@@ -97,6 +97,24 @@ def _smoothing(V: int, label_smoothing: float) -> tuple[float, float, float]:
     return confidence, low, entropy
 
 
+def token_sums(lse, target, total, top, weights, V: int, label_smoothing: float):
+    """Per-token statistics of the logits (logsumexp, the target's logit, the sum over V, the
+    max) -> the four sums, and the per-token (loss, nll, hit) the backward passes reuse."""
+    c, u, entropy = _smoothing(V, label_smoothing)
+    ce = lse - (c - u) * target
+    if u > 0:
+        ce = ce - u * total
+    tok_loss, tok_nll = ce - entropy, lse - target
+    hit = (target >= top).astype(jnp.float32)
+    sums = {
+        "loss": (tok_loss * weights).sum(),
+        "nll": (tok_nll * weights).sum(),
+        "correct": (hit * weights).sum(),
+        "weight": weights.sum(),
+    }
+    return sums, (tok_loss, tok_nll, hit)
+
+
 def _blocks(x: Array, T: int) -> Array:
     """[B, Lp, ...] -> [Lp / T, B, T, ...]: the scan's leading axis, B kept whole."""
     B, Lp = x.shape[:2]
@@ -143,7 +161,6 @@ def _max_target_sum(z: Array, targets: Array) -> tuple[Array, Array, Array]:
 def _fwd(h, table, bias, targets, weights, label_smoothing, block):
     B, L, _ = h.shape
     V = table.shape[0]
-    c, u, entropy = _smoothing(V, label_smoothing)
     T = min(block, L)
     Lp = -(-L // T) * T
     hp, tp = _pad(h, Lp), _pad(targets, Lp)
@@ -160,18 +177,9 @@ def _fwd(h, table, bias, targets, weights, label_smoothing, block):
 
     _, out = lax.scan(stats, None, (_blocks(hp, T), _blocks(tp, T)))
     lse, target, total, top = (_unblocks(x)[:, :L] for x in out)  # [B, L] each
-    ce = lse - (c - u) * target
-    if u > 0:
-        ce = ce - u * total
-    tok_loss = ce - entropy
-    tok_nll = lse - target
-    hit = (target >= top).astype(jnp.float32)
-    sums = {
-        "loss": (tok_loss * weights).sum(),
-        "nll": (tok_nll * weights).sum(),
-        "correct": (hit * weights).sum(),
-        "weight": weights.sum(),
-    }
+    sums, (tok_loss, tok_nll, hit) = token_sums(
+        lse, target, total, top, weights, V, label_smoothing
+    )
     residuals = (hp, table, bias, targets, weights, lse, tok_loss, tok_nll, hit)
     return sums, residuals
 

@@ -249,12 +249,7 @@ def post_norm(
         )
     if not 0.0 <= rate < 1.0:
         raise ValueError(f"dropout rate {rate} must be in [0, 1)")
-    if interpret is None:
-        if backend.current() == "tpu":
-            raise ValueError(
-                "model.residual_norm='pallas' has Triton (GPU) kernels only; on TPU use 'xla'"
-            )
-        interpret = backend.current() != "gpu"
+    interpret = backend.pallas_interpret(interpret, "model.residual_norm='pallas'", "'xla'")
     threshold = kernels._hash_threshold(rate) if (rate > 0.0 and rng is not None) else 0
     rows = int(np.prod(x.shape[:-1]))
     if rows * width >= 2**32:
@@ -286,11 +281,6 @@ def post_norm(
         return local(x, y, scale, bias, words, offset)
 
     rep = jax.sharding.PartitionSpec()
-    # check_vma off: pallas_call's outputs carry no varying-axes type (jax 0.10)
-    return jax.shard_map(
-        sharded,
-        mesh=mesh,
-        in_specs=(spec, spec, rep, rep, rep),
-        out_specs=spec,
-        check_vma=False,
-    )(x, y, scale, bias, words)
+    return backend.shard_map_kernels(sharded, mesh, (spec, spec, rep, rep, rep), spec)(
+        x, y, scale, bias, words
+    )

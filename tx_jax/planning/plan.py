@@ -132,6 +132,7 @@ def make_plan(
             "loss_impl": mc.loss_impl,
             "dropout_bits": mc.dropout_bits,
             "residual_norm": mc.residual_norm,
+            "ffn_impl": mc.ffn_impl,
             "d_model": mc.d_model,
             "layers": [mc.num_encoder_layers, mc.num_decoder_layers],
         },

@@ -163,7 +163,7 @@ def _optimized():
             jax.config.update(k, v)
 
 
-def _cost(compiled, platform: str = "gpu") -> dict[str, float]:
+def _cost(compiled, platform: str = "gpu", module: hlo.Module | None = None) -> dict[str, float]:
     """The compiler's cost analysis (per device). XLA:GPU's compile-only executables do not
     implement it (UNIMPLEMENTED); there the same HLO cost analysis runs on the optimized module
     through the CPU client, which counts the partitioned module's FLOPs and bytes just the
@@ -178,11 +178,12 @@ def _cost(compiled, platform: str = "gpu") -> dict[str, float]:
         from jax._src import xla_bridge
         from jax._src.lib import _jax
 
-        module = compiled.runtime_executable().hlo_modules()[0]
-        cost = _jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module)
+        optimized = compiled.runtime_executable().hlo_modules()[0]
+        cost = _jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), optimized)
     cost = dict(cost)
     if platform in ("gpu", "cuda", "rocm"):
-        seen = hlo.hbm_traffic(hlo.parse(compiled.as_text()), custom_calls_only=True)
+        module = module or hlo.parse(compiled.as_text())
+        seen = hlo.hbm_traffic(module, custom_calls_only=True)
         cost["bytes accessed"] = cost.get("bytes accessed", 0.0) + seen
         cost["custom call bytes"] = float(seen)
     return cost
@@ -218,8 +219,8 @@ def _compile(built: Built, name: str, kind: str, lower, shapes, extra_bytes: int
         "temp": int(mem.temp_size_in_bytes),
         "code": int(mem.generated_code_size_in_bytes),
     }
-    cost = _cost(compiled, built.target.platform)
     module = hlo.parse(compiled.as_text())
+    cost = _cost(compiled, built.target.platform, module)
     return Program(
         name,
         kind,
