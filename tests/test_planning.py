@@ -144,6 +144,34 @@ def test_custom_calls_traffic_is_their_operands_and_results():
     assert hlo.hbm_traffic(module) == kernel + 2 * (64 * 32 * 2)  # and the fusion's read, write
 
 
+def test_traffic_by_kind_splits_the_count_by_what_moves_it():
+    """Each operation's bytes go to one kind (the kernel a custom call names, a matmul fusion,
+    an elementwise or reduction fusion, a collective, a slice): the kinds add up to the count,
+    loop bodies by their trips, and the heaviest operation comes first with its JAX name."""
+    module = hlo.parse(HLO.replace("{TRIP}", TRIP))
+    kinds = hlo.traffic_by_kind(module)
+    assert sum(kinds.values()) == hlo.hbm_traffic(module)
+    assert kinds["collectives"] == 3 * ((4096 + 4096) + (4096 + 8 * 256 * 2)) + (4096 + 512)
+    assert kinds["slices, gathers, scatters"] == 1024 + 4 + 4
+    assert kinds["other"] == (4096 + 4096 * 1024 * 4) + 1024  # an unfused broadcast, negate
+    assert list(kinds)[0] == "other"  # largest first
+    top = hlo.top_traffic(module, 2)
+    assert top[0] == {"bytes": 4096 + 4096 * 1024 * 4, "kind": "other",
+                      "opcode": "broadcast", "op": "jit(step)/big"}  # fmt: skip
+    assert top[1]["kind"] == "collectives" and top[1]["bytes"] == 3 * (4096 + 8 * 256 * 2)
+
+    # the same fusion as a matmul: what it computes says so (a dot inside), not its name
+    gemm = KERNEL_HLO.replace("negate(%p0)", "dot(%p0, %p0), lhs_contracting_dims={1}")
+    for target, kind in (("__gpu$xla.gpu.triton", "Pallas kernels"),
+                         ("__cudnn$fmhaScaleBiasSoftmax", "attention (cuDNN)"),
+                         ("tpu_custom_call", "Pallas kernels")):  # fmt: skip
+        module = hlo.parse(gemm.replace("{TRITON}", target))
+        kernel = (64 * 32 * 2) * 2 + 32 * 4 + (64 * 32 * 2 + 4 * 32 * 4)
+        assert hlo.traffic_by_kind(module) == {kind: kernel, "matmuls": 2 * 64 * 32 * 2}
+    loop = hlo.parse(KERNEL_HLO.replace("{TRITON}", "__gpu$xla.gpu.triton"))
+    assert hlo.traffic_by_kind(loop)["elementwise"] == 2 * 64 * 32 * 2
+
+
 def test_unknown_trip_count_is_per_iteration():
     text = HLO.replace(", backend_config={TRIP}", "")
     got = hlo.collectives(hlo.parse(text), num_devices=8)
@@ -222,6 +250,13 @@ def test_roofline_bound_is_the_largest_term(debug_plan):
     assert p["target_tokens_per_step"] == tokens
     assert p["tokens_per_second_bound"] == pytest.approx(tokens / p["step_time_bound_s"])
     assert 0 < p["mfu_bound"] <= 1.0
+    # where the traffic goes: the kinds add up to the count; the matmuls are there (their
+    # operands on chip at this size: the TPU compiler's S(1) layouts) and the optimizer's
+    # elementwise update; the plan's text says it
+    kinds = train["traffic_by_kind"]
+    assert sum(kinds.values()) == traffic and "matmuls" in kinds and kinds["elementwise"] > 0
+    assert train["top_traffic"][0]["bytes"] == max(x["bytes"] for x in train["top_traffic"])
+    assert f"HBM traffic of {train['name']} per device" in plan.format_plan(p)
 
 
 def test_data_parallel_all_reduces_and_fsdp_gathers():

@@ -214,16 +214,9 @@ def _operands(rest: str) -> list[str]:
 _FREE_CALLS = ("ConcatBitcast", "AllocateBuffer", "AssumeGatherIndicesInBound")
 
 
-def hbm_traffic(module: Module, custom_calls_only: bool = False) -> int:
-    """Bytes the program's top-level operations read from and write to HBM per execution:
-    each fusion, matmul, kernel, copy or collective reads its operands and writes its result
-    (what stays inside a fusion never reaches memory; operands and results the TPU compiler
-    placed in on-chip memory, S(n) layouts, are not HBM traffic, only their copy from HBM is).
-    An estimate: an operation that reads only part of an operand (a slice, a gather) is
-    counted with all of it, one that reads an operand several times once.
-    custom_calls_only: count the kernels called by name alone (cuDNN's, Pallas'), which XLA's
-    cost analysis cannot look into."""
-    total = 0
+def _traffic(module: Module, custom_calls_only: bool = False):
+    """(bytes per execution, instruction) of each top-level operation that moves HBM data:
+    hbm_traffic's terms."""
     for name in _control(module):
         times = module.multiplicity.get(name, 0)
         instructions = module.computations.get(name, [])
@@ -243,11 +236,94 @@ def hbm_traffic(module: Module, custom_calls_only: bool = False) -> int:
                 # destination, read from HBM and, when the destination is HBM, written there
                 dest = sum(ins.arrays()) - sum(every.get(o, 0) for o in operands)
                 dest_hbm = sum(ins.arrays(hbm_only=True)) - sum(hbm.get(o, 0) for o in operands)
-                total += times * (max(dest, 0) + max(dest_hbm, 0))
+                yield times * (max(dest, 0) + max(dest_hbm, 0)), ins
                 continue
             read = sum(hbm.get(o, 0) for o in operands)
-            total += times * (read + sum(ins.arrays(hbm_only=True)))
-    return total
+            yield times * (read + sum(ins.arrays(hbm_only=True))), ins
+
+
+def hbm_traffic(module: Module, custom_calls_only: bool = False) -> int:
+    """Bytes the program's top-level operations read from and write to HBM per execution:
+    each fusion, matmul, kernel, copy or collective reads its operands and writes its result
+    (what stays inside a fusion never reaches memory; operands and results the TPU compiler
+    placed in on-chip memory, S(n) layouts, are not HBM traffic, only their copy from HBM is).
+    An estimate: an operation that reads only part of an operand (a slice, a gather) is
+    counted with all of it, one that reads an operand several times once.
+    custom_calls_only: count the kernels called by name alone (cuDNN's, Pallas'), which XLA's
+    cost analysis cannot look into."""
+    return sum(b for b, _ in _traffic(module, custom_calls_only))
+
+
+def _inner_opcodes(module: Module, ins: Instruction) -> set[str]:
+    """The opcodes inside a fusion, through the fusions nested in it (XLA:TPU nests them)."""
+    seen, out = set(), set()
+    todo = [name for _, name in _CALLS.findall(ins.rest)]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for inner in module.computations.get(name, []):
+            out.add(inner.opcode)
+            todo += [callee for _, callee in _CALLS.findall(inner.rest)]
+    return out
+
+
+def _traffic_kind(ins: Instruction, module: Module) -> str:
+    """What an operation is, in a few words: the kernel a custom call names, a matmul (a dot
+    or convolution, fused or not), an elementwise or reduction fusion, a collective, a copy,
+    a slice, gather or scatter; 'other' for the rest."""
+    if ins.opcode == "custom-call":
+        target = _TARGET.search(ins.rest)
+        name = target.group(1) if target else ""
+        if "cublas" in name or "gemm" in name.lower():
+            return "matmuls"
+        if name.startswith("__cudnn$fmha"):
+            return "attention (cuDNN)"
+        if "triton" in name or name in ("tpu_custom_call", "mosaic_gpu"):
+            return "Pallas kernels"
+        return f"custom call {name}"
+    opcode = ins.opcode.removesuffix("-start")
+    if opcode in ("dot", "convolution"):
+        return "matmuls"
+    if _kind(ins.opcode):
+        return "collectives"
+    if opcode in ("copy", "transpose"):
+        return "copies"
+    if opcode in ("scatter", "gather", "slice", "dynamic-slice", "dynamic-update-slice"):
+        return "slices, gathers, scatters"
+    if opcode != "fusion":
+        return "other"
+    inner = _inner_opcodes(module, ins)
+    if inner & {"dot", "convolution"}:  # XLA:GPU's GEMM fusions, XLA:TPU's output fusions
+        return "matmuls"
+    if inner & {"scatter", "gather"}:
+        return "slices, gathers, scatters"
+    if inner & {"reduce", "reduce-window"}:
+        return "reductions"
+    if inner and inner <= {"parameter", "copy", "transpose", "bitcast", "tuple"}:
+        return "copies"
+    return "elementwise"
+
+
+def traffic_by_kind(module: Module) -> dict[str, int]:
+    """hbm_traffic split by what the operations are (_traffic_kind), largest first: where a
+    step's bytes go, the question each HBM lever starts from."""
+    out: dict[str, int] = collections.Counter()
+    for b, ins in _traffic(module):
+        out[_traffic_kind(ins, module)] += b
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def top_traffic(module: Module, n: int = 10) -> list[dict]:
+    """The `n` operations moving the most HBM bytes per execution, with the JAX operation
+    that made them (largest_buffers' form)."""
+    found = []
+    for b, ins in _traffic(module):
+        m = _OP_NAME.search(ins.rest)
+        found.append({"bytes": b, "kind": _traffic_kind(ins, module), "opcode": ins.opcode,
+                      "op": m.group(1) if m else ins.name})  # fmt: skip
+    return sorted(found, key=lambda x: -x["bytes"])[:n]
 
 
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')

@@ -107,6 +107,8 @@ def make_plan(
                 "loop_trips": p.loop_trips,
                 "collectives": p.collectives,
                 "largest_buffers": p.largest_buffers,
+                "traffic_by_kind": p.traffic_by_kind,
+                "top_traffic": p.top_traffic,
                 "custom_calls": p.custom_calls,
                 "refused": p.refused,
             }
@@ -305,6 +307,16 @@ def format_plan(plan: dict[str, Any]) -> str:
             f"{plan['tokens_per_second_bound']:,.0f} target tokens/s, MFU <= "
             f"{100 * plan['mfu_bound']:.1f}%",
         ]
+        train = next(r for r in plan["programs"] if r["name"] == plan["train_program"])
+        if train.get("traffic_by_kind"):
+            total = train["hbm_traffic_bytes_per_device"] or 1
+            lines.append(
+                f"HBM traffic of {train['name']} per device (the planner's count, "
+                f"{total / 1e9:.2f} GB): " + ", ".join(
+                    f"{kind} {b / 1e9:.2f} GB ({100 * b / total:.0f}%)"
+                    for kind, b in train["traffic_by_kind"].items() if b >= 0.005 * total
+                )
+            )  # fmt: skip
     lines.append(f"compile time: {plan['compile_seconds']:.1f} s in all")
     if not plan["fits"]:
         lines.append("largest state arrays per device: " + ", ".join(

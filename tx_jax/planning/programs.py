@@ -62,6 +62,9 @@ class Program:
     # a blocked loss), which flops and bytes_accessed count once
     loop_trips: int = 1
     refused: str = ""  # the compiler's reason when it would not compile the program
+    # hbm_bytes by what moves them (hlo.traffic_by_kind), and the heaviest operations
+    traffic_by_kind: dict[str, int] = dataclasses.field(default_factory=dict)
+    top_traffic: list[dict] = dataclasses.field(default_factory=list)
     # the compiled program itself, callable where the target's devices are this host's
     # (benchmarks/gpu_step.py times the very program it plans); None when refused
     executable: Any = dataclasses.field(default=None, repr=False, compare=False)
@@ -235,6 +238,8 @@ def _compile(built: Built, name: str, kind: str, lower, shapes, extra_bytes: int
         extra_bytes,
         hlo.custom_calls(module),
         loop_trips=hlo.loop_trips(module),
+        traffic_by_kind=hlo.traffic_by_kind(module),
+        top_traffic=hlo.top_traffic(module),
         executable=compiled,
     )
 
