@@ -76,3 +76,33 @@ def run_python(code: str, *, devices: int = 8, timeout: int = 600, env=None) -> 
     if proc.returncode != 0:
         raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stderr[-12000:]}")
     return proc.stdout
+
+
+def state_and_step(model, tx, lr: float, params=None, grad_accum_steps: int = 1):
+    """A TrainState at step 0 (dropout key 5) of `params` (default: the encoder-decoder
+    `model` initialised on a [1, 8] batch, key 0) and the jitted train_step with a constant
+    rate `lr` and label smoothing 0.1: the tiny update the loss and kernel tests compare."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    from tx_jax.training.state import TrainState
+    from tx_jax.training.step import train_step
+
+    if params is None:
+        x = jnp.ones((1, 8), jnp.int32)
+        params = nn.meta.unbox(model.init(jax.random.key(0), x, x)["params"])
+    zero = jnp.zeros((), jnp.int32)
+    state = TrainState(zero, params, tx.init(params), jax.random.PRNGKey(5), zero, zero)
+    step = jax.jit(
+        lambda state, batch: train_step(
+            state,
+            batch,
+            model=model,
+            tx=tx,
+            schedule=lambda s: lr,
+            label_smoothing=0.1,
+            grad_accum_steps=grad_accum_steps,
+        )
+    )
+    return state, step

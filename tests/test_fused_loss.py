@@ -6,21 +6,17 @@ step."""
 
 from __future__ import annotations
 
-import functools
-
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import state_and_step
 
 from tx_jax.model.config import ModelConfig, variant
 from tx_jax.model.transformer import EncoderDecoder
 from tx_jax.ops import backend, fused_loss, output_loss
 from tx_jax.training import losses
-from tx_jax.training.state import TrainState
-from tx_jax.training.step import train_step
 
 
 def _problem(B, L, M, V, seed=0, dtype=jnp.float32):
@@ -94,17 +90,7 @@ def test_train_steps_match_onepass():
 
     def run(loss_impl):
         cfg = variant("tiny", vocab_size=V, dropout_rate=0.1, loss_impl=loss_impl)
-        model = EncoderDecoder(cfg)
-        x = jnp.ones((1, 8), jnp.int32)
-        params = nn.meta.unbox(model.init(jax.random.key(0), x, x)["params"])
-        tx = optax.adam(1e-3)
-        zero = jnp.zeros((), jnp.int32)
-        state = TrainState(zero, params, tx.init(params), jax.random.PRNGKey(5), zero, zero)
-        step = jax.jit(
-            functools.partial(
-                train_step, model=model, tx=tx, schedule=lambda s: 1e-3, label_smoothing=0.1
-            )
-        )
+        state, step = state_and_step(EncoderDecoder(cfg), optax.adam(1e-3), 1e-3)
         out = []
         for _ in range(5):
             state, metrics = step(state, batch)

@@ -22,13 +22,12 @@ import numpy as np
 import optax
 import pytest
 from conftest import reference_attention
+from helpers import state_and_step
 
 from tx_jax.model import attention as A
 from tx_jax.model import masks
 from tx_jax.model.config import variant
 from tx_jax.model.transformer import EncoderDecoder
-from tx_jax.training.state import TrainState
-from tx_jax.training.step import train_step
 
 
 def _gpu():
@@ -290,17 +289,7 @@ def test_bfloat16_train_step_through_cudnn_equals_xla():
             attention_dropout_rate=0.0,
             attention_impl=impl,
         )
-        model = EncoderDecoder(cfg)
-        x = jnp.ones((1, 8), jnp.int32)
-        params = nn.meta.unbox(model.init(jax.random.key(0), x, x)["params"])
-        tx = optax.adam(1e-3)
-        zero = jnp.zeros((), jnp.int32)
-        state = TrainState(zero, params, tx.init(params), jax.random.PRNGKey(5), zero, zero)
-        step = jax.jit(
-            functools.partial(
-                train_step, model=model, tx=tx, schedule=lambda s: 1e-3, label_smoothing=0.1
-            )
-        )
+        state, step = state_and_step(EncoderDecoder(cfg), optax.adam(1e-3), 1e-3)
         text = step.lower(state, batch).as_text()
         losses = []
         for _ in range(5):

@@ -9,14 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import state_and_step
 
 from tx_jax.model.config import LOSS_IMPLS, ModelConfig, variant
 from tx_jax.model.transformer import DecoderOnly, EncoderDecoder, output_projection
 from tx_jax.ops import backend
 from tx_jax.ops import output_loss as OL
 from tx_jax.training import losses
-from tx_jax.training.state import TrainState
-from tx_jax.training.step import _loss_sums, train_step
+from tx_jax.training.step import _loss_sums
 
 V = 29
 KEYS = ("loss", "nll", "correct", "weight")
@@ -205,21 +205,6 @@ def test_loss_sums_and_gradients_of_every_param_match_dense(name, eps):
         _close(grads["dense"], grads[impl], 1e-5)
 
 
-def _state_and_step(model, params, grad_accum_steps=1, tx=None):
-    tx = tx or optax.adam(1e-2)
-    zero = jnp.zeros((), jnp.int32)
-    state = TrainState(zero, params, tx.init(params), jax.random.PRNGKey(5), zero, zero)
-    step = functools.partial(
-        train_step,
-        model=model,
-        tx=tx,
-        schedule=lambda s: 1e-2,
-        label_smoothing=0.1,
-        grad_accum_steps=grad_accum_steps,
-    )
-    return state, jax.jit(step)
-
-
 @pytest.mark.parametrize("name,accum", [("tied_shared", 1), ("lm_untied_bias", 2)])
 def test_train_steps_with_blocked_or_onepass_loss_equal_dense(name, accum):
     """Three train steps with dropout on (the same masks: the model is the same up to its
@@ -231,7 +216,8 @@ def test_train_steps_with_blocked_or_onepass_loss_equal_dense(name, accum):
     out = {}
     for impl in ("dense", "onepass", "blocked"):
         model, params = _model(name, loss_impl=impl, loss_block=4, dropout_rate=0.1)
-        state, step = _state_and_step(model, params, accum, optax.sgd(0.5, momentum=0.9))
+        tx = optax.sgd(0.5, momentum=0.9)
+        state, step = state_and_step(model, tx, 1e-2, params, grad_accum_steps=accum)
         history = []
         for i in range(3):
             state, metrics = step(state, _batch(seed=i))

@@ -44,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tx_jax.ops import backend
-from tx_jax.ops.output_loss import _smoothing, token_sums
+from tx_jax.ops.output_loss import _smoothing, check_operands, token_sums
 
 Array = jax.Array
 TN, TV, TK = 64, 128, 64  # rows, vocabulary entries and model dims a tile takes
@@ -217,20 +217,12 @@ def fused_output_loss(
     weights [B, L]. M must be a multiple of 64; N and V are padded to the tiles (rows of
     weight 0, vocabulary entries masked out). interpret: Pallas' interpreter (default: unless
     compiling for a GPU; a ValueError for a TPU, where the interpreter would be the step)."""
-    if h.ndim != 3 or targets.shape != h.shape[:2] or weights.shape != targets.shape:
-        raise ValueError(
-            f"fused_output_loss: h {h.shape}, targets {targets.shape}, weights "
-            f"{weights.shape}; expected [B, L, M], [B, L], [B, L]"
-        )
+    check_operands("fused_output_loss", h, table, bias, targets, weights)
     width = h.shape[-1]
-    if table.ndim != 2 or table.shape[1] != width:
-        raise ValueError(f"fused_output_loss: table {table.shape}; expected [V, {width}]")
     if width % TK:
         raise ValueError(
             f"model.loss_impl='fused' needs d_model a multiple of {TK}; {width}: use 'onepass'"
         )
-    if bias is not None and bias.shape != table.shape[:1]:
-        raise ValueError(f"fused_output_loss: bias {bias.shape}; expected [{table.shape[0]}]")
     interpret = backend.pallas_interpret(interpret, "model.loss_impl='fused'", "'onepass'")
     vocab = table.shape[0]
 

@@ -49,6 +49,20 @@ def resolve(loss_impl: str) -> str:
     return loss_impl
 
 
+def check_operands(fn: str, h, table, bias, targets, weights) -> None:
+    """A ValueError naming `fn` and the operand whose shape does not fit h [B, L, M],
+    table [V, M], bias [V] or None, targets and weights [B, L]."""
+    if h.ndim != 3 or targets.shape != h.shape[:2] or weights.shape != targets.shape:
+        raise ValueError(
+            f"{fn}: h {h.shape}, targets {targets.shape}, weights {weights.shape}; "
+            "expected [B, L, M], [B, L], [B, L]"
+        )
+    if table.ndim != 2 or table.shape[1] != h.shape[-1]:
+        raise ValueError(f"{fn}: table {table.shape}; expected [V, {h.shape[-1]}]")
+    if bias is not None and bias.shape != table.shape[:1]:
+        raise ValueError(f"{fn}: bias {bias.shape}; expected [{table.shape[0]}]")
+
+
 def output_loss(
     h: Array,
     table: Array,
@@ -70,15 +84,7 @@ def output_loss(
     """
     if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block < 1:
         raise ValueError(f"model.loss_block={block!r}; expected a positive int")
-    if h.ndim != 3 or targets.shape != h.shape[:2] or weights.shape != targets.shape:
-        raise ValueError(
-            f"output_loss: h {h.shape}, targets {targets.shape}, weights {weights.shape}; "
-            "expected [B, L, M], [B, L], [B, L]"
-        )
-    if table.ndim != 2 or table.shape[1] != h.shape[-1]:
-        raise ValueError(f"output_loss: table {table.shape}; expected [V, {h.shape[-1]}]")
-    if bias is not None and bias.shape != table.shape[:1]:
-        raise ValueError(f"output_loss: bias {bias.shape}; expected [{table.shape[0]}]")
+    check_operands("output_loss", h, table, bias, targets, weights)
     return _output_loss(h, table, bias, targets, weights, float(label_smoothing), int(block))
 
 

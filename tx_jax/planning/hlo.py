@@ -306,24 +306,21 @@ def _traffic_kind(ins: Instruction, module: Module) -> str:
     return "elementwise"
 
 
-def traffic_by_kind(module: Module) -> dict[str, int]:
-    """hbm_traffic split by what the operations are (_traffic_kind), largest first: where a
-    step's bytes go, the question each HBM lever starts from."""
-    out: dict[str, int] = collections.Counter()
+def traffic_split(module: Module, n: int = 10) -> tuple[dict[str, int], list[dict]]:
+    """hbm_traffic split by what the operations are (_traffic_kind), largest first, and the
+    `n` operations moving the most bytes with the JAX operation that made them
+    (largest_buffers' form): where a step's bytes go, the question each HBM lever starts
+    from. One pass: classifying a fusion walks its body."""
+    by_kind: dict[str, int] = collections.Counter()
+    ops = []
     for b, ins in _traffic(module):
-        out[_traffic_kind(ins, module)] += b
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
-
-
-def top_traffic(module: Module, n: int = 10) -> list[dict]:
-    """The `n` operations moving the most HBM bytes per execution, with the JAX operation
-    that made them (largest_buffers' form)."""
-    found = []
-    for b, ins in _traffic(module):
+        kind = _traffic_kind(ins, module)
+        by_kind[kind] += b
         m = _OP_NAME.search(ins.rest)
-        found.append({"bytes": b, "kind": _traffic_kind(ins, module), "opcode": ins.opcode,
-                      "op": m.group(1) if m else ins.name})  # fmt: skip
-    return sorted(found, key=lambda x: -x["bytes"])[:n]
+        ops.append({"bytes": b, "kind": kind, "opcode": ins.opcode,
+                    "op": m.group(1) if m else ins.name})  # fmt: skip
+    ranked = dict(sorted(by_kind.items(), key=lambda kv: -kv[1]))
+    return ranked, sorted(ops, key=lambda x: -x["bytes"])[:n]
 
 
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')

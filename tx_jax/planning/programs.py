@@ -62,7 +62,7 @@ class Program:
     # a blocked loss), which flops and bytes_accessed count once
     loop_trips: int = 1
     refused: str = ""  # the compiler's reason when it would not compile the program
-    # hbm_bytes by what moves them (hlo.traffic_by_kind), and the heaviest operations
+    # hbm_bytes by what moves them, and the heaviest operations (hlo.traffic_split)
     traffic_by_kind: dict[str, int] = dataclasses.field(default_factory=dict)
     top_traffic: list[dict] = dataclasses.field(default_factory=list)
     # the compiled program itself, callable where the target's devices are this host's
@@ -224,6 +224,7 @@ def _compile(built: Built, name: str, kind: str, lower, shapes, extra_bytes: int
     }
     module = hlo.parse(compiled.as_text())
     cost = _cost(compiled, built.target.platform, module)
+    by_kind, top = hlo.traffic_split(module)
     return Program(
         name,
         kind,
@@ -238,8 +239,8 @@ def _compile(built: Built, name: str, kind: str, lower, shapes, extra_bytes: int
         extra_bytes,
         hlo.custom_calls(module),
         loop_trips=hlo.loop_trips(module),
-        traffic_by_kind=hlo.traffic_by_kind(module),
-        top_traffic=hlo.top_traffic(module),
+        traffic_by_kind=by_kind,
+        top_traffic=top,
         executable=compiled,
     )
 
