@@ -61,7 +61,9 @@ case "$cmd" in
     ensure_venv test,export,plan
     "$VENV/bin/ruff" check .
     "$VENV/bin/ruff" format --check .
-    "$VENV/bin/python" -m pytest -n "${TX_JAX_TEST_WORKERS:-2}" "$@"
+    # --dist loadfile: a file's tests share one worker, so a module's fixtures (a trained
+    # run, a server) are built once, not once per worker.
+    "$VENV/bin/python" -m pytest -n "${TX_JAX_TEST_WORKERS:-2}" --dist loadfile "$@"
     ;;
   train)
     ensure_venv

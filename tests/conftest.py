@@ -11,6 +11,12 @@ _CACHE = os.environ.get(
     "TX_JAX_TEST_CACHE",
     os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".jax_cache"),
 )
+# XLA:CPU's newer fusion emitters take a third more compile time on these tiny programs than
+# the elemental emitters they replace (BENCHMARKS.md "Test suite"); what a test checks does not
+# depend on which emitter wrote a fusion's loop. helpers.forced_devices keeps the flag.
+TEST_XLA_FLAGS = "--xla_cpu_use_fusion_emitters=false"
+if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + TEST_XLA_FLAGS).strip()
 for _key, _value in {
     "JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
     "JAX_COMPILATION_CACHE_DIR": _CACHE,
@@ -68,3 +74,37 @@ def _jax_caches_per_file():
 def tfds_dir(tmp_path_factory):
     """One TFDS data dir per test session: the tiny synthetic corpus is prepared once."""
     return tmp_path_factory.getbasetemp() / "tfds"
+
+
+# ------------------------------------------------------------ where a test's time goes
+# TX_JAX_TEST_PROFILE=FILE: one JSON line per test with the seconds JAX spent tracing,
+# lowering and compiling in this process (subprocesses not included): what to cut first.
+_PROFILE = os.environ.get("TX_JAX_TEST_PROFILE")
+if _PROFILE:
+    import json
+    import time
+
+    from jax import monitoring
+
+    _spent: dict[str, float] = {}
+    _EVENTS = {
+        "/jax/core/compile/jaxpr_trace_duration": "trace",
+        "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+        "/jax/core/compile/backend_compile_duration": "compile",
+    }
+
+    def _listen(event: str, seconds: float, **_) -> None:
+        if event in _EVENTS:
+            _spent[_EVENTS[event]] = _spent.get(_EVENTS[event], 0.0) + seconds
+
+    monitoring.register_event_duration_secs_listener(_listen)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        _spent.clear()
+        started = time.time()
+        yield
+        record = {"test": item.nodeid, "seconds": round(time.time() - started, 3)}
+        record.update({k: round(v, 3) for k, v in _spent.items()})
+        with open(_PROFILE, "a") as f:
+            f.write(json.dumps(record) + "\n")

@@ -52,7 +52,8 @@ def forced_devices(devices: int) -> str:
     starved on 2 cores shared with another test worker can miss: the tests wait 10 minutes."""
     return (
         f"--xla_force_host_platform_device_count={devices} "
-        "--xla_cpu_collective_call_terminate_timeout_seconds=600"
+        "--xla_cpu_collective_call_terminate_timeout_seconds=600 "
+        "--xla_cpu_use_fusion_emitters=false"  # conftest.TEST_XLA_FLAGS: faster compiles
     )
 
 
