@@ -31,6 +31,8 @@ def main(argv):
         backend.require_deterministic_ops()
     try:
         train_and_evaluate(FLAGS.config, FLAGS.workdir)
+    except ValueError as e:  # a config the run cannot use, CheckpointError's included: the
+        sys.exit(f"error: {e}")  # user's to fix, said in one line (as cli/common.run_cli does)
     except OSError as e:  # the workdir's storage failed (CheckpointSaveError is one)
         traceback.print_exc()
         print(f"error: {e}", file=sys.stderr, flush=True)

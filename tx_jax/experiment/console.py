@@ -39,6 +39,12 @@ def stopped(signal_name: str, step: int, directory: epath.Path) -> None:
     )
 
 
+def resumed(step: int, changes: str) -> None:
+    """The config keys a resumed run changes (experiment/resume.py decides which may)."""
+    if jax.process_index() == 0:
+        print(f"resuming from step {step} with config changes: {changes}", flush=True)
+
+
 def summary(run: Any, final: dict[str, Any]) -> None:
     """Where the checkpoints and logs are, and the final scores."""
     if jax.process_index() != 0:

@@ -37,10 +37,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         backend.require_deterministic_ops()
     run = build_run(config, workdir)
     cfg = config.train
-    logs.write_json(run.workdir / "config.json", config.to_dict())
-    logs.write_json(run.workdir / "versions.json", logs.versions())
     checkpointer = _open_checkpointer(run)
     state, data_state = restore_or_init(run, checkpointer)
+    # after the restore: a config it refuses leaves the workdir's config.json as it was
+    logs.write_json(run.workdir / "config.json", config.to_dict())
+    logs.write_json(run.workdir / "versions.json", logs.versions())
     train_iter = run.task.train_iterator(  # this process's rows of the global batches
         batch_multiple=run.strategy.global_batch_multiple * cfg.grad_accum_steps,
         spans=run.strategy.process_row_spans(),

@@ -18,6 +18,7 @@ from etils import epath
 
 from tx_jax.config import task_of
 from tx_jax.data import backtranslation, directions, lm_task, tasks
+from tx_jax.experiment import resume
 from tx_jax.experiment.validation import check_batch_divides, validate_config
 from tx_jax.inference import restore
 from tx_jax.model import ModelConfig, make_model
@@ -79,6 +80,13 @@ def build_model(config: ml_collections.ConfigDict, vocab_size: int, bos_id: int)
     return model_config, model, tx, schedule, init_fn
 
 
+def state_shapes(config: ml_collections.ConfigDict, tokenizer) -> TrainState:
+    """The unboxed train state of `config` for `tokenizer`'s vocabulary, as ShapeDtypeStructs
+    (nothing allocated): what a checkpoint of that config holds."""
+    init_fn = build_model(config, tokenizer.vocab_size, tokenizer.bos_id)[-1]
+    return nn.meta.unbox(jax.eval_shape(init_fn))
+
+
 def train_step_fn(config: ml_collections.ConfigDict, model: nn.Module, tx, schedule) -> Callable:
     """`train_step` bound to this run's model, optimizer and train settings: what the loop
     compiles (donating the state) and what tx_jax.planning compiles for a target."""
@@ -120,14 +128,17 @@ def check_writable(workdir: epath.Path) -> None:
 
 def restore_or_init(run: Run, checkpointer: ckpt_lib.Checkpointer) -> tuple[TrainState, dict]:
     """The newest good checkpoint placed for this run's devices (damaged ones are reported
-    and skipped), or a fresh state."""
+    and skipped), or a fresh state. A CheckpointError refuses a config the checkpoint cannot be
+    resumed under; the changes it can are listed (experiment/resume.py)."""
     if checkpointer.latest_step() is None and run.init_source is not None:
         return _init_from(run), {}
     if checkpointer.latest_step() is None:
         return run.strategy.init_state(run.init_fn), {}
     abstract = run.strategy.abstract_state(run.init_fn)
-    step, state, data_state, _ = checkpointer.restore_latest(abstract)
-    logging.info("resuming from step %d", step)
+    state_of = functools.partial(state_shapes, tokenizer=run.task.tokenizer)
+    resume.check_config(run.config, checkpointer, abstract, state_of)
+    step, state, data_state, meta = checkpointer.restore_latest(abstract)
+    resume.announce(step, meta["config"], run.config)
     return run.strategy.place_restored(state), data_state
 
 

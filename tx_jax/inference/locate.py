@@ -169,18 +169,40 @@ def abstract_params(
     )
 
 
-def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+def leaf_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    """Leaf path -> shape, every key written as a dict key ("['params']['encoder']..."): a
+    TrainState's fields and an optax state's tuples read as Orbax's metadata of them (nested
+    dicts and lists) does. Leaves without a shape (empty optimizer states) are left out."""
     leaves = jax.tree_util.tree_leaves_with_path(tree)
-    return {jax.tree_util.keystr(p): tuple(x.shape) for p, x in leaves}
+    return {_path(p): tuple(x.shape) for p, x in leaves if hasattr(x, "shape")}
+
+
+def _path(path: tuple) -> str:
+    names = (getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
+    return "".join(f"[{str(name)!r}]" for name in names)
+
+
+def shape_mismatches(want: Mapping[str, tuple], have: Mapping[str, tuple]) -> list[str]:
+    """'PATH: SHAPE in the checkpoint, SHAPE in the model' for every leaf whose shape differs
+    between `have` (the checkpoint's leaf_shapes) and `want` (the model's)."""
+    return [
+        f"{k}: {have.get(k, 'absent')} in the checkpoint, {want.get(k, 'absent')} in the model"
+        for k in sorted(set(want) | set(have))
+        if want.get(k) != have.get(k)
+    ]
+
+
+def describe_keys(differences: Mapping[str, tuple[Any, Any]]) -> str:
+    """'model.d_ff (64 in the checkpoint, 128 now), ...'."""
+    return ", ".join(
+        f"{k} ({a!r} in the checkpoint, {b!r} now)" for k, (a, b) in differences.items()
+    )
 
 
 def _describe(differences: Mapping[str, tuple[Any, Any]]) -> str:
     if not differences:
         return "no config key differs from the checkpoint's (did the model code change?)"
-    keys = ", ".join(
-        f"{k} ({a!r} in the checkpoint, {b!r} now)" for k, (a, b) in differences.items()
-    )
-    return f"the config keys that differ from the checkpoint's: {keys}"
+    return f"the config keys that differ from the checkpoint's: {describe_keys(differences)}"
 
 
 def check_params_fit(
@@ -188,14 +210,9 @@ def check_params_fit(
 ) -> None:
     """Raise CheckpointError, naming the differing config keys, when `stored` (the
     checkpoint's param metadata) and `abstract` (this config's model) differ in shape."""
-    want, have = _shapes(abstract), _shapes(stored)
-    if want == have:
+    bad = shape_mismatches(leaf_shapes(abstract), leaf_shapes(stored))
+    if not bad:
         return
-    bad = [
-        f"{k}: {have.get(k, 'absent')} in the checkpoint, {want.get(k, 'absent')} in the model"
-        for k in sorted(set(want) | set(have))
-        if want.get(k) != have.get(k)
-    ]
     raise CheckpointError(
         f"the parameters of {where} do not fit the model: {_describe(differences)}. "
         f"{len(bad)} parameter(s) differ, e.g. " + "; ".join(bad[:3])

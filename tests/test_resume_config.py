@@ -1,0 +1,167 @@
+"""Resuming a workdir under a changed config: resumable changes are listed, the others (the
+vocabulary, the train state's shapes) refused in one line naming each key, on the library
+and the command line, with the workdir's checkpoints untouched."""
+
+import functools
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from helpers import ROOT, tiny_config, train_losses
+
+from tx_jax.data.run_tokenizer import read_tokenizer
+from tx_jax.experiment import resume
+from tx_jax.experiment.loop import train_and_evaluate
+from tx_jax.experiment.setup import state_shapes
+from tx_jax.inference import restore
+from tx_jax.inference.locate import CheckpointError
+from tx_jax.training.checkpoint import Checkpointer
+
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tfds_dir):
+    """A workdir trained for 2 steps (debug model: d_ff 64), checkpoint at step 2. Tests that
+    resume it for real copy it first."""
+    workdir = tmp_path_factory.mktemp("resume") / "run"
+    train_and_evaluate(tiny_config(tfds_dir, **{"train.num_steps": STEPS}), workdir)
+    return workdir
+
+
+def _check(config, workdir):
+    """resume.check_config as restore_or_init calls it, without preparing the data."""
+    state_of = functools.partial(
+        state_shapes, tokenizer=read_tokenizer((workdir / "tokenizer.model").read_bytes())
+    )
+    ckpt = Checkpointer(workdir / "checkpoints", read_only=True)
+    resume.check_config(config, ckpt, state_of(config), state_of)
+    return ckpt
+
+
+def _refusal(tfds_dir, workdir, **overrides) -> str:
+    with pytest.raises(CheckpointError) as info:
+        train_and_evaluate(tiny_config(tfds_dir, **overrides), workdir)
+    return str(info.value)
+
+
+def test_a_shape_change_is_refused_naming_the_key_and_leaves_the_checkpoints(
+    trained, tfds_dir, capsys
+):
+    config_json = (trained / "config.json").read_text()
+    message = _refusal(tfds_dir, trained, **{"model.d_ff": 128, "train.num_steps": 4})
+    assert f"cannot resume {trained}/checkpoints/2 under this config: " in message
+    assert "model.d_ff (64 in the checkpoint, 128 now) changes the train state's shapes" in message
+    assert "train.num_steps" not in message  # resumable: not a cause
+    assert "of its arrays differ, e.g. ['params']" in message
+    assert "(64,) in the checkpoint, (128,) in the model" in message
+    assert "resume with the stored values, or use a new workdir" in message
+    assert "train.init_from" not in message  # the parameters would not fit either
+    assert "\n" not in message and "Traceback" not in "".join(capsys.readouterr())
+    # refused before anything was written: same checkpoints, still loadable, same config.json
+    assert Checkpointer(trained / "checkpoints", read_only=True).all_steps() == [STEPS]
+    loaded = restore.load(trained)
+    assert loaded.step == STEPS and loaded.model_config.d_ff == 64
+    assert (trained / "config.json").read_text() == config_json
+    # two causes: both named, each with its values
+    message = _refusal(tfds_dir, trained, **{"model.d_ff": 128, "model.num_encoder_layers": 2})
+    assert (
+        "model.d_ff (64 in the checkpoint, 128 now), model.num_encoder_layers (1 in the "
+        "checkpoint, 2 now) change the train state's shapes"
+    ) in message
+
+
+def test_an_optimizer_structure_change_is_refused_with_init_from_advice(trained, tfds_dir):
+    message = _refusal(tfds_dir, trained, **{"train.weight_decay": 0.01})
+    assert (
+        "train.weight_decay (0.0 in the checkpoint, 0.01 now) changes the train state's" in message
+    )
+    assert "['opt_state']" in message  # AdamW's decay moves the schedule's count
+    assert f"with train.init_from={trained} to start from this run's parameters" in message
+    message = _refusal(tfds_dir, trained, **{"train.clip_grad_norm": 0.0})  # Adam unchained
+    assert (
+        "train.clip_grad_norm (1.0 in the checkpoint, 0.0 now) changes the train state" in message
+    )
+
+
+def test_a_vocabulary_change_is_refused_naming_each_key(trained, tfds_dir):
+    overrides = {"data.vocab_size": 200, "data.tokenizer_pairs": 300}
+    message = _refusal(tfds_dir, trained, **overrides)
+    assert (
+        "data.tokenizer_pairs (400 in the checkpoint, 300 now), data.vocab_size (160 in the "
+        f"checkpoint, 200 now) decide the vocabulary, which a resumed run keeps "
+        f"({trained}/tokenizer.model)"
+    ) in message
+    assert "shapes" not in message and "train.init_from" not in message
+
+
+def test_changes_that_keep_the_state_pass_the_check(trained, tfds_dir):
+    """Dropout, the schedule and the data paths change neither the vocabulary nor a shape."""
+    config = tiny_config(
+        tfds_dir,
+        **{
+            "model.dropout_rate": 0.1,
+            "train.schedule": "cosine",
+            "data.max_len": 24,
+            "checkpoint.keep": 5,
+            "train.num_steps": STEPS,
+        },
+    )
+    stored = resume.newest_readable(_check(config, trained))  # no error
+    assert list(resume.differences(stored.config, config)) == [
+        "checkpoint.keep",
+        "data.max_len",
+        "model.dropout_rate",
+        "train.schedule",
+    ]
+
+
+def test_an_unreadable_meta_is_left_to_restore_latest(trained, tfds_dir, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(trained, copy)
+    for meta in (copy / "checkpoints" / str(STEPS) / "meta").rglob("*"):
+        if meta.is_file():
+            meta.write_text("{not json")
+    _check(tiny_config(tfds_dir, **{"model.d_ff": 128}), copy)  # not compared: no error
+    assert resume.newest_readable(Checkpointer(copy / "checkpoints", read_only=True)) is None
+
+
+def test_resumable_changes_are_listed_and_the_run_continues(trained, tfds_dir, tmp_path, capsys):
+    copy = tmp_path / "run"
+    shutil.copytree(trained, copy)
+    capsys.readouterr()
+    train_and_evaluate(tiny_config(tfds_dir, **{"train.num_steps": 4, "eval.every": 500}), copy)
+    out = capsys.readouterr().out
+    line = (
+        "resuming from step 2 with config changes: eval.every 1000 -> 500, train.num_steps 2 -> 4"
+    )
+    assert out.count(line + "\n") == 1
+    assert max(train_losses(copy)) == 4
+    assert Checkpointer(copy / "checkpoints", read_only=True).all_steps()[-1] == 4
+    assert json.loads((copy / "config.json").read_text())["train"]["num_steps"] == 4
+
+
+def test_the_command_line_says_a_refusal_in_one_line(trained, tfds_dir):
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tx_jax.main",
+            "--config=configs/default.py:debug",
+            f"--workdir={trained}",
+            f"--config.data.data_dir={tfds_dir}",
+            "--config.model.d_ff=128",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert cli.returncode == 1, cli.stderr
+    errors = [line for line in cli.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in cli.stderr, cli.stderr
+    assert errors[0].startswith(f"error: cannot resume {trained}/checkpoints/2 under this config")
+    assert "model.d_ff (64 in the checkpoint, 128 now)" in errors[0]
+    print(errors[0])

@@ -1,0 +1,193 @@
+"""Resuming a workdir under a config that differs from its checkpoint's: which changes the run
+continues under (listed once when it resumes) and which it cannot (refused before the restore,
+naming each key with its stored and new values and what to do instead).
+
+    refused  a key that decides the vocabulary (VOCABULARY_KEYS): the workdir keeps its
+             tokenizer.model, so the new value would be silently ignored
+             a key that changes the train state's shapes or structure (model sizes, a
+             learned positional table, weight_decay 0 -> > 0 adding AdamW's decay state):
+             the checkpoint cannot be restored into that state
+    listed   every other key (train.num_steps, the schedule, eval.*, checkpoint.*, dropout)
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import ml_collections
+from etils import epath
+
+from tx_jax.data.run_tokenizer import TOKENIZER_FILE
+from tx_jax.experiment import console
+from tx_jax.inference.locate import (
+    CheckpointError,
+    config_differences,
+    describe_keys,
+    leaf_shapes,
+    shape_mismatches,
+)
+from tx_jax.training.checkpoint import Checkpointer
+
+# The keys that decide WORKDIR/tokenizer.model: its size, its given file, its single-piece
+# symbols (language and back-translation tags) and the text it was trained on (the dataset,
+# its languages and directions, the pairs read). A resumed run keeps that file, so a new value
+# would be ignored. Each names itself and the keys under it (data.synthetic.num_train, ...).
+VOCABULARY_KEYS = (
+    "data.vocab_size",
+    "data.tokenizer_path",
+    "data.tokenizer_pairs",
+    "data.user_defined_symbols",
+    "data.dataset",
+    "data.synthetic",
+    "data.source_lang",
+    "data.target_lang",
+    "data.directions",
+    "data.extra_eval_directions",
+    "data.lm_side",
+    "data.max_train_pairs",
+    "data.synthetic_tag",
+)
+# What the train state is built from (setup.build_model: the task's model, its optimizer):
+# when the state's shapes differ, each differing key of these is tried alone to name the cause.
+STATE_KEYS = ("task", "model", "train")
+
+# the unboxed train state of a config as ShapeDtypeStructs (setup.state_shapes for this run's
+# vocabulary): what the stored config is rebuilt with, one changed key at a time
+StateOf = Callable[[ml_collections.ConfigDict], Any]
+
+
+@dataclasses.dataclass
+class Stored:
+    """The newest readable checkpoint of a workdir, what a resumed config is compared with."""
+
+    path: epath.Path  # WORKDIR/checkpoints/STEP
+    config: dict  # as saved (through JSON)
+    state: Any  # Orbax's metadata of the train state: shapes and dtypes, no array
+
+
+def check_config(
+    config: ml_collections.ConfigDict, checkpointer: Checkpointer, abstract: Any, state_of: StateOf
+) -> None:
+    """Raise CheckpointError when the checkpoints cannot be resumed under `config`, whose train
+    state is `abstract` (ShapeDtypeStructs): a changed vocabulary key, or a state whose shapes
+    differ from the checkpoint's (each key that causes it named). Nothing is compared when no
+    checkpoint's meta and metadata read (Checkpointer.restore_latest then reports the damage)."""
+    stored = newest_readable(checkpointer)
+    if stored is None:
+        return
+    changes = differences(stored.config, config)
+    vocabulary = {k: v for k, v in changes.items() if _under(k, VOCABULARY_KEYS)}
+    mismatched = shape_mismatches(leaf_shapes(abstract), leaf_shapes(stored.state))
+    if not vocabulary and not mismatched:
+        return
+    workdir = checkpointer.directory.parent
+    parts = []
+    if vocabulary:
+        verb = "decides" if len(vocabulary) == 1 else "decide"
+        parts.append(
+            f"{describe_keys(vocabulary)} {verb} the vocabulary, which a resumed run keeps "
+            f"({workdir / TOKENIZER_FILE})"
+        )
+    params = [m for m in mismatched if m.startswith("['params']")]
+    if mismatched:
+        causes = _state_causes(stored, changes, state_of)
+        example = f"{len(mismatched)} of its arrays differ, e.g. {(params or mismatched)[0]}"
+        if not causes:
+            parts.append(
+                "the train state's shapes or structure differ with no task, model or train key "
+                f"changed (did the model code change?): {example}"
+            )
+        else:
+            verb = "changes" if len(causes) == 1 else "change"
+            parts.append(
+                f"{describe_keys(causes)} {verb} the train state's shapes or structure ({example})"
+            )
+    raise CheckpointError(_refusal(stored, workdir, parts, init_from=not vocabulary and not params))
+
+
+def _refusal(stored: Stored, workdir: epath.Path, parts: list[str], init_from: bool) -> str:
+    """The one-line error: what is refused, and what to do instead (train.init_from only where
+    it would work: it keeps the vocabulary and needs the parameters to fit)."""
+    advice = "resume with the stored values, or use a new workdir for this config"
+    if init_from:
+        advice += (
+            f" (with train.init_from={workdir} to start from this run's parameters: step 0, "
+            "a new optimizer state)"
+        )
+    return f"cannot resume {stored.path} under this config: {'; '.join(parts)}. To go on: {advice}"
+
+
+def newest_readable(checkpointer: Checkpointer) -> Stored | None:
+    """The newest checkpoint whose meta and state metadata read (reading no array), or None."""
+    for step in reversed(checkpointer.all_steps()):
+        try:
+            config = checkpointer.restore_meta(step)["config"]
+            state = checkpointer.state_metadata(step)
+        except Exception as e:  # noqa: BLE001 - damage reads as Orbax's, JSON's or OS errors
+            logging.warning("checkpoint step %d unreadable, not compared: %s", step, e)
+            continue
+        return Stored(checkpointer.directory / str(step), config, state)
+    return None
+
+
+def differences(stored: Mapping, config: ml_collections.ConfigDict) -> dict[str, tuple[Any, Any]]:
+    """Dotted key -> (stored, new) for the keys of `config` that differ from `stored` (a saved
+    config). `config` is compared as a checkpoint stores it (JSON: tuples are lists); a key
+    unset on both sides (None, '', 0, [] or absent: one added since the checkpoint) is no
+    change."""
+    current = json.loads(json.dumps(config.to_dict()))
+    return {k: (a, b) for k, (a, b) in config_differences(stored, current).items() if a or b}
+
+
+def _under(key: str, prefixes: tuple[str, ...]) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def _state_causes(
+    stored: Stored, changes: Mapping[str, tuple[Any, Any]], state_of: StateOf
+) -> dict[str, tuple[Any, Any]]:
+    """The changed keys of STATE_KEYS that, set alone in the stored config, change its train
+    state's shapes; all changed keys of STATE_KEYS when no single one does."""
+    candidates = {k: v for k, v in changes.items() if _under(k, STATE_KEYS)}
+    try:
+        base = leaf_shapes(state_of(ml_collections.ConfigDict(stored.config)))
+    except (ValueError, KeyError, TypeError):  # a stored config this code no longer builds
+        return candidates
+    alone = {}
+    for key, (old, new) in candidates.items():
+        try:
+            shapes = leaf_shapes(state_of(_with(stored.config, key, new)))
+        except (ValueError, KeyError, TypeError):  # invalid alone (d_model with num_heads, ...)
+            continue
+        if shapes != base:
+            alone[key] = (old, new)
+    return alone or candidates
+
+
+def _with(config: Mapping, key: str, value: Any) -> ml_collections.ConfigDict:
+    """A copy of the saved config `config` with the dotted `key` set to `value`."""
+    tree = copy.deepcopy(dict(config))
+    *parents, leaf = key.split(".")
+    node = tree
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+    return ml_collections.ConfigDict(tree)
+
+
+def announce(step: int, stored_config: Mapping, config: ml_collections.ConfigDict) -> None:
+    """Log, and print on process 0, the keys that differ from the restored checkpoint's config:
+    'resuming from step 8 with config changes: train.num_steps 8 -> 16, eval.every 4 -> 2'."""
+    changes = ", ".join(
+        f"{k} {a!r} -> {b!r}" for k, (a, b) in differences(stored_config, config).items()
+    )
+    logging.info(
+        "resuming from step %d%s", step, f" with config changes: {changes}" if changes else ""
+    )
+    if changes:
+        console.resumed(step, changes)
