@@ -273,6 +273,23 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} us"
 
 
+def _program_line(r: dict[str, Any]) -> str:
+    """One program's row of `format_plan`'s table: compile time, inputs, temporaries and total
+    bytes per device, collectives, attention kernels."""
+    coll = ", ".join(
+        f"{k} {v['count']}x {v['bytes'] / 2**20:.1f} MiB"
+        + (" per step" if v["per_iteration"] else "")
+        for k, v in r["collectives"].items()
+        if v["count"]
+    )
+    kernels = ", ".join(f"{k} x{v}" for k, v in r["custom_calls"].items() if k.startswith(_KERNELS))
+    return (
+        f"{r['name']:<24}{r['compile_seconds']:>8.1f}s{_gib(r['inputs_bytes']):>12}"
+        f"{_gib(r['memory']['temp']):>12}{_gib(r['total_bytes']):>12}  {coll or 'none'}"
+        + (f"; kernels: {kernels}" if kernels else "")
+    )
+
+
 def format_plan(plan: dict[str, Any]) -> str:
     """The plan as a person reads it."""
     m = plan["mesh"]
@@ -288,21 +305,7 @@ def format_plan(plan: dict[str, Any]) -> str:
         "",
         f"{'program':<24}{'compile':>9}{'inputs':>12}{'temp':>12}{'total':>12}  collectives",
     ]
-    for r in plan["programs"]:
-        coll = ", ".join(
-            f"{k} {v['count']}x {v['bytes'] / 2**20:.1f} MiB"
-            + (" per step" if v["per_iteration"] else "")
-            for k, v in r["collectives"].items()
-            if v["count"]
-        )
-        kernels = ", ".join(
-            f"{k} x{v}" for k, v in r["custom_calls"].items() if k.startswith(_KERNELS)
-        )
-        lines.append(
-            f"{r['name']:<24}{r['compile_seconds']:>8.1f}s{_gib(r['inputs_bytes']):>12}"
-            f"{_gib(r['memory']['temp']):>12}{_gib(r['total_bytes']):>12}  {coll or 'none'}"
-            + (f"; kernels: {kernels}" if kernels else "")
-        )
+    lines += [_program_line(r) for r in plan["programs"]]
     b = plan["bytes_per_device"]
     verdict = "FITS" if plan["fits"] else "DOES NOT FIT"
     lines += [
@@ -328,25 +331,29 @@ def format_plan(plan: dict[str, Any]) -> str:
         train = next(r for r in plan["programs"] if r["name"] == plan["train_program"])
         if train.get("traffic_by_kind"):
             total = train["hbm_traffic_bytes_per_device"] or 1
+            shares = ", ".join(
+                f"{kind} {b / 1e9:.2f} GB ({100 * b / total:.0f}%)"
+                for kind, b in train["traffic_by_kind"].items()
+                if b >= 0.005 * total
+            )
             lines.append(
                 f"HBM traffic of {train['name']} per device (the planner's count, "
-                f"{total / 1e9:.2f} GB): " + ", ".join(
-                    f"{kind} {b / 1e9:.2f} GB ({100 * b / total:.0f}%)"
-                    for kind, b in train["traffic_by_kind"].items() if b >= 0.005 * total
-                )
-            )  # fmt: skip
+                f"{total / 1e9:.2f} GB): {shares}"
+            )
     lines.append(f"compile time: {plan['compile_seconds']:.1f} s in all")
     if not plan["fits"]:
-        lines.append("largest state arrays per device: " + ", ".join(
+        arrays = ", ".join(
             f"{r['name']} {r['bytes'] / 2**20:.1f} MiB" for r in plan["largest_state"][:3]
-        ))  # fmt: skip
+        )
+        lines.append(f"largest state arrays per device: {arrays}")
         worst = next(r for r in plan["programs"] if r["name"] == b["program"])
         if worst["refused"]:
             lines.append(f"{worst['name']}: {worst['refused']}")
         if worst["largest_buffers"]:
-            lines.append("largest buffers of " + b["program"] + ": " + ", ".join(
+            buffers = ", ".join(
                 f"{x['shape']} {x['bytes'] / 2**20:.1f} MiB ({_short(x['op'])})"
                 for x in worst["largest_buffers"][:3]
-            ))  # fmt: skip
+            )
+            lines.append(f"largest buffers of {b['program']}: {buffers}")
         lines += [f"would help: {a}" for a in plan["advice"]]
     return "\n".join(lines)
