@@ -124,7 +124,7 @@ def decode_lines(
     chunk = batch_size * CHUNK_BATCHES
     for start in range(0, len(examples), chunk):
         part = examples[start : start + chunk]
-        found = _decode_chunk(
+        hypotheses = _decode_chunk(
             loaded,
             texts,
             part,
@@ -142,7 +142,7 @@ def decode_lines(
             sampling=sampling,
             scores=scores,
         )
-        for (i, _), hyps in zip(part, found):
+        for (i, _), hyps in zip(part, hypotheses):
             out[i].extend(hyps)
         if progress is not None:
             progress(min(start + chunk, len(examples)) // copies, len(todo))
