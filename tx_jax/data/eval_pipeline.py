@@ -147,11 +147,11 @@ def _shard_order(indices: range, lengths: dict[int, int], sort_by_length: bool) 
 
 
 def _bucket_length(
-    boundaries: Sequence[int], lengths: dict[int, int], rows: Sequence[Sequence[int]]
+    boundaries: Sequence[int], lengths: dict[int, int], chunks: Sequence[Sequence[int]]
 ) -> int:
-    """L of one batch: the smallest boundary that holds the longest item among `rows` (that
-    batch's item indices on every shard, so every process pads it alike)."""
-    longest = max((lengths[i] for shard in rows for i in shard), default=1)
+    """L of one batch: the smallest boundary that holds the longest item among `chunks` (that
+    batch's item indices on each shard, so that every process pads it alike)."""
+    longest = max((lengths[i] for chunk in chunks for i in chunk), default=1)
     return boundaries[bisect.bisect_left(boundaries, longest)]
 
 
