@@ -89,7 +89,8 @@ def make_plan(
     compiled = programs_lib.compile_all(built, programs)
     chip = target.chip
     state = programs_lib.state_bytes(built)
-    rows = [_program_row(p, resident=sum(state.values())) for p in compiled]
+    resident = sum(state.values())
+    rows = [_program_row(p, resident) for p in compiled]
     worst = max(rows, key=lambda row: row["total_bytes"])
     plan: dict[str, Any] = {
         "config": config_name,
