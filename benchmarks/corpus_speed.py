@@ -86,8 +86,14 @@ def main() -> None:
             f.write("\n".join(part) + "\n")
     cpus = sorted(os.sched_getaffinity(0))
     threads = len(cpus)
-    base = [sys.executable, "-m", "tx_jax.translate", f"--workdir={args.workdir}",
-            f"--input={','.join(inputs)}", f"--beam_size={args.beam}"]  # fmt: skip
+    base = [
+        sys.executable,
+        "-m",
+        "tx_jax.translate",
+        f"--workdir={args.workdir}",
+        f"--input={','.join(inputs)}",
+        f"--beam_size={args.beam}",
+    ]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     rows = {}
 
@@ -99,9 +105,13 @@ def main() -> None:
     port = _free_port()
     commands = []
     for pid, cpu_set in enumerate((cpus[: threads // 2], cpus[threads // 2 :])):
-        e = dict(env, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
-                 JAX_PROCESS_ID=str(pid),
-                 JAX_COMPILATION_CACHE_DIR=os.path.join(work, f"cache2_{pid}"))  # fmt: skip
+        e = dict(
+            env,
+            JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+            JAX_NUM_PROCESSES="2",
+            JAX_PROCESS_ID=str(pid),
+            JAX_COMPILATION_CACHE_DIR=os.path.join(work, f"cache2_{pid}"),
+        )
         pin = ["taskset", "-c", ",".join(map(str, cpu_set or cpus))]
         commands.append((pin + base + [f"--output_dir={out2}"], e))
     rows["tx_jax, 2 processes"] = _run(commands)
@@ -115,8 +125,18 @@ def main() -> None:
     commands = []
     for path in inputs:
         out = os.path.join(ct2_out, os.path.basename(path))
-        script = [sys.executable, "-c", _CT2, ct2_dir, spm_file, path, out, str(threads),
-                  str(args.beam), str(max_len)]  # fmt: skip
+        script = [
+            sys.executable,
+            "-c",
+            _CT2,
+            ct2_dir,
+            spm_file,
+            path,
+            out,
+            str(threads),
+            str(args.beam),
+            str(max_len),
+        ]
         commands.append((script, env))
     start = time.perf_counter()
     for c in commands:  # one file after another: CTranslate2 uses every core on each
@@ -145,8 +165,10 @@ def main() -> None:
     for name, seconds in rows.items():
         print(f"{name}: {seconds:.1f} s, {len(lines) / seconds:.1f} lines/s")
     same = 100 * result["ctranslate2_same_as_tx_jax"]
-    print(f"2 processes == 1 process: {result['two_processes_equal_one']}; "
-          f"CTranslate2 same as tx_jax on {same:.1f}% of lines")  # fmt: skip
+    print(
+        f"2 processes == 1 process: {result['two_processes_equal_one']}; "
+        f"CTranslate2 same as tx_jax on {same:.1f}% of lines"
+    )
     path = _common.write_json("corpus_speed", result, args.out or None)
     print(f"wrote {path}")
 

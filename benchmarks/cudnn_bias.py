@@ -23,6 +23,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 
+# A cuDNN call in compiled HLO: its target and its operands' layouts.
+_CUDNN_CALL = r'custom_call_target="(__cudnn[^"]+)", operand_layout_constraints=(\{[^=]*\})'
+
 
 def _masks(B: int, L: int, causal: bool):
     """[B, 1, L, L] bool: 4 packed segments a row (the last one padding-free), causal or not."""
@@ -72,9 +75,7 @@ def main(argv: list[str] | None = None) -> None:
         for name, mask in (("B,H,L,S", full), ("B,1,L,S", head1)):
             compiled = grad.lower(mask, q, k, v).compile()
             # each cuDNN call's operands, the mask's bias last or next to last
-            hlo[name] = sorted(set(re.findall(
-                r'custom_call_target="(__cudnn[^"]+)", operand_layout_constraints=(\{[^=]*\})',
-                compiled.as_text())))  # fmt: skip
+            hlo[name] = sorted(set(re.findall(_CUDNN_CALL, compiled.as_text())))
             results[name] = jax.block_until_ready(compiled(mask, q, k, v))
             times[name] = [
                 _common.time_once(functools.partial(compiled, mask, q, k, v), jax.block_until_ready)
@@ -101,8 +102,9 @@ def main(argv: list[str] | None = None) -> None:
         )
     )
     print(f"{args.impl}, shape B,L,H,D = {B},{L},{H},{D}, bf16, {jax.devices()[0].device_kind}")
-    _common.write_json("cudnn_bias", {"impl": args.impl, "shape": [B, L, H, D], "cases": cases},
-                       args.out)  # fmt: skip
+    _common.write_json(
+        "cudnn_bias", {"impl": args.impl, "shape": [B, L, H, D], "cases": cases}, args.out
+    )
 
 
 if __name__ == "__main__":

@@ -99,14 +99,16 @@ def timelines(trace) -> list[dict]:
             n = names.setdefault(e["name"], {"us": 0.0, "count": 0, "args": e.get("args", {})})
             n["us"] += e["dur"]
             n["count"] += 1
-        out.append({
-            "process": procs.get(pid, str(pid)),
-            "thread": threads.get((pid, tid), str(tid)),
-            "span_us": evs[-1]["ts"] + evs[-1]["dur"] - evs[0]["ts"],
-            "busy_us": busy,
-            "events": len(evs),
-            "names": dict(sorted(names.items(), key=lambda kv: -kv[1]["us"])),
-        })  # fmt: skip
+        out.append(
+            {
+                "process": procs.get(pid, str(pid)),
+                "thread": threads.get((pid, tid), str(tid)),
+                "span_us": evs[-1]["ts"] + evs[-1]["dur"] - evs[0]["ts"],
+                "busy_us": busy,
+                "events": len(evs),
+                "names": dict(sorted(names.items(), key=lambda kv: -kv[1]["us"])),
+            }
+        )
     return sorted(out, key=lambda t: -t["busy_us"])
 
 
@@ -213,16 +215,26 @@ def summarize(out_dir: str, top: int = 25) -> dict:
     with gzip.open(os.path.join(out_dir, "hlo.txt.gz"), "rt") as f:
         index = hlo_index(f.read())
     steps = prof["steps_traced"]
-    print(f"{prof['case']} on {prof['device_kind']} (jax {prof['jax']}): "
-          f"{prof['step_seconds_traced'] * 1e3:.2f} ms/step under the profiler")  # fmt: skip
+    print(
+        f"{prof['case']} on {prof['device_kind']} (jax {prof['jax']}): "
+        f"{prof['step_seconds_traced'] * 1e3:.2f} ms/step under the profiler"
+    )
     for t in prof["timelines"][:8]:
-        print(f"  {t['process']} / {t['thread']}: busy {t['busy_us'] / steps / 1e3:.2f} ms/step, "
-              f"{t['events'] / steps:.0f} events/step")  # fmt: skip
+        print(
+            f"  {t['process']} / {t['thread']}: busy {t['busy_us'] / steps / 1e3:.2f} ms/step, "
+            f"{t['events'] / steps:.0f} events/step"
+        )
     # The timeline of HLO ops on the device (xprof's "XLA Ops"), else the busiest device line.
-    device = [t for t in prof["timelines"] if t["process"].startswith("/device:")
-              and "CUSTOM" not in t["process"]] or prof["timelines"]  # fmt: skip
-    ops_lines = [t for t in device if "XLA Ops" in t["thread"]] or [
-        t for t in device if "Stream" in t["thread"]] or device[:1]  # fmt: skip
+    device = [
+        t
+        for t in prof["timelines"]
+        if t["process"].startswith("/device:") and "CUSTOM" not in t["process"]
+    ] or prof["timelines"]
+    ops_lines = (
+        [t for t in device if "XLA Ops" in t["thread"]]
+        or [t for t in device if "Stream" in t["thread"]]
+        or device[:1]
+    )
     cats, sources = collections.Counter(), collections.Counter()
     rows = []
     for line in ops_lines:
@@ -238,12 +250,16 @@ def summarize(out_dir: str, top: int = 25) -> dict:
             sources[source(info)] += n["us"] / steps
             rows.append((n["us"] / steps, n["count"] // steps, name, c))
     total = sum(cats.values())
-    print(f"time by category (timelines: {', '.join(t['thread'] for t in ops_lines)}; "
-          f"{total / 1e3:.2f} ms/step in all):")  # fmt: skip
+    print(
+        f"time by category (timelines: {', '.join(t['thread'] for t in ops_lines)}; "
+        f"{total / 1e3:.2f} ms/step in all):"
+    )
     for c, us in cats.most_common():
         print(f"  {c:45s} {us / 1e3:7.2f} ms  {100 * us / total:5.1f}%")
-    print("time by source in the model (XLA's kernels by op_name; a deduplicated kernel counts "
-          "under its first instance's):")  # fmt: skip
+    print(
+        "time by source in the model (XLA's kernels by op_name; a deduplicated kernel counts "
+        "under its first instance's):"
+    )
     for c, us in sources.most_common():
         print(f"  {c:45s} {us / 1e3:7.2f} ms  {100 * us / total:5.1f}%")
     print(f"heaviest {top}:")

@@ -220,21 +220,36 @@ def derive(row: dict, ceil: dict, chip) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    headers = ["case", "attention", "ms/step", "pipelined ms", "target tok/s", "MFU (sheet)",
-               "MFU (measured peak)", "plan bound ms", "bound by", "measured / bound",
-               "floor at measured ceilings ms"]  # fmt: skip
+    headers = [
+        "case",
+        "attention",
+        "ms/step",
+        "pipelined ms",
+        "target tok/s",
+        "MFU (sheet)",
+        "MFU (measured peak)",
+        "plan bound ms",
+        "bound by",
+        "measured / bound",
+        "floor at measured ceilings ms",
+    ]
     out = []
     for r in rows:
-        out.append([
-            r["case"], r["attention_impl"], f"{r['step_seconds'] * 1e3:.2f}",
-            f"{r['step_seconds_pipelined'] * 1e3:.2f}", f"{r['tokens_per_second']:,.0f}",
-            f"{100 * r['mfu_datasheet']:.1f}%" if "mfu_datasheet" in r else "-",
-            f"{100 * r['mfu_measured_peak']:.1f}%",
-            f"{r['step_time_bound_s'] * 1e3:.2f}" if "step_time_bound_s" in r else "-",
-            r.get("bound_by", "-"),
-            f"{r['measured_over_bound']:.2f}" if "measured_over_bound" in r else "-",
-            f"{r['floor_measured_ceilings_s'] * 1e3:.2f}",
-        ])  # fmt: skip
+        out.append(
+            [
+                r["case"],
+                r["attention_impl"],
+                f"{r['step_seconds'] * 1e3:.2f}",
+                f"{r['step_seconds_pipelined'] * 1e3:.2f}",
+                f"{r['tokens_per_second']:,.0f}",
+                f"{100 * r['mfu_datasheet']:.1f}%" if "mfu_datasheet" in r else "-",
+                f"{100 * r['mfu_measured_peak']:.1f}%",
+                f"{r['step_time_bound_s'] * 1e3:.2f}" if "step_time_bound_s" in r else "-",
+                r.get("bound_by", "-"),
+                f"{r['measured_over_bound']:.2f}" if "measured_over_bound" in r else "-",
+                f"{r['floor_measured_ceilings_s'] * 1e3:.2f}",
+            ]
+        )
     return _common.table(headers, out)
 
 

@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
                 ]
                 for r in rows
             ],
-        )  # fmt: skip
+        )
     )
     payload = {"target": args.target, "layers": args.layers, "shape": shape, "rows": rows}
     payload["machine"] = _common.machine()

@@ -172,10 +172,22 @@ def tabulate(out: pathlib.Path) -> dict:
         if not p.name.endswith(".search.json")
     }
     main = main_rows(plans)
-    headers = ["model", "target", "mesh d x f x t", "compile s", "params+Adam GiB",
-               "train total GiB", "largest total GiB (program)", "usable GiB", "fits",
-               "train all-reduce", "compiled/analytic FLOPs", "bound ms (by)", "tokens/s bound",
-               "MFU bound"]  # fmt: skip
+    headers = [
+        "model",
+        "target",
+        "mesh d x f x t",
+        "compile s",
+        "params+Adam GiB",
+        "train total GiB",
+        "largest total GiB (program)",
+        "usable GiB",
+        "fits",
+        "train all-reduce",
+        "compiled/analytic FLOPs",
+        "bound ms (by)",
+        "tokens/s bound",
+        "MFU bound",
+    ]
     print(_common.table(headers, main))
     long = long_rows(plans)
     print()

@@ -144,11 +144,17 @@ def test_second_seed_rule():
     assert study.second_seed_settings(first, "all") == list(first)
     assert study.second_seed_settings(first, "none") == []
     assert study.second_seed_order(list(first)) == [
-        "bt_beam", "bt_sample", "bt_tagged", "a_only", "a_plus_b"
-    ]  # fmt: skip
+        "bt_beam",
+        "bt_sample",
+        "bt_tagged",
+        "a_only",
+        "a_plus_b",
+    ]
     assert study.second_seed_order(["a_plus_b", "a_only", "bt_sample"]) == [
-        "bt_sample", "a_only", "a_plus_b"
-    ]  # fmt: skip
+        "bt_sample",
+        "a_only",
+        "a_plus_b",
+    ]
 
 
 def test_conclusion_weighs_each_difference_against_the_noise():
@@ -167,8 +173,13 @@ def test_conclusion_weighs_each_difference_against_the_noise():
             "size": {"name": "default"},
         }
 
-    flat = {"a_only": [31.6, 31.2], "bt_beam": [31.9, 32.3], "bt_sample": [31.8, 31.0],
-            "bt_tagged": [31.0, 31.5], "a_plus_b": [32.5, 32.1]}  # fmt: skip
+    flat = {
+        "a_only": [31.6, 31.2],
+        "bt_beam": [31.9, 32.3],
+        "bt_sample": [31.8, 31.0],
+        "bt_tagged": [31.0, 31.5],
+        "a_plus_b": [32.5, 32.1],
+    }
     lines = study.conclusion(results(flat))
     first = [l for l in lines if l.startswith(f"- {study.SETTINGS['a_plus_b'][0]} vs")]
     assert len(first) == 1 and "+0.90 BLEU" in first[0] and "no difference shown" in first[0]

@@ -94,9 +94,16 @@ def test_gpu_step_floors_count_the_flops_cublas_hides():
     from tx_jax.planning.chips import CHIPS
 
     # XLA:GPU's own cost analysis left cuBLAS/cuDNN out (1.9e12 of 1.08e13 FLOPs on an H100)
-    row = {"case": "base:bfloat16", "step_seconds": 0.05, "step_seconds_pipelined": 0.04,
-           "target_tokens": 26_624, "analytic_flops": 1.0e13, "compiled_flops": 2.0e12,
-           "hbm_bytes": 5.0e10, "attention_impl": "auto (cudnn)"}  # fmt: skip
+    row = {
+        "case": "base:bfloat16",
+        "step_seconds": 0.05,
+        "step_seconds_pipelined": 0.04,
+        "target_tokens": 26_624,
+        "analytic_flops": 1.0e13,
+        "compiled_flops": 2.0e12,
+        "hbm_bytes": 5.0e10,
+        "attention_impl": "auto (cudnn)",
+    }
     ceil = {"matmul_bf16": 5.0e14, "matmul_f32_default": 2.5e14, "copy_bytes_per_s": 2.0e12}
     out = gpu_step.derive(dict(row), ceil, CHIPS["h100"])
     assert out["compute_s"] == pytest.approx(1.0e13 / 989.4e12)
@@ -135,14 +142,19 @@ def test_gpu_profile_timelines_take_the_union_of_nested_events():
         {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
         {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7"}},
     ]
-    events = [{"ph": "X", "pid": 1, "tid": 7, "ts": t, "dur": d, "name": n}
-              for t, d, n in ((0, 10, "a"), (2, 3, "b"), (20, 5, "a"), (22, 10, "c"))]  # fmt: skip
+    events = [
+        {"ph": "X", "pid": 1, "tid": 7, "ts": t, "dur": d, "name": n}
+        for t, d, n in ((0, 10, "a"), (2, 3, "b"), (20, 5, "a"), (22, 10, "c"))
+    ]
     (line,) = gpu_profile.timelines({"traceEvents": meta + events})
     assert (line["process"], line["thread"]) == ("/device:GPU:0", "Stream #7")
     assert line["busy_us"] == 10 + 12  # [0, 10] and [20, 32]
     assert line["span_us"] == 32
     assert {k: (v["us"], v["count"]) for k, v in line["names"].items()} == {
-        "a": (15, 2), "c": (10, 1), "b": (3, 1)}  # fmt: skip
+        "a": (15, 2),
+        "c": (10, 1),
+        "b": (3, 1),
+    }
 
 
 def test_gpu_profile_reads_what_each_instruction_computes_from_compiled_hlo():
@@ -244,8 +256,8 @@ def test_gpu_step_records_a_refused_case_and_runs_the_rest(tmp_path):
 
     out = tmp_path / "g.json"
     cases = "debug:float32/model.attention_impl=cudnn,debug:float32"
-    gpu_step.main(["--cases", cases, "--steps", "1", "--peak-size", "64", "--peak-reps", "1",
-                   "--out", str(out)])  # fmt: skip
+    quick = ["--steps", "1", "--peak-size", "64", "--peak-reps", "1"]
+    gpu_step.main(["--cases", cases, *quick, "--out", str(out)])
     saved = json.loads(out.read_text())
     assert [r["case"] for r in saved["rows"]] == ["debug:float32"]
     assert saved["rows"][0]["step_seconds"] > 0

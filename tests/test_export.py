@@ -210,8 +210,10 @@ def test_ct2_int8_is_smaller_and_mostly_agrees(loaded, sources, tmp_path):
         for m in (f32, i8)
     )
     per_token = lambda scores: np.mean([np.mean(x) for x in scores])  # noqa: E731
-    print(f"int8 agreement {np.mean([x == y for x, y in zip(a, b)]):.3f}, mean log-prob "
-          f"float32 {per_token(f):.4f} int8 {per_token(q):.4f}")  # fmt: skip
+    print(
+        f"int8 agreement {np.mean([x == y for x, y in zip(a, b)]):.3f}, mean log-prob "
+        f"float32 {per_token(f):.4f} int8 {per_token(q):.4f}"
+    )
     assert abs(per_token(q) - per_token(f)) < 0.1 * abs(per_token(f))
 
 
@@ -219,18 +221,30 @@ def test_cli_writes_both_formats(loaded, tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     for fmt in ("hf", "ct2"):
         proc = subprocess.run(
-            [sys.executable, "-m", "tx_jax.export", f"--workdir={loaded.workdir}",
-             f"--format={fmt}", f"--out={tmp_path / fmt}"],
-            capture_output=True, text=True, env=env, timeout=300,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "tx_jax.export",
+                f"--workdir={loaded.workdir}",
+                f"--format={fmt}",
+                f"--out={tmp_path / fmt}",
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "hf" / "model.safetensors").exists()
     assert (tmp_path / "ct2" / "model.bin").exists()
     assert (tmp_path / "ct2" / "sentencepiece.model").exists()
     proc = subprocess.run(
         [sys.executable, "-m", "tx_jax.export", f"--workdir={loaded.workdir}"],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode != 0 and "give --out" in proc.stderr
 
 

@@ -28,9 +28,17 @@ RANK = {
     "entry": 8, "api": 8,
 }  # fmt: skip
 ENTRY_POINTS = {
-    "main", "evaluate", "translate", "generate", "visualize", "sweep", "export", "plan",
-    "import_model", "score"
-}  # fmt: skip
+    "main",
+    "evaluate",
+    "translate",
+    "generate",
+    "visualize",
+    "sweep",
+    "export",
+    "plan",
+    "import_model",
+    "score",
+}
 
 
 def layer_of(module: str) -> str:

@@ -97,13 +97,21 @@ def test_hlo_collectives_count_loop_trips_and_group_sizes():
     assert module.entry == "main" and module.multiplicity["body"] == 3
     got = hlo.collectives(module, num_devices=8)
     # all-reduce of 4 KiB in a group of 4, three trips: 2 (g-1)/g of it sent each time
-    assert got["all-reduce"] == {"count": 3, "bytes": 3 * 4096, "sent": 3 * 4096 * 1.5,
-                                 "per_iteration": False}  # fmt: skip
+    assert got["all-reduce"] == {
+        "count": 3,
+        "bytes": 3 * 4096,
+        "sent": 3 * 4096 * 1.5,
+        "per_iteration": False,
+    }
     assert got["all-gather"]["count"] == 3 and got["all-gather"]["bytes"] == 3 * 8 * 256 * 2
     assert got["all-gather"]["sent"] == 3 * 8 * 256 * 2 * 0.5  # group of 2
     # reduce-scatter: the input is the output times the group (all 8 devices)
-    assert got["reduce-scatter"] == {"count": 1, "bytes": 128 * 4 * 8, "sent": 128 * 4 * 7,
-                                     "per_iteration": False}  # fmt: skip
+    assert got["reduce-scatter"] == {
+        "count": 1,
+        "bytes": 128 * 4 * 8,
+        "sent": 128 * 4 * 7,
+        "per_iteration": False,
+    }
     assert got["all-to-all"]["count"] == 0
     # top-level reads and writes: the loop body's two collectives (x3), then the
     # reduce-scatter and the broadcast; parameters, tuples and constants move nothing; the
@@ -155,15 +163,21 @@ def test_traffic_by_kind_splits_the_count_by_what_moves_it():
     assert kinds["slices, gathers, scatters"] == 1024 + 4 + 4
     assert kinds["other"] == (4096 + 4096 * 1024 * 4) + 1024  # an unfused broadcast, negate
     assert list(kinds)[0] == "other"  # largest first
-    assert top[0] == {"bytes": 4096 + 4096 * 1024 * 4, "kind": "other",
-                      "opcode": "broadcast", "op": "jit(step)/big"}  # fmt: skip
+    assert top[0] == {
+        "bytes": 4096 + 4096 * 1024 * 4,
+        "kind": "other",
+        "opcode": "broadcast",
+        "op": "jit(step)/big",
+    }
     assert top[1]["kind"] == "collectives" and top[1]["bytes"] == 3 * (4096 + 8 * 256 * 2)
 
     # the same fusion as a matmul: what it computes says so (a dot inside), not its name
     gemm = KERNEL_HLO.replace("negate(%p0)", "dot(%p0, %p0), lhs_contracting_dims={1}")
-    for target, kind in (("__gpu$xla.gpu.triton", "Pallas kernels"),
-                         ("__cudnn$fmhaScaleBiasSoftmax", "attention (cuDNN)"),
-                         ("tpu_custom_call", "Pallas kernels")):  # fmt: skip
+    for target, kind in (
+        ("__gpu$xla.gpu.triton", "Pallas kernels"),
+        ("__cudnn$fmhaScaleBiasSoftmax", "attention (cuDNN)"),
+        ("tpu_custom_call", "Pallas kernels"),
+    ):
         module = hlo.parse(gemm.replace("{TRITON}", target))
         kernel = (64 * 32 * 2) * 2 + 32 * 4 + (64 * 32 * 2 + 4 * 32 * 4)
         assert hlo.traffic_split(module)[0] == {kind: kernel, "matmuls": 2 * 64 * 32 * 2}
@@ -330,9 +344,18 @@ def test_bad_target_and_key_are_named(tmp_path):
     out = _plan_cli("--config.model.no_such=1", cache_dir=tmp_path)
     assert out.returncode == 2 and "model.no_such" in out.stderr
     out = subprocess.run(
-        [sys.executable, "-m", "tx_jax.plan", "--config=configs/default.py:debug",
-         "--target=tpu:v5e-3"], capture_output=True, text=True, cwd=ROOT, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "tx_jax.plan",
+            "--config=configs/default.py:debug",
+            "--target=tpu:v5e-3",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert out.returncode == 2 and "no v5e slice of 3" in out.stderr
 
 

@@ -137,12 +137,22 @@ def test_run_refuses_a_run_that_does_not_fit():
     refused before anything reaches gcloud (which is not installed here)."""
     pytest.importorskip("libtpu", reason="the TPU compiler (pip install -e '.[plan]')")
     proc = subprocess.run(
-        ["./launch.sh", "tpu-run", "tx1", "--accelerator-type=v5litepod-4", "--",
-         "--config=configs/default.py:debug", "--config.data.tokens_per_batch=268435456",
-         "--workdir=gs://b/run"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        [
+            "./launch.sh",
+            "tpu-run",
+            "tx1",
+            "--accelerator-type=v5litepod-4",
+            "--",
+            "--config=configs/default.py:debug",
+            "--config.data.tokens_per_batch=268435456",
+            "--workdir=gs://b/run",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
         env={**os.environ, "TX_JAX_PYTHON": sys.executable},
-    )  # fmt: skip
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "DOES NOT FIT" in proc.stdout
     assert "tpu-run: not started" in proc.stderr and "gcloud" not in proc.stderr

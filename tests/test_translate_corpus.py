@@ -92,10 +92,21 @@ def _expected(run) -> dict[str, bytes]:
 def _flags(**kw) -> types.SimpleNamespace:
     """The CLI's flag values, for its decoder in this process."""
     base = dict(
-        beam_size=2, alpha=0.6, batch_size=8, max_len=None, length_penalty="gnmt",
-        length_buckets=None, nbest=1, scores=False, sampling=None, temperature=1.0, seed=0,
-        source_lang=None, target_lang=None, pivot=None,
-    )  # fmt: skip
+        beam_size=2,
+        alpha=0.6,
+        batch_size=8,
+        max_len=None,
+        length_penalty="gnmt",
+        length_buckets=None,
+        nbest=1,
+        scores=False,
+        sampling=None,
+        temperature=1.0,
+        seed=0,
+        source_lang=None,
+        target_lang=None,
+        pivot=None,
+    )
     return types.SimpleNamespace(**{**base, **kw})
 
 
@@ -198,7 +209,7 @@ def test_two_processes_with_four_devices_give_one_process_files(run, tmp_path):
                     "--shard_lines=5",
                     env=env,
                     log=log,
-                )  # fmt: skip
+                )
             )
     for p in procs:
         p.wait(timeout=300)

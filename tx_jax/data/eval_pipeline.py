@@ -121,43 +121,61 @@ def eval_batches(
     # Batch b's length must agree on every process (a step under a global mesh has one
     # shape), so with buckets every shard's order is worked out here from every item.
     shards = [pi] if one_length or pc == 1 else range(pc)
-    feats: dict[int, Any] = {}
-    for p in shards:
-        for i in range(p, len(items), pc):
-            feats[i] = featurize(items[i])
+    feats = {i: featurize(items[i]) for p in shards for i in range(p, len(items), pc)}
     lengths = {i: max(len(v) for v in rec.features.values()) for i, rec in feats.items()}
-
-    def shard_order(p: int) -> list[int]:
-        indices = list(range(p, len(items), pc))
-        if sort_by_length:  # longest first; ties keep corpus order
-            indices.sort(key=lambda i: -lengths[i])
-        return indices
-
+    orders = {p: _shard_order(range(p, len(items), pc), lengths, sort_by_length) for p in shards}
     num_batches = math.ceil(math.ceil(len(items) / pc) / batch_size)  # same on every process
-    orders = {p: shard_order(p) for p in shards}
-
-    def batch_length(b: int) -> int:
-        rows = slice(b * batch_size, (b + 1) * batch_size)
-        longest = max((lengths[i] for p in shards for i in orders[p][rows]), default=1)
-        return boundaries[bisect.bisect_left(boundaries, longest)]
-
-    order = orders[pi]
-    mine = [feats[i] for i in range(pi, len(items), pc)]
-    stats = dict.fromkeys(("examples", "empty", "truncated", "invalid_utf8"), 0)
-    stats["examples"] = len(mine)
-    for rec in mine:
-        for note in rec.notes:
-            stats[note] += 1
     batches = []
     for b in range(num_batches):
-        chunk = order[b * batch_size : (b + 1) * batch_size]
-        length = max_len if one_length else batch_length(b)
-        batch = pad_rows([feats[i].features for i in chunk], keys, batch_size, length)
-        batch["example_index"] = np.full((batch_size,), -1, np.int32)
-        batch["example_index"][: len(chunk)] = chunk
-        batch["example_mask"] = (batch["example_index"] >= 0).astype(np.int32)
-        batches.append(batch)
-    return EvalBatches(batches, len(mine), stats)
+        rows = slice(b * batch_size, (b + 1) * batch_size)
+        if one_length:
+            length = max_len
+        else:
+            length = _bucket_length(boundaries, lengths, [order[rows] for order in orders.values()])
+        batches.append(_padded_batch(orders[pi][rows], feats, keys, batch_size, length))
+    mine = [feats[i] for i in range(pi, len(items), pc)]
+    return EvalBatches(batches, len(mine), _note_counts(mine))
+
+
+def _shard_order(indices: range, lengths: dict[int, int], sort_by_length: bool) -> list[int]:
+    """A shard's item indices in the order its batches take them: as given (corpus order) or,
+    with `sort_by_length`, longest first (`lengths`: each item's longest side)."""
+    indices = list(indices)
+    if sort_by_length:  # longest first; ties keep corpus order
+        indices.sort(key=lambda i: -lengths[i])
+    return indices
+
+
+def _bucket_length(
+    boundaries: Sequence[int], lengths: dict[int, int], chunks: Sequence[Sequence[int]]
+) -> int:
+    """L of one batch: the smallest boundary that holds the longest item among `chunks` (that
+    batch's item indices on each shard, so that every process pads it alike)."""
+    longest = max((lengths[i] for chunk in chunks for i in chunk), default=1)
+    return boundaries[bisect.bisect_left(boundaries, longest)]
+
+
+def _padded_batch(
+    chunk: Sequence[int], feats: dict[int, Any], keys: tuple[str, ...], batch_size: int, length: int
+) -> Batch:
+    """The items `chunk` (indices into the corpus; `feats`: their Featurizer records) -> one
+    batch: `keys` [B, L] with all-zero rows after the items, 'example_index' [B] (-1 on
+    those rows) and 'example_mask' [B]."""
+    batch = pad_rows([feats[i].features for i in chunk], keys, batch_size, length)
+    batch["example_index"] = np.full((batch_size,), -1, np.int32)
+    batch["example_index"][: len(chunk)] = chunk
+    batch["example_mask"] = (batch["example_index"] >= 0).astype(np.int32)
+    return batch
+
+
+def _note_counts(records: Sequence[Any]) -> dict[str, int]:
+    """EvalBatches.stats of a shard's Featurizer records: how many, and each note's count."""
+    stats = dict.fromkeys(("examples", "empty", "truncated", "invalid_utf8"), 0)
+    stats["examples"] = len(records)
+    for rec in records:
+        for note in rec.notes:
+            stats[note] += 1
+    return stats
 
 
 def make_eval_batches(

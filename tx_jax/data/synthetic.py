@@ -55,16 +55,27 @@ NOUNS = (
 )  # fmt: skip
 # Lemma -> (present 3sg, past). The base form is the plural present.
 TRANSITIVE = {
-    "see": ("sees", "saw"), "chase": ("chases", "chased"), "help": ("helps", "helped"),
-    "like": ("likes", "liked"), "find": ("finds", "found"), "follow": ("follows", "followed"),
-    "call": ("calls", "called"), "visit": ("visits", "visited"), "watch": ("watches", "watched"),
+    "see": ("sees", "saw"),
+    "chase": ("chases", "chased"),
+    "help": ("helps", "helped"),
+    "like": ("likes", "liked"),
+    "find": ("finds", "found"),
+    "follow": ("follows", "followed"),
+    "call": ("calls", "called"),
+    "visit": ("visits", "visited"),
+    "watch": ("watches", "watched"),
     "know": ("knows", "knew"),
-}  # fmt: skip
+}
 INTRANSITIVE = {
-    "sleep": ("sleeps", "slept"), "run": ("runs", "ran"), "sing": ("sings", "sang"),
-    "laugh": ("laughs", "laughed"), "dance": ("dances", "danced"), "swim": ("swims", "swam"),
-    "wait": ("waits", "waited"), "smile": ("smiles", "smiled"),
-}  # fmt: skip
+    "sleep": ("sleeps", "slept"),
+    "run": ("runs", "ran"),
+    "sing": ("sings", "sang"),
+    "laugh": ("laughs", "laughed"),
+    "dance": ("dances", "danced"),
+    "swim": ("swims", "swam"),
+    "wait": ("waits", "waited"),
+    "smile": ("smiles", "smiled"),
+}
 VERBS = {**TRANSITIVE, **INTRANSITIVE}
 ADJECTIVES = (
     "big", "small", "old", "young", "happy", "sad", "red", "green", "quiet", "brave", "clever",
@@ -75,12 +86,17 @@ CONJUNCTIONS = ("and", "but", "because")
 
 # Target function words. Determiners agree in gender (I, II) and number (sg, pl).
 TGT_DET = {
-    ("the", "I", False): "du", ("the", "I", True): "dun",
-    ("the", "II", False): "di", ("the", "II", True): "din",
-    ("a", "I", False): "mu", ("a", "II", False): "mi",
-    ("this", "I", False): "ze", ("these", "I", True): "zen",
-    ("this", "II", False): "zi", ("these", "II", True): "zin",
-}  # fmt: skip
+    ("the", "I", False): "du",
+    ("the", "I", True): "dun",
+    ("the", "II", False): "di",
+    ("the", "II", True): "din",
+    ("a", "I", False): "mu",
+    ("a", "II", False): "mi",
+    ("this", "I", False): "ze",
+    ("these", "I", True): "zen",
+    ("this", "II", False): "zi",
+    ("these", "II", True): "zin",
+}
 TGT_ADJ_SUFFIX = {("I", False): "o", ("I", True): "os", ("II", False): "a", ("II", True): "as"}
 TGT_VERB_SUFFIX = {(False, False): "a", (False, True): "an", (True, False): "i", (True, True): "in"}
 TGT_PLURAL, TGT_OBJECT, TGT_REL = "ri", "ko", "ke"

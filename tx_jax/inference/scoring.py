@@ -189,6 +189,41 @@ def decode_batches(
     out: list = [None] * num_examples
     params = nn.meta.unbox(params)
     devices = data_parallel.devices_for(params) if devices is None else list(devices)
+    fn, static = _decoder(
+        model_config,
+        eos_id,
+        max_decode_len,
+        beam_size=beam_size,
+        alpha=alpha,
+        length_penalty=length_penalty,
+        target_prefix=target_prefix,
+        sampling=sampling,
+    )
+    if sampling is not None:
+        batches = _with_key_columns(batches)
+    batches, pending = _dispatch(fn, static, params, batches, devices)
+    for batch, result in zip(batches, pending):
+        tokens = _host_outputs(result, beams=fn is _beam, nbest=nbest)
+        _store_rows(out, batch, tokens, skip=2 if sampling is not None else 0)  # the key columns
+    missing = [i for i, h in enumerate(out) if h is None]
+    if missing:
+        raise RuntimeError(f"{len(missing)} examples were not decoded (first: {missing[:5]})")
+    return out
+
+
+def _decoder(
+    model_config: ModelConfig,
+    eos_id: int,
+    max_decode_len: int | None,
+    *,
+    beam_size: int,
+    alpha: float,
+    length_penalty: str,
+    target_prefix: Sequence[int],
+    sampling: Sampling | None,
+) -> tuple[Callable[..., jax.Array], dict[str, Any]]:
+    """The decoding function of `decode_batches`' arguments (`_sample`, `_beam` or `_greedy`)
+    and its static keyword arguments (the compiled program's key)."""
     static: dict[str, Any] = dict(config=model_config, max_decode_len=max_decode_len, eos_id=eos_id)
     if sampling is not None:
         fn = _sample
@@ -198,11 +233,6 @@ def decode_batches(
             top_k=int(sampling.top_k),
             top_p=float(sampling.top_p),
         )
-        # The key columns go before the source: group_batches pads sources on the right.
-        batches = [
-            {**b, "inputs": np.concatenate([b["sample_key"], b["inputs"]], 1).astype(np.int32)}
-            for b in batches
-        ]
     elif beam_size > 1:
         fn = _beam
         static.update(beam_size=beam_size, alpha=alpha)
@@ -212,6 +242,29 @@ def decode_batches(
         fn = _greedy
     if target_prefix:
         static.update(prefix=tuple(int(i) for i in target_prefix))
+    return fn, static
+
+
+def _with_key_columns(batches: Iterable[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+    """Batches whose 'inputs' [B, S] become [B, 2 + S]: 'sample_key' [B, 2] then the source
+    (`_sample`'s inputs)."""
+    # The key columns go before the source: group_batches pads sources on the right.
+    return [
+        {**b, "inputs": np.concatenate([b["sample_key"], b["inputs"]], 1).astype(np.int32)}
+        for b in batches
+    ]
+
+
+def _dispatch(
+    fn: Callable[..., Any],
+    static: dict[str, Any],
+    params: Any,
+    batches: Iterable[dict[str, np.ndarray]],
+    devices: list[jax.Device],
+) -> tuple[list[dict[str, np.ndarray]], list[Any]]:
+    """Every batch's decoding started -> (the batches as decoded, their unfetched results):
+    on `devices` (data_parallel.py, batches grouped D at a time) or, with none, on the mesh
+    the parameters live on."""
     if devices:
         rows = data_parallel.Rows(devices, params)
         batches = data_parallel.group_batches(list(batches), len(devices))
@@ -230,19 +283,23 @@ def decode_batches(
         # A mesh's programs hold collectives: every device must see them in one order.
         workers=None if devices else 1,
     )
-    skip = 2 if sampling is not None else 0  # the key columns
-    for batch, tokens in zip(batches, pending):
-        beams = fn is _beam
-        tokens = np.asarray(jax.device_get(tokens[0] if beams else tokens))
-        tokens = tokens[:, :nbest] if beams else tokens[:, None]  # [rows, n, T]
-        for row, (index, valid) in enumerate(zip(batch["example_index"], batch["example_mask"])):
-            if valid:
-                source = batch["inputs"][row, skip:]
-                out[int(index)] = (source[source != 0], [t[t != 0] for t in tokens[row]])
-    missing = [i for i, h in enumerate(out) if h is None]
-    if missing:
-        raise RuntimeError(f"{len(missing)} examples were not decoded (first: {missing[:5]})")
-    return out
+    return batches, pending
+
+
+def _host_outputs(result: Any, *, beams: bool, nbest: int) -> np.ndarray:
+    """A batch's decoding result (beam search's (tokens, scores), else tokens) -> its `nbest`
+    outputs per row on the host: [B, n, T], n = 1 but for beam search's n-best."""
+    tokens = np.asarray(jax.device_get(result[0] if beams else result))
+    return tokens[:, :nbest] if beams else tokens[:, None]
+
+
+def _store_rows(out: list, batch: dict[str, np.ndarray], tokens: np.ndarray, *, skip: int) -> None:
+    """out[example_index] = (source ids, [output ids, ...]) of each real row of `batch`, padding
+    dropped; tokens [B, n, T]; the source is batch['inputs'] after its first `skip` columns."""
+    for row, (index, valid) in enumerate(zip(batch["example_index"], batch["example_mask"])):
+        if valid:
+            source = batch["inputs"][row, skip:]
+            out[int(index)] = (source[source != 0], [t[t != 0] for t in tokens[row]])
 
 
 def translate_batches(

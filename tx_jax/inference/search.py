@@ -448,17 +448,9 @@ def beam_search(
     if alpha < 0 and hf is None:
         raise ValueError(f"alpha={alpha} must be >= 0 (the early-stopping bound needs it)")
     B, N, T = batch_size, beam_size, max_decode_len
-    if hf is None:
-        penalty = functools.partial(length_penalty, alpha=alpha, kind=length_penalty_kind)
-    else:
-        # Transformers divides by the Python float length ** alpha (float64), cast to
-        # float32; XLA's float32 power can differ in the last bit, which can swap near-ties.
-        table = jnp.asarray((np.maximum(np.arange(T + 1), 1) ** float(alpha)).astype(np.float32))
-        penalty = table.__getitem__
+    penalty = _penalty_of_length(alpha, length_penalty_kind, T)
     limits = _row_limits(limits, B, T)
     forced = None if prompt is None else _forced(prompt, B, T)
-    # The most tokens a score counts ('hf' counts a forced prefix).
-    longest = limits if forced is None or hf is not None else limits - forced.length
 
     def going(state: _Beams) -> Array:
         if hf is not None:
@@ -467,22 +459,7 @@ def beam_search(
         worst_finished = state.fin_scores[:, -1]
         return ~((worst_finished > best_live) | (best_live == -jnp.inf))
 
-    # All beams start as the same empty hypothesis: only beam 0 is live, or the first
-    # step would return N copies of the best token. Rows with limit 0 have none.
-    live_logp = jnp.tile(jnp.array([0.0] + [-jnp.inf] * (N - 1)), (B, 1))
-    live_logp = jnp.where((limits > 0)[:, None], live_logp, -jnp.inf)
-    init = _Beams(
-        i=jnp.array(0, jnp.int32),
-        live_seqs=jnp.zeros((B, N, T), jnp.int32),
-        live_logp=live_logp,
-        fin_seqs=jnp.zeros((B, N, T), jnp.int32),
-        fin_scores=jnp.full((B, N), -jnp.inf),
-        cache=cache,
-        limits=limits,
-        best_possible=penalty(jnp.maximum(longest, 1)),
-        forced=forced,
-        stopped=None if hf is None else limits <= 0,
-    )
+    init = _initial_beams(cache, limits, forced, penalty, shape=(B, N, T), hf=hf)
     step = functools.partial(
         _beam_step,
         tokens_to_logits=tokens_to_logits,
@@ -494,3 +471,46 @@ def beam_search(
     )
     outputs = lambda s: (s.fin_seqs, s.fin_scores)  # noqa: E731
     return _staged(init, step, going, outputs, T=T, grow_at=grow_at, compact=compact, beams=N)
+
+
+def _penalty_of_length(alpha: float, kind: str, length: int) -> Callable[[Array], Array]:
+    """lengths [...] (each <= `length`, T) -> length_penalty(lengths, alpha, kind) [...];
+    Transformers' rules ('hf', ...) look it up in a table computed as Python computes it."""
+    if kind not in HF_EARLY_STOPPING:
+        return functools.partial(length_penalty, alpha=alpha, kind=kind)
+    # Transformers divides by the Python float length ** alpha (float64), cast to
+    # float32; XLA's float32 power can differ in the last bit, which can swap near-ties.
+    table = np.maximum(np.arange(length + 1), 1) ** float(alpha)
+    return jnp.asarray(table.astype(np.float32)).__getitem__
+
+
+def _initial_beams(
+    cache: Cache,
+    limits: Array,
+    forced: _Forced | None,
+    penalty: Callable[[Array], Array],
+    *,
+    shape: tuple[int, int, int],
+    hf: bool | str | None,
+) -> _Beams:
+    """Beam search's state before its first step: hypotheses of `shape` [B, N, T], one live and
+    empty per row (none where limits [B] is 0), none finished; `hf` as `_beam_step`'s."""
+    B, N, T = shape
+    # The most tokens a score counts ('hf' counts a forced prefix).
+    longest = limits if forced is None or hf is not None else limits - forced.length
+    # All beams start as the same empty hypothesis: only beam 0 is live, or the first
+    # step would return N copies of the best token. Rows with limit 0 have none.
+    live_logp = jnp.tile(jnp.array([0.0] + [-jnp.inf] * (N - 1)), (B, 1))
+    live_logp = jnp.where((limits > 0)[:, None], live_logp, -jnp.inf)
+    return _Beams(
+        i=jnp.array(0, jnp.int32),
+        live_seqs=jnp.zeros((B, N, T), jnp.int32),
+        live_logp=live_logp,
+        fin_seqs=jnp.zeros((B, N, T), jnp.int32),
+        fin_scores=jnp.full((B, N), -jnp.inf),
+        cache=cache,
+        limits=limits,
+        best_possible=penalty(jnp.maximum(longest, 1)),
+        forced=forced,
+        stopped=None if hf is None else limits <= 0,
+    )

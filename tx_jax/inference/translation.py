@@ -112,19 +112,10 @@ def decode_lines(
         raise ValueError(f"nbest={nbest}: expected >= 1")
     max_len = max_len or max_source_len(loaded)
     batch_size = batch_size or loaded.config.data.eval_batch_size
-    if length_buckets is None:
-        configured = loaded.config.data.get("eval_bucket_boundaries")
-        length_buckets = configured or eval_pipeline.eval_bucket_boundaries(max_len)
-    buckets = sorted({int(b) for b in length_buckets if 0 < int(b) < max_len}) + [max_len]
+    buckets = _buckets(loaded, length_buckets, max_len)
     texts = [x.decode("utf-8", errors="replace") if isinstance(x, bytes) else x for x in lines]
-    line_ids = range(len(texts)) if line_ids is None else line_ids
-    if len(line_ids) != len(texts):
-        raise ValueError(f"{len(line_ids)} line ids for {len(texts)} lines")
-    todo = [i for i, t in enumerate(texts) if t.strip()]
-    lengths = _source_lengths(loaded, texts, todo, max_len, len(source_prefix))
-    _warn_truncated(lengths, max_len, warn, line_name)
-    if sort_by_length:  # longest first over all lines, then chunks: batches of like lengths
-        todo.sort(key=lambda i: -min(lengths[i], max_len))
+    line_ids = _line_ids(line_ids, len(texts))
+    todo = _decoding_order(loaded, texts, max_len, source_prefix, sort_by_length, warn, line_name)
     # A sampled line is decoded once per sample, each a row of its own; a search's n-best
     # come from one row.
     copies = nbest if sampling is not None else 1
@@ -133,46 +124,118 @@ def decode_lines(
     chunk = batch_size * CHUNK_BATCHES
     for start in range(0, len(examples), chunk):
         part = examples[start : start + chunk]
-        batches = eval_pipeline.encode_sources(
-            [texts[i] for i, _ in part],
-            loaded.tokenizer,
+        hypotheses = _decode_chunk(
+            loaded,
+            texts,
+            part,
+            line_ids,
             max_len=max_len,
             batch_size=batch_size,
-            bucket_boundaries=buckets,
+            buckets=buckets,
             sort_by_length=sort_by_length,
             source_prefix=source_prefix,
-        )
-        if sampling is not None:
-            keys = np.array([(line_ids[i], k) for i, k in part], np.int32).reshape(-1, 2)
-            batches = [_with_keys(b, keys) for b in batches]
-        decoded = scoring.decode_batches(
-            loaded.model_config,
-            loaded.params,
-            batches,
-            loaded.tokenizer.eos_id,
-            len(part),
-            beam_size=1 if sampling is not None else beam_size,
-            alpha=alpha,
             target_prefix=target_prefix,
+            beam_size=beam_size,
+            alpha=alpha,
             length_penalty=length_penalty,
-            nbest=1 if sampling is not None else nbest,
+            nbest=nbest,
             sampling=sampling,
+            scores=scores,
         )
-        found = [(source, ids) for source, hyps in decoded for ids in hyps]
-        scored = (
-            likelihood.score_ids(loaded, found, skip=len(target_prefix), batch_size=batch_size)
-            if scores
-            else [None] * len(found)
-        )
-        for (_, ids), score, (i, _) in zip(found, scored, _owners(part, decoded)):
-            text = " ".join(loaded.tokenizer.decode(ids.tolist()).splitlines())
-            if score is None:
-                out[i].append(Hypothesis(text))
-            else:
-                out[i].append(Hypothesis(text, score.logprob, score.tokens))
+        for (i, _), hyps in zip(part, hypotheses):
+            out[i].extend(hyps)
         if progress is not None:
             progress(min(start + chunk, len(examples)) // copies, len(todo))
     return out
+
+
+def _buckets(
+    loaded: restore.Loaded, length_buckets: Sequence[int] | None, max_len: int
+) -> list[int]:
+    """The lengths batches are padded to, ascending: `length_buckets` (default evaluation's)
+    under max_len, then max_len."""
+    if length_buckets is None:
+        configured = loaded.config.data.get("eval_bucket_boundaries")
+        length_buckets = configured or eval_pipeline.eval_bucket_boundaries(max_len)
+    return sorted({int(b) for b in length_buckets if 0 < int(b) < max_len}) + [max_len]
+
+
+def _line_ids(line_ids: Sequence[int] | None, count: int) -> Sequence[int]:
+    """`line_ids` (default 0, 1, ...: the lines' positions), checked to be one per line."""
+    line_ids = range(count) if line_ids is None else line_ids
+    if len(line_ids) != count:
+        raise ValueError(f"{len(line_ids)} line ids for {count} lines")
+    return line_ids
+
+
+def _decoding_order(
+    loaded: restore.Loaded,
+    texts: Sequence[str],
+    max_len: int,
+    source_prefix: Sequence[int],
+    sort_by_length: bool,
+    warn: Callable[[str], None],
+    line_name: Callable[[int], str] | None,
+) -> list[int]:
+    """The indices of the non-blank lines, in the order they are decoded; warns of each line
+    longer than max_len source tokens (`decode_lines`' arguments)."""
+    todo = [i for i, t in enumerate(texts) if t.strip()]
+    lengths = _source_lengths(loaded, texts, todo, max_len, len(source_prefix))
+    _warn_truncated(lengths, max_len, warn, line_name)
+    if sort_by_length:  # longest first over all lines, then chunks: batches of like lengths
+        todo.sort(key=lambda i: -min(lengths[i], max_len))
+    return todo
+
+
+def _decode_chunk(
+    loaded: restore.Loaded,
+    texts: Sequence[str],
+    part: Sequence[tuple[int, int]],
+    line_ids: Sequence[int],
+    *,
+    max_len: int,
+    batch_size: int,
+    buckets: Sequence[int],
+    sort_by_length: bool,
+    source_prefix: Sequence[int],
+    target_prefix: Sequence[int],
+    beam_size: int,
+    alpha: float,
+    length_penalty: str,
+    nbest: int,
+    sampling: scoring.Sampling | None,
+    scores: bool,
+) -> list[list[Hypothesis]]:
+    """Each example (line i, sample k) of `part`'s hypotheses, aligned with `part`: the
+    sources encoded into batches, decoded, and with `scores` scored (`decode_lines`' arguments)."""
+    batches = eval_pipeline.encode_sources(
+        [texts[i] for i, _ in part],
+        loaded.tokenizer,
+        max_len=max_len,
+        batch_size=batch_size,
+        bucket_boundaries=buckets,
+        sort_by_length=sort_by_length,
+        source_prefix=source_prefix,
+    )
+    if sampling is not None:
+        keys = np.array([(line_ids[i], k) for i, k in part], np.int32).reshape(-1, 2)
+        batches = [_with_keys(b, keys) for b in batches]
+    decoded = scoring.decode_batches(
+        loaded.model_config,
+        loaded.params,
+        batches,
+        loaded.tokenizer.eos_id,
+        len(part),
+        beam_size=1 if sampling is not None else beam_size,
+        alpha=alpha,
+        target_prefix=target_prefix,
+        length_penalty=length_penalty,
+        nbest=1 if sampling is not None else nbest,
+        sampling=sampling,
+    )
+    return _hypotheses(
+        loaded, decoded, scores=scores, skip=len(target_prefix), batch_size=batch_size
+    )
 
 
 def _with_keys(batch: dict[str, np.ndarray], keys: np.ndarray) -> dict[str, np.ndarray]:
@@ -183,11 +246,34 @@ def _with_keys(batch: dict[str, np.ndarray], keys: np.ndarray) -> dict[str, np.n
     return {**batch, "sample_key": sample_key.astype(np.int32)}
 
 
-def _owners(part, decoded):
-    """(line, sample) of each decoded hypothesis, in `decode_batches`' output order."""
-    for (i, k), (_, hyps) in zip(part, decoded):
-        for _ in hyps:
-            yield i, k
+def _hypotheses(
+    loaded: restore.Loaded,
+    decoded: list[tuple[np.ndarray, list[np.ndarray]]],
+    *,
+    scores: bool,
+    skip: int,
+    batch_size: int,
+) -> list[list[Hypothesis]]:
+    """Each example's Hypothesis list from `scoring.decode_batches`' (source ids [S'], output
+    ids [T'] each) per example: each output's text on one line and, with `scores`, its
+    log-probability (likelihood.score_ids, `skip` forced ids left out; all of a chunk's outputs
+    scored together, `batch_size` a batch)."""
+    found = [(source, ids) for source, hyps in decoded for ids in hyps]
+    scored = (
+        likelihood.score_ids(loaded, found, skip=skip, batch_size=batch_size)
+        if scores
+        else [None] * len(found)
+    )
+    in_order = iter(scored)  # `found`'s order: example by example
+    return [[_hypothesis(loaded, ids, next(in_order)) for ids in hyps] for _, hyps in decoded]
+
+
+def _hypothesis(loaded: restore.Loaded, ids: np.ndarray, score) -> Hypothesis:
+    """Output ids [T'] and their likelihood.score_ids score (or None) -> a Hypothesis."""
+    text = " ".join(loaded.tokenizer.decode(ids.tolist()).splitlines())
+    if score is None:
+        return Hypothesis(text)
+    return Hypothesis(text, score.logprob, score.tokens)
 
 
 def translate(

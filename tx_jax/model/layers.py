@@ -51,9 +51,11 @@ class FeedForward(nn.Module):
     def _params(self, name: str, shape: tuple[int, int], axes: tuple[str, str]):
         """`name`_kernel [K, N] and, with use_bias, `name`_bias [N] (else None)."""
         kernel = self.param(
-            f"{name}_kernel", nn.with_logical_partitioning(_dense_init(), axes), shape,
+            f"{name}_kernel",
+            nn.with_logical_partitioning(_dense_init(), axes),
+            shape,
             self.param_dtype,
-        )  # fmt: skip
+        )
         if not self.use_bias:
             return kernel, None
         bias = self.param(

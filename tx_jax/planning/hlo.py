@@ -21,9 +21,24 @@ import re
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2,
-    "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-}  # fmt: skip
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
 _ARRAY = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\](\{[^}]*\})?")
 _SPACE = re.compile(r"S\((\d+)\)")  # a layout's memory space; none or S(0) is HBM
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
@@ -177,8 +192,19 @@ def collectives(module: Module, num_devices: int) -> dict[str, dict]:
     return out
 
 
-_NO_TRAFFIC = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while",
-               "conditional", "call", "after-all", "partition-id", "replica-id")  # fmt: skip
+_NO_TRAFFIC = (
+    "parameter",
+    "constant",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "while",
+    "conditional",
+    "call",
+    "after-all",
+    "partition-id",
+    "replica-id",
+)
 _NAME = re.compile(r"%([\w.\-]+)")
 
 
@@ -317,8 +343,9 @@ def traffic_split(module: Module, n: int = 10) -> tuple[dict[str, int], list[dic
         kind = _traffic_kind(ins, module)
         by_kind[kind] += b
         m = _OP_NAME.search(ins.rest)
-        ops.append({"bytes": b, "kind": kind, "opcode": ins.opcode,
-                    "op": m.group(1) if m else ins.name})  # fmt: skip
+        ops.append(
+            {"bytes": b, "kind": kind, "opcode": ins.opcode, "op": m.group(1) if m else ins.name}
+        )
     ranked = dict(sorted(by_kind.items(), key=lambda kv: -kv[1]))
     return ranked, sorted(ops, key=lambda x: -x["bytes"])[:n]
 
@@ -349,7 +376,11 @@ def largest_buffers(module: Module, n: int = 5) -> list[dict]:
             size = sum(ins.arrays())
             m = _OP_NAME.search(ins.rest)
             found.append(
-                {"bytes": size, "shape": ins.type_text.split("{")[0], "opcode": ins.opcode,
-                 "op": m.group(1) if m else ins.name}
-            )  # fmt: skip
+                {
+                    "bytes": size,
+                    "shape": ins.type_text.split("{")[0],
+                    "opcode": ins.opcode,
+                    "op": m.group(1) if m else ins.name,
+                }
+            )
     return sorted(found, key=lambda b: -b["bytes"])[:n]

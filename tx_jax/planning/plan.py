@@ -28,8 +28,9 @@ import ml_collections
 
 from tx_jax.analysis import flops
 from tx_jax.config import task_of
+from tx_jax.model.config import ModelConfig
+from tx_jax.planning import chips, targets
 from tx_jax.planning import programs as programs_lib
-from tx_jax.planning import targets
 
 PROGRAMS = ("train", "eval", "greedy", "beam")
 # the custom calls the text plan names: attention kernels (Pallas/Mosaic on TPU, cuDNN)
@@ -86,36 +87,11 @@ def make_plan(
     target = targets.parse(target) if isinstance(target, str) else target
     built = programs_lib.build(config, target, target.devices())
     compiled = programs_lib.compile_all(built, programs)
-    chip, mc = target.chip, built.model_config
+    chip = target.chip
     state = programs_lib.state_bytes(built)
     resident = sum(state.values())
-    rows = []
-    for p in compiled:
-        total = program_total(p, resident)
-        rows.append(
-            {
-                "name": p.name,
-                "kind": p.kind,
-                "shapes": {k: list(v) for k, v in p.shapes.items()},
-                "compile_seconds": round(p.compile_seconds, 2),
-                "memory": p.memory,
-                "inputs_bytes": p.extra_bytes,
-                "total_bytes": total,
-                "flops_per_device": p.flops,
-                "hbm_traffic_bytes_per_device": p.hbm_bytes,
-                "compiler_bytes_accessed_per_device": p.bytes_accessed,
-                "loop_trips": p.loop_trips,
-                "collectives": p.collectives,
-                "largest_buffers": p.largest_buffers,
-                "traffic_by_kind": p.traffic_by_kind,
-                "top_traffic": p.top_traffic,
-                "custom_calls": p.custom_calls,
-                "refused": p.refused,
-            }
-        )
-    worst = max(range(len(compiled)), key=lambda i: rows[i]["total_bytes"])
-    usable = chip.usable_hbm
-    total = rows[worst]["total_bytes"]
+    rows = [_program_row(p, resident) for p in compiled]
+    worst = max(rows, key=lambda row: row["total_bytes"])
     plan: dict[str, Any] = {
         "config": config_name,
         "target": target.spec,
@@ -126,50 +102,93 @@ def make_plan(
         "num_devices": built.num_devices,
         "num_processes": built.num_processes,
         "mesh": dict(built.strategy.mesh.shape),
-        "model": {
-            "dtype": mc.dtype,
-            "attention_impl": mc.attention_impl,
-            "remat": mc.remat,
-            # issue 38's levers, as the config names them ('auto' resolves per platform)
-            "loss_impl": mc.loss_impl,
-            "dropout_bits": mc.dropout_bits,
-            "residual_norm": mc.residual_norm,
-            "ffn_impl": mc.ffn_impl,
-            "d_model": mc.d_model,
-            "layers": [mc.num_encoder_layers, mc.num_decoder_layers],
-        },
+        "model": _model_summary(built.model_config),
         "grad_accum_steps": int(built.config.train.grad_accum_steps),
-        "hbm_bytes_per_device": chip.hbm,
-        "usable_bytes_per_device": usable,
-        "bytes_per_device": {
-            **state,
-            "inputs": rows[worst]["inputs_bytes"],
-            "temp": rows[worst]["memory"]["temp"],
-            "total": total,
-            "program": rows[worst]["name"],
-        },
-        "fits": total <= usable,
-        "headroom_bytes": usable - total,
+        **_memory_verdict(chip, state, worst),
         "programs": rows,
         "compile_seconds": round(sum(p.compile_seconds for p in compiled), 2),
         "chip_source": chip.source,
-        "notes": built.notes
-        + (
-            [
-                "collectives that cross slices go over the data-center network, far slower than "
-                "ICI; the bound's interconnect term counts every byte at ICI speed (a looser bound)"
-            ]
-            if target.num_slices > 1
-            else []
-        ),
+        "notes": _notes(built, target),
     }
     trains = [(p, r) for p, r in zip(compiled, rows) if p.kind == "train"]
     if trains:
-        plan.update(_train_figures(built, trains, chip, mc.dtype))
+        plan.update(_train_figures(built, trains, chip, built.model_config.dtype))
     if not plan["fits"]:
         plan["largest_state"] = programs_lib.largest_state_leaves(built)
         plan["advice"] = advice(built, plan)
     return plan
+
+
+def _program_row(p: programs_lib.Program, resident: int) -> dict[str, Any]:
+    """The plan's entry for one compiled program, `resident` bytes of train state alive."""
+    return {
+        "name": p.name,
+        "kind": p.kind,
+        "shapes": {k: list(v) for k, v in p.shapes.items()},
+        "compile_seconds": round(p.compile_seconds, 2),
+        "memory": p.memory,
+        "inputs_bytes": p.extra_bytes,
+        "total_bytes": program_total(p, resident),
+        "flops_per_device": p.flops,
+        "hbm_traffic_bytes_per_device": p.hbm_bytes,
+        "compiler_bytes_accessed_per_device": p.bytes_accessed,
+        "loop_trips": p.loop_trips,
+        "collectives": p.collectives,
+        "largest_buffers": p.largest_buffers,
+        "traffic_by_kind": p.traffic_by_kind,
+        "top_traffic": p.top_traffic,
+        "custom_calls": p.custom_calls,
+        "refused": p.refused,
+    }
+
+
+def _model_summary(mc: ModelConfig) -> dict[str, Any]:
+    """The model choices a plan depends on (dtype, attention, the step-speed levers, size)."""
+    return {
+        "dtype": mc.dtype,
+        "attention_impl": mc.attention_impl,
+        "remat": mc.remat,
+        # issue 38's levers, as the config names them ('auto' resolves per platform)
+        "loss_impl": mc.loss_impl,
+        "dropout_bits": mc.dropout_bits,
+        "residual_norm": mc.residual_norm,
+        "ffn_impl": mc.ffn_impl,
+        "d_model": mc.d_model,
+        "layers": [mc.num_encoder_layers, mc.num_decoder_layers],
+    }
+
+
+def _memory_verdict(
+    chip: chips.Chip, state: dict[str, int], worst: dict[str, Any]
+) -> dict[str, Any]:
+    """Whether the run fits: the bytes per device of the program that needs most (`worst`,
+    its plan entry; `state`: the train state's, by part) against the chip's usable memory."""
+    usable = chip.usable_hbm
+    total = worst["total_bytes"]
+    return {
+        "hbm_bytes_per_device": chip.hbm,
+        "usable_bytes_per_device": usable,
+        "bytes_per_device": {
+            **state,
+            "inputs": worst["inputs_bytes"],
+            "temp": worst["memory"]["temp"],
+            "total": total,
+            "program": worst["name"],
+        },
+        "fits": total <= usable,
+        "headroom_bytes": usable - total,
+    }
+
+
+def _notes(built: programs_lib.Built, target: targets.Target) -> list[str]:
+    """The build's notes, and what the bound leaves out when collectives cross slices."""
+    notes = list(built.notes)
+    if target.num_slices > 1:
+        notes.append(
+            "collectives that cross slices go over the data-center network, far slower than "
+            "ICI; the bound's interconnect term counts every byte at ICI speed (a looser bound)"
+        )
+    return notes
 
 
 def _train_figures(built, trains, chip, dtype: str) -> dict[str, Any]:
@@ -255,6 +274,23 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} us"
 
 
+def _program_line(r: dict[str, Any]) -> str:
+    """One program's row of `format_plan`'s table: compile time, inputs, temporaries and total
+    bytes per device, collectives, attention kernels."""
+    coll = ", ".join(
+        f"{k} {v['count']}x {v['bytes'] / 2**20:.1f} MiB"
+        + (" per step" if v["per_iteration"] else "")
+        for k, v in r["collectives"].items()
+        if v["count"]
+    )
+    kernels = ", ".join(f"{k} x{v}" for k, v in r["custom_calls"].items() if k.startswith(_KERNELS))
+    return (
+        f"{r['name']:<24}{r['compile_seconds']:>8.1f}s{_gib(r['inputs_bytes']):>12}"
+        f"{_gib(r['memory']['temp']):>12}{_gib(r['total_bytes']):>12}  {coll or 'none'}"
+        + (f"; kernels: {kernels}" if kernels else "")
+    )
+
+
 def format_plan(plan: dict[str, Any]) -> str:
     """The plan as a person reads it."""
     m = plan["mesh"]
@@ -270,21 +306,7 @@ def format_plan(plan: dict[str, Any]) -> str:
         "",
         f"{'program':<24}{'compile':>9}{'inputs':>12}{'temp':>12}{'total':>12}  collectives",
     ]
-    for r in plan["programs"]:
-        coll = ", ".join(
-            f"{k} {v['count']}x {v['bytes'] / 2**20:.1f} MiB"
-            + (" per step" if v["per_iteration"] else "")
-            for k, v in r["collectives"].items()
-            if v["count"]
-        )
-        kernels = ", ".join(
-            f"{k} x{v}" for k, v in r["custom_calls"].items() if k.startswith(_KERNELS)
-        )
-        lines.append(
-            f"{r['name']:<24}{r['compile_seconds']:>8.1f}s{_gib(r['inputs_bytes']):>12}"
-            f"{_gib(r['memory']['temp']):>12}{_gib(r['total_bytes']):>12}  {coll or 'none'}"
-            + (f"; kernels: {kernels}" if kernels else "")
-        )
+    lines += [_program_line(r) for r in plan["programs"]]
     b = plan["bytes_per_device"]
     verdict = "FITS" if plan["fits"] else "DOES NOT FIT"
     lines += [
@@ -310,25 +332,29 @@ def format_plan(plan: dict[str, Any]) -> str:
         train = next(r for r in plan["programs"] if r["name"] == plan["train_program"])
         if train.get("traffic_by_kind"):
             total = train["hbm_traffic_bytes_per_device"] or 1
+            shares = ", ".join(
+                f"{kind} {b / 1e9:.2f} GB ({100 * b / total:.0f}%)"
+                for kind, b in train["traffic_by_kind"].items()
+                if b >= 0.005 * total
+            )
             lines.append(
                 f"HBM traffic of {train['name']} per device (the planner's count, "
-                f"{total / 1e9:.2f} GB): " + ", ".join(
-                    f"{kind} {b / 1e9:.2f} GB ({100 * b / total:.0f}%)"
-                    for kind, b in train["traffic_by_kind"].items() if b >= 0.005 * total
-                )
-            )  # fmt: skip
+                f"{total / 1e9:.2f} GB): {shares}"
+            )
     lines.append(f"compile time: {plan['compile_seconds']:.1f} s in all")
     if not plan["fits"]:
-        lines.append("largest state arrays per device: " + ", ".join(
+        arrays = ", ".join(
             f"{r['name']} {r['bytes'] / 2**20:.1f} MiB" for r in plan["largest_state"][:3]
-        ))  # fmt: skip
+        )
+        lines.append(f"largest state arrays per device: {arrays}")
         worst = next(r for r in plan["programs"] if r["name"] == b["program"])
         if worst["refused"]:
             lines.append(f"{worst['name']}: {worst['refused']}")
         if worst["largest_buffers"]:
-            lines.append("largest buffers of " + b["program"] + ": " + ", ".join(
+            buffers = ", ".join(
                 f"{x['shape']} {x['bytes'] / 2**20:.1f} MiB ({_short(x['op'])})"
                 for x in worst["largest_buffers"][:3]
-            ))  # fmt: skip
+            )
+            lines.append(f"largest buffers of {b['program']}: {buffers}")
         lines += [f"would help: {a}" for a in plan["advice"]]
     return "\n".join(lines)

@@ -209,8 +209,10 @@ def _compile(built: Built, name: str, kind: str, lower, shapes, extra_bytes: int
             # the plan's answer (does not fit), with the compiler's own figures.
             memory = dict.fromkeys(("argument", "output", "alias", "code"), 0)
             memory["temp"] = int(float(m.group(1)) * 2**30)
-            refused = Program(name, kind, shapes, time.perf_counter() - start, memory, 0.0,
-                              0.0, 0.0, {}, [], extra_bytes)  # fmt: skip
+            seconds = time.perf_counter() - start
+            refused = Program(
+                name, kind, shapes, seconds, memory, 0.0, 0.0, 0.0, {}, [], extra_bytes
+            )
             refused.refused = f"the compiler: {m.group(0)}"
             return refused
     seconds = time.perf_counter() - start

@@ -41,8 +41,11 @@ _TORUS_3D = {
     4096: "16x16x16",
 }
 TPU_GENERATIONS = {  # name -> (cores per chip in the accelerator type's count, shapes)
-    "v4": (2, _TORUS_3D), "v5p": (2, _TORUS_3D), "v5e": (1, _TORUS_2D), "v6e": (1, _TORUS_2D),
-}  # fmt: skip
+    "v4": (2, _TORUS_3D),
+    "v5p": (2, _TORUS_3D),
+    "v5e": (1, _TORUS_2D),
+    "v6e": (1, _TORUS_2D),
+}
 GPUS_PER_HOST = 8
 _SPEC = re.compile(r"^(tpu|gpu):([a-z0-9_]+)-(\d+)(?:x(\d+))?$")
 EXAMPLES = "tpu:v5e-16, tpu:v4-8, tpu:v5p-128, tpu:v6e-256x2 (2 slices), gpu:h100-8, gpu:a100-16"

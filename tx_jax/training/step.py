@@ -114,44 +114,14 @@ def train_step(
         functools.partial(_loss_sums, model, label_smoothing=label_smoothing, deterministic=False),
         has_aux=True,
     )
-    if grad_accum_steps == 1:
-        grads, sums = grad_fn(state.params, batch, rng)
-    else:
-        k = grad_accum_steps
-        micro = jax.tree_util.tree_map(lambda x: x.reshape(k, -1, *x.shape[1:]), batch)
-
-        def accumulate(carry, xs):
-            mb, i = xs
-            g, s = grad_fn(state.params, mb, jax.random.fold_in(rng, i))
-            return jax.tree_util.tree_map(jnp.add, carry, (g, s)), None
-
-        first = jax.tree_util.tree_map(lambda x: x[0], micro)
-        shapes = jax.eval_shape(grad_fn, state.params, first, rng)
-        zeros = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
-        (grads, sums), _ = lax.scan(accumulate, zeros, (micro, jnp.arange(k)))
+    grads, sums = _gradient_sums(grad_fn, state.params, batch, rng, grad_accum_steps)
     if axis_name is not None:  # averaging sums with pmean leaves their ratio exact
         grads, sums = lax.pmean((grads, sums), axis_name)
     denom = jnp.maximum(sums["weight"], 1.0)
     grads = jax.tree_util.tree_map(lambda g: g / denom, grads)
     grad_norm = optax.global_norm(grads)
     finite = jnp.isfinite(grad_norm) & jnp.isfinite(sums["loss"])
-
-    def update():
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        # Optax computes in the gradients' float32 (the division by the float32 token count
-        # promotes bfloat16 ones); every state entry keeps its stored dtype, or the cond's
-        # two branches (the select's two sides) differ for param_dtype=bfloat16. No-ops for
-        # float32.
-        opt_state = jax.tree_util.tree_map(
-            lambda new, old: new.astype(old.dtype), opt_state, state.opt_state
-        )
-        params = jax.tree_util.tree_map(
-            lambda new, old: new.astype(old.dtype),
-            optax.apply_updates(state.params, updates),
-            state.params,
-        )
-        return params, opt_state
-
+    update = functools.partial(_optimizer_update, tx, grads, state)
     params, opt_state = _update_if(finite, update, (state.params, state.opt_state))
     skipped = 1 - finite.astype(jnp.int32)
     new_state = state.replace(
@@ -174,6 +144,45 @@ def train_step(
         "nonfinite_total": new_state.nonfinite_total.astype(jnp.float32),
     }
     return new_state, metrics
+
+
+def _gradient_sums(grad_fn, params, batch: dict[str, Array], rng: Array, steps: int):
+    """grad_fn(params, batch, rng) -> (gradient sums, loss sums) of the whole batch, computed
+    over `steps` micro-batches of B / steps rows (micro-batch i's dropout from fold_in(rng, i))
+    and added up, so that only one micro-batch's activations are alive at a time."""
+    if steps == 1:
+        return grad_fn(params, batch, rng)
+    micro = jax.tree_util.tree_map(lambda x: x.reshape(steps, -1, *x.shape[1:]), batch)
+
+    def accumulate(carry, xs):
+        mb, i = xs
+        g, s = grad_fn(params, mb, jax.random.fold_in(rng, i))
+        return jax.tree_util.tree_map(jnp.add, carry, (g, s)), None
+
+    first = jax.tree_util.tree_map(lambda x: x[0], micro)
+    shapes = jax.eval_shape(grad_fn, params, first, rng)
+    zeros = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+    (grads, sums), _ = lax.scan(accumulate, zeros, (micro, jnp.arange(steps)))
+    return grads, sums
+
+
+def _optimizer_update(tx: optax.GradientTransformation, grads, state: TrainState):
+    """The optimizer's step from `grads` -> (new params, new optimizer state), each leaf in
+    the dtype it is stored in."""
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    # Optax computes in the gradients' float32 (the division by the float32 token count
+    # promotes bfloat16 ones); every state entry keeps its stored dtype, or the cond's
+    # two branches (the select's two sides) differ for param_dtype=bfloat16. No-ops for
+    # float32.
+    opt_state = jax.tree_util.tree_map(
+        lambda new, old: new.astype(old.dtype), opt_state, state.opt_state
+    )
+    params = jax.tree_util.tree_map(
+        lambda new, old: new.astype(old.dtype),
+        optax.apply_updates(state.params, updates),
+        state.params,
+    )
+    return params, opt_state
 
 
 def _update_if(finite: Array, update, old):
