@@ -2,6 +2,7 @@
 [B, H, L, S] (what model/attention.py passes today): same outputs and gradients? how fast?
 
     python benchmarks/cudnn_bias.py --out OUT.json                     # on a GPU host
+    python benchmarks/cudnn_bias.py --dbias-probe    # does this jax skip a boolean mask's dbias?
     JAX_PLATFORMS=cpu python benchmarks/cudnn_bias.py --shape 2,16,2,8 --out /tmp/b.json  # XLA's
 
 The paper's base step reads its dense mask bias in each of 36 cuDNN calls (forward and
@@ -10,6 +11,13 @@ backward of 18 attentions), [104, 8, 256, 256] bf16 each time: ~3.9 GB a step (B
 it. Packed rows (4 segments each, as gpu_step.py's batch), self-attention with the causal mask
 and without; jit(value_and_grad) of sum(out * g) in q, k, v; medians of --reps synchronised
 calls. The compiled HLO's custom-call operands are recorded, to show the bias cuDNN receives.
+
+--dbias-probe prints one line: whether the installed jax's cuDNN backward writes the gradient
+of the bias a boolean mask becomes (jax 0.10 asks for it whatever the bias; jax's change "Skip
+cudnn attention dbias computation for constant boolean masks", merged 2026-07-30, asks only for
+a differentiable one). Where it does not, model.attention_impl='cudnn_nodbias' (jax's private
+call, for that one gradient) has nothing left to save. It lowers for 'cuda': a GPU host, or a
+CPU host with jax's CUDA plugin.
 """
 
 from __future__ import annotations
@@ -43,13 +51,50 @@ def _masks(B: int, L: int, causal: bool):
     return jnp.asarray(mask[:, None])
 
 
+def dbias_probe() -> str:
+    """One line: does jax.nn.dot_product_attention's cuDNN backward, lowered for 'cuda' with a
+    boolean mask, write a bias gradient (a result of the bias's shape beside dq, dk, dv)?"""
+    import jax
+    import jax.numpy as jnp
+
+    B, L, H, D = 1, 128, 2, 64  # L != D: no other operand has the bias's type
+    qkv = jax.ShapeDtypeStruct((B, L, H, D), jnp.bfloat16)
+    mask = jax.ShapeDtypeStruct((B, H, L, L), jnp.bool_)
+
+    def loss(q, k, v, mask):
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
+        return out.astype(jnp.float32).sum()
+
+    try:
+        traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(qkv, qkv, qkv, mask)
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    except Exception as e:  # noqa: BLE001 - no CUDA in this jaxlib: say so, one line
+        return f"jax {jax.__version__}: cannot lower cuDNN attention here ({type(e).__name__})"
+    (bwd,) = [c for c in text.splitlines() if "__cudnn$fmha" in c and "Backward(" in c]
+    writes = f"tensor<{B}x{H}x{L}x{L}xbf16>" in bwd.rsplit("->", 1)[1]
+    verdict = (
+        "yes ('cudnn_nodbias' would skip it)"
+        if writes
+        else "no (jax gates it on a differentiable bias: 'cudnn_nodbias' is unnecessary)"
+    )
+    return (
+        f"jax {jax.__version__}: cuDNN's backward writes a boolean mask's bias gradient: {verdict}"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="104,256,8,64", help="B,L,H,D")
     parser.add_argument("--impl", choices=["cudnn", "xla"], help="default: cudnn on a GPU")
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out")
+    parser.add_argument("--dbias-probe", action="store_true", help="only print dbias_probe()")
     args = parser.parse_args(argv)
+    if args.dbias_probe:
+        print(dbias_probe(), flush=True)
+        return
+    if not args.out:
+        parser.error("--out is required")
 
     import jax
     import jax.numpy as jnp

@@ -1,55 +1,114 @@
 #!/usr/bin/env bash
-# One call on a lent GPU host: the speed figures a CPU cannot give, in one go (device time is
-# scarce; benchmarks/gpu_checks.sh holds the correctness checks and Table 3's GPU points).
+# The one entry point on a GPU host: correctness first, then the A/B timing of every GPU
+# candidate against the default, in one call (device time is scarce). A value becomes a GPU
+# default only after this has shown it correct and faster there (docs/design.md,
+# "Implementation choices: one rule").
 #
 #   bash benchmarks/gpu_speed.sh OUT_DIR
+#   GPU_SPEED_DRY=1 bash benchmarks/gpu_speed.sh /tmp/out     # CPU smoke check: debug model, 1 case
 #
-# 1. benchmarks/gpu_step.py: the chip's ceilings (matmul, copy), then the paper's base and big
-#    train steps in bf16, each of issue 38's levers against the default in one process: the
-#    default ('onepass' loss, 'hash' dropout bits, 'cudnn' attention without the mask's bias
-#    gradient); jax.nn's cuDNN call (cudnn_jax), the four-pass loss (dense) and Threefry masks
-#    (bernoulli) they replaced; the Pallas levers, opt-in until measured: the post-LN tail in one
-#    kernel (residual_norm=pallas), the loss with the logits never written (loss_impl=fused),
-#    the FFN's bias and ReLU inside matmuls (ffn_impl=pallas), and the three together; big as
-#    it is and with the three. ms/step, tokens/s, MFU and the losses, beside the plan's roofline
-#    bound of the same compiled program -> OUT_DIR/gpu_step.json. Alone on the host while it
-#    times. CASES=... replaces the list (float32 and 'xla' attention were measured before:
-#    base:float32, base:bfloat16:xla).
-# 2. Meanwhile `python -m tx_jax.plan --target=gpu:<chip>-1` for base and big compiles on the
-#    host's CPU as a CPU-only host would -> OUT_DIR/plan_{base,big}.json; with ATTENTION=1,
-#    benchmarks/attention.py in bfloat16 (xla, chunked, cudnn), L 1024-8192 (measured on two
-#    GPUs already) -> OUT_DIR/attention_gpu.json.
-# 3. tests/test_gpu.py (cuDNN attention against float64, the bf16 step through cuDNN, the
-#    Triton-compiled Pallas kernels of the three levers against their references).
-# Expects tx_jax importable (PYTHONPATH=.) with its dependencies (gpu_checks.sh lists what an
-# image with jax/flax/optax/orbax but not the data stack needs).
+# 0. Versions, and one line from benchmarks/cudnn_bias.py --dbias-probe: does this jax skip the
+#    bias gradient of a boolean mask (then 'cudnn_nodbias' is unnecessary)? -> OUT_DIR/versions.txt
+# 1. tests/test_gpu.py and the cuDNN lowering tests (cuDNN attention and the candidates against
+#    float64 and XLA, the bf16 step through cuDNN, the Triton-compiled Pallas kernels)
+#    -> OUT_DIR/gpu_tests.log. A candidate whose test fails here is not one.
+# 2. benchmarks/gpu_step.py, one process: the chip's ceilings, then the paper's base (and big) in
+#    bf16, the default first, then each candidate alone on top of it, then all of them together
+#    -> OUT_DIR/gpu_step.json (ms/step, tokens/s, MFU, losses, the plan's bound of the same
+#    program). CASES=... replaces the list. The candidates: jax's private cuDNN call without the
+#    mask's bias gradient (cudnn_nodbias), the mask broadcast over heads (cudnn_broadcast), the
+#    logits read once (loss_impl=onepass), dropout's bits hashed (dropout_bits=hash), the post-LN
+#    tail in one Pallas kernel (residual_norm=pallas, which hashes its masks), the loss with the
+#    logits never written (loss_impl=fused), the FFN's bias and ReLU inside Pallas matmuls
+#    (ffn_impl=pallas).
+# 3. Meanwhile `python -m tx_jax.plan --target=gpu:<chip>-1` for base and big on the host's CPU,
+#    under the XLA_FLAGS the runs get (none by default) -> OUT_DIR/plan_{base,big}.json.
+# Options, each after the above (a call cut off by its limit keeps what ran first):
+#   PROFILE=1        benchmarks/gpu_profile.py: a jax.profiler trace of 3 base steps, kernels by
+#                    what they compute -> OUT_DIR/{profile.json, hlo.txt.gz, trace.json.gz}
+#   CUDNN_BIAS=1     benchmarks/cudnn_bias.py: [B, 1, L, S] against [B, H, L, S] masks alone
+#   ATTENTION=1      benchmarks/attention.py in bf16 (xla, chunked, cudnn), L 1,024-8,192
+#   DETERMINISTIC=1  base with XLA attention under --xla_gpu_deterministic_ops=true (its cost)
+#   FLAGS="--xla_gpu_... ..."  base once per XLA flag, one process each (read at JAX's start);
+#                    e.g. --xla_gpu_dot_merger_threshold_mb=0, the dot merger off (BENCHMARKS.md)
+#   BATCH=1          twice the per-GPU batch (data.tokens_per_batch=53248)
+# Expects tx_jax importable (PYTHONPATH=.) with its dependencies. An image with jax, flax, optax
+# and orbax but not tx_jax's data stack needed (2026-11-26, as wheels for its Python 3.12):
+# array-record dm-tree docstring-parser googleapis-common-protos grain immutabledict
+# importlib-resources ml-collections portpicker promise simple-parsing tensorboardx
+# tensorflow-datasets tensorflow-metadata termcolor toml tzdata.
 set -u
 out=${1:?OUT_DIR}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv,noheader
-python3 -c 'import jax, flax, optax; print("jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__, jax.devices())'
-chip=$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); import gpu_step, jax
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/tx_jax_jcc}
+if [ "${GPU_SPEED_DRY:-0}" = 1 ]; then  # the script's path on a CPU: tiny and quick
+  export JAX_PLATFORMS=cpu
+  B=debug G=debug PEAK=${PEAK:-256} STEPS=${STEPS:-2} PLANS=${PLANS:-0}
+  CASES=${CASES:-debug:float32,debug:float32/model.dropout_bits=hash}
+else
+  export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda,cpu}
+  B=${BASE:-base} G=${BIG:-big}
+fi
+steps=${STEPS:-10}
+quiet() { grep -v "^WARNING\|^I0000\|^W0000\|^E0000\|^  File\|^    "; }
+
+{
+  command -v nvidia-smi > /dev/null && nvidia-smi --format=csv,noheader \
+    --query-gpu=name,memory.total,driver_version,clocks.max.sm,temperature.gpu | head -1
+  python3 -c 'import jax, flax, optax; print("jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__, jax.devices())' 2>&1 | quiet
+  python3 -c 'from jax._src.lib import cuda_versions as c; print("cudnn", c.cudnn_get_version())' 2>&1 | quiet | tail -1
+  timeout 60 python3 benchmarks/cudnn_bias.py --dbias-probe 2>&1 | quiet | tail -1
+} | tee "$out/versions.txt"
+
+timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+  "tests/test_lowering.py::test_cudnn_attention_lowers_for_cuda" \
+  "tests/test_lowering.py::test_cudnn_bias_has_the_heads_the_implementation_says" \
+  2>&1 | tee "$out/gpu_tests.log" | tail -6
+
+if [ "${PLANS:-1}" = 1 ]; then
+  chip=$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); import gpu_step, jax
 print(gpu_step.chip_of(jax.devices()[0])[0])')
+  for v in $B $G; do
+    JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 timeout 240 python3 -m tx_jax.plan \
+      --config=configs/wmt14_ende.py:variant=$v --target=gpu:$chip-1 --programs=train \
+      --no_cache --json="$out/plan_$v.json" > "$out/plan_$v.txt" 2>&1
+    echo "plan $v exit $?"
+  done &
+  plans=$!
+fi
 
-JAX_PLATFORMS=cuda,cpu timeout ${STEP_TIMEOUT:-360} python3 benchmarks/gpu_step.py \
-  --cases "${CASES:-base:bfloat16,base:bfloat16/model.attention_impl=cudnn_jax,base:bfloat16/model.loss_impl=dense,base:bfloat16/model.dropout_bits=bernoulli,base:bfloat16/model.residual_norm=pallas,base:bfloat16/model.loss_impl=fused,base:bfloat16/model.ffn_impl=pallas,base:bfloat16/model.ffn_impl=pallas/model.loss_impl=fused/model.residual_norm=pallas,big:bfloat16,big:bfloat16/model.ffn_impl=pallas/model.loss_impl=fused/model.residual_norm=pallas}" \
-  --out "$out/gpu_step.json" 2>&1 | grep -v "^WARNING\|^I0000\|^W0000"
-echo "gpu_step exit ${PIPESTATUS[0]}"
+step() {  # NAME TIMEOUT CASES: one gpu_step.py process
+  timeout "$2" python3 benchmarks/gpu_step.py --cases "$3" --steps "$steps" \
+    --peak-size "${PEAK:-8192}" --peak-reps 3 --out "$out/$1.json" 2>&1 | quiet
+}
+m=$B:bfloat16/model
+all="attention_impl=cudnn_nodbias/model.dropout_bits=hash/model.residual_norm=pallas/model.loss_impl=fused/model.ffn_impl=pallas"
+step gpu_step "${STEP_TIMEOUT:-420}" "${CASES:-$B:bfloat16,$m.attention_impl=cudnn_nodbias,$m.attention_impl=cudnn_broadcast,$m.loss_impl=onepass,$m.dropout_bits=hash,$m.residual_norm=pallas/model.dropout_bits=hash,$m.loss_impl=fused,$m.ffn_impl=pallas,$m.$all,$G:bfloat16,$G:bfloat16/model.$all}"
 
-for v in base big; do
-  JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 timeout 240 python3 -m tx_jax.plan \
-    --config=configs/wmt14_ende.py:variant=$v --target=gpu:$chip-1 --programs=train \
-    --no_cache --json="$out/plan_$v.json" > "$out/plan_$v.txt" 2>&1
-  echo "plan $v exit $?"
-done &
-plans=$!
+if [ "${PROFILE:-0}" = 1 ]; then
+  timeout 150 python3 benchmarks/gpu_profile.py --case "$B:bfloat16" --steps 3 --out-dir "$out" 2>&1 | quiet
+fi
+if [ "${CUDNN_BIAS:-0}" = 1 ]; then
+  timeout 90 python3 benchmarks/cudnn_bias.py --out "$out/cudnn_bias.json" 2>&1 | quiet
+fi
 if [ "${ATTENTION:-0}" = 1 ]; then
-  JAX_PLATFORMS=cuda,cpu timeout 150 python3 benchmarks/attention.py --dtype bfloat16 \
-    --lengths 1024,2048,4096,8192 --reps 20 --name attention_gpu 2>&1 | grep -v "^W0000\|^I0000"
+  timeout 150 python3 benchmarks/attention.py --dtype bfloat16 --lengths 1024,2048,4096,8192 \
+    --reps 20 --name attention_gpu 2>&1 | quiet
   cp benchmarks/results/attention_gpu.json "$out/" 2>/dev/null
 fi
-JAX_PLATFORMS=cuda,cpu timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
-  2>&1 | tail -4
-wait $plans
-grep -h "BOUND" "$out"/plan_*.txt
+if [ "${DETERMINISTIC:-0}" = 1 ]; then
+  XLA_FLAGS=--xla_gpu_deterministic_ops=true step deterministic 130 "$B:bfloat16:xla"
+fi
+for flag in ${FLAGS:-}; do
+  name=$(echo "$flag" | sed 's/^--xla_gpu_//; s/=.*//')
+  XLA_FLAGS=$flag step "flag_$name" 130 "$B:bfloat16"
+done
+if [ "${BATCH:-0}" = 1 ]; then
+  step batch 130 "$B:bfloat16/data.tokens_per_batch=53248"
+fi
+if [ "${PLANS:-1}" = 1 ]; then
+  wait "$plans"
+  grep -h "BOUND" "$out"/plan_*.txt
+fi
+echo done

@@ -43,15 +43,20 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.tie_output = True  # logits = x E^T
     c.model.dtype = "float32"  # compute dtype; 'bfloat16' on accelerators
     c.model.param_dtype = "float32"  # storage dtype of parameters and Adam moments
-    c.model.attention_impl = "auto"  # auto | xla | chunked | cudnn | splash (Pallas, TPU)
+    # auto (per platform: the fastest tested and timed there) | xla | chunked (memory lever) |
+    # cudnn (GPU) | cudnn_broadcast, cudnn_nodbias (GPU candidates) | splash (TPU candidate)
+    c.model.attention_impl = "auto"
     c.model.kernels = "auto"  # auto (XLA:CPU-tuned kernels on CPU only) | cpu | generic
-    c.model.remat = "none"  # none | full (recompute each layer) | dots (keep matmul outputs)
-    c.model.dropout_bits = "auto"  # auto | bernoulli | packed | rbg | hash: dropout's random bits
-    # auto | dense | onepass (logits read once) | blocked (per block) | fused (Pallas, no logits)
+    c.model.remat = "none"  # memory lever: none | full (recompute each layer) | dots (keep matmuls)
+    c.model.dropout_bits = "auto"  # auto (CPU packed, else bernoulli) | bernoulli | packed | hash
+    # auto (dense) | dense | onepass (logits read once) | blocked (per block: memory lever) |
+    # fused (Pallas, no logits); onepass and fused are GPU candidates
     c.model.loss_impl = "auto"
     c.model.loss_block = 64  # 'blocked': target positions per block
-    c.model.residual_norm = "auto"  # auto (xla) | xla | pallas: post-LN tail in one kernel a way
-    c.model.ffn_impl = "auto"  # auto (xla) | xla | pallas: FFN bias/ReLU inside Pallas matmuls
+    c.model.residual_norm = "auto"  # auto (xla) | xla | pallas (GPU candidate, dropout_bits=hash)
+    c.model.ffn_impl = (
+        "auto"  # auto (xla) | xla | pallas (GPU candidate): FFN bias/ReLU in Pallas matmuls
+    )
 
     # Data: TFDS dataset, SentencePiece vocabulary, token-budget batches.
     c.data = ml_collections.ConfigDict()

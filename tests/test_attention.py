@@ -1,5 +1,6 @@
 """dot_product_attention, the mask helpers, and MultiHeadAttention."""
 
+import functools
 import os
 
 import flax.linen as nn
@@ -10,8 +11,8 @@ import pytest
 from conftest import reference_attention
 
 from tx_jax.model import attention as A
-from tx_jax.model import masks
 from tx_jax.model.multihead import MultiHeadAttention
+from tx_jax.ops import attention_kernels, masks
 
 IMPLS = ["xla", "chunked"]
 
@@ -98,7 +99,9 @@ def _random_problem(rng, B=2, L=13, S=37, H=4, K=2, D=8, Dv=None):
 def test_matches_float64_reference(rng, impl, causal):
     q, k, v, q_seg, kv_seg = _random_problem(rng, L=37 if causal else 13)
     L, S = q.shape[1], k.shape[1]
-    bias = rng.normal(size=(1, q.shape[2], L, S)).astype(np.float32)
+    bias = None  # an additive bias: 'xla' (and cuDNN) only
+    if impl == "xla":
+        bias = rng.normal(size=(1, q.shape[2], L, S)).astype(np.float32)
     out = A.dot_product_attention(
         q,
         k,
@@ -173,7 +176,7 @@ def test_chunked_gradients_equal_xla(rng, masking, shape):
 def test_chunked_gradients_with_dropout_equal_autodiff_of_the_same_forward(rng):
     """With dropout the masks differ from 'xla''s, so the custom VJP is checked against
     autodiff through flash.py's own forward pass (the same per-block dropout draws)."""
-    from tx_jax.model import flash
+    from tx_jax.ops import flash
 
     q, k, v, q_seg, kv_seg = _random_problem(rng, L=17, S=23)
     cot = rng.normal(size=q.shape).astype(np.float32)
@@ -230,15 +233,21 @@ def test_value_head_dim_differs_matches_float64_reference(rng, impl, dv, masking
 
 @pytest.mark.parametrize("dv", DVS)
 def test_value_head_dim_differs_with_bias_matches_float64_reference(rng, dv):
-    """The bias path of 'chunked' (the rematerialised scan, not flash.py) with d_v != d_k."""
+    """A bias with d_v != d_k ('xla'); 'chunked' refuses a bias, and 'auto' given one keeps to
+    'xla' even where it would stream over key blocks."""
     q, k, v, q_seg, kv_seg = _random_problem(rng, L=37, Dv=dv)
     bias = rng.normal(size=(1, 4, 37, 37)).astype(np.float32)
     kw = dict(is_causal=True, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
     ref, _ = reference_attention(q, k, v, np.asarray(masks.dense_mask(37, 37, **kw)), bias)
-    for impl in IMPLS:
-        out = A.dot_product_attention(q, k, v, bias=bias, implementation=impl, chunk_size=8, **kw)
-        err = np.abs(np.asarray(out, np.float64) - ref).max() / np.abs(ref).max()
-        assert err < 1e-5, (impl, err)
+    out = A.dot_product_attention(q, k, v, bias=bias, implementation="xla", **kw)
+    err = np.abs(np.asarray(out, np.float64) - ref).max() / np.abs(ref).max()
+    assert err < 1e-5, err
+    with pytest.raises(ValueError, match="'chunked' does not support bias"):
+        A.dot_product_attention(q, k, v, bias=bias, implementation="chunked", **kw)
+    long_k = jnp.zeros((2, attention_kernels.CHUNKED_FROM, 2, 8))
+    long_v = jnp.zeros((2, attention_kernels.CHUNKED_FROM, 2, dv))
+    choose = functools.partial(attention_kernels.choose, "auto", q, long_k, long_v, platform="cpu")
+    assert choose() == "chunked" and choose(bias=True) == "xla"
 
 
 @pytest.mark.parametrize("dv", DVS)
@@ -266,7 +275,7 @@ def test_value_head_dim_differs_chunked_gradients_equal_xla(rng, dv, masking):
 def test_value_head_dim_differs_with_dropout(rng, dv):
     """Dropout on the weights with d_v != d_k: 'chunked''s custom VJP equals autodiff of its
     own forward, and 'xla' drops whole weights (each output row is a combination of v rows)."""
-    from tx_jax.model import flash
+    from tx_jax.ops import flash
 
     q, k, v, q_seg, kv_seg = _random_problem(rng, L=17, S=23, Dv=dv)
     cot = rng.normal(size=(2, 17, 4, dv)).astype(np.float32)
@@ -305,7 +314,7 @@ def test_value_head_dim_differs_with_dropout(rng, dv):
     assert not np.allclose(out, A.dot_product_attention(q, k, v, implementation="xla"))
 
 
-def test_cudnn_rejects_a_value_head_dim_differing_from_the_key_and_auto_avoids_it(rng, monkeypatch):
+def test_cudnn_rejects_a_value_head_dim_differing_from_the_key_and_auto_avoids_it(rng):
     """jax.nn.dot_product_attention needs value.shape == key.shape, so 'cudnn' cannot do
     d_v != d_k: an explicit request is an error naming both shapes, and 'auto' on a GPU
     picks it only when the head dims agree."""
@@ -313,10 +322,10 @@ def test_cudnn_rejects_a_value_head_dim_differing_from_the_key_and_auto_avoids_i
     with pytest.raises(ValueError, match=r"cudnn.*value head dim.*\(2, 37, 2, 16\)"):
         A.dot_product_attention(q, k, v, implementation="cudnn")
     bf = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
-    monkeypatch.setattr(A.jax, "default_backend", lambda: "gpu")
     q16, k16 = bf(rng.normal(size=(2, 13, 4, 16))), bf(rng.normal(size=(2, 37, 2, 16)))
-    assert A._choose("auto", q16, k16, bf(v[..., :16]), False, False) == "cudnn"
-    assert A._choose("auto", q16, k16, bf(v[..., :8]), False, False) == "xla"
+    choose = functools.partial(attention_kernels.choose, "auto", platform="gpu")
+    assert choose(q16, k16, bf(v[..., :16])) == "cudnn"
+    assert choose(q16, k16, bf(v[..., :8])) == "xla"
 
 
 def test_chunked_backward_memory_is_linear_in_length():
@@ -415,7 +424,7 @@ def test_attention_dropout(rng):
 def test_attention_dropout_draws_its_bits_where_dropout_bits_says(rng):
     """The weights' dropout follows model.dropout_bits in every implementation: 'xla' drops
     exactly ops.kernels.keep_mask's [B, K, G, L, S] mask of that generator, and the blockwise
-    paths (flash's custom VJP, the biased scan) give other draws for another generator."""
+    path (flash's custom VJP) gives other draws for another generator."""
     from tx_jax.ops import kernels as K_
 
     q, k, v, _, _ = _random_problem(rng)
@@ -430,15 +439,14 @@ def test_attention_dropout_draws_its_bits_where_dropout_bits_says(rng):
     want = np.einsum("bkgls,bskd->blkgd", used, v).reshape(B, L, H, -1)
     got = A.dot_product_attention(q, k, v, implementation="xla", dropout_bits="hash", **kw)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    bias = jnp.zeros((1, 1, L, k.shape[1]), jnp.float32)
-    for impl, extra in (("xla", {}), ("chunked", {}), ("chunked", {"bias": bias})):
+    for impl in ("xla", "chunked"):
         outs = [
             A.dot_product_attention(
-                q, k, v, implementation=impl, chunk_size=8, dropout_bits=bits, **extra, **kw
+                q, k, v, implementation=impl, chunk_size=8, dropout_bits=bits, **kw
             )
             for bits in ("hash", "bernoulli")
         ]
-        assert not np.allclose(outs[0], outs[1]), (impl, extra.keys())
+        assert not np.allclose(outs[0], outs[1]), impl
 
 
 def test_bad_arguments_are_named(rng):
@@ -648,21 +656,21 @@ def test_deterministic_gpu_mode_keeps_cudnn_out(monkeypatch):
     """Under XLA:GPU's deterministic ops (train.deterministic) cuDNN's fused attention fails
     at its first call (H100, jax 0.11.2): 'auto' picks XLA's attention for a GPU instead,
     and an explicit 'cudnn' is refused naming the flag."""
-    from tx_jax.model.attention import _choose
     from tx_jax.ops import backend
 
+    _choose = attention_kernels.choose
     q = jnp.zeros((2, 16, 4, 64), jnp.bfloat16)
     with backend.target("gpu"):
         monkeypatch.setenv("XLA_FLAGS", "")
-        assert _choose("auto", q, q, q, False, False) == "cudnn"
+        assert _choose("auto", q, q, q) == "cudnn"
         monkeypatch.setenv(
             "XLA_FLAGS", "--xla_force_host_platform_device_count=2 " + backend.DETERMINISTIC_FLAG
         )
         assert backend.deterministic_ops()
-        assert _choose("auto", q, q, q, False, False) == "xla"
-        for impl in ("cudnn", "cudnn_broadcast", "cudnn_native", "cudnn_jax"):
+        assert _choose("auto", q, q, q) == "xla"
+        for impl in ("cudnn", "cudnn_broadcast", "cudnn_nodbias"):
             with pytest.raises(ValueError, match="xla_gpu_deterministic_ops"):
-                _choose(impl, q, q, q, False, False)
+                _choose(impl, q, q, q)
 
 
 def test_require_deterministic_ops_adds_the_flag_once(monkeypatch):

@@ -133,7 +133,7 @@ def test_lowers_for_cuda_as_two_triton_kernels():
 def test_fused_resolves_to_the_kernels_on_gpu_and_to_auto_elsewhere():
     assert output_loss.resolve("fused") == "dense"  # this CPU's 'auto'
     with backend.target("tpu"):
-        assert output_loss.resolve("fused") == "onepass"
+        assert output_loss.resolve("fused") == "dense"
     with backend.target("gpu"):
         assert output_loss.resolve("fused") == "fused"
     with backend.pallas_interpreter():
@@ -144,7 +144,7 @@ def test_a_direct_call_on_tpu_is_refused_not_interpreted():
     from tx_jax.ops import residual_norm
 
     h, table, bias, targets, weights = _problem(1, 64, 64, 128)
-    with backend.target("tpu"), pytest.raises(ValueError, match="on TPU use 'onepass'"):
+    with backend.target("tpu"), pytest.raises(ValueError, match="on TPU use 'auto'"):
         fused_loss.fused_output_loss(h, table, bias, targets, weights)
     x = h[..., :64]
     with backend.target("tpu"), pytest.raises(ValueError, match="on TPU use 'xla'"):

@@ -25,9 +25,9 @@ from conftest import reference_attention
 from helpers import state_and_step
 
 from tx_jax.model import attention as A
-from tx_jax.model import masks
 from tx_jax.model.config import variant
 from tx_jax.model.transformer import EncoderDecoder
+from tx_jax.ops import masks
 
 
 def _gpu():
@@ -75,8 +75,9 @@ def _attend(impl, q, k, v, q_seg, kv_seg, causal):
     )
 
 
-# 'cudnn_broadcast': does cuDNN take the mask as [B, 1, L, S] (benchmarks/cudnn_bias.py)?
-_IMPLS = ("cudnn_native", "cudnn", "cudnn_broadcast", "cudnn_jax")
+# 'cudnn' (jax.nn's call, 'auto' on a GPU) and the two candidates: 'cudnn_broadcast' (does cuDNN
+# take the mask as [B, 1, L, S]?) and 'cudnn_nodbias' (jax's private call, no bias gradient)
+_IMPLS = ("cudnn", "cudnn_broadcast", "cudnn_nodbias")
 
 
 @pytest.mark.parametrize("impl", _IMPLS)
@@ -126,10 +127,10 @@ def test_cudnn_gradients_match_xla_in_float32(causal, impl):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_masked_attention_without_bias_gradient_equals_jax_nn(causal):
-    """cudnn_masks.masked_attention (cuDNN's backward asked for dq, dk, dv only) gives the
+    """cudnn.masked_attention (cuDNN's backward asked for dq, dk, dv only) gives the
     outputs and gradients of jax.nn.dot_product_attention with the same mask, whose backward
     also writes the bias gradient."""
-    from tx_jax.model import cudnn_masks
+    from tx_jax.ops import cudnn
 
     q, k, v, q_seg, kv_seg = _problem(np.random.default_rng(4), causal)
     mask = masks.dense_mask(
@@ -139,7 +140,7 @@ def test_masked_attention_without_bias_gradient_equals_jax_nn(causal):
     w = jnp.asarray(np.random.default_rng(5).normal(size=(B, L, H, D)), jnp.float32)
 
     def ours(q, k, v):
-        return cudnn_masks.masked_attention(q, k, v, mask)
+        return cudnn.masked_attention(q, k, v, mask)
 
     def theirs(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
@@ -161,105 +162,6 @@ def test_masked_attention_without_bias_gradient_equals_jax_nn(causal):
     for name, a, b in zip("qkv", g1, g2):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         assert np.abs(a - b).max() <= 1e-2 * np.abs(b).max(), name
-
-
-def _hopper():
-    cc = getattr(_gpu(), "compute_capability", "0.0")
-    return tuple(int(x) for x in cc.split(".")[:2]) >= (9, 0)
-
-
-def _packed_problem(rng, case):
-    """bf16 q/k/v and packed rows as tx_jax's packing writes them (ids 1..n in order, then
-    0s): n = 0 (a row of padding), 1 (an unpacked padded row), the bound M, and a few; for
-    'cross' a key side of another length holding the same examples."""
-    from test_cudnn_masks import packed_ids
-
-    from tx_jax.model.cudnn_masks import max_segments
-
-    S_ = S if case == "cross" else L
-    M = max_segments(L, S_)
-    counts = [0, 1, M, 3]
-    if case == "cross":
-        q_seg, kv_seg = packed_ids(rng, len(counts), L, counts, S_)
-    else:
-        q_seg = kv_seg = packed_ids(rng, len(counts), L, counts)
-    q, k, v = (
-        jax.device_put(jnp.asarray(rng.normal(size=(len(counts), n, H, D)), jnp.bfloat16), _gpu())
-        for n in (L, S_, S_)
-    )
-    return q, k, v, jnp.asarray(q_seg), jnp.asarray(kv_seg)
-
-
-def _attend_native(impl, q, k, v, q_seg, kv_seg, causal, same):
-    # self-attention passes one array for both sides, as the model does
-    return A.dot_product_attention(
-        q,
-        k,
-        v,
-        is_causal=causal,
-        q_segment_ids=q_seg,
-        kv_segment_ids=q_seg if same else kv_seg,
-        implementation=impl,
-    )
-
-
-@pytest.mark.parametrize("case", ["self", "causal", "cross"])
-def test_cudnn_native_packed_layout_matches_reference(case):
-    """Segment ids reach cuDNN as its packed layout (no bias): forward against the float64
-    reference, q/k/v gradients against 'xla' in float32; padding rows are zeros."""
-    if not _hopper():
-        pytest.skip("cuDNN's packed layout needs compute capability >= 9.0")
-    causal, same = case == "causal", case != "cross"
-    q, k, v, q_seg, kv_seg = _packed_problem(np.random.default_rng(20), case)
-    fn = jax.jit(functools.partial(_attend_native, causal=causal, same=same), static_argnums=0)
-    text = fn.lower("cudnn_native", q, k, v, q_seg, kv_seg).as_text()
-    if "__cudnn$fmha" not in text or "ScaleBias" in text:
-        pytest.skip("this jax refused the packed layout (the dense fallback ran)")
-    out = np.asarray(fn("cudnn_native", q, k, v, q_seg, kv_seg), np.float64)
-    mask = masks.dense_mask(
-        L, k.shape[1], is_causal=causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg
-    )
-    ref, _ = reference_attention(*(np.asarray(x, np.float32) for x in (q, k, v)), np.asarray(mask))
-    assert np.isfinite(out).all()
-    err = np.abs(out - ref).max() / np.abs(ref).max()
-    assert err < 1e-2, err  # bf16 output: ~4e-3 rounding
-    np.testing.assert_array_equal(out[np.asarray(q_seg) == 0], 0.0)  # padding: zeros
-    np.testing.assert_array_equal(out[0], 0.0)  # a row of padding only
-
-    w = jnp.asarray(np.random.default_rng(21).normal(size=out.shape), jnp.float32)
-
-    def loss(impl, q, k, v):
-        o = _attend_native(impl, q, k, v, q_seg, kv_seg, causal, same)
-        return (o.astype(jnp.float32) * w).sum()
-
-    grad = jax.jit(jax.grad(loss, argnums=(1, 2, 3)), static_argnums=0)
-    with jax.default_matmul_precision("highest"):
-        want = grad("xla", *(x.astype(jnp.float32) for x in (q, k, v)))
-    got = grad("cudnn_native", q, k, v)
-    for name, g, r, seg in zip("qkv", got, want, (q_seg, kv_seg, kv_seg)):
-        g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
-        assert np.isfinite(g).all(), name
-        err = np.abs(g - r).max() / np.abs(r).max()
-        assert err < 3e-2, (name, err)
-        np.testing.assert_array_equal(g[np.asarray(seg) == 0], 0.0)  # padding: no gradient
-
-
-def test_cudnn_native_causal_without_segments():
-    """is_causal alone: cuDNN's causal mask type, no array; against the float64 reference."""
-    q, k, v, _, _ = _problem(np.random.default_rng(22), True)
-    fn = jax.jit(
-        lambda q, k, v: A.dot_product_attention(
-            q, k, v, is_causal=True, implementation="cudnn_native"
-        )
-    )
-    text = fn.lower(q, k, v).as_text()
-    assert "__cudnn$fmha" in text and "ScaleBias" not in text
-    out = np.asarray(fn(q, k, v), np.float64)
-    ref, _ = reference_attention(
-        *(np.asarray(x, np.float32) for x in (q, k, v)), np.asarray(masks.causal_mask(L))
-    )
-    err = np.abs(out - ref).max() / np.abs(ref).max()
-    assert err < 1e-2, err
 
 
 def test_auto_picks_cudnn_in_bfloat16_only():

@@ -313,7 +313,7 @@ def test_cpu_bfloat16_matmuls_accumulate_in_float32_and_round_once():
     np.testing.assert_allclose(db, f32(y).reshape(64, 48).sum(0), rtol=1e-6)
 
 
-@pytest.mark.parametrize("bits", ["bernoulli", "packed", "rbg", "hash"])
+@pytest.mark.parametrize("bits", ["bernoulli", "packed", "hash"])
 def test_every_dropout_generator_keeps_the_rate_and_scale_and_is_a_function_of_the_key(bits):
     rate, shape = 0.1, (64, 1000)
     x = jnp.ones(shape)
@@ -331,11 +331,13 @@ def test_every_dropout_generator_keeps_the_rate_and_scale_and_is_a_function_of_t
 
 
 def test_dropout_bits_choose_the_generator():
-    """'auto' follows the kernels ('packed' with the CPU kernels, the hashed bits with
-    the generic ones); 'packed' are the CPU kernels' masks whatever the kernels; 'rbg' draws
-    with XLA's RngBitGenerator; a bad value names the config key."""
+    """'auto' follows the kernels ('packed' with the CPU kernels, jax.random.bernoulli with the
+    generic ones: the generators timed fastest on a CPU and on GPUs; 'hash' is asked for by
+    name); 'packed' are the CPU kernels' masks whatever the kernels; a bad value names the
+    config key."""
     key, shape = jax.random.key(5), (8, 37)
-    assert K.resolve_bits("auto", "cpu") == "packed" and K.resolve_bits("auto", "generic") == "hash"
+    assert K.resolve_bits("auto", "cpu") == "packed"
+    assert K.resolve_bits("auto", "generic") == "bernoulli"
     packed = K.keep_mask(key, 0.2, shape, "generic", "packed")
     from tx_jax.ops import dropout as D
 
@@ -343,8 +345,6 @@ def test_dropout_bits_choose_the_generator():
     np.testing.assert_array_equal(
         np.asarray(K.keep_mask(key, 0.2, shape, "cpu", "auto")), np.asarray(packed)
     )
-    rbg = jax.jit(lambda k: K.keep_mask(k, 0.2, shape, "generic", "rbg")).lower(key)
-    assert "rng_bit_generator" in rbg.as_text()
     with pytest.raises(ValueError, match="model.dropout_bits='philox'"):
         ModelConfig(dropout_bits="philox")
     with pytest.raises(ValueError, match="model.dropout_bits"):
@@ -382,7 +382,7 @@ def test_hashed_dropout_keeps_no_mask_for_the_backward_pass_and_its_draws_are_in
         assert abs(np.corrcoef(a.ravel(), b.ravel())[0, 1]) < 0.02
 
 
-@pytest.mark.parametrize("bits", ["packed", "rbg", "hash"])
+@pytest.mark.parametrize("bits", ["packed", "hash"])
 def test_train_step_with_each_dropout_generator_is_repeatable_and_differs_between_steps(bits):
     cfg = _tiny(kernels="generic", dropout_rate=0.3, ffn_dropout_rate=0.3, dropout_bits=bits)
     state, step = _state_and_step(DecoderOnly, cfg)

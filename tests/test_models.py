@@ -1,8 +1,11 @@
 """The three model families: invariances, counts, configs, dtypes."""
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
@@ -202,6 +205,63 @@ def test_model_config_validation_names_the_key():
         variant("huge")
     cfg = ModelConfig.from_config({"d_model": 128, "num_heads": 4}, dropout_rate=0.0)
     assert (cfg.d_model, cfg.dropout_rate, cfg.replace(decode=True).decode) == (128, 0.0, True)
+
+
+@pytest.mark.parametrize(
+    "key, old, new",
+    [
+        ("attention_impl", "cudnn_native", "cudnn"),  # beaten on an H100 (BENCHMARKS.md)
+        ("attention_impl", "cudnn_jax", "cudnn"),  # renamed: jax.nn's call is 'cudnn'
+        ("dropout_bits", "rbg", "bernoulli"),  # beaten on two H100s
+    ],
+)
+def test_a_removed_value_in_an_old_config_loads_as_the_value_that_beat_it(key, old, new):
+    """An old checkpoint's config (every field as it was saved) naming a removed value loads,
+    with one warning naming the key; built directly, the value is refused."""
+    saved = {f.name: getattr(ModelConfig(), f.name) for f in dataclasses.fields(ModelConfig)}
+    saved[key] = old
+    with pytest.warns(UserWarning, match=f"model.{key}={old!r} .*model.{key}={new!r}") as caught:
+        cfg = ModelConfig.from_config(ml_collections.ConfigDict(saved))
+    assert len(caught) == 1
+    assert getattr(cfg, key) == new
+    assert cfg == ModelConfig(**{**saved, key: new})
+    with pytest.raises(ValueError, match=f"model.{key}={old!r}"):
+        ModelConfig(**{key: old})
+
+
+# What 'auto' resolves to per platform: on an accelerator only values that passed their tests
+# there and were timed fastest there (docs/design.md, "Implementation choices: one rule").
+AUTO = {
+    "cpu": {"kernels": "cpu", "dropout_bits": "packed", "loss_impl": "dense"},
+    "gpu": {"kernels": "generic", "dropout_bits": "bernoulli", "loss_impl": "dense"},
+    "tpu": {"kernels": "generic", "dropout_bits": "bernoulli", "loss_impl": "dense"},
+}
+# attention 'auto' for: bf16 head dim 64 at 256 keys, float32 at 4,096 keys
+AUTO_ATTENTION = {"cpu": ("xla", "chunked"), "gpu": ("cudnn", "xla"), "tpu": ("xla", "xla")}
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
+def test_auto_resolves_per_platform_to_the_tested_and_timed_values(platform):
+    from tx_jax.ops import attention_kernels, backend, ffn, kernels, output_loss, residual_norm
+
+    assert set(AUTO) == set(AUTO_ATTENTION) == set(backend.PLATFORMS)
+    with backend.target(platform):
+        got = {
+            "kernels": kernels.resolve("auto"),
+            "dropout_bits": kernels.resolve_bits("auto"),
+            "loss_impl": output_loss.resolve("auto"),
+        }
+        assert got == AUTO[platform]
+        assert residual_norm.resolve("auto") == ffn.resolve("auto") == "xla"
+        short = jnp.zeros((2, 256, 8, 64), jnp.bfloat16)
+        long = jnp.zeros((1, 4096, 8, 64), jnp.float32)
+        mesh = jax.sharding.AbstractMesh((2,), ("data",))
+        with jax.sharding.use_abstract_mesh(mesh):  # where 'splash' would apply on a TPU
+            chosen = tuple(attention_kernels.choose("auto", x, x, x) for x in (short, long))
+        assert chosen == AUTO_ATTENTION[platform]
+        assert attention_kernels.choose("auto", short, short, short, dropout=True) == "xla"
+        assert attention_kernels.choose("auto", short, short, short, weights=True) == "xla"
+    assert attention_kernels.choose("auto", short, short, short, platform=platform) == chosen[0]
 
 
 def test_encoder_only_classifier_shapes():

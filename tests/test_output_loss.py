@@ -113,11 +113,13 @@ def test_bad_block_shapes_and_names_error():
         OL.resolve("flash")
 
 
-def test_auto_resolves_to_dense_on_cpu_and_onepass_on_accelerators():
+def test_auto_resolves_to_dense_the_loss_every_timed_step_ran_with():
+    """'onepass' and 'fused' move less in the GPU and TPU plans but no chip has timed them:
+    candidates, asked for by name; 'auto' is 'dense' on every platform."""
     assert OL.LOSS_IMPLS == LOSS_IMPLS
     for impl in ("dense", "onepass", "blocked"):
         assert OL.resolve(impl) == impl
-    expected = {"cpu": "dense", "gpu": "onepass", "tpu": "onepass"}
+    expected = {"cpu": "dense", "gpu": "dense", "tpu": "dense"}
     assert set(expected) == set(backend.PLATFORMS)
     for platform in backend.PLATFORMS:
         with backend.target(platform):

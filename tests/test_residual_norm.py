@@ -132,12 +132,13 @@ def test_model_with_pallas_equals_xla_with_dropout():
         ({"norm_position": "pre"}, "norm_position"),
         ({"norm": "rmsnorm"}, "norm"),
         ({"dropout_bits": "packed"}, "dropout_bits"),
+        ({"dropout_bits": "auto"}, "dropout_bits"),  # 'auto' is not 'hash' on any platform
         ({"d_model": 48, "num_heads": 4}, "d_model"),
     ],
 )
 def test_config_names_what_pallas_cannot_fuse(overrides, key):
     with pytest.raises(ValueError, match=f"residual_norm='pallas'.*{key}|{key}.*residual_norm"):
-        ModelConfig(vocab_size=32, residual_norm="pallas", **overrides)
+        ModelConfig(vocab_size=32, residual_norm="pallas", **{"dropout_bits": "hash", **overrides})
     with pytest.raises(ValueError, match="model.residual_norm='fused'"):
         ModelConfig(vocab_size=32, residual_norm="fused")
 

@@ -30,13 +30,6 @@ from tx_jax.model import (
 )
 from tx_jax.model.attention import dot_product_attention
 from tx_jax.model.layers import DecoderLayer, EncoderLayer, FeedForward, make_norm
-from tx_jax.model.masks import (
-    causal_mask,
-    combine_masks,
-    dense_mask,
-    padding_mask,
-    segment_mask,
-)
 from tx_jax.model.multihead import MultiHeadAttention
 from tx_jax.model.positional import (
     LearnedPositionalEmbedding,
@@ -44,6 +37,13 @@ from tx_jax.model.positional import (
     apply_rope,
     sinusoid,
     sinusoidal_table,
+)
+from tx_jax.ops.masks import (
+    causal_mask,
+    combine_masks,
+    dense_mask,
+    padding_mask,
+    segment_mask,
 )
 
 __version__ = "0.1.0"

@@ -1,6 +1,7 @@
 """The model layer: pure Flax modules and functions, no devices, no data.
 
-positional <- attention (+ flash) <- layers <- transformer, all configured by config.ModelConfig.
+positional <- attention (its kernels in ops/) <- multihead <- layers <- transformer, all configured
+by config.ModelConfig.
 """
 
 from tx_jax.model.config import VARIANTS, ModelConfig, variant

@@ -3,19 +3,27 @@
 `ModelConfig.from_config` is the one place a ConfigDict (or dict) becomes one, and it
 validates every key. Decode and eval variants come from `config.replace(decode=True, ...)`.
 `VARIANTS` holds the paper's Table 3 models (and CPU-sized ones); `variant(name)` builds one.
+
+The implementation fields (attention_impl, kernels, dropout_bits, loss_impl, residual_norm,
+ffn_impl, remat) follow one rule (docs/design.md, "Implementation choices: one rule"): 'auto'
+is per platform the value tested and timed fastest there; the others are memory levers, the
+generic references, or candidates asked for by name. A value that timed runs beat is gone, and
+`from_config` loads a config naming it as the value that beat it (REPLACED).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
 
-from tx_jax.model.attention import IMPLEMENTATIONS
+from tx_jax.ops.attention_kernels import IMPLEMENTATIONS
 from tx_jax.ops.ffn import FFN_IMPLS
 from tx_jax.ops.kernels import DROPOUT_BITS, KERNELS
+from tx_jax.ops.output_loss import LOSS_IMPLS
 from tx_jax.ops.residual_norm import RESIDUAL_NORMS
 
 # gelu: flax's tanh approximation (Transformers' "gelu_new"); gelu_exact: the erf form
@@ -30,8 +38,31 @@ SINUSOID_STYLES = ("paper", "marian", "fairseq")
 NORM_POSITIONS = ("post", "pre")
 POOLINGS = ("mean", "first")
 REMATS = ("none", "full", "dots")
-LOSS_IMPLS = ("auto", "dense", "onepass", "blocked", "fused")
 DTYPES = ("float32", "bfloat16", "float16")
+_ENUMS = {
+    "activation": ACTIVATIONS,
+    "norm": NORMS,
+    "norm_position": NORM_POSITIONS,
+    "positional": POSITIONALS,
+    "sinusoid_style": SINUSOID_STYLES,
+    "attention_impl": IMPLEMENTATIONS,
+    "kernels": KERNELS,
+    "pooling": POOLINGS,
+    "remat": REMATS,
+    "dropout_bits": DROPOUT_BITS,
+    "loss_impl": LOSS_IMPLS,
+    "residual_norm": RESIDUAL_NORMS,
+    "ffn_impl": FFN_IMPLS,
+    "dtype": DTYPES,
+    "param_dtype": DTYPES,
+}
+# (key, old value) -> the value loaded in its place: values timed runs beat on a GPU, mapped to
+# the one that beat them, and renamed values (BENCHMARKS.md, "Implementation choices").
+REPLACED = {
+    ("attention_impl", "cudnn_native"): "cudnn",  # cuDNN's packed masks: slower than the bias
+    ("attention_impl", "cudnn_jax"): "cudnn",  # renamed: jax.nn's cuDNN call is 'cudnn'
+    ("dropout_bits", "rbg"): "bernoulli",  # XLA's RngBitGenerator: slower than Threefry
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,15 +97,16 @@ class ModelConfig:
     attention_bias: bool = False  # biases in the Q/K/V/O projections
     ffn_bias: bool = True  # biases in the FFN (eq. 2 has b1, b2)
     logits_bias: bool = False  # a [V] bias added to the output logits (Marian's final_logits_bias)
-    # auto | xla | chunked | cudnn | cudnn_broadcast | cudnn_native | cudnn_jax | splash
-    # (model/attention.py)
+    # auto | xla | chunked | cudnn | cudnn_broadcast | cudnn_nodbias | splash
+    # (ops/attention_kernels.py: what each is, and what 'auto' picks per platform)
     attention_impl: str = "auto"
     kernels: str = "auto"  # auto | cpu | generic: projections and dropout (tx_jax/ops/kernels.py)
-    # auto | bernoulli | packed | rbg | hash: how dropout's random bits are drawn (ops/kernels.py)
+    # auto | bernoulli | packed | hash: how dropout's random bits are drawn (ops/kernels.py)
     dropout_bits: str = "auto"
-    # auto | dense | onepass | blocked | fused: the training loss over full [B, L, V] logits,
-    # over blocks of positions with the logits recomputed in the backward pass
-    # (ops/output_loss.py), or in Pallas kernels that never write them (ops/fused_loss.py)
+    # auto | dense | onepass | blocked | fused: the training loss over full [B, L, V] logits
+    # (read four times, or once), over blocks of positions with the logits recomputed in the
+    # backward pass (ops/output_loss.py: a memory lever), or in Pallas kernels that never
+    # write them (ops/fused_loss.py)
     loss_impl: str = "auto"
     loss_block: int = 64  # 'blocked': target positions per block (of every batch row)
     # auto | xla | pallas: the post-LN tail Norm(x + Dropout(y)) as XLA fuses it, or one Pallas
@@ -85,7 +117,7 @@ class ModelConfig:
     ffn_impl: str = "auto"
     dtype: str = "float32"  # compute dtype (activations, matmuls)
     param_dtype: str = "float32"  # storage dtype of the parameters
-    remat: str = (
+    remat: str = (  # a memory lever
         "none"  # none | full: recompute each layer in the backward pass | dots: keep matmul outputs
     )
     bos_id: int = 2  # first decoder input; 0 (padding's id, Marian's start) is allowed
@@ -99,40 +131,38 @@ class ModelConfig:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any] | Any, **overrides: Any) -> ModelConfig:
-        """ConfigDict / dict (e.g. `config.model`) -> ModelConfig, naming any unknown key."""
+        """ConfigDict / dict (e.g. `config.model`) -> ModelConfig, naming any unknown key; a
+        value in REPLACED loads as its replacement, with a warning naming the key."""
         items = dict(config.items() if hasattr(config, "items") else config)
         items.update(overrides)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(items) - known)
         if unknown:
             raise ValueError(f"unknown model config key(s) {unknown}; valid keys: {sorted(known)}")
+        for key, value in items.items():
+            new = REPLACED.get((key, value)) if isinstance(value, str) else None
+            if new is not None:
+                warnings.warn(
+                    f"model.{key}={value!r} is no longer a choice; loading model.{key}={new!r}",
+                    stacklevel=2,
+                )
+                items[key] = new
         return cls(**items)
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def validate(self) -> None:
-        """Raise ValueError naming the first bad field."""
-        enums = {
-            "activation": ACTIVATIONS,
-            "norm": NORMS,
-            "norm_position": NORM_POSITIONS,
-            "positional": POSITIONALS,
-            "sinusoid_style": SINUSOID_STYLES,
-            "attention_impl": IMPLEMENTATIONS,
-            "kernels": KERNELS,
-            "pooling": POOLINGS,
-            "remat": REMATS,
-            "dropout_bits": DROPOUT_BITS,
-            "loss_impl": LOSS_IMPLS,
-            "residual_norm": RESIDUAL_NORMS,
-            "ffn_impl": FFN_IMPLS,
-            "dtype": DTYPES,
-            "param_dtype": DTYPES,
-        }
-        for key, allowed in enums.items():
+        """Raise ValueError naming the first bad field: values, then shapes and sizes, then
+        the architecture's options, then the implementation levers' requirements."""
+        for key, allowed in _ENUMS.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"model.{key}={getattr(self, key)!r}; expected one of {allowed}")
+        self._check_sizes()
+        self._check_options()
+        self._check_levers()
+
+    def _check_sizes(self) -> None:
         for key in ("vocab_size", "d_model", "num_heads", "d_ff", "max_len", "loss_block"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"model.{key}={getattr(self, key)} must be positive")
@@ -158,6 +188,11 @@ class ModelConfig:
                 f"model.bos_id={self.bos_id} must be in [0, {self.output_vocab_size}) "
                 "(the output vocabulary)"
             )
+        for key in ("dropout_rate", "attention_dropout_rate", "ffn_dropout_rate"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ValueError(f"model.{key}={getattr(self, key)} must be in [0, 1)")
+
+    def _check_options(self) -> None:
         if self.position_offset < 0:
             raise ValueError(f"model.position_offset={self.position_offset} must be >= 0")
         if self.position_offset and self.positional not in ("sinusoidal", "learned"):
@@ -171,11 +206,10 @@ class ModelConfig:
             )
         if self.sinusoid_style == "fairseq" and self.d_model < 4:
             raise ValueError("model.sinusoid_style='fairseq' needs d_model >= 4")
-        for key in ("dropout_rate", "attention_dropout_rate", "ffn_dropout_rate"):
-            if not 0.0 <= getattr(self, key) < 1.0:
-                raise ValueError(f"model.{key}={getattr(self, key)} must be in [0, 1)")
         if self.positional == "rope" and (self.head_dim or self.d_model // self.num_heads) % 2:
             raise ValueError("model.positional='rope' needs an even head dimension")
+
+    def _check_levers(self) -> None:
         if self.loss_impl == "fused" and self.d_model % 64:
             raise ValueError(
                 f"model.loss_impl='fused' needs d_model a multiple of 64; {self.d_model}"
@@ -194,18 +228,14 @@ class ModelConfig:
                     f"{self.d_model}, {self.d_ff}"
                 )
         if self.residual_norm == "pallas":
-            wants = {"norm": "layernorm", "norm_position": "post"}
+            wants = {"norm": "layernorm", "norm_position": "post", "dropout_bits": "hash"}
             for key, value in wants.items():
                 if getattr(self, key) != value:
                     raise ValueError(
-                        f"model.residual_norm='pallas' fuses the post-LN LayerNorm; "
-                        f"model.{key}={getattr(self, key)!r} needs residual_norm='xla'"
+                        f"model.residual_norm='pallas' fuses the post-LN LayerNorm and hashes its "
+                        f"dropout masks (dropout_bits='hash'); model.{key}="
+                        f"{getattr(self, key)!r} needs residual_norm='xla'"
                     )
-            if self.dropout_bits not in ("auto", "hash"):
-                raise ValueError(
-                    "model.residual_norm='pallas' hashes its dropout masks (dropout_bits='hash'); "
-                    f"model.dropout_bits={self.dropout_bits!r} needs residual_norm='xla'"
-                )
             if self.d_model & (self.d_model - 1):
                 raise ValueError(
                     f"model.residual_norm='pallas' needs a power-of-two d_model; {self.d_model}"

@@ -20,9 +20,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from tx_jax.model.attention import Implementation, beam_cache_attention, dot_product_attention
-from tx_jax.model.masks import causal_mask, combine_masks
 from tx_jax.model.positional import apply_rope
 from tx_jax.ops.kernels import dense
+from tx_jax.ops.masks import causal_mask, combine_masks
 
 Array = jax.Array
 

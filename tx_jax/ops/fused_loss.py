@@ -221,9 +221,9 @@ def fused_output_loss(
     width = h.shape[-1]
     if width % TK:
         raise ValueError(
-            f"model.loss_impl='fused' needs d_model a multiple of {TK}; {width}: use 'onepass'"
+            f"model.loss_impl='fused' needs d_model a multiple of {TK}; {width}: use 'auto'"
         )
-    interpret = backend.pallas_interpret(interpret, "model.loss_impl='fused'", "'onepass'")
+    interpret = backend.pallas_interpret(interpret, "model.loss_impl='fused'", "'auto'")
     vocab = table.shape[0]
 
     def local(h, table, bias, targets, weights):

@@ -16,17 +16,16 @@ ones one float per element.
 Dropout's random bits (`ModelConfig.dropout_bits`), separately from the projections:
     'bernoulli'  jax.random.bernoulli: one Threefry block and one float per element.
     'packed'     dropout.py's unrolled Threefry, four 16-bit draws per block (the CPU masks).
-    'rbg'        XLA's RngBitGenerator (Philox on GPU) keyed by 128 bits hashed from the key,
-                 16 bits per element.
     'hash'       32 bits per element hashed from (64 bits of the key, the element's index) by
                  elementwise integer ops, with a custom VJP that hashes them again in the
                  backward pass: the bits and the mask are never stored, XLA computes them inside
                  the fusions that read and write the activation.
-    'auto'       'packed' where the kernels resolve to 'cpu', else 'hash' (in the compiled
-                 plans of GPU and TPU steps it moves the least memory: BENCHMARKS.md,
-                 "Dropout's bits hashed where they are used").
-Every choice is a function of the key alone, so resume stays exact; 'packed' and 'rbg' round
-the rate to a multiple of 2^-16, 'hash' to a multiple of 2^-32.
+    'auto'       'packed' where the kernels resolve to 'cpu' (timed fastest on XLA:CPU), else
+                 'bernoulli' (the generator the GPU's timed steps ran with; 'hash' moves the
+                 least memory in the compiled GPU and TPU plans and is a candidate until a
+                 timed run says so: docs/design.md, "Implementation choices: one rule").
+Every choice is a function of the key alone, so resume stays exact; 'packed' rounds the rate
+to a multiple of 2^-16, 'hash' to a multiple of 2^-32.
 
 Sharded dropout. 'hash' masks take two words from the key and element i's bits from (words,
 i) through iotas: under a sharded jit each device hashes its own shard, with no collective, and
@@ -36,7 +35,7 @@ model is given (the train state's, made under `jax_default_prng_impl`). With Thr
 default) their values do not depend on the sharding either, given
 `jax_threefry_partitionable=True` (jax's default from 0.5; this module does not set it, and
 jax 0.4.x users should): element i then depends only on (key, i); without it XLA gathers and
-communicates to draw the same values. The 'rbg' / 'unsafe_rbg' implementations (XLA's
+communicates to draw the same values. jax's 'rbg' / 'unsafe_rbg' key implementations (XLA's
 RngBitGenerator) shard efficiently only with XLA_FLAGS=--xla_tpu_spmd_rng_bit_generator_unsafe=1,
 and then the masks do change with the sharding.
 """
@@ -59,7 +58,7 @@ from tx_jax.ops import matmul as cpu_matmul
 
 Array = jax.Array
 KERNELS = ("auto", "cpu", "generic")
-DROPOUT_BITS = ("auto", "bernoulli", "packed", "rbg", "hash")
+DROPOUT_BITS = ("auto", "bernoulli", "packed", "hash")
 
 
 def resolve(kernels: str) -> str:
@@ -97,7 +96,7 @@ def resolve_bits(bits: str, kernels: str = "auto") -> str:
     if bits not in DROPOUT_BITS:
         raise ValueError(f"model.dropout_bits={bits!r}; expected one of {DROPOUT_BITS}")
     if bits == "auto":
-        return "packed" if resolve(kernels) == "cpu" else "hash"
+        return "packed" if resolve(kernels) == "cpu" else "bernoulli"
     return bits
 
 
@@ -167,15 +166,6 @@ def _hash_dropout_bwd(threshold, scale, words, dy):
 _hash_dropout.defvjp(_hash_dropout_fwd, _hash_dropout_bwd)
 
 
-def _rbg_keep_mask(rng: Array, rate: float, shape: tuple[int, ...]) -> Array:
-    # An RngBitGenerator key from 128 bits of the given key: the masks stay a function of the
-    # checkpointed key and step, whatever implementation made that key.
-    seed = jax.random.bits(rng, (4,), jnp.uint32)
-    key = jax.random.wrap_key_data(seed, impl="rbg")
-    draws = jax.random.bits(key, shape, jnp.uint16)
-    return draws >= jnp.uint16(round(rate * 2**16))
-
-
 def keep_mask(
     rng: Array, rate: float, shape: tuple[int, ...], kernels: str = "auto", bits: str = "auto"
 ) -> Array:
@@ -183,8 +173,6 @@ def keep_mask(
     chosen = resolve_bits(bits, kernels)
     if chosen == "packed":
         return cpu_dropout.keep_mask(rng, rate, shape)
-    if chosen == "rbg":
-        return _rbg_keep_mask(rng, rate, shape)
     if chosen == "hash":
         return _hash_keep(_hash_words(rng), _hash_threshold(rate), shape)
     return jax.random.bernoulli(rng, 1.0 - rate, shape)

@@ -8,7 +8,8 @@ backward pass. `output_loss` instead scans over blocks of T positions *along L* 
 the batch in each block, so a data-parallel or fsdp sharding of B is untouched), reduces each
 block's logits [B, T, V] to per-token statistics at once, and keeps only those; the backward
 pass recomputes each block's logits from the hidden states. Same loss, NLL, accuracy and
-gradients as the dense path (losses.py), up to float rounding.
+gradients as the dense path (losses.py), up to float rounding. A memory lever: the logits
+never exist whole, at the price of a recomputed product (slower on a GPU: BENCHMARKS.md).
 
     resolve(loss_impl)       'auto' | 'dense' | 'onepass' | 'blocked' | 'fused' -> one of the
                              last four ('fused': ops/fused_loss.py, the same sums from Pallas
@@ -33,10 +34,11 @@ from tx_jax.ops import backend
 
 Array = jax.Array
 LOSS_IMPLS = ("auto", "dense", "onepass", "blocked", "fused")  # fused: ops/fused_loss.py
-# What 'auto' picks per platform. 'onepass' (training/losses.loss_sums: the whole logits read
-# once in the forward pass instead of four times) on the accelerators, by the compiled plans'
-# traffic until a chip measures it; XLA:CPU runs its variadic reduction several times slower.
-_AUTO = {"cpu": "dense", "gpu": "onepass", "tpu": "onepass"}
+# What 'auto' picks per platform: 'dense', the loss every timed step ran with. 'onepass'
+# (training/losses.loss_sums: the logits read once in the forward pass instead of four times)
+# moves less in the compiled GPU and TPU plans and is a candidate until a chip times it;
+# XLA:CPU runs its variadic reduction slower at the default task's vocabulary.
+_AUTO = {"cpu": "dense", "gpu": "dense", "tpu": "dense"}
 
 
 def resolve(loss_impl: str) -> str:

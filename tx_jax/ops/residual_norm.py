@@ -10,11 +10,11 @@
               key's two words exactly as `kernels.dropout(..., bits='hash')` hashes it: the
               row statistics, z = x + dropout(y) and the mask are recomputed, never stored.
               Triton on GPU. On a CPU or TPU the model computes 'xla' instead (the same
-              function; the masks are then dropout_bits' own), unless
+              function and masks: the config asks for dropout_bits='hash' with it), unless
               `backend.pallas_interpreter()` asks for the kernels in Pallas' interpreter
               (correct and slow: the CPU tests run them so). Rows are whole blocks of the
               model width, so the width must be a power of two (Triton's blocks are).
-    'auto'    'xla' (until a lent GPU has timed 'pallas': BENCHMARKS.md, "One kernel for the
+    'auto'    'xla' (until a GPU has timed 'pallas': BENCHMARKS.md, "One kernel for the
               residual, dropout and layer norm").
 
 The arithmetic follows the reference's dtypes: dropout's scale and the residual add in the

@@ -1,6 +1,6 @@
 """Blockwise attention with a FlashAttention-style custom VJP: the 'chunked' implementation.
 
-Shape letters (as in attention.py): B batch, L query length, S key length, K key/value heads,
+Shape letters (as in model/attention.py): B batch, L query length, S key length, K key/value heads,
 G = H // K query heads per key/value head, Dk the query/key and Dv the value head dim (the
 paper's d_k and d_v; einsums write both as d); Q and C are the query and key block lengths
 (both `chunk_size`), nq = ceil(L / Q) and nk = ceil(S / C) the block counts.
@@ -19,10 +19,10 @@ Dropout on the weights is redrawn per block from fold_in(fold_in(rng, i), j), th
 in both passes. Causal attention skips key blocks that lie wholly after a query block
 (lax.cond), in both passes, so it does about half the work of the dense computation.
 
-Masks are as in attention.py: a boolean `mask` broadcastable to [B, H, L, S], causal, and
+Masks are as in model/attention.py: a boolean `mask` broadcastable to [B, H, L, S], causal, and
 segment ids (0 = padding). A query that may attend to nothing gets zeros (and zero
-gradients). An additive bias is not handled here (attention.py keeps a rematerialised scan
-for it: a bias is O(L S) memory by itself).
+gradients). An additive bias is refused (ops/attention_kernels.py): it is O(L S) memory by
+itself, which is what blockwise attention avoids, and no model passes one.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from jax import lax
 from tx_jax.ops.kernels import effective_rate, keep_mask
 
 Array = jax.Array
-_NEG = -1e30  # finite "minus infinity" (attention.py)
+_NEG = -1e30  # finite "minus infinity" (model/attention.py)
 
 
 def flash_attention(

@@ -1,7 +1,7 @@
 """Attention masks: boolean, broadcastable to [B, H, L, S], True meaning "may attend".
 
 Shape letters: B batch, H heads, L query length, S key/value length. Segment ids are int
-[B, L] / [B, S] with 0 marking padding (attention.py describes how they combine).
+[B, L] / [B, S] with 0 marking padding (model/attention.py describes how they combine).
 """
 
 from __future__ import annotations
