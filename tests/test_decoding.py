@@ -38,6 +38,18 @@ def translation():
     return cfg, _params(EncoderDecoder(cfg), SRC, TGT)
 
 
+# The search's own behaviour (limits, padding, compaction, forced prefixes, beams) does not
+# depend on depth: those tests decode a one-layer model (half the program to trace and
+# compile); the cache tests keep two layers, where a cache mixed up between layers shows.
+SHALLOW = dict(num_encoder_layers=1, num_decoder_layers=1)
+
+
+@pytest.fixture(scope="module")
+def shallow():
+    cfg = _cfg(**SHALLOW)
+    return cfg, _params(EncoderDecoder(cfg), SRC, TGT)
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _stepwise(build, params, decoder_inputs):
     """Feed decoder_inputs [B, L] one token at a time to the logits function that
@@ -190,10 +202,10 @@ def test_decode_length_is_source_plus_50_capped():
     np.testing.assert_array_equal(decoding.output_limits(jnp.zeros((1, 4), jnp.int32), 9), [0])
 
 
-def test_outputs_depend_on_each_source_not_on_its_padding_or_batch(translation):
+def test_outputs_depend_on_each_source_not_on_its_padding_or_batch(shallow):
     """Each row's output limit is its own source's (a * n + b), so padding a batch further,
     or decoding a row with other rows, changes no token; an all-padding row decodes nothing."""
-    cfg, params = translation
+    cfg, params = shallow
     kw = dict(max_len_a=1.0, max_len_b=2)  # limits 7 and 5: a random model runs into them
     padded = jnp.pad(SRC, ((0, 1), (0, 4)))  # [3, 9]: four more padding columns, a padding row
     for way, decode in (
@@ -212,12 +224,12 @@ def test_outputs_depend_on_each_source_not_on_its_padding_or_batch(translation):
             np.testing.assert_array_equal(alone[0], want[1, :5])
 
 
-def test_compaction_changes_no_output(translation):
+def test_compaction_changes_no_output(shallow):
     """Rows that finish at different steps (their own limits, a padding row), some past the
     first stage's cache: moving the unfinished ones into batches of 8 // c (compact=c) gives
     the same tokens as decoding the whole batch to the end (compact=1), and the same scores
     up to float rounding (XLA sums in another order for another batch size)."""
-    cfg, params = translation
+    cfg, params = shallow
     lengths = [1, 9, 3, 0, 7, 2, 9, 5]  # row 3: all padding
     src = np.zeros((8, 9), np.int32)
     for r, n in enumerate(lengths):
@@ -263,8 +275,8 @@ def test_greedy_is_argmax_of_the_full_model(request, fixture):
 # ---------------------------------------------------------------------------- beam
 
 
-def test_beam_size_one_is_greedy(translation):
-    cfg, params = translation
+def test_beam_size_one_is_greedy(shallow):
+    cfg, params = shallow
     greedy = decoding.translate_greedy(cfg, params, SRC, max_decode_len=T_OUT)
     beam, scores = decoding.translate_beam(
         cfg, params, SRC, beam_size=1, alpha=0.0, max_decode_len=T_OUT
@@ -412,10 +424,10 @@ def test_beam_forced_prefix_comes_first_and_leaves_the_score_alone(small):
     assert (tokens[1, :, 1] != 0).all()  # the forced EOS did not end row 1
 
 
-def test_beam_forced_prefix_as_greedy_and_compaction_see_it(translation):
+def test_beam_forced_prefix_as_greedy_and_compaction_see_it(shallow):
     """An all-padding prompt forces nothing; beam 1 with a prompt is greedy with it; moving
     unfinished rows into smaller batches (compaction) carries each row's prefix with it."""
-    cfg, params = translation
+    cfg, params = shallow
     kw = dict(alpha=0.6, max_decode_len=T_OUT)
     prompt = jnp.array([[7, EOS], [5, 0]], jnp.int32)
     plain, plain_scores = decoding.translate_beam(cfg, params, SRC, beam_size=3, **kw)
@@ -511,8 +523,8 @@ def test_language_model_sampling(language_model):
     _check_ends(first)
 
 
-def test_translation_sampling_at_temperature_zero_is_greedy(translation):
-    cfg, params = translation
+def test_translation_sampling_at_temperature_zero_is_greedy(shallow):
+    cfg, params = shallow
     greedy = decoding.translate_greedy(cfg, params, SRC, max_decode_len=T_OUT)
     sampled = decoding.sample(
         cfg, params, jax.random.key(3), inputs=SRC, max_decode_len=T_OUT, temperature=0.0
@@ -520,10 +532,10 @@ def test_translation_sampling_at_temperature_zero_is_greedy(translation):
     np.testing.assert_array_equal(sampled, greedy)
 
 
-def test_decoding_loops_carry_the_cross_attention_cache_unchanged(translation):
+def test_decoding_loops_carry_the_cross_attention_cache_unchanged(shallow):
     """The cross-attention keys/values are projected when the cache is made, so neither loop
     holds a conditional (XLA:CPU copies a conditional's outputs every step)."""
-    cfg, params = translation
+    cfg, params = shallow
     for lowered in (
         decoding.translate_greedy.lower(cfg, params, SRC, eos_id=EOS),
         decoding.translate_beam.lower(cfg, params, SRC, beam_size=2, eos_id=EOS),
