@@ -402,20 +402,22 @@ def test_attention_dropout(rng):
     dropped = A.dot_product_attention(q, k, v, deterministic=False, **kw)
     assert not np.allclose(dropped, same)
     for impl in IMPLS:  # inverted dropout keeps the expectation: average over many keys
-        outs = [
-            A.dot_product_attention(
-                q,
-                k,
-                v,
-                deterministic=False,
-                dropout_rate=0.3,
-                dropout_rng=jax.random.key(i),
-                implementation=impl,
-                chunk_size=8,
+        # one program over the 64 keys (eagerly, each call would trace and lower its loops)
+        outs = jax.jit(
+            jax.vmap(
+                lambda key, impl=impl: A.dot_product_attention(
+                    q,
+                    k,
+                    v,
+                    deterministic=False,
+                    dropout_rate=0.3,
+                    dropout_rng=key,
+                    implementation=impl,
+                    chunk_size=8,
+                )
             )
-            for i in range(64)
-        ]
-        mean = np.mean(outs, axis=0)
+        )(jax.random.split(jax.random.key(0), 64))
+        mean = np.mean(np.asarray(outs), axis=0)
         assert np.abs(mean - same).mean() < 0.1 * np.abs(same).mean() + 0.02
     with pytest.raises(ValueError, match="dropout_rng"):
         A.dot_product_attention(q, k, v, dropout_rate=0.1, deterministic=False)
