@@ -241,6 +241,45 @@ def test_faults_the_clients_retry_leave_the_run_unchanged(gcs, tfds_dir, local_r
     assert _losses(f"{BUCKET}/faulty") == _losses(local_run)
 
 
+def test_backoff_setting_scales_the_retry_waits_of_both_clients(gcs, monkeypatch):
+    """TX_JAX_GCS_BACKOFF (which gcs_server.env gives the trainers above) reaches gcsfs and
+    Orbax's TensorStore: with 0.01, a request that always fails is tried gcsfs's 6 times and
+    given up in a fraction of the 31 s that gcsfs's own waits add up to at the least, and
+    TensorStore's contexts wait 10 ms doubling to 320 ms."""
+    import gcsfs.core
+    import gcsfs.retry
+    from orbax.checkpoint._src.serialization import tensorstore_utils
+
+    from tx_jax.training import checkpoint
+
+    monkeypatch.setenv(paths.BACKOFF_ENV, "0.01")
+    assert paths.gcs_backoff() == 0.01
+    for module in (gcsfs.retry, gcsfs.core):  # restored when the test ends
+        monkeypatch.setattr(module, "asyncio", module.asyncio)
+    for name in ("_BASE_TS_CONTEXT", "_DEFAULT_OCDBT_TS_CONTEXT"):
+        monkeypatch.setattr(tensorstore_utils, name, dict(getattr(tensorstore_utils, name)))
+    paths._apply_gcsfs_backoff(paths.gcs_backoff())
+    checkpoint._apply_tensorstore_backoff(paths.gcs_backoff())
+
+    before = gcs_server.stats(gcs.port)
+    gcs_server.set_faults(gcs.port, rate=1, codes=[503])
+    start = time.time()
+    try:
+        with pytest.raises(gcsfs.retry.HttpError, match="injected by the proxy"):
+            epath.Path(f"{BUCKET}/backoff/never.txt").write_text("x")
+    finally:
+        gcs_server.set_faults(gcs.port, rate=0, codes=[429, 503])
+    elapsed = time.time() - start
+    assert gcs_server.stats(gcs.port)["failed"] - before["failed"] == 6  # every try was made
+    assert elapsed < 10, elapsed  # unscaled, the 5 waits alone are 1 + 2 + 4 + 8 + 16 s or more
+    for use_ocdbt in (True, False):
+        spec = tensorstore_utils.get_ts_context(use_ocdbt=use_ocdbt).spec.to_json()
+        assert spec["gcs_request_retries"] == {"initial_delay": "10ms", "max_delay": "320ms"}
+    monkeypatch.setenv(paths.BACKOFF_ENV, "soon")
+    with pytest.raises(ValueError, match="TX_JAX_GCS_BACKOFF='soon'"):
+        paths.gcs_backoff()
+
+
 def test_damaged_checkpoint_on_gs_is_quarantined_and_training_falls_back(gcs, tfds_dir, local_run):
     """A flipped byte in the newest checkpoint's data on gs://: the relaunch reports it, moves
     the step to checkpoints.damaged/ (every object, nothing deleted), resumes from the

@@ -11,16 +11,27 @@ opened, listed, appended to and renamed.
     paths.glob("gs://b/corpus/*.en.gz")                 the files a pattern names, sorted
     paths.read_bytes(path)                              a file's bytes, .gz decompressed
     with paths.staged_dir(out) as local: ...            a library that writes only local files
+    paths.gcs_backoff()                                 $TX_JAX_GCS_BACKOFF: scales the retry waits
 
 An object store has no append and no rename: an object is written whole, and replacing it is
 atomic (a reader sees the old or the new object, never half of one). So on gs:// an append
 rewrites the object with the new text at its end (the files appended to, metrics.jsonl and
 eval_results.jsonl, are small), an atomic write needs no temporary file, and a rename copies
 then deletes (gcsfs). Locally they are what POSIX gives.
+
+A failed Cloud Storage request (429, 5xx, a dropped connection) is retried by the clients,
+each wait about twice the one before: gcsfs (every file here) 6 tries, waiting 1, 2, 4, 8 and
+16 s plus up to 1 s of jitter (about 30 s in all before a write fails); TensorStore (Orbax's
+checkpoint arrays) 32 tries, waiting from 1 s up to 32 s (about 15 minutes).
+$TX_JAX_GCS_BACKOFF=SECONDS sets the unit of both back-offs: every wait is the default's
+times SECONDS (0.01: gcsfs waits 10, 20, ... 160 ms and gives up after about 0.3 s), the
+number of tries stays. Read once, when this module is imported (checkpoint.py applies it to
+TensorStore); what it changes is in docs/reliability.md.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fnmatch
 import gzip
@@ -48,6 +59,62 @@ def _see_other_writers() -> None:
 
 
 _see_other_writers()
+
+BACKOFF_ENV = "TX_JAX_GCS_BACKOFF"
+
+
+def gcs_backoff() -> float | None:
+    """The unit of the Cloud Storage clients' retry back-off in seconds, from
+    $TX_JAX_GCS_BACKOFF (None when unset: the clients' own, 1 s)."""
+    value = os.environ.get(BACKOFF_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"{BACKOFF_ENV}={value!r}: expected a positive number of seconds")
+    return seconds
+
+
+class _ScaledSleeps:
+    """What gcsfs's modules see as `asyncio`: asyncio itself, except that `sleep` (which
+    gcsfs calls only to wait between the tries of a failed request) waits `scale` times as
+    long."""
+
+    def __init__(self, scale: float):
+        self.scale = scale
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(asyncio, name)
+
+    async def sleep(self, delay: float, result: Any = None) -> Any:
+        return await asyncio.sleep(delay * self.scale, result)
+
+
+def _apply_gcsfs_backoff(scale: float | None) -> None:
+    """gcsfs hard-codes its back-off (`asyncio.sleep(min(random() + 2**(retry - 1), 32))` in
+    gcsfs.retry, and once more for the parts of a batch delete in gcsfs.core) and has no
+    setting for it: its modules' `asyncio` is replaced by one whose sleeps are scaled."""
+    if scale is None:
+        return
+    try:
+        import gcsfs.core
+        import gcsfs.retry
+    except ImportError:  # no gs:// support installed: nothing to configure
+        return
+    for module in (gcsfs.retry, gcsfs.core):
+        current = getattr(module, "asyncio", None)
+        if current is not asyncio and not isinstance(current, _ScaledSleeps):
+            raise RuntimeError(
+                f"{BACKOFF_ENV}: {module.__name__} no longer sleeps through asyncio; "
+                "this gcsfs version's back-off cannot be scaled"
+            )
+        module.asyncio = _ScaledSleeps(scale)
+
+
+_apply_gcsfs_backoff(gcs_backoff())
 
 
 def is_remote(path: Any) -> bool:

@@ -15,6 +15,10 @@ and raise `CorruptCheckpointError` naming the step and the file; `restore_latest
 back to the previous good checkpoint. A checkpoint whose manifest was never written (the
 process died between Orbax's commit and the manifest) is used with a warning: a manifest is
 only ever written for a save this process made, never for one found on disk.
+
+Retries: TensorStore retries a failed Cloud Storage request 32 times, waiting from 1 s up to
+32 s; with $TX_JAX_GCS_BACKOFF (paths.gcs_backoff) every wait is that many times shorter or
+longer, as gcsfs's are for every other file (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -33,6 +37,31 @@ from orbax.checkpoint import checkpoint_managers as cm
 from tx_jax import paths
 
 ITEMS = ("state", "data", "meta")
+
+
+def _apply_tensorstore_backoff(unit: float | None) -> None:
+    """Orbax opens its arrays with TensorStore contexts it builds itself (a caller cannot pass
+    one) from two module-level specs: the `gcs_request_retries` resource, whose default is 32
+    tries waiting 1 s doubling to 32 s, is added to both with its delays times `unit`."""
+    if unit is None:
+        return
+    from orbax.checkpoint._src.serialization import tensorstore_utils
+
+    retries = {
+        "initial_delay": f"{round(unit * 1e6)}us",
+        "max_delay": f"{round(32 * unit * 1e6)}us",
+    }
+    for name in ("_BASE_TS_CONTEXT", "_DEFAULT_OCDBT_TS_CONTEXT"):
+        spec = getattr(tensorstore_utils, name, None)
+        if not isinstance(spec, dict):
+            raise RuntimeError(
+                f"{paths.BACKOFF_ENV}: this Orbax has no {name} to set TensorStore's "
+                "retries in; its back-off cannot be scaled"
+            )
+        spec["gcs_request_retries"] = dict(retries)
+
+
+_apply_tensorstore_backoff(paths.gcs_backoff())
 MANIFEST = "checksums.json"
 
 
