@@ -61,7 +61,9 @@ case "$cmd" in
     ensure_venv test,export,plan
     "$VENV/bin/ruff" check .
     "$VENV/bin/ruff" format --check .
-    "$VENV/bin/python" -m pytest -n "${TX_JAX_TEST_WORKERS:-2}" "$@"
+    # loadgroup: the tests of one xdist_group (those sharing a module fixture that launches
+    # processes) run on one worker, so the fixture is built once; others are spread as usual
+    "$VENV/bin/python" -m pytest -n "${TX_JAX_TEST_WORKERS:-2}" --dist loadgroup "$@"
     ;;
   train)
     ensure_venv
