@@ -1,9 +1,14 @@
 """A real multi-process run: 2 processes x 4 CPU devices on 127.0.0.1 (jax.distributed, gloo).
 
-They train into one workdir with data.input_shards=2 (each process reads only its shard), are
-SIGKILLed after a checkpoint, resume, and must log the train and validation losses of 1
-process with 8 devices, the same mesh and the same input shards; their checkpoint then
-restores and evaluates in this (1-device) process.
+One pair of processes is launched twice (the module fixture `launches`), and each launch
+trains two runs one after the other, one per parallel strategy:
+- pmap (the default strategy): 2 steps and a checkpoint in the first launch, resumed to 4
+  in the second; its host-local replicas are saved as one global array, every process
+  restores its own copy, and the losses are those of 1 process with 1 device.
+- mesh, with data.input_shards=2 (each process reads only its shard): SIGKILLed after a
+  checkpoint in the first launch, resumed in the second; the train and validation losses
+  are those of 1 process with 8 devices, the same mesh and the same input shards, and the
+  checkpoint then restores and evaluates in this (1-device) process.
 """
 
 import json
@@ -12,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import jax
 import numpy as np
@@ -24,8 +30,12 @@ from tx_jax.experiment.loop import train_and_evaluate
 from tx_jax.experiment.setup import build_run
 from tx_jax.training.checkpoint import Checkpointer
 
+# the fixture's launches are shared by this file's tests: one xdist worker runs them all
+# (launch.sh: --dist loadgroup)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multiprocess")]
+
 NUM_PROCESSES, LOCAL_DEVICES = 2, 4
-OVERRIDES = {
+OVERRIDES = {  # the mesh run
     "parallel.strategy": "mesh",
     "data.packing": True,
     "checkpoint.every": 2,
@@ -34,35 +44,42 @@ OVERRIDES = {
     "model.dropout_rate": 0.1,  # one dropout key for the global batch: must match too
     "data.input_shards": 2,  # one shard per process
 }
-TIMEOUT = 240  # seconds for any one launch; a hung collective fails the test, not CI
+PMAP = {"parallel.strategy": "pmap", "data.packing": True, "checkpoint.every": 2}
+PMAP_STEPS = (2, 4)  # the pmap run's num_steps in the first and in the second launch
+TIMEOUT = 300  # seconds for any one launch; a hung collective fails the test, not CI
 
 
-def _code(tfds_dir, workdir, overrides: dict) -> str:
-    """Trains, then prints LOCAL_INPUT {json}: this process's input shards and the examples
-    they read (`ShardedTrainIterator.local_stats`)."""
-    return (
-        "import json; from helpers import tiny_config;"
-        "from tx_jax.experiment.loop import train_and_evaluate;"
+def _code(tfds_dir, runs: list[tuple[str, object, dict]]) -> str:
+    """Trains each (label, workdir, overrides) of `runs` in turn; after each prints
+    LOCAL_INPUT label {json}: this process's input shards and the examples they read
+    (`ShardedTrainIterator.local_stats`)."""
+    lines = [
+        "import json; from helpers import tiny_config",
+        "from tx_jax.experiment.loop import train_and_evaluate",
         "from tx_jax.data import input_shards as m; made = []; init = m.ShardedTrainIterator"
         ".__init__; m.ShardedTrainIterator.__init__ = lambda self, *a, **k: (init(self, *a, **k),"
-        " made.append(self))[0];"
-        f"train_and_evaluate(tiny_config({str(tfds_dir)!r}, **{overrides!r}), "
-        f"{str(workdir)!r});"
-        "print('LOCAL_INPUT', json.dumps(made[0].local_stats()), flush=True)"
-    )
+        " made.append(self))[0]",
+    ]
+    for label, workdir, overrides in runs:
+        lines += [
+            f"train_and_evaluate(tiny_config({str(tfds_dir)!r}, **{overrides!r}), "
+            f"{str(workdir)!r})",
+            f"print('LOCAL_INPUT {label}', json.dumps(made[-1].local_stats()), flush=True)",
+        ]
+    return "\n".join(lines)
 
 
-def _local_input(logs, name: str) -> list[dict]:
-    """Each process's LOCAL_INPUT record of the launch `name`."""
-    out = []
+def _local_input(logs, name: str, label: str) -> list[dict]:
+    """Each process's LOCAL_INPUT record of the run `label` in the launch `name`."""
+    out, head = [], f"LOCAL_INPUT {label} "
     for i in range(NUM_PROCESSES):
         lines = (logs / f"{name}_process{i}.log").read_text().splitlines()
-        out.append(json.loads(next(x for x in lines if x.startswith("LOCAL_INPUT "))[12:]))
+        out.append(json.loads(next(x for x in lines if x.startswith(head))[len(head) :]))
     return out
 
 
-def _launch(tfds_dir, workdir, overrides, logs, name: str) -> list[subprocess.Popen]:
-    """Start the processes of one run of tiny_config(**overrides) (a fresh port each time)."""
+def _launch(tfds_dir, runs, logs, name: str) -> list[subprocess.Popen]:
+    """Start the processes that train `runs` (see `_code`), on a fresh port each time."""
     port = portpicker.pick_unused_port()
     procs: list[subprocess.Popen] = []
     try:
@@ -80,7 +97,7 @@ def _launch(tfds_dir, workdir, overrides, logs, name: str) -> list[subprocess.Po
             with open(logs / f"{name}_process{i}.log", "w") as log:  # the child keeps a copy
                 procs.append(
                     subprocess.Popen(
-                        [sys.executable, "-c", _code(tfds_dir, workdir, overrides)],
+                        [sys.executable, "-c", _code(tfds_dir, runs)],
                         cwd=ROOT,
                         env=env,
                         stdout=log,
@@ -149,39 +166,64 @@ def _validation(workdir) -> dict[int, dict]:
     return {r["step"]: r for r in _records(workdir) if r["split"] == "validation"}
 
 
-@pytest.mark.slow
-def test_two_processes_train_resume_and_match_one_process(tmp_path, tfds_dir):
-    workdir, logs = tmp_path / "run", tmp_path / "logs"
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory, tfds_dir):
+    """The two launches of the pair. 1: pmap trains PMAP_STEPS[0] steps, then mesh trains
+    (far more steps than we let it run) and both processes are SIGKILLed after mesh's
+    checkpoint 4. 2: pmap resumes to PMAP_STEPS[1], mesh resumes to a target beyond
+    anything done; both exit 0."""
+    base = tmp_path_factory.mktemp("two_processes")
+    mesh, pmap, logs = base / "mesh", base / "pmap", base / "logs"
     logs.mkdir()
     procs: list[subprocess.Popen] = []
     try:
-        # 1. train (far more steps than we let it run); SIGKILL both after checkpoint 4
-        procs = _launch(tfds_dir, workdir, {**OVERRIDES, "train.num_steps": 1000}, logs, "1_killed")
-        _wait_past_checkpoint(workdir, 4, procs, logs)
+        first = [
+            ("pmap", pmap, {**PMAP, "train.num_steps": PMAP_STEPS[0]}),
+            ("mesh", mesh, {**OVERRIDES, "train.num_steps": 1000}),
+        ]
+        procs = _launch(tfds_dir, first, logs, "1_killed")
+        _wait_past_checkpoint(mesh, 4, procs, logs)
         for p in procs:
             p.send_signal(signal.SIGKILL)
         for p in procs:
             p.wait(timeout=30)
-        before = _records(workdir)
-        ckpt = Checkpointer(workdir / "checkpoints", read_only=True).latest_step()
+        pmap_before = _records(pmap)
+        before = _records(mesh)
+        ckpt = Checkpointer(mesh / "checkpoints", read_only=True).latest_step()
         killed_at = max(r["step"] for r in before)
-        # 2. relaunch with a target beyond anything done: they resume from `ckpt` and finish
         target = max(killed_at, 9) + 3  # BLEU > 0 by step 12
-        procs = _launch(
-            tfds_dir, workdir, {**OVERRIDES, "train.num_steps": target}, logs, "2_resumed"
-        )
+        second = [
+            ("pmap", pmap, {**PMAP, "train.num_steps": PMAP_STEPS[1]}),
+            ("mesh", mesh, {**OVERRIDES, "train.num_steps": target}),
+        ]
+        procs = _launch(tfds_dir, second, logs, "2_resumed")
         _wait(procs, logs)
     finally:
         _kill(procs)
+    print(f"mesh: killed at step {killed_at} (latest checkpoint {ckpt}); resumed to {target}")
+    return types.SimpleNamespace(
+        mesh=mesh,
+        pmap=pmap,
+        logs=logs,
+        pmap_before=pmap_before,
+        before=before,
+        ckpt=ckpt,
+        killed_at=killed_at,
+        target=target,
+    )
+
+
+def test_two_processes_train_resume_and_match_one_process(tmp_path, tfds_dir, launches):
+    workdir, logs, before = launches.mesh, launches.logs, launches.before
+    ckpt, killed_at, target = launches.ckpt, launches.killed_at, launches.target
     after = _records(workdir)[len(before) :]
-    print(f"killed at step {killed_at} (latest checkpoint {ckpt}); resumed to {target}")
     # metrics.jsonl comes from process 0 alone: each step once per launch, in order
     train_steps = [r["step"] for r in before if r["split"] == "train"]
     assert train_steps == list(range(1, killed_at + 1))
     resumed_steps = [r["step"] for r in after if r["split"] == "train"]
     assert resumed_steps == list(range(ckpt + 1, target + 1)), _outputs(logs)
 
-    # 3. the same steps in 1 process with 8 devices and the same mesh: the same losses
+    # the same steps in 1 process with 8 devices and the same mesh: the same losses
     reference = tmp_path / "reference"
     run_python(
         "from helpers import tiny_config; from tx_jax.experiment.loop import train_and_evaluate;"
@@ -197,7 +239,7 @@ def test_two_processes_train_resume_and_match_one_process(tmp_path, tfds_dir):
     print("max relative difference:", max(abs(got[s] / want[s] - 1) for s in steps))
     np.testing.assert_allclose([got[s] for s in steps], [want[s] for s in steps], rtol=1e-5)
     # each process read only its shard: the examples of the two add up to the logged total
-    local = _local_input(logs, "2_resumed")
+    local = _local_input(logs, "2_resumed", "mesh")
     print("per process input:", local)
     assert [x["shards"] for x in local] == [[0], [1]]
     total = [r for r in _records(workdir) if r["split"] == "train"][-1]["data_examples"]
@@ -215,7 +257,7 @@ def test_two_processes_train_resume_and_match_one_process(tmp_path, tfds_dir):
     print("validation 2 processes:", got_eval[target])
     print("validation 1 process:  ", want_eval[target])
 
-    # 4. the 2-process checkpoint restores and evaluates here, on 1 device
+    # the 2-process checkpoint restores and evaluates here, on 1 device
     config = tiny_config(tfds_dir, **{**OVERRIDES, "train.num_steps": target})
     run = build_run(config, workdir)
     assert jax.process_count() == 1  # this process, with its own device(s)
@@ -234,24 +276,19 @@ def test_two_processes_train_resume_and_match_one_process(tmp_path, tfds_dir):
     np.testing.assert_allclose(metrics["accuracy"], got_eval[target]["accuracy"], rtol=1e-5)
 
 
-@pytest.mark.slow
-def test_two_processes_with_pmap_save_resume_and_match_one_device(tmp_path, tfds_dir):
+def test_two_processes_with_pmap_save_resume_and_match_one_device(tmp_path, tfds_dir, launches):
     """pmap (the default strategy) across processes: its host-local replicas are saved as one
     global array, and every process restores its own copy."""
-    overrides = {"parallel.strategy": "pmap", "data.packing": True, "checkpoint.every": 2}
-    workdir, logs = tmp_path / "run", tmp_path / "logs"
-    logs.mkdir()
-    procs: list[subprocess.Popen] = []
-    try:
-        for name, steps in (("1_first", 2), ("2_resumed", 4)):
-            procs = _launch(tfds_dir, workdir, {**overrides, "train.num_steps": steps}, logs, name)
-            _wait(procs, logs)
-    finally:
-        _kill(procs)
-    assert [r["step"] for r in _records(workdir) if r["split"] == "train"] == [1, 2, 3, 4]
+    first, last = PMAP_STEPS
+    workdir = launches.pmap
+    steps = list(range(1, last + 1))
+    # the first launch finished its run and saved before it went on to the mesh run
+    assert [r["step"] for r in launches.pmap_before if r["split"] == "train"] == steps[:first]
+    # the second resumed from that checkpoint: each step logged once
+    assert [r["step"] for r in _records(workdir) if r["split"] == "train"] == steps
+    assert Checkpointer(workdir / "checkpoints", read_only=True).all_steps() == [first, last]
     train_and_evaluate(
-        tiny_config(tfds_dir, **overrides, **{"train.num_steps": 4}), tmp_path / "one_device"
+        tiny_config(tfds_dir, **PMAP, **{"train.num_steps": last}), tmp_path / "one_device"
     )
     got, want = train_losses(workdir), train_losses(tmp_path / "one_device")
-    steps = [1, 2, 3, 4]
     np.testing.assert_allclose([got[s] for s in steps], [want[s] for s in steps], rtol=1e-5)

@@ -1,6 +1,8 @@
 """Nothing lost: config validation, unwritable workdirs, SIGTERM/SIGINT, non-finite losses."""
 
+import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -68,8 +70,12 @@ def test_unwritable_workdir_is_a_clear_error(tmp_path, tfds_dir):
         train_and_evaluate(tiny_config(tfds_dir), blocker / "run")
 
 
-def _launch(workdir, tfds_dir, steps, **extra):
-    overrides = {"train.num_steps": steps, "checkpoint.every": 1000, **extra}
+def _overrides(steps: int) -> dict:
+    return {"train.num_steps": steps, "checkpoint.every": 1000}
+
+
+def _launch(workdir, tfds_dir, steps):
+    overrides = _overrides(steps)
     code = (
         "import sys; sys.path.insert(0, 'tests');"
         "from helpers import tiny_config; from tx_jax.experiment.loop import train_and_evaluate;"
@@ -98,26 +104,33 @@ def _wait_for_step(workdir, step, proc, timeout=300):
     raise TimeoutError(f"no step {step} after {timeout} s")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_saves_a_checkpoint_and_exits_zero(tmp_path, tfds_dir, sig):
+def test_signals_save_a_checkpoint_and_exit_zero(tmp_path, tfds_dir):
+    """SIGTERM stops a run with a checkpoint and exit 0; the relaunch continues from there and
+    SIGINT stops it the same way; a last relaunch (in this process) continues from that one."""
     workdir = tmp_path / "run"
-    proc = _launch(workdir, tfds_dir, 10_000)
-    _wait_for_step(workdir, 3, proc)
-    sent = time.time()
-    proc.send_signal(sig)
-    out, _ = proc.communicate(timeout=120)
-    seconds = time.time() - sent
-    assert proc.returncode == 0, out
-    assert f"{signal.Signals(sig).name} at step" in out
-    steps = Checkpointer(workdir / "checkpoints", read_only=True).all_steps()
-    stopped = max(train_losses(workdir))
-    assert steps == [stopped] and stopped >= 3
-    print(f"{signal.Signals(sig).name}: exit 0 after {seconds:.1f} s, checkpoint at {stopped}")
-    # relaunching continues from there
-    resumed = _launch(workdir, tfds_dir, stopped + 2)
-    out, _ = resumed.communicate(timeout=300)
-    assert resumed.returncode == 0, out
-    assert max(train_losses(workdir)) == stopped + 2
+    stops: list[int] = []  # the step each signal stopped at
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        resumed_at = stops[-1] if stops else 0
+        logged = len(_train_records(workdir))
+        proc = _launch(workdir, tfds_dir, 10_000)
+        _wait_for_step(workdir, resumed_at + 3, proc)
+        sent = time.time()
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=120)
+        seconds = time.time() - sent
+        assert proc.returncode == 0, out
+        assert f"{signal.Signals(sig).name} at step" in out
+        stopped = max(train_losses(workdir))
+        stops.append(stopped)
+        # the signals' saves are the only checkpoints (checkpoint.every=1000)
+        assert Checkpointer(workdir / "checkpoints", read_only=True).all_steps() == stops
+        assert stopped >= resumed_at + 3
+        # this launch started from the last stop's checkpoint: its first step is the next one
+        assert _steps(workdir, logged) == list(range(resumed_at + 1, stopped + 1))
+        print(f"{signal.Signals(sig).name}: exit 0 after {seconds:.1f} s, checkpoint at {stopped}")
+    logged = len(_train_records(workdir))
+    train_and_evaluate(tiny_config(tfds_dir, **_overrides(stopped + 2)), workdir)
+    assert _steps(workdir, logged) == [stopped + 1, stopped + 2]
 
 
 def test_too_many_nonfinite_steps_stop_with_a_clear_error(tmp_path, tfds_dir, monkeypatch):
@@ -132,23 +145,23 @@ def test_too_many_nonfinite_steps_stop_with_a_clear_error(tmp_path, tfds_dir, mo
         return loss * jnp.nan, w
 
     config = tiny_config(
-        tfds_dir, **{"train.num_steps": 20, "checkpoint.every": 2, "train.max_nonfinite_steps": 3}
+        tfds_dir, **{"train.num_steps": 4, "checkpoint.every": 2, "train.max_nonfinite_steps": 3}
     )
     train_and_evaluate(config.copy_and_resolve_references(), tmp_path / "good")
     good_steps = Checkpointer(tmp_path / "good" / "checkpoints", read_only=True).all_steps()
-    assert good_steps[-1] == 20
+    assert good_steps[-1] == 4
     monkeypatch.setattr(losses, "smoothed_cross_entropy", poisoned)
     config.train.num_steps = 40
     with pytest.raises(FloatingPointError, match="3 consecutive non-finite"):
         train_and_evaluate(config, tmp_path / "good")
-    # steps 21-23 were skipped (the check at step 23 stopped the run); the step-22 checkpoint
-    # holds exactly the step-20 parameters and counts two skipped updates
+    # steps 5-7 were skipped (the check at step 7 stopped the run); the step-6 checkpoint
+    # holds exactly the step-4 parameters and counts two skipped updates
     ckpt = Checkpointer(tmp_path / "good" / "checkpoints", read_only=True)
-    assert ckpt.latest_step() == 22
+    assert ckpt.latest_step() == 6
     run = build_run(config, tmp_path / "good")
     abstract = run.strategy.abstract_state(run.init_fn)
-    state, _, _ = ckpt.restore(22, abstract)
-    before, _, _ = ckpt.restore(20, abstract)
+    state, _, _ = ckpt.restore(6, abstract)
+    before, _, _ = ckpt.restore(4, abstract)
     assert (int(state.nonfinite_total), int(state.nonfinite_run)) == (2, 2)
     for a, b in zip(
         jax.tree_util.tree_leaves(state.params), jax.tree_util.tree_leaves(before.params)
@@ -156,19 +169,124 @@ def test_too_many_nonfinite_steps_stop_with_a_clear_error(tmp_path, tfds_dir, mo
         np.testing.assert_array_equal(a, b)
 
 
-def test_kill_9_at_random_moments_loses_nothing_before_the_last_save(tmp_path, tfds_dir):
-    """Three SIGKILLs at random moments (some land in async saves): each relaunch resumes from
-    the newest complete checkpoint, cleans temporary directories, and continues exactly."""
+KILL_STEPS = 16  # the killed run's num_steps (a checkpoint every 2 steps, async saves)
+
+
+def _frozen(proc) -> None:
+    """Wait until every thread of `proc` has stopped (after SIGSTOP): nothing it does can
+    touch its workdir any more."""
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        states = []
+        for task in pathlib.Path(f"/proc/{proc.pid}/task").iterdir():
+            try:
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # a thread that just ended
+                continue
+        if all(s in "TtZX" for s in states):
+            return
+        time.sleep(0.001)
+    raise TimeoutError(f"process {proc.pid} did not stop")
+
+
+def _kill_at(proc, moment, what: str, timeout: float = 300) -> None:
+    """SIGKILL `proc` at the first moment `moment()` holds: polled, then the process is frozen
+    (SIGSTOP) and `moment()` checked again, so the kill lands exactly in it (else SIGCONT and
+    poll on)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended before {what}: {proc.stderr.read()[-4000:]}")
+        if moment():
+            proc.send_signal(signal.SIGSTOP)
+            _frozen(proc)
+            if moment():
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+                return
+            proc.send_signal(signal.SIGCONT)
+        time.sleep(0.002)
+    raise TimeoutError(f"no {what} in {timeout} s")
+
+
+def test_kill_9_in_a_save_and_between_saves_loses_nothing_before_the_last_save(tmp_path, tfds_dir):
+    """SIGKILL at two chosen moments of one run, each followed by a relaunch: while an async
+    save is in flight (its temporary directory exists), and, in the relaunched process, between
+    saves, once the newest checkpoint is committed but before its manifest is written (the
+    next save writes it). Each relaunch cleans the temporary directories, resumes from the
+    newest complete checkpoint and continues bit for bit as the uninterrupted run: nothing
+    before the last complete save is lost. (benchmarks/kill_trials.py kills at random
+    moments, as many times as asked.)"""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import kill_trials
 
-    results = kill_trials.run_trials(3, seed=1, base=tmp_path, tfds_dir=tfds_dir)
-    for r in results:
-        assert r["finished"] and r["resumed_exactly"], r
-        assert r["tmp_dirs_after_resume"] == 0, r
+    from tx_jax.training.checkpoint import MANIFEST
+
+    workdir, ckpt_dir = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    overrides = {
+        "train.num_steps": KILL_STEPS,
+        "checkpoint.every": 2,
+        "checkpoint.async_save": True,
+    }
+    train_and_evaluate(tiny_config(tfds_dir, **overrides), tmp_path / "reference")
+    reference = train_losses(tmp_path / "reference")
+
+    def logged() -> int:
+        return max(train_losses(workdir), default=0) if (workdir / "metrics.jsonl").exists() else 0
+
+    def newest() -> int:
+        return max(kill_trials.complete_steps(workdir), default=0)
+
+    def in_a_save() -> bool:  # a save of step >= 6 in flight: checkpoints 2 and 4 are done
+        return any(int(d.split(".")[0]) >= 6 for d in kill_trials.tmp_dirs(workdir))
+
+    def between_saves() -> bool:  # this process saved, committed, and has not sealed
+        step = newest()
+        return (
+            step >= resumed[-1] + 4
+            and not kill_trials.tmp_dirs(workdir)
+            and not (ckpt_dir / str(step) / MANIFEST).exists()
+        )
+
+    resumed = [0]  # the step each launch started from
+    segments = []  # each launch's train records: (step, loss) as logged
+    for what, moment in (("a save in flight", in_a_save), ("a step between saves", between_saves)):
+        lines = len(_train_records(workdir))
+        _kill_at(kill_trials.launch(workdir, tfds_dir, KILL_STEPS), moment, what)
+        lost = logged() - newest()
+        left = kill_trials.tmp_dirs(workdir)
+        print(f"killed in {what}: logged {logged()}, newest complete {newest()}, tmp dirs {left}")
+        assert bool(left) == (moment is in_a_save), left  # the kill landed where it was meant
         # async saves: at most one save is in flight, so at most two save intervals (2 x 2
         # steps) of work are redone; everything up to the newest complete save is kept
-        assert r["steps_lost"] <= 4, r
+        assert 0 <= lost <= 4, (logged(), newest())
+        segments.append(_train_records(workdir)[lines:])
+        resumed.append(newest())
+    lines = len(_train_records(workdir))
+    last = kill_trials.launch(workdir, tfds_dir, KILL_STEPS)
+    _, err = last.communicate(timeout=300)
+    assert last.returncode == 0, err[-4000:]
+    segments.append(_train_records(workdir)[lines:])
+    assert kill_trials.tmp_dirs(workdir) == []
+    # each launch started after the newest complete checkpoint its predecessor left, and
+    # logged exactly the uninterrupted run's losses; the last one finished
+    for start, segment in zip(resumed, segments):
+        assert [s for s, _ in segment] == list(range(start + 1, start + 1 + len(segment)))
+        assert all(loss == reference[s] for s, loss in segment), (segment, reference)
+    assert segments[-1][-1][0] == KILL_STEPS
+
+
+def _train_records(workdir) -> list[tuple[int, float]]:
+    """(step, loss) of metrics.jsonl's train records, in the order they were logged."""
+    if not (workdir / "metrics.jsonl").exists():
+        return []
+    records = map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())
+    return [(r["step"], r["loss"]) for r in records if r["split"] == "train"]
+
+
+def _steps(workdir, skip: int) -> list[int]:
+    """The steps of the train records after the first `skip`: what a launch logged."""
+    return [step for step, _ in _train_records(workdir)[skip:]]
 
 
 def test_damaged_checkpoints_are_detected_and_skipped(tmp_path, tfds_dir, capsys):

@@ -26,6 +26,10 @@ from tx_jax.data import datasets
 from tx_jax.experiment.loop import train_and_evaluate
 from tx_jax.inference import corpus, restore, translation
 
+# the module's trained run is shared by its tests: one xdist worker runs them all (launch.sh:
+# --dist loadgroup), so it is trained once
+pytestmark = pytest.mark.xdist_group("translate_corpus")
+
 BEAM = ("--beam_size=2", "--batch_size=8")
 SAMPLE = ("--sampling=topk:5", "--temperature=1.0", "--nbest=2", "--batch_size=8")
 
@@ -125,30 +129,12 @@ def _run_here(run, out, shard_lines, inputs=None, **kw) -> dict[str, bytes]:
     return {name: (paths.Path(out) / name).read_bytes() for name in ("a.txt", "b.txt")}
 
 
-def test_sharded_job_equals_stdin_mode_line_for_line(run, tmp_path):
-    err = _finish(_launch(run, tmp_path / "out", *BEAM, "--shard_lines=7"))
-    assert _outputs(tmp_path / "out") == _expected(run)
-    assert run.reference["b.txt"][7:9] == ["", ""] and len(run.reference["b.txt"]) == 15
-    state = tmp_path / "out" / ".shards"
-    assert sorted(p.name for p in (state / "a.txt").iterdir()) == [
-        f"0000{k}.{x}" for k in range(4) for x in ("done", "txt")
-    ]  # 23 lines: shards of 7, 7, 7, 2
-    assert len(list((state / "b.txt").glob("*.done"))) == 3  # 15 lines
-    assert "38/38 lines (this process)" in err and "lines/s, ETA" in err
-    # a relaunch finds everything done, translates nothing and writes the same files
-    assert "0/0 lines" in _finish(_launch(run, tmp_path / "out", *BEAM, "--shard_lines=7"))
-    assert _outputs(tmp_path / "out") == _expected(run)
-    # ... and one with other settings is refused, naming them
-    proc = _launch(run, tmp_path / "out", "--beam_size=3", "--shard_lines=7")
-    _, err = proc.communicate(timeout=240)
-    assert proc.returncode == 1 and b"beam_size: 2 then, 3 now" in err
-
-
-def test_killed_at_any_point_a_relaunch_gives_the_same_files(run, tmp_path):
-    """kill -9 of the CLI after a random number of finished shards, then a relaunch; and, in
-    this process, a crash after every shard boundary and between a shard and its marker."""
+def test_sharded_job_killed_and_relaunched_equals_stdin_mode_line_for_line(run, tmp_path):
+    """kill -9 of the CLI after a random number of finished shards; the relaunch translates
+    only the unfinished shards and gives the stdin mode's translation line for line; one more
+    finds everything done; one with other settings is refused."""
     rng = random.Random(0)
-    out = tmp_path / "killed"
+    out = tmp_path / "out"
     proc = _launch(run, out, *BEAM, "--shard_lines=3")
     wanted, deadline = rng.randint(1, 8), time.time() + 240
     while len(list(out.glob(".shards/*/*.done"))) < wanted and proc.poll() is None:
@@ -156,14 +142,35 @@ def test_killed_at_any_point_a_relaunch_gives_the_same_files(run, tmp_path):
         time.sleep(0.02)
     proc.kill()
     proc.wait()
-    assert len(list(out.glob(".shards/*/*.done"))) >= 1  # 13 shards of 3 lines in all
+    done = list(out.glob(".shards/*/*.done"))
+    assert len(done) >= 1  # 13 shards of 3 lines in all
+    kept = sum(len(p.with_suffix(".txt").read_text().splitlines()) for p in done)
     err = _finish(_launch(run, out, *BEAM, "--shard_lines=3"))
     assert _outputs(out) == _expected(run)
+    assert run.reference["b.txt"][7:9] == ["", ""] and len(run.reference["b.txt"]) == 15
     redone = int(err.split(" lines (this process)")[0].rsplit("/", 1)[1])
-    assert redone < 38  # only the unfinished shards
-    # In this process, sampling: a crash after k of the 10 shards (a shard's lines written,
-    # not its marker), or while assembling a.txt or b.txt (k = 10, 11): the relaunch gives
-    # the uninterrupted run's bytes.
+    # only the unfinished shards, every line of them: with the kept ones, the 38 lines
+    assert redone < 38 and redone + kept == 38, (redone, kept)
+    assert f"{redone}/{redone} lines (this process)" in err and "lines/s, ETA" in err
+    # the shards (a write the kill interrupted may have left a hidden .NAME.tmpPID)
+    state = out / ".shards"
+    assert sorted(p.name for p in (state / "a.txt").iterdir() if p.name[0] != ".") == [
+        f"0000{k}.{x}" for k in range(8) for x in ("done", "txt")
+    ]  # 23 lines: 7 shards of 3, then 2
+    assert len(list((state / "b.txt").glob("*.done"))) == 5  # 15 lines
+    # a relaunch finds everything done, translates nothing and writes the same files
+    assert "0/0 lines" in _finish(_launch(run, out, *BEAM, "--shard_lines=3"))
+    assert _outputs(out) == _expected(run)
+    # ... and one with other settings is refused, naming them
+    proc = _launch(run, out, "--beam_size=3", "--shard_lines=3")
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 1 and b"beam_size: 2 then, 3 now" in err
+
+
+def test_a_crash_after_any_shard_or_before_its_marker_relaunches_to_the_same_files(run, tmp_path):
+    """In this process, sampling: a crash after k of the 10 shards (a shard's lines written,
+    not its marker), or while assembling a.txt or b.txt (k = 10, 11): the relaunch gives the
+    uninterrupted run's bytes."""
     reference = _run_here(run, tmp_path / "whole", 4, sampling="topk:5", seed=1)
     real = paths.write_atomic
     for k in [0, 3, 10, 11]:
