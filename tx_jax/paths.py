@@ -41,7 +41,9 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
+import fsspec
 from etils import epath
+from etils.epath import backend as epath_backend
 
 Path = epath.Path
 
@@ -175,15 +177,12 @@ def files(root: Any) -> list[str]:
         for dirpath, _, names in os.walk(root):
             out += [os.path.relpath(os.path.join(dirpath, n), root) for n in names]
         return sorted(out)
-    stack = [root]
-    while stack:
-        d = stack.pop()
-        for child in d.iterdir():
-            if child.is_dir():
-                stack.append(child)
-            else:
-                out.append(str(child)[len(str(root)) :].lstrip("/"))
-    return sorted(out)
+    # A store has no directories, only names: one listing of every name under the prefix
+    # (fsspec's find; a page per 1,000 objects) instead of a listing per "directory" and an
+    # is-it-a-directory lookup (two requests with gcsfs) per entry.
+    fs = epath_backend.fsspec_backend.fs(str(root))
+    prefix = fsspec.core.strip_protocol(str(root)).rstrip("/") + "/"
+    return sorted(name[len(prefix) :] for name in fs.find(str(root)) if name.startswith(prefix))
 
 
 def glob(pattern: str) -> list[str]:
