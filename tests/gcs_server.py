@@ -43,6 +43,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
@@ -108,20 +109,24 @@ class Started:
 
 
 def start(data_dir: str, bucket: str = "tx-jax-test", lifetime: float = 1800) -> Started:
-    """Start the server in a process of its own (stops with this one, or after `lifetime`)."""
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            os.path.abspath(__file__),
-            f"--data_dir={data_dir}",
-            f"--bucket={bucket}",
-            f"--lifetime={lifetime}",
-            f"--parent_pid={os.getpid()}",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+    """Start the server in a process of its own (stops with this one, or after `lifetime`);
+    what it prints on stderr (errors, the replies that faulted clients never read) goes to
+    DATA_DIR/server.log."""
+    os.makedirs(data_dir, exist_ok=True)
+    with open(os.path.join(data_dir, "server.log"), "ab") as log:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                f"--data_dir={data_dir}",
+                f"--bucket={bucket}",
+                f"--lifetime={lifetime}",
+                f"--parent_pid={os.getpid()}",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
     line = proc.stdout.readline()
     if not line.startswith("READY "):
         proc.kill()
@@ -391,7 +396,11 @@ def _deferred_metadata_writes(storage) -> Callable[[], None]:
         with Proxy.lock:
             if dirty.is_set():
                 dirty.clear()
-                write()
+                try:
+                    write()
+                except Exception:  # noqa: BLE001 - reported; the next flush tries again
+                    dirty.set()
+                    traceback.print_exc()
 
     return flush
 
