@@ -20,10 +20,11 @@ Where the emulator falls short of GCS, the proxy does what GCS does (nothing els
   / `ifGenerationNotMatch` on reads) are checked against the object's generation and answered
   412 / 304 as GCS does (the emulator ignores them; TensorStore's atomic writes rely on them).
 
-Faults (`GET /__faults__?rate=R&codes=429,503&reset=P&delay=S&seed=N&down=0|1`, or
+Faults (`GET /__faults__?rate=R&codes=429,503&reset=P&delay=S&slow=Q&seed=N&down=0|1`, or
 `set_faults(port, ...)`): each request fails with one of `codes` with probability `rate`,
 has its connection reset (closed without a reply) with probability `reset`, and is delayed
-by up to `delay` seconds; `down=1` resets every connection (the server gone) until `down=0`.
+by up to `delay` seconds with probability `slow` (default 1: every request); `down=1` resets
+every connection (the server gone) until `down=0`.
 `GET /__stats__` counts what was forwarded and injected since the server started. The
 process exits after `--lifetime` seconds, or as soon as `--parent_pid` is gone.
 """
@@ -74,7 +75,7 @@ def env(port: int) -> dict[str, str]:
 
 
 def set_faults(port: int, **faults) -> dict:
-    """Change the running proxy's faults (rate, codes, reset, delay, seed, down)."""
+    """Change the running proxy's faults (rate, codes, reset, delay, slow, seed, down)."""
     query = urllib.parse.urlencode(
         {k: ",".join(map(str, v)) if isinstance(v, list | tuple) else v for k, v in faults.items()}
     )
@@ -147,12 +148,13 @@ class Faults:
     def __init__(self):
         self.lock = threading.Lock()
         self.rate, self.codes, self.reset, self.delay, self.down = 0.0, [429, 503], 0.0, 0.0, False
+        self.slow = 1.0
         self.rng = random.Random(0)
         self.counts = {"forwarded": 0, "failed": 0, "reset": 0, "delayed": 0, "refused": 0}
 
     def update(self, query: dict[str, list[str]]) -> dict:
         with self.lock:
-            for key in ("rate", "reset", "delay"):
+            for key in ("rate", "reset", "delay", "slow"):
                 if key in query:
                     setattr(self, key, float(query[key][0]))
             if "codes" in query:
@@ -165,13 +167,19 @@ class Faults:
 
     def state(self) -> dict:
         return dict(
-            rate=self.rate, codes=self.codes, reset=self.reset, delay=self.delay, down=self.down
+            rate=self.rate,
+            codes=self.codes,
+            reset=self.reset,
+            delay=self.delay,
+            slow=self.slow,
+            down=self.down,
         )
 
     def draw(self) -> tuple[str, float, int]:
         """-> (what: 'down' | 'reset' | 'fail' | 'pass', delay seconds, code)."""
         with self.lock:
-            delay = self.rng.uniform(0, self.delay) if self.delay else 0.0
+            slow = self.delay and (self.slow >= 1 or self.rng.random() < self.slow)
+            delay = self.rng.uniform(0, self.delay) if slow else 0.0
             if self.down:
                 self.counts["refused"] += 1
                 return "down", 0.0, 0

@@ -41,9 +41,10 @@ OVERRIDES = {
     "checkpoint.keep": 10,
 }
 # faulty_run: faults at rates the clients' retries absorb (each request fails with 429 or 503
-# with probability `rate`, has its connection reset with probability `reset`, and is delayed
-# up to `delay` s), and saves every 4 steps (fewer saves under faults, two before the outage).
-FAULTS = dict(rate=0.04, reset=0.02, delay=0.05)
+# with probability `rate`, has its connection reset with probability `reset`, and one in five
+# is delayed up to `delay` s), and saves every 4 steps (fewer saves under faults, two before
+# the outage).
+FAULTS = dict(rate=0.04, reset=0.02, delay=0.05, slow=0.2)
 FAULTY = {"checkpoint.every": 4}
 
 
@@ -200,12 +201,12 @@ def test_evaluate_translate_average_and_export_from_gs(gs_run, local_run, tmp_pa
     hyps = epath.Path(record["hypotheses"])
     assert str(hyps).startswith(f"{workdir}/eval/")
     assert hyps.read_text() == epath.Path(reference["hypotheses"]).read_text()
-    # a second evaluation is appended to the first, on the store as on disk
-    evaluation.evaluate(workdir, split="validation", beam_size=1)
-    results = (epath.Path(workdir) / evaluation.RESULTS_FILE).read_text().splitlines()
-    assert [json.loads(r)["beam"] for r in results] == [2, 1]
     # averaging writes its checkpoint into the gs:// workdir and reads it back
     averaged = evaluation.evaluate(workdir, split="validation", beam_size=1, average_last=2)
+    # its record is appended to the first evaluation's, on the store as on disk
+    results = (epath.Path(workdir) / evaluation.RESULTS_FILE).read_text().splitlines()
+    assert [json.loads(r)["beam"] for r in results] == [2, 1]
+    assert json.loads(results[1])["averaged_steps"] == [STEPS - 2, STEPS]
     local_avg = evaluation.evaluate(local_run, split="validation", beam_size=1, average_last=2)
     assert averaged["averaged_steps"] == [STEPS - 2, STEPS] == local_avg["averaged_steps"]
     assert averaged["loss"] == local_avg["loss"]
@@ -243,7 +244,7 @@ def _faults(port: int, **faults):
     try:
         yield injected
     finally:
-        gcs_server.set_faults(port, rate=0, reset=0, delay=0, down=0)
+        gcs_server.set_faults(port, rate=0, reset=0, delay=0, slow=1, down=0)
         after = gcs_server.stats(port)
         injected.update({k: after[k] - before[k] for k in after})
 
