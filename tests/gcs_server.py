@@ -20,10 +20,11 @@ Where the emulator falls short of GCS, the proxy does what GCS does (nothing els
   / `ifGenerationNotMatch` on reads) are checked against the object's generation and answered
   412 / 304 as GCS does (the emulator ignores them; TensorStore's atomic writes rely on them).
 
-Faults (`GET /__faults__?rate=R&codes=429,503&reset=P&delay=S&seed=N&down=0|1`, or
+Faults (`GET /__faults__?rate=R&codes=429,503&reset=P&delay=S&slow=Q&seed=N&down=0|1`, or
 `set_faults(port, ...)`): each request fails with one of `codes` with probability `rate`,
 has its connection reset (closed without a reply) with probability `reset`, and is delayed
-by up to `delay` seconds; `down=1` resets every connection (the server gone) until `down=0`.
+by up to `delay` seconds with probability `slow` (default 1: every request); `down=1` resets
+every connection (the server gone) until `down=0`.
 `GET /__stats__` counts what was forwarded and injected since the server started. The
 process exits after `--lifetime` seconds, or as soon as `--parent_pid` is gone.
 """
@@ -37,13 +38,16 @@ import json
 import os
 import random
 import re
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import traceback
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 
 HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host"}
 
@@ -71,7 +75,7 @@ def env(port: int) -> dict[str, str]:
 
 
 def set_faults(port: int, **faults) -> dict:
-    """Change the running proxy's faults (rate, codes, reset, delay, seed, down)."""
+    """Change the running proxy's faults (rate, codes, reset, delay, slow, seed, down)."""
     query = urllib.parse.urlencode(
         {k: ",".join(map(str, v)) if isinstance(v, list | tuple) else v for k, v in faults.items()}
     )
@@ -106,20 +110,24 @@ class Started:
 
 
 def start(data_dir: str, bucket: str = "tx-jax-test", lifetime: float = 1800) -> Started:
-    """Start the server in a process of its own (stops with this one, or after `lifetime`)."""
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            os.path.abspath(__file__),
-            f"--data_dir={data_dir}",
-            f"--bucket={bucket}",
-            f"--lifetime={lifetime}",
-            f"--parent_pid={os.getpid()}",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+    """Start the server in a process of its own (stops with this one, or after `lifetime`);
+    what it prints on stderr (errors, the replies that faulted clients never read) goes to
+    DATA_DIR/server.log."""
+    os.makedirs(data_dir, exist_ok=True)
+    with open(os.path.join(data_dir, "server.log"), "ab") as log:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                f"--data_dir={data_dir}",
+                f"--bucket={bucket}",
+                f"--lifetime={lifetime}",
+                f"--parent_pid={os.getpid()}",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
     line = proc.stdout.readline()
     if not line.startswith("READY "):
         proc.kill()
@@ -140,12 +148,13 @@ class Faults:
     def __init__(self):
         self.lock = threading.Lock()
         self.rate, self.codes, self.reset, self.delay, self.down = 0.0, [429, 503], 0.0, 0.0, False
+        self.slow = 1.0
         self.rng = random.Random(0)
         self.counts = {"forwarded": 0, "failed": 0, "reset": 0, "delayed": 0, "refused": 0}
 
     def update(self, query: dict[str, list[str]]) -> dict:
         with self.lock:
-            for key in ("rate", "reset", "delay"):
+            for key in ("rate", "reset", "delay", "slow"):
                 if key in query:
                     setattr(self, key, float(query[key][0]))
             if "codes" in query:
@@ -158,13 +167,19 @@ class Faults:
 
     def state(self) -> dict:
         return dict(
-            rate=self.rate, codes=self.codes, reset=self.reset, delay=self.delay, down=self.down
+            rate=self.rate,
+            codes=self.codes,
+            reset=self.reset,
+            delay=self.delay,
+            slow=self.slow,
+            down=self.down,
         )
 
     def draw(self) -> tuple[str, float, int]:
         """-> (what: 'down' | 'reset' | 'fail' | 'pass', delay seconds, code)."""
         with self.lock:
-            delay = self.rng.uniform(0, self.delay) if self.delay else 0.0
+            slow = self.delay and (self.slow >= 1 or self.rng.random() < self.slow)
+            delay = self.rng.uniform(0, self.delay) if slow else 0.0
             if self.down:
                 self.counts["refused"] += 1
                 return "down", 0.0, 0
@@ -354,19 +369,48 @@ def serve(data_dir: str, bucket: str, port: int, lifetime: float, parent_pid: in
     emulator = create_server(
         "127.0.0.1", upstream, in_memory=False, data_dir=data_dir, default_bucket=bucket
     )
+    flush = _deferred_metadata_writes(emulator._storage)
     emulator.start()
     Proxy.upstream, Proxy.faults = upstream, Faults()
     proxy = http.server.ThreadingHTTPServer(("127.0.0.1", port), Proxy)
     proxy.daemon_threads = True
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # Started.stop(): flush, then exit
     print(f"READY {proxy.server_address[1]}", flush=True)
     deadline = time.time() + lifetime
-    while time.time() < deadline:
-        if parent_pid and not _alive(parent_pid):
-            break
-        time.sleep(0.5)
-    proxy.shutdown()
-    emulator.stop()
+    try:
+        while time.time() < deadline:
+            if parent_pid and not _alive(parent_pid):
+                break
+            flush()
+            time.sleep(0.5)
+    finally:
+        proxy.shutdown()
+        flush()
+        emulator.stop()
+
+
+def _deferred_metadata_writes(storage) -> Callable[[], None]:
+    """The emulator rewrites its metadata file (every object's JSON, in DATA_DIR/.meta) after
+    each upload or delete: a cost that grows with the bucket (66 ms of CPU a write once it
+    holds 3,000 objects, which a test module reaches). The writes are only marked here, and
+    `flush()` (every 0.5 s from the main loop, and when the server stops) writes the file
+    once, under the proxy's lock (no request is in the emulator meanwhile). Requests are
+    served from memory either way; a restarted server finds the bucket as it was flushed."""
+    write, dirty = storage._write_config_to_file, threading.Event()
+    storage._write_config_to_file = dirty.set
+
+    def flush() -> None:
+        with Proxy.lock:
+            if dirty.is_set():
+                dirty.clear()
+                try:
+                    write()
+                except Exception:  # noqa: BLE001 - reported; the next flush tries again
+                    dirty.set()
+                    traceback.print_exc()
+
+    return flush
 
 
 def _alive(pid: int) -> bool:

@@ -8,6 +8,7 @@ the module, on 127.0.0.1, stopping with pytest or after its lifetime.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -39,6 +40,12 @@ OVERRIDES = {
     "checkpoint.async_save": True,
     "checkpoint.keep": 10,
 }
+# faulty_run: faults at rates the clients' retries absorb (each request fails with 429 or 503
+# with probability `rate`, has its connection reset with probability `reset`, and one in five
+# is delayed up to `delay` s), and saves every 4 steps (fewer saves under faults, two before
+# the outage).
+FAULTS = dict(rate=0.04, reset=0.02, delay=0.05, slow=0.2)
+FAULTY = {"checkpoint.every": 4}
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +113,11 @@ def _wait_for_step(proc: subprocess.Popen, step: int, timeout: float = 300) -> s
             break
     proc.kill()
     raise AssertionError(f"no step {step}: {''.join(seen)[-3000:]}")
+
+
+def _steps(out: str) -> list[int]:
+    """The steps of the trainer's progress lines in its output, in order."""
+    return [int(x.split()[1].split("/")[0]) for x in out.splitlines() if x.startswith("step ")]
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 300) -> str:
@@ -189,12 +201,12 @@ def test_evaluate_translate_average_and_export_from_gs(gs_run, local_run, tmp_pa
     hyps = epath.Path(record["hypotheses"])
     assert str(hyps).startswith(f"{workdir}/eval/")
     assert hyps.read_text() == epath.Path(reference["hypotheses"]).read_text()
-    # a second evaluation is appended to the first, on the store as on disk
-    evaluation.evaluate(workdir, split="validation", beam_size=1)
-    results = (epath.Path(workdir) / evaluation.RESULTS_FILE).read_text().splitlines()
-    assert [json.loads(r)["beam"] for r in results] == [2, 1]
     # averaging writes its checkpoint into the gs:// workdir and reads it back
     averaged = evaluation.evaluate(workdir, split="validation", beam_size=1, average_last=2)
+    # its record is appended to the first evaluation's, on the store as on disk
+    results = (epath.Path(workdir) / evaluation.RESULTS_FILE).read_text().splitlines()
+    assert [json.loads(r)["beam"] for r in results] == [2, 1]
+    assert json.loads(results[1])["averaged_steps"] == [STEPS - 2, STEPS]
     local_avg = evaluation.evaluate(local_run, split="validation", beam_size=1, average_last=2)
     assert averaged["averaged_steps"] == [STEPS - 2, STEPS] == local_avg["averaged_steps"]
     assert averaged["loss"] == local_avg["loss"]
@@ -222,23 +234,103 @@ def test_evaluate_translate_average_and_export_from_gs(gs_run, local_run, tmp_pa
     assert "model.safetensors" in local_files
 
 
-def test_faults_the_clients_retry_leave_the_run_unchanged(gcs, tfds_dir, local_run):
-    """429s, 503s, reset connections and slow replies at rates the clients' retries absorb:
-    the run finishes with the uninterrupted local run's parameters."""
-    before = gcs_server.stats(gcs.port)
-    gcs_server.set_faults(gcs.port, rate=0.04, reset=0.02, delay=0.05, seed=3)
+@contextlib.contextmanager
+def _faults(port: int, **faults):
+    """The proxy injects `faults` inside the block -> {kind: count injected}, filled at its end
+    (a request refused while the server is down is counted as 'refused', not as a fault)."""
+    before = gcs_server.stats(port)
+    gcs_server.set_faults(port, **faults)
+    injected = {}
     try:
-        proc = _launch(f"{BUCKET}/faulty", tfds_dir, **{"checkpoint.every": 4})
-        out = _finish(proc, timeout=600)
+        yield injected
     finally:
-        gcs_server.set_faults(gcs.port, rate=0, reset=0, delay=0)
-    after = gcs_server.stats(gcs.port)
-    injected = {k: after[k] - before[k] for k in after}
+        gcs_server.set_faults(port, rate=0, reset=0, delay=0, slow=1, down=0)
+        after = gcs_server.stats(port)
+        injected.update({k: after[k] - before[k] for k in after})
+
+
+@pytest.fixture(scope="module")
+def faulty_run(gcs, tfds_dir):
+    """The run on gs:// under faults the clients' retries absorb, FAULTS in every request, and
+    the server gone after step 9: the trainer stops with an error; the relaunch (server back,
+    the faults still on) resumes and finishes -> dict: workdir, each segment's output, exit
+    status and faults injected, and the checkpoints the outage left (step -> verified)."""
+    workdir = f"{BUCKET}/faulty"
+    with _faults(gcs.port, seed=3, **FAULTS) as gone_faults:
+        gone = _launch(workdir, tfds_dir, **FAULTY)
+        gone_out = _wait_for_step(gone, 9)
+        gcs_server.set_faults(gcs.port, down=1)
+        gone_out += _finish(gone)
+    ckpt = Checkpointer(f"{workdir}/checkpoints", read_only=True)
+    left = {s: ckpt.verify(s) for s in ckpt.all_steps()}  # raises if one is damaged
+    with _faults(gcs.port, **FAULTS) as resumed_faults:
+        resumed = _launch(workdir, tfds_dir, **FAULTY)
+        resumed_out = _finish(resumed)
+    return dict(
+        workdir=workdir,
+        gone=(gone.returncode, gone_out, gone_faults),
+        resumed=(resumed.returncode, resumed_out, resumed_faults),
+        left=left,
+    )
+
+
+def test_faults_the_clients_retry_leave_the_run_unchanged(faulty_run, local_run):
+    """429s, 503s, reset connections and slow replies at rates the clients' retries absorb, in
+    both segments of the run (the first until the outage, the second from its resume, restore
+    included, to the end): the run finishes with the uninterrupted local run's parameters and
+    losses."""
+    workdir = faulty_run["workdir"]
+    (_, gone_out, gone_faults), (code, out, faults) = faulty_run["gone"], faulty_run["resumed"]
+    for injected in (gone_faults, faults):
+        assert injected["failed"] > 0 and injected["reset"] > 0 and injected["delayed"] > 0
+    print(f"faults injected and absorbed: {gone_faults} until the outage, then {faults}")
+    assert _steps(gone_out)[:9] == list(range(1, 10))  # nothing failed before the outage
+    assert code == 0, out[-3000:]
+    _assert_same_params(workdir, local_run)
+    assert _losses(workdir) == _losses(local_run)
+
+
+def test_server_gone_mid_run_stops_with_a_clear_error_and_resumes(faulty_run, local_run):
+    """The server disappears while checkpoints are being saved: the trainer stops with an
+    error naming the workdir, the checkpoints verified before stay intact, and the next
+    launch (server back) resumes from the newest checkpoint and finishes like the local run."""
+    workdir, left = faulty_run["workdir"], faulty_run["left"]
+    (gone_code, gone_out, _), (code, out, _) = faulty_run["gone"], faulty_run["resumed"]
+    assert gone_code == 1, gone_out[-3000:]
+    error = [line for line in gone_out.splitlines() if line.startswith("error: ")]
+    assert error and "failed" in error[-1] and workdir in error[-1], gone_out[-3000:]
+    print(error[-1][:300])
+    verified = [step for step, ok in left.items() if ok]
+    assert verified and verified[-1] >= FAULTY["checkpoint.every"]
+    assert code == 0, out[-3000:]
+    assert _steps(out)[0] == max(left) + 1  # resumed from the newest checkpoint
+    _assert_same_params(workdir, local_run)
+
+
+def test_damaged_checkpoint_on_gs_is_quarantined_and_training_falls_back(
+    faulty_run, tfds_dir, local_run
+):
+    """A flipped byte in the newest checkpoint's data on gs:// (the finished faulty_run's): the
+    relaunch reports it, moves the step to checkpoints.damaged/ (every object, nothing
+    deleted), resumes from the previous step and ends with the local run's parameters."""
+    workdir = faulty_run["workdir"]
+    steps = Checkpointer(f"{workdir}/checkpoints", read_only=True).all_steps()
+    assert steps[-1] == STEPS
+    step_dir = epath.Path(f"{workdir}/checkpoints/{STEPS}")
+    names = paths.files(step_dir)
+    victim = max((step_dir / n for n in names if "/d/" in n), key=lambda p: p.stat().length)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    proc = _launch(workdir, tfds_dir, **FAULTY)
+    out = _finish(proc)
     assert proc.returncode == 0, out[-3000:]
-    assert injected["failed"] > 0 and injected["reset"] > 0 and injected["delayed"] > 0, injected
-    print(f"faults injected and absorbed: {injected}")
-    _assert_same_params(f"{BUCKET}/faulty", local_run)
-    assert _losses(f"{BUCKET}/faulty") == _losses(local_run)
+    moved = epath.Path(f"{workdir}/checkpoints.damaged/{STEPS}-0")
+    assert "checksum mismatch" in out and f"moved to {moved}" in out, out[-3000:]
+    assert paths.files(moved) == names
+    assert _steps(out)[0] == steps[-2] + 1  # resumed from the step before
+    assert _losses(workdir)[STEPS] == _losses(local_run)[STEPS]
+    _assert_same_params(workdir, local_run)
 
 
 def test_backoff_setting_scales_the_retry_waits_of_both_clients(gcs, monkeypatch):
@@ -278,56 +370,6 @@ def test_backoff_setting_scales_the_retry_waits_of_both_clients(gcs, monkeypatch
     monkeypatch.setenv(paths.BACKOFF_ENV, "soon")
     with pytest.raises(ValueError, match="TX_JAX_GCS_BACKOFF='soon'"):
         paths.gcs_backoff()
-
-
-def test_damaged_checkpoint_on_gs_is_quarantined_and_training_falls_back(gcs, tfds_dir, local_run):
-    """A flipped byte in the newest checkpoint's data on gs://: the relaunch reports it, moves
-    the step to checkpoints.damaged/ (every object, nothing deleted), resumes from the
-    previous step and ends with the local run's parameters."""
-    workdir = f"{BUCKET}/damaged"
-    first = _launch(workdir, tfds_dir, **{"checkpoint.every": 6})
-    out = _finish(first)
-    assert first.returncode == 0, out[-3000:]
-    step_dir = epath.Path(f"{workdir}/checkpoints/{STEPS}")
-    names = paths.files(step_dir)
-    victim = max((step_dir / n for n in names if "/d/" in n), key=lambda p: p.stat().length)
-    data = bytearray(victim.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    victim.write_bytes(bytes(data))
-    proc = _launch(workdir, tfds_dir)
-    out = _finish(proc)
-    assert proc.returncode == 0, out[-3000:]
-    moved = epath.Path(f"{workdir}/checkpoints.damaged/{STEPS}-0")
-    assert "checksum mismatch" in out and f"moved to {moved}" in out, out[-3000:]
-    assert paths.files(moved) == names
-    assert _losses(workdir)[STEPS] == _losses(local_run)[STEPS]
-    _assert_same_params(workdir, local_run)
-
-
-def test_server_gone_mid_run_stops_with_a_clear_error_and_resumes(gcs, tfds_dir, local_run):
-    """The server disappears while checkpoints are being saved: the trainer stops with an
-    error naming the workdir, the checkpoints verified before stay intact, and the next
-    launch (server back) resumes from the newest of them and finishes like the local run."""
-    workdir = f"{BUCKET}/outage"
-    proc = _launch(workdir, tfds_dir)
-    _wait_for_step(proc, 5)
-    gcs_server.set_faults(gcs.port, down=1)
-    try:
-        out = _finish(proc, timeout=900)
-    finally:
-        gcs_server.set_faults(gcs.port, down=0)
-    assert proc.returncode == 1, out[-3000:]
-    error = [line for line in out.splitlines() if line.startswith("error: ")]
-    assert error and "failed" in error[-1] and workdir in error[-1], out[-3000:]
-    print(error[-1][:300])
-    ckpt = Checkpointer(f"{workdir}/checkpoints", read_only=True)
-    verified = [s for s in ckpt.all_steps() if ckpt.verify(s)]
-    assert verified and verified[-1] >= 2
-    resumed = _launch(workdir, tfds_dir)
-    out = _finish(resumed)
-    assert resumed.returncode == 0, out[-3000:]
-    assert "step      1/" not in out
-    _assert_same_params(workdir, local_run)
 
 
 def test_sweep_with_a_gs_root_writes_its_logs_and_tables_there(gcs, tfds_dir):

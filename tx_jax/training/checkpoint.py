@@ -24,7 +24,6 @@ longer, as gcsfs's are for every other file (docs/reliability.md).
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import logging
 from typing import Any
@@ -189,7 +188,10 @@ class Checkpointer:
             if step in existing:  # retention may already have removed it
                 step_dir = self.directory / str(step)
                 try:
-                    manifest = {rel: _sha256(step_dir / rel) for rel in _files(step_dir)}
+                    manifest = {
+                        rel: paths.sha256(step_dir / rel, size)
+                        for rel, size in _files(step_dir).items()
+                    }
                     paths.write_atomic(
                         step_dir / MANIFEST, json.dumps(manifest, indent=0, sort_keys=True)
                     )
@@ -204,7 +206,8 @@ class Checkpointer:
         (warned); raises CorruptCheckpointError naming the first bad file."""
         step_dir = self.directory / str(step)
         manifest_path = step_dir / MANIFEST
-        if not manifest_path.exists():
+        listing = paths.sizes(step_dir)  # one listing on a store: what exists, and how big
+        if MANIFEST not in listing:
             logging.warning("checkpoint step %d has no %s: not verified", step, MANIFEST)
             return False
         try:
@@ -213,11 +216,11 @@ class Checkpointer:
             raise CorruptCheckpointError(step, str(manifest_path), f"unreadable: {e}") from e
         for rel, digest in sorted(manifest.items()):
             path = step_dir / rel
-            if not path.exists():
+            if rel not in listing:
                 raise CorruptCheckpointError(step, str(path), "missing")
-            if _sha256(path) != digest:
+            if paths.sha256(path, listing[rel]) != digest:
                 raise CorruptCheckpointError(step, str(path), "checksum mismatch")
-        extra = sorted(set(_files(step_dir)) - set(manifest))
+        extra = sorted(set(_files(step_dir, listing)) - set(manifest))
         if extra:
             raise CorruptCheckpointError(step, str(step_dir / extra[0]), "not in the manifest")
         return True
@@ -296,22 +299,16 @@ class Checkpointer:
         return handler.metadata(self.directory / str(step) / "state").tree
 
 
-def _files(step_dir: epath.Path) -> list[str]:
-    """Every file under a step directory, relative, except the manifest itself (and the
-    temporary files of an interrupted local manifest write)."""
-    return [
-        rel
-        for rel in paths.files(step_dir)
+def _files(step_dir: epath.Path, listing: dict[str, int] | None = None) -> dict[str, int]:
+    """Every file under a step directory (relative) -> its size, except the manifest itself
+    (and the temporary files of an interrupted local manifest write). `listing`: the step's
+    `paths.sizes`, when already read."""
+    listing = paths.sizes(step_dir) if listing is None else listing
+    return {
+        rel: size
+        for rel, size in listing.items()
         if rel != MANIFEST and not (rel.startswith(f".{MANIFEST}.tmp") or rel == MANIFEST + ".tmp")
-    ]
-
-
-def _sha256(path: epath.Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    }
 
 
 absolute = paths.absolute  # Orbax wants absolute paths; gs:// and other URLs as they are
