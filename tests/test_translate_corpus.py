@@ -147,9 +147,22 @@ def test_sharded_job_killed_and_relaunched_equals_stdin_mode_line_for_line(run, 
         f"0000{k}.{x}" for k in range(8) for x in ("done", "txt")
     ]  # 23 lines: 7 shards of 3, then 2
     assert len(list((state / "b.txt").glob("*.done"))) == 5  # 15 lines
-    # a relaunch finds everything done, translates nothing and writes the same files
-    assert "0/0 lines" in _finish(_launch(run, out, *BEAM, "--shard_lines=3"))
-    assert _outputs(out) == _expected(run)
+    # a relaunch (in this process: the same job's settings) finds everything done, decodes
+    # no line and writes the same files
+    real, decoded = cli._decoder, []
+
+    def counting(*args):
+        def decode(lines, *rest, **kw):
+            decoded.append(len(lines))
+            return inner(lines, *rest, **kw)
+
+        inner = real(*args)
+        return decode
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(cli, "_decoder", counting)
+        assert _run_here(run, out, 3) == _expected(run)
+    assert sum(decoded) == 0
     # ... and one with other settings is refused, naming them
     proc = _launch(run, out, "--beam_size=3", "--shard_lines=3")
     _, err = proc.communicate(timeout=240)
