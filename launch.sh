@@ -61,9 +61,9 @@ case "$cmd" in
     ensure_venv test,export,plan
     "$VENV/bin/ruff" check .
     "$VENV/bin/ruff" format --check .
-    # loadgroup: the tests of one xdist_group (those sharing a module fixture that launches
-    # processes) run on one worker, so the fixture is built once; others are spread as usual
-    "$VENV/bin/python" -m pytest -n "${TX_JAX_TEST_WORKERS:-2}" --dist loadgroup "$@"
+    # --dist loadfile: a file's tests share one worker, so a module's fixtures (a trained
+    # run, a server) are built once, not once per worker.
+    "$VENV/bin/python" -m pytest -n "${TX_JAX_TEST_WORKERS:-2}" --dist loadfile "$@"
     ;;
   train)
     ensure_venv

@@ -7,8 +7,8 @@ from helpers import run_python
 
 from tx_jax.inference import data_parallel
 
-# the module's 4-device checks share one process: one xdist worker runs them (launch.sh:
-# --dist loadgroup)
+# the module's 4-device checks share one process: one xdist worker runs them (launch.sh's
+# --dist loadfile; this mark does the same under --dist loadgroup)
 pytestmark = pytest.mark.xdist_group("data_parallel")
 
 

@@ -30,7 +30,7 @@ from tx_jax.experiment.loop import train_and_evaluate
 from tx_jax.training.checkpoint import Checkpointer
 
 # the fixture's processes are shared by this file's tests: one xdist worker runs them all
-# (launch.sh: --dist loadgroup)
+# (launch.sh's --dist loadfile; this mark does the same under --dist loadgroup)
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("elastic")]
 
 STEPS, STOP_AT = 6, 3

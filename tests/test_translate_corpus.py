@@ -26,8 +26,8 @@ from tx_jax.data import datasets
 from tx_jax.experiment.loop import train_and_evaluate
 from tx_jax.inference import corpus, restore, translation
 
-# the module's trained run is shared by its tests: one xdist worker runs them all (launch.sh:
-# --dist loadgroup), so it is trained once
+# the module's trained run is shared by its tests: one xdist worker runs them all (launch.sh's
+# --dist loadfile; this mark does the same under --dist loadgroup), so it is trained once
 pytestmark = pytest.mark.xdist_group("translate_corpus")
 
 BEAM = ("--beam_size=2", "--batch_size=8")
