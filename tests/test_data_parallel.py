@@ -2,9 +2,14 @@
 for D devices, and the same hypotheses whether one device or several decode them."""
 
 import numpy as np
+import pytest
 from helpers import run_python
 
 from tx_jax.inference import data_parallel
+
+# the module's 4-device checks share one process: one xdist worker runs them (launch.sh's
+# --dist loadfile; this mark does the same under --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("data_parallel")
 
 
 def _batch(rows, length, first_index):
@@ -32,8 +37,7 @@ def test_group_batches_stacks_consecutive_batches_one_per_device():
     assert data_parallel.group_batches(batches, 1) == batches
 
 
-def test_devices_for_params_on_one_device_or_spread():
-    code = """
+DEVICES_FOR = """
 import jax, jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
@@ -43,16 +47,12 @@ assert data_parallel.devices_for(one) == jax.local_devices()
 mesh = Mesh(np.array(jax.devices()), ("d",))
 spread = {"w": jax.device_put(jnp.ones(8), NamedSharding(mesh, P("d")))}
 assert data_parallel.devices_for(spread) == []
-print("ok")
 """
-    assert run_python(code, devices=4).strip() == "ok"
 
 
-def test_four_devices_decode_what_one_does(tmp_path, tfds_dir):
-    """A tiny model's validation split, greedy and beam 3, decoded on 1 and on 4 CPU devices
-    (with the persistent cache on; beam 3 also with it off): the same hypotheses; the
-    4-device program's outputs live on all four."""
-    code = f"""
+def _decode(tfds_dir, base) -> str:
+    """Trains a tiny model, then decodes its validation split on 1 and on 4 devices."""
+    return f"""
 import jax
 jax.config.update("jax_disable_most_optimizations", True)
 from helpers import tiny_config
@@ -63,8 +63,8 @@ from tx_jax.inference import compilation, data_parallel, restore, scoring
 config = tiny_config({str(tfds_dir)!r}, **{{"train.num_steps": 40, "train.warmup_steps": 10,
                                            "checkpoint.every": 40, "data.eval_batch_size": 4,
                                            "data.eval_bucket_boundaries": [16, 32]}})
-train_and_evaluate(config, {str(tmp_path / "run")!r})
-loaded = restore.load({str(tmp_path / "run")!r})
+train_and_evaluate(config, {str(base / "run")!r})
+loaded = restore.load({str(base / "run")!r})
 task = tasks.TranslationTask(loaded.config.data, loaded.tokenizer, loaded.config.seed)
 batches = task.eval_batches("validation", 1)
 n = len(task.pairs("validation"))
@@ -76,7 +76,7 @@ def spy(self, fn, static, inputs):
     seen.append(len(jax.tree.leaves(out)[0].sharding.device_set))
     return out
 data_parallel.Rows.__call__ = spy
-for cache, beams in (({str(tmp_path / "cache")!r}, (1, 3)), ("", (3,))):
+for cache, beams in (({str(base / "cache")!r}, (1, 3)), ("", (3,))):
     compilation.use_persistent_cache(cache)
     for beam in beams:
         kw = dict(beam_size=beam)
@@ -87,6 +87,30 @@ for cache, beams in (({str(tmp_path / "cache")!r}, (1, 3)), ("", (3,))):
         assert one == four, (cache, beam)
         assert len(set(one)) >= 5
 assert set(seen) == {{1, 4}}, seen
-print("ok")
 """
-    assert run_python(code, devices=4).strip().splitlines()[-1] == "ok"
+
+
+@pytest.fixture(scope="module")
+def four_devices(tmp_path_factory, tfds_dir) -> str:
+    """One process with 4 CPU devices runs the module's checks that need them, each in its
+    own namespace: its output, with `PART name ok` or `PART name failed` and the traceback."""
+    base = tmp_path_factory.mktemp("four_devices")
+    parts = {"devices_for": DEVICES_FOR, "decode": _decode(tfds_dir, base)}
+    code = "import sys, traceback\n" + "".join(
+        f"try:\n    exec({text!r}, {{}})\n    print('PART {name} ok', flush=True)\n"
+        f"except BaseException:\n    print('PART {name} failed', flush=True)\n"
+        "    traceback.print_exc(file=sys.stdout)\n"
+        for name, text in parts.items()
+    )
+    return run_python(code, devices=4)
+
+
+def test_devices_for_params_on_one_device_or_spread(four_devices):
+    assert "PART devices_for ok" in four_devices, four_devices[-6000:]
+
+
+def test_four_devices_decode_what_one_does(four_devices):
+    """A tiny model's validation split, greedy and beam 3, decoded on 1 and on 4 CPU devices
+    (with the persistent cache on; beam 3 also with it off): the same hypotheses; the
+    4-device program's outputs live on all four."""
+    assert "PART decode ok" in four_devices, four_devices[-6000:]

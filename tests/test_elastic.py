@@ -30,7 +30,7 @@ from tx_jax.experiment.loop import train_and_evaluate
 from tx_jax.training.checkpoint import Checkpointer
 
 # the fixture's processes are shared by this file's tests: one xdist worker runs them all
-# (launch.sh: --dist loadgroup)
+# (launch.sh's --dist loadfile; this mark does the same under --dist loadgroup)
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("elastic")]
 
 STEPS, STOP_AT = 6, 3
@@ -53,6 +53,7 @@ def _code(tfds_dir, runs: list[tuple[str, object, int | None, dict]]) -> str:
     and stops at the next step boundary: a preemption at a known step)."""
     lines = [
         "import os, signal, time",
+        "import jax",
         "from helpers import tiny_config",
         "from tx_jax.experiment.loop import train_and_evaluate",
         "from tx_jax.training import logs",
@@ -64,7 +65,7 @@ def _code(tfds_dir, runs: list[tuple[str, object, int | None, dict]]) -> str:
         "        os.kill(os.getpid(), signal.SIGTERM)",
         # the coordination service needs a moment to agree on the step to stop at; with
         # the steps served from the compilation cache the run could end before it did
-        "        time.sleep(1.0)",
+        "        time.sleep(1.0 if jax.process_count() > 1 else 0.0)",
         "logs.MetricLogger.write = signalling_write",
     ]
     for label, workdir, stop_at, overrides in runs:

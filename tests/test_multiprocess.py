@@ -31,7 +31,7 @@ from tx_jax.experiment.setup import build_run
 from tx_jax.training.checkpoint import Checkpointer
 
 # the fixture's launches are shared by this file's tests: one xdist worker runs them all
-# (launch.sh: --dist loadgroup)
+# (launch.sh's --dist loadfile; this mark does the same under --dist loadgroup)
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multiprocess")]
 
 NUM_PROCESSES, LOCAL_DEVICES = 2, 4

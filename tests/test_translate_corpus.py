@@ -26,12 +26,14 @@ from tx_jax.data import datasets
 from tx_jax.experiment.loop import train_and_evaluate
 from tx_jax.inference import corpus, restore, translation
 
-# the module's trained run is shared by its tests: one xdist worker runs them all (launch.sh:
-# --dist loadgroup), so it is trained once
+# the module's trained run is shared by its tests: one xdist worker runs them all (launch.sh's
+# --dist loadfile; this mark does the same under --dist loadgroup), so it is trained once
 pytestmark = pytest.mark.xdist_group("translate_corpus")
 
 BEAM = ("--beam_size=2", "--batch_size=8")
 SAMPLE = ("--sampling=topk:5", "--temperature=1.0", "--nbest=2", "--batch_size=8")
+# the same, with --seed=3 --scores, for the corpus mode in this process (_run_here)
+SAMPLED = dict(sampling="topk:5", seed=3, nbest=2, scores=True)
 
 
 @pytest.fixture(scope="module")
@@ -158,9 +160,22 @@ def test_sharded_job_killed_and_relaunched_equals_stdin_mode_line_for_line(run, 
         f"0000{k}.{x}" for k in range(8) for x in ("done", "txt")
     ]  # 23 lines: 7 shards of 3, then 2
     assert len(list((state / "b.txt").glob("*.done"))) == 5  # 15 lines
-    # a relaunch finds everything done, translates nothing and writes the same files
-    assert "0/0 lines" in _finish(_launch(run, out, *BEAM, "--shard_lines=3"))
-    assert _outputs(out) == _expected(run)
+    # a relaunch (in this process: the same job's settings) finds everything done, decodes
+    # no line and writes the same files
+    real, decoded = cli._decoder, []
+
+    def counting(*args):
+        def decode(lines, *rest, **kw):
+            decoded.append(len(lines))
+            return inner(lines, *rest, **kw)
+
+        inner = real(*args)
+        return decode
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(cli, "_decoder", counting)
+        assert _run_here(run, out, 3) == _expected(run)
+    assert sum(decoded) == 0
     # ... and one with other settings is refused, naming them
     proc = _launch(run, out, "--beam_size=3", "--shard_lines=3")
     _, err = proc.communicate(timeout=240)
@@ -170,8 +185,9 @@ def test_sharded_job_killed_and_relaunched_equals_stdin_mode_line_for_line(run, 
 def test_a_crash_after_any_shard_or_before_its_marker_relaunches_to_the_same_files(run, tmp_path):
     """In this process, sampling: a crash after k of the 10 shards (a shard's lines written,
     not its marker), or while assembling a.txt or b.txt (k = 10, 11): the relaunch gives the
-    uninterrupted run's bytes."""
-    reference = _run_here(run, tmp_path / "whole", 4, sampling="topk:5", seed=1)
+    uninterrupted run's bytes. (The decoding settings are those of the 2-process test's
+    reference: the same programs.)"""
+    reference = _run_here(run, tmp_path / "whole", 4, **SAMPLED)
     real = paths.write_atomic
     for k in [0, 3, 10, 11]:
         target = tmp_path / f"crash{k}"
@@ -187,15 +203,15 @@ def test_a_crash_after_any_shard_or_before_its_marker_relaunches_to_the_same_fil
         with pytest.MonkeyPatch.context() as m:
             m.setattr(paths, "write_atomic", crashing)
             with pytest.raises(KeyboardInterrupt):
-                _run_here(run, target, 4, sampling="topk:5", seed=1)
+                _run_here(run, target, 4, **SAMPLED)
         assert len(list(target.glob(".shards/*/*.done"))) == min(k, 10)
-        assert _run_here(run, target, 4, sampling="topk:5", seed=1) == reference
+        assert _run_here(run, target, 4, **SAMPLED) == reference
 
 
 def test_two_processes_with_four_devices_give_one_process_files(run, tmp_path):
     """2 processes x 4 forced CPU devices (jax.distributed on 127.0.0.1), sampling 2 per line
     with scores, give the files of this one-process, one-device run: each took its shards."""
-    reference = _run_here(run, tmp_path / "one", 5, sampling="topk:5", seed=3, nbest=2, scores=True)
+    reference = _run_here(run, tmp_path / "one", 5, **SAMPLED)
     port = portpicker.pick_unused_port()
     procs = []
     for i in range(2):
