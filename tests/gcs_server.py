@@ -24,7 +24,8 @@ Faults (`GET /__faults__?rate=R&codes=429,503&reset=P&delay=S&slow=Q&seed=N&down
 `set_faults(port, ...)`): each request fails with one of `codes` with probability `rate`,
 has its connection reset (closed without a reply) with probability `reset`, and is delayed
 by up to `delay` seconds with probability `slow` (default 1: every request); `down=1` resets
-every connection (the server gone) until `down=0`.
+every connection (the server gone) until `down=0`, and `down_on=TEXT` takes the server down
+so at the first request whose URL (unquoted) contains TEXT, that request included.
 `GET /__stats__` counts what was forwarded and injected since the server started. The
 process exits after `--lifetime` seconds, or as soon as `--parent_pid` is gone.
 """
@@ -75,7 +76,8 @@ def env(port: int) -> dict[str, str]:
 
 
 def set_faults(port: int, **faults) -> dict:
-    """Change the running proxy's faults (rate, codes, reset, delay, slow, seed, down)."""
+    """Change the running proxy's faults (rate, codes, reset, delay, slow, seed, down,
+    down_on)."""
     query = urllib.parse.urlencode(
         {k: ",".join(map(str, v)) if isinstance(v, list | tuple) else v for k, v in faults.items()}
     )
@@ -148,7 +150,7 @@ class Faults:
     def __init__(self):
         self.lock = threading.Lock()
         self.rate, self.codes, self.reset, self.delay, self.down = 0.0, [429, 503], 0.0, 0.0, False
-        self.slow = 1.0
+        self.slow, self.down_on = 1.0, ""
         self.rng = random.Random(0)
         self.counts = {"forwarded": 0, "failed": 0, "reset": 0, "delayed": 0, "refused": 0}
 
@@ -161,6 +163,8 @@ class Faults:
                 self.codes = [int(c) for c in query["codes"][0].split(",") if c]
             if "down" in query:
                 self.down = query["down"][0] in ("1", "true")
+            if "down_on" in query:
+                self.down_on = query["down_on"][0]
             if "seed" in query:
                 self.rng = random.Random(int(query["seed"][0]))
             return self.state()
@@ -173,11 +177,14 @@ class Faults:
             delay=self.delay,
             slow=self.slow,
             down=self.down,
+            down_on=self.down_on,
         )
 
-    def draw(self) -> tuple[str, float, int]:
+    def draw(self, url: str) -> tuple[str, float, int]:
         """-> (what: 'down' | 'reset' | 'fail' | 'pass', delay seconds, code)."""
         with self.lock:
+            if self.down_on and self.down_on in urllib.parse.unquote(url):
+                self.down, self.down_on = True, ""
             slow = self.delay and (self.slow >= 1 or self.rng.random() < self.slow)
             delay = self.rng.uniform(0, self.delay) if slow else 0.0
             if self.down:
@@ -273,7 +280,7 @@ class Proxy(http.server.BaseHTTPRequestHandler):
         if url.path == "/__stats__":
             with self.faults.lock:
                 return self._json(200, dict(self.faults.counts))
-        what, delay, code = self.faults.draw()
+        what, delay, code = self.faults.draw(self.path)
         if what == "down":
             self.close_connection = True
             return self.connection.shutdown(socket.SHUT_RDWR)
