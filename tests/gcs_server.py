@@ -226,6 +226,7 @@ class Proxy(http.server.BaseHTTPRequestHandler):
     # made a checkpoint save on gs:// take 4 s instead of 1.
     disable_nagle_algorithm = True
     upstream: int = 0
+    storage = None  # the emulator's Storage, in this process: object metadata is read there
     faults: Faults
     lock = threading.Lock()  # the emulator serves one request at a time
 
@@ -268,9 +269,11 @@ class Proxy(http.server.BaseHTTPRequestHandler):
         self._reply(status, [("Content-Type", "application/json")], json.dumps(obj).encode())
 
     def _metadata(self, bucket: str, obj: str) -> dict | None:
-        q = urllib.parse.quote(obj, safe="")
-        status, _, data = self._call("GET", f"/storage/v1/b/{bucket}/o/{q}")
-        return json.loads(data) if status == 200 else None
+        """The object's metadata (what objects.get answers), read from the emulator's storage
+        directly rather than asked for over HTTP (a second request for every download)."""
+        with self.lock:
+            meta = self.storage.objects.get(bucket, {}).get(obj)
+            return dict(meta) if meta else None
 
     def _handle(self, method: str) -> None:
         url = urllib.parse.urlsplit(self.path)
@@ -378,7 +381,7 @@ def serve(data_dir: str, bucket: str, port: int, lifetime: float, parent_pid: in
     )
     flush = _deferred_metadata_writes(emulator._storage)
     emulator.start()
-    Proxy.upstream, Proxy.faults = upstream, Faults()
+    Proxy.upstream, Proxy.storage, Proxy.faults = upstream, emulator._storage, Faults()
     proxy = http.server.ThreadingHTTPServer(("127.0.0.1", port), Proxy)
     proxy.daemon_threads = True
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
