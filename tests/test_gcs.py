@@ -295,7 +295,7 @@ def test_faults_the_clients_retry_leave_the_run_unchanged(faulty_run, local_run)
     workdir = faulty_run["workdir"]
     (_, gone_out, gone_faults), (code, out, faults) = faulty_run["gone"], faulty_run["resumed"]
     for injected in (gone_faults, faults):
-        assert injected["failed"] > 0 and injected["reset"] > 0 and injected["delayed"] > 0
+        assert min(injected[k] for k in ("failed", "reset", "delayed")) > 0, injected
     print(f"faults injected and absorbed: {gone_faults} until the outage, then {faults}")
     # nothing failed before the outage: every step up to its save was trained and logged
     assert _steps(gone_out) == list(range(1, OUTAGE_AT + 1)), gone_out[-3000:]
