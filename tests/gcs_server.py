@@ -1,5 +1,6 @@
 """A local Cloud Storage for tests: gcp-storage-emulator behind a proxy that fills the
-emulator's gaps and injects faults, both on 127.0.0.1, in a process that stops by itself.
+emulator's gaps and injects faults, on 127.0.0.1, in a process that stops by itself. The proxy
+is the only HTTP server: it hands each request to the emulator's router in the same process.
 
     python tests/gcs_server.py --data_dir=DIR [--port=0] [--bucket=tx-jax-test]
         [--lifetime=1800] [--parent_pid=PID]      prints "READY <port>", then serves
@@ -33,8 +34,9 @@ process exits after `--lifetime` seconds, or as soon as `--parent_pid` is gone.
 from __future__ import annotations
 
 import argparse
-import http.client
+import email.message
 import http.server
+import io
 import json
 import os
 import random
@@ -46,6 +48,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
@@ -140,12 +143,6 @@ def start(data_dir: str, bucket: str = "tx-jax-test", lifetime: float = 1800) ->
 # ------------------------------------------------------------------------- the server
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Faults:
     def __init__(self):
         self.lock = threading.Lock()
@@ -225,8 +222,8 @@ class Proxy(http.server.BaseHTTPRequestHandler):
     # waits for the client's delayed ACK of the headers (~40 ms a request on Linux), which
     # made a checkpoint save on gs:// take 4 s instead of 1.
     disable_nagle_algorithm = True
-    upstream: int = 0
-    storage = None  # the emulator's Storage, in this process: object metadata is read there
+    storage = None  # the emulator's Storage and Router, in this process
+    router = None
     faults: Faults
     lock = threading.Lock()  # the emulator serves one request at a time
 
@@ -247,13 +244,13 @@ class Proxy(http.server.BaseHTTPRequestHandler):
         return self.rfile.read(n) if n else b""
 
     def _call(self, method: str, path: str, body: bytes = b"", headers=None):
+        """The emulator's answer (status, headers, body) to a request: its router, called in
+        this process, one request at a time (its storage is not thread-safe)."""
+        host = self.headers.get("Host", "")  # the URLs it answers with lead back here
+        request = _EmulatorRequest(self.storage, method, path, headers or {}, body, host)
         with self.lock:
-            conn = http.client.HTTPConnection("127.0.0.1", self.upstream, timeout=120)
-            conn.request(method, path, body=body or None, headers=headers or {})
-            resp = conn.getresponse()
-            data = resp.read()
-            conn.close()
-        return resp.status, [(k, v) for k, v in resp.getheaders()], data
+            self.router(request).handle(method)
+        return request.status, request.reply_headers, request.wfile.getvalue()
 
     def _reply(self, status: int, headers, data: bytes) -> None:
         self.send_response(status)
@@ -371,17 +368,41 @@ class Proxy(http.server.BaseHTTPRequestHandler):
         self._handle("DELETE")
 
 
+class _EmulatorRequest:
+    """A request as the emulator's router reads it from its HTTP handler (path, headers, body)
+    and answers it (status, headers, body), for a request the proxy has read already: no
+    second HTTP server, connection or parse per request."""
+
+    def __init__(self, storage, method: str, path: str, headers, body: bytes, host: str):
+        self.storage, self.command, self.path = storage, method, path
+        self.server = types.SimpleNamespace(server_address=("127.0.0.1", 0))
+        self.headers = email.message.Message()  # what http.server gives: .get ignores case
+        for key, value in headers.items():
+            self.headers[key] = value
+        self.headers["Host"], self.headers["Content-Length"] = host, str(len(body))
+        self.rfile, self.wfile = io.BytesIO(body), io.BytesIO()
+        self.status, self.reply_headers = 500, []
+
+    def send_response(self, code: int, message: str | None = None) -> None:
+        self.status = code
+
+    def send_header(self, key: str, value: str) -> None:
+        self.reply_headers.append((key, value))
+
+    def end_headers(self) -> None:
+        pass
+
+
 def serve(data_dir: str, bucket: str, port: int, lifetime: float, parent_pid: int | None):
-    from gcp_storage_emulator.server import create_server
+    from gcp_storage_emulator.handlers import buckets
+    from gcp_storage_emulator.server import Router
+    from gcp_storage_emulator.storage import Storage
 
     os.makedirs(data_dir, exist_ok=True)
-    upstream = _free_port()
-    emulator = create_server(
-        "127.0.0.1", upstream, in_memory=False, data_dir=data_dir, default_bucket=bucket
-    )
-    flush = _deferred_metadata_writes(emulator._storage)
-    emulator.start()
-    Proxy.upstream, Proxy.storage, Proxy.faults = upstream, emulator._storage, Faults()
+    storage = Storage(data_dir=data_dir)
+    buckets.create_bucket(bucket, storage)  # unless a restarted server finds it
+    flush = _deferred_metadata_writes(storage)
+    Proxy.storage, Proxy.router, Proxy.faults = storage, Router, Faults()
     proxy = http.server.ThreadingHTTPServer(("127.0.0.1", port), Proxy)
     proxy.daemon_threads = True
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
@@ -397,7 +418,6 @@ def serve(data_dir: str, bucket: str, port: int, lifetime: float, parent_pid: in
     finally:
         proxy.shutdown()
         flush()
-        emulator.stop()
 
 
 def _deferred_metadata_writes(storage) -> Callable[[], None]:
