@@ -1,5 +1,6 @@
 """A local Cloud Storage for tests: gcp-storage-emulator behind a proxy that fills the
-emulator's gaps and injects faults, both on 127.0.0.1, in a process that stops by itself.
+emulator's gaps and injects faults, on 127.0.0.1, in a process that stops by itself. The proxy
+is the only HTTP server: it hands each request to the emulator's router in the same process.
 
     python tests/gcs_server.py --data_dir=DIR [--port=0] [--bucket=tx-jax-test]
         [--lifetime=1800] [--parent_pid=PID]      prints "READY <port>", then serves
@@ -24,7 +25,8 @@ Faults (`GET /__faults__?rate=R&codes=429,503&reset=P&delay=S&slow=Q&seed=N&down
 `set_faults(port, ...)`): each request fails with one of `codes` with probability `rate`,
 has its connection reset (closed without a reply) with probability `reset`, and is delayed
 by up to `delay` seconds with probability `slow` (default 1: every request); `down=1` resets
-every connection (the server gone) until `down=0`.
+every connection (the server gone) until `down=0`, and `down_on=TEXT` takes the server down
+so at the first request whose URL (unquoted) contains TEXT, that request included.
 `GET /__stats__` counts what was forwarded and injected since the server started. The
 process exits after `--lifetime` seconds, or as soon as `--parent_pid` is gone.
 """
@@ -32,8 +34,9 @@ process exits after `--lifetime` seconds, or as soon as `--parent_pid` is gone.
 from __future__ import annotations
 
 import argparse
-import http.client
+import email.message
 import http.server
+import io
 import json
 import os
 import random
@@ -45,6 +48,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
@@ -75,7 +79,8 @@ def env(port: int) -> dict[str, str]:
 
 
 def set_faults(port: int, **faults) -> dict:
-    """Change the running proxy's faults (rate, codes, reset, delay, slow, seed, down)."""
+    """Change the running proxy's faults (rate, codes, reset, delay, slow, seed, down,
+    down_on)."""
     query = urllib.parse.urlencode(
         {k: ",".join(map(str, v)) if isinstance(v, list | tuple) else v for k, v in faults.items()}
     )
@@ -138,17 +143,11 @@ def start(data_dir: str, bucket: str = "tx-jax-test", lifetime: float = 1800) ->
 # ------------------------------------------------------------------------- the server
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Faults:
     def __init__(self):
         self.lock = threading.Lock()
         self.rate, self.codes, self.reset, self.delay, self.down = 0.0, [429, 503], 0.0, 0.0, False
-        self.slow = 1.0
+        self.slow, self.down_on = 1.0, ""
         self.rng = random.Random(0)
         self.counts = {"forwarded": 0, "failed": 0, "reset": 0, "delayed": 0, "refused": 0}
 
@@ -161,6 +160,8 @@ class Faults:
                 self.codes = [int(c) for c in query["codes"][0].split(",") if c]
             if "down" in query:
                 self.down = query["down"][0] in ("1", "true")
+            if "down_on" in query:
+                self.down_on = query["down_on"][0]
             if "seed" in query:
                 self.rng = random.Random(int(query["seed"][0]))
             return self.state()
@@ -173,11 +174,14 @@ class Faults:
             delay=self.delay,
             slow=self.slow,
             down=self.down,
+            down_on=self.down_on,
         )
 
-    def draw(self) -> tuple[str, float, int]:
+    def draw(self, url: str) -> tuple[str, float, int]:
         """-> (what: 'down' | 'reset' | 'fail' | 'pass', delay seconds, code)."""
         with self.lock:
+            if self.down_on and self.down_on in urllib.parse.unquote(url):
+                self.down, self.down_on = True, ""
             slow = self.delay and (self.slow >= 1 or self.rng.random() < self.slow)
             delay = self.rng.uniform(0, self.delay) if slow else 0.0
             if self.down:
@@ -218,7 +222,8 @@ class Proxy(http.server.BaseHTTPRequestHandler):
     # waits for the client's delayed ACK of the headers (~40 ms a request on Linux), which
     # made a checkpoint save on gs:// take 4 s instead of 1.
     disable_nagle_algorithm = True
-    upstream: int = 0
+    storage = None  # the emulator's Storage and Router, in this process
+    router = None
     faults: Faults
     lock = threading.Lock()  # the emulator serves one request at a time
 
@@ -239,13 +244,13 @@ class Proxy(http.server.BaseHTTPRequestHandler):
         return self.rfile.read(n) if n else b""
 
     def _call(self, method: str, path: str, body: bytes = b"", headers=None):
+        """The emulator's answer (status, headers, body) to a request: its router, called in
+        this process, one request at a time (its storage is not thread-safe)."""
+        host = self.headers.get("Host", "")  # the URLs it answers with lead back here
+        request = _EmulatorRequest(self.storage, method, path, headers or {}, body, host)
         with self.lock:
-            conn = http.client.HTTPConnection("127.0.0.1", self.upstream, timeout=120)
-            conn.request(method, path, body=body or None, headers=headers or {})
-            resp = conn.getresponse()
-            data = resp.read()
-            conn.close()
-        return resp.status, [(k, v) for k, v in resp.getheaders()], data
+            self.router(request).handle(method)
+        return request.status, request.reply_headers, request.wfile.getvalue()
 
     def _reply(self, status: int, headers, data: bytes) -> None:
         self.send_response(status)
@@ -261,9 +266,11 @@ class Proxy(http.server.BaseHTTPRequestHandler):
         self._reply(status, [("Content-Type", "application/json")], json.dumps(obj).encode())
 
     def _metadata(self, bucket: str, obj: str) -> dict | None:
-        q = urllib.parse.quote(obj, safe="")
-        status, _, data = self._call("GET", f"/storage/v1/b/{bucket}/o/{q}")
-        return json.loads(data) if status == 200 else None
+        """The object's metadata (what objects.get answers), read from the emulator's storage
+        directly rather than asked for over HTTP (a second request for every download)."""
+        with self.lock:
+            meta = self.storage.objects.get(bucket, {}).get(obj)
+            return dict(meta) if meta else None
 
     def _handle(self, method: str) -> None:
         url = urllib.parse.urlsplit(self.path)
@@ -273,7 +280,7 @@ class Proxy(http.server.BaseHTTPRequestHandler):
         if url.path == "/__stats__":
             with self.faults.lock:
                 return self._json(200, dict(self.faults.counts))
-        what, delay, code = self.faults.draw()
+        what, delay, code = self.faults.draw(self.path)
         if what == "down":
             self.close_connection = True
             return self.connection.shutdown(socket.SHUT_RDWR)
@@ -361,17 +368,41 @@ class Proxy(http.server.BaseHTTPRequestHandler):
         self._handle("DELETE")
 
 
+class _EmulatorRequest:
+    """A request as the emulator's router reads it from its HTTP handler (path, headers, body)
+    and answers it (status, headers, body), for a request the proxy has read already: no
+    second HTTP server, connection or parse per request."""
+
+    def __init__(self, storage, method: str, path: str, headers, body: bytes, host: str):
+        self.storage, self.command, self.path = storage, method, path
+        self.server = types.SimpleNamespace(server_address=("127.0.0.1", 0))
+        self.headers = email.message.Message()  # what http.server gives: .get ignores case
+        for key, value in headers.items():
+            self.headers[key] = value
+        self.headers["Host"], self.headers["Content-Length"] = host, str(len(body))
+        self.rfile, self.wfile = io.BytesIO(body), io.BytesIO()
+        self.status, self.reply_headers = 500, []
+
+    def send_response(self, code: int, message: str | None = None) -> None:
+        self.status = code
+
+    def send_header(self, key: str, value: str) -> None:
+        self.reply_headers.append((key, value))
+
+    def end_headers(self) -> None:
+        pass
+
+
 def serve(data_dir: str, bucket: str, port: int, lifetime: float, parent_pid: int | None):
-    from gcp_storage_emulator.server import create_server
+    from gcp_storage_emulator.handlers import buckets
+    from gcp_storage_emulator.server import Router
+    from gcp_storage_emulator.storage import Storage
 
     os.makedirs(data_dir, exist_ok=True)
-    upstream = _free_port()
-    emulator = create_server(
-        "127.0.0.1", upstream, in_memory=False, data_dir=data_dir, default_bucket=bucket
-    )
-    flush = _deferred_metadata_writes(emulator._storage)
-    emulator.start()
-    Proxy.upstream, Proxy.faults = upstream, Faults()
+    storage = Storage(data_dir=data_dir)
+    buckets.create_bucket(bucket, storage)  # unless a restarted server finds it
+    flush = _deferred_metadata_writes(storage)
+    Proxy.storage, Proxy.router, Proxy.faults = storage, Router, Faults()
     proxy = http.server.ThreadingHTTPServer(("127.0.0.1", port), Proxy)
     proxy.daemon_threads = True
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
@@ -387,7 +418,6 @@ def serve(data_dir: str, bucket: str, port: int, lifetime: float, parent_pid: in
     finally:
         proxy.shutdown()
         flush()
-        emulator.stop()
 
 
 def _deferred_metadata_writes(storage) -> Callable[[], None]:

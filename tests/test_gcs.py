@@ -42,10 +42,9 @@ OVERRIDES = {
 }
 # faulty_run: faults at rates the clients' retries absorb (each request fails with 429 or 503
 # with probability `rate`, has its connection reset with probability `reset`, and one in five
-# is delayed up to `delay` s), and saves every 4 steps (fewer saves under faults, two before
-# the outage).
+# is delayed up to `delay` s); the server goes at the save of step OUTAGE_AT.
 FAULTS = dict(rate=0.04, reset=0.02, delay=0.05, slow=0.2)
-FAULTY = {"checkpoint.every": 4}
+OUTAGE_AT = 10
 
 
 @pytest.fixture(scope="module")
@@ -216,18 +215,12 @@ def test_evaluate_translate_average_and_export_from_gs(gs_run, local_run, tmp_pa
     assert translation.translate(lines, workdir, beam_size=1) == translation.translate(
         lines, str(local_run), beam_size=1
     )
-    # export: `python -m tx_jax.export` from the gs:// workdir to gs://, the same files as the
-    # local run's export written locally
+    # export from the gs:// workdir to gs:// as `python -m tx_jax.export --out=gs://...` does
+    # it (the checkpoint loaded, the files written locally and copied up; the command line
+    # itself is tests/test_export.py's): the same files as the local run's export
     out = f"{BUCKET}/exported/hf"
-    proc = subprocess.run(
-        [sys.executable, "-m", "tx_jax.export", f"--workdir={workdir}", f"--out={out}"],
-        cwd=ROOT,
-        env=dict(os.environ, JAX_PLATFORMS="cpu"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    with paths.staged_dir(out) as local:
+        huggingface.export(restore.load(workdir), local)
     huggingface.export(restore.load(local_run), tmp_path / "hf")
     local_files = {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()}
     assert {p.name: p.read_bytes() for p in epath.Path(out).iterdir()} == local_files
@@ -244,91 +237,96 @@ def _faults(port: int, **faults):
     try:
         yield injected
     finally:
-        gcs_server.set_faults(port, rate=0, reset=0, delay=0, slow=1, down=0)
+        gcs_server.set_faults(port, rate=0, reset=0, delay=0, slow=1, down=0, down_on="")
         after = gcs_server.stats(port)
         injected.update({k: after[k] - before[k] for k in after})
 
 
+def _flip_a_byte(step_dir: str) -> list[str]:
+    """Flip a byte in the middle of the step's largest array data file -> the step's files."""
+    step_dir = epath.Path(step_dir)
+    names = paths.files(step_dir)
+    victim = max((step_dir / n for n in names if "/d/" in n), key=lambda p: p.stat().length)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    return names
+
+
 @pytest.fixture(scope="module")
 def faulty_run(gcs, tfds_dir):
-    """The run on gs:// under faults the clients' retries absorb, FAULTS in every request, and
-    the server gone after step 9: the trainer stops with an error; the relaunch (server back,
-    the faults still on) resumes and finishes -> dict: workdir, each segment's output, exit
-    status and faults injected, and the checkpoints the outage left (step -> verified)."""
+    """The run on gs:// in two segments, both under FAULTS (which the clients' retries absorb):
+    the server goes at the first request of the save of step OUTAGE_AT and the trainer stops
+    with an error; then, a byte of the newest checkpoint's data flipped, the relaunch (server
+    back) reports that step, moves it away, resumes from the one before and finishes -> dict:
+    workdir; each segment's (exit status, output, faults injected); the checkpoints the outage
+    left (step -> verified); the damaged step and its files."""
     workdir = f"{BUCKET}/faulty"
-    with _faults(gcs.port, seed=3, **FAULTS) as gone_faults:
-        gone = _launch(workdir, tfds_dir, **FAULTY)
-        gone_out = _wait_for_step(gone, 9)
-        gcs_server.set_faults(gcs.port, down=1)
-        gone_out += _finish(gone)
+    outage = f"{workdir.split('/', 3)[3]}/checkpoints/{OUTAGE_AT}"  # the object names' prefix
+    with _faults(gcs.port, seed=3, down_on=outage, **FAULTS) as gone_faults:
+        gone = _launch(workdir, tfds_dir)
+        gone_out = _finish(gone)
     ckpt = Checkpointer(f"{workdir}/checkpoints", read_only=True)
     left = {s: ckpt.verify(s) for s in ckpt.all_steps()}  # raises if one is damaged
+    names = _flip_a_byte(f"{workdir}/checkpoints/{max(left)}")
     with _faults(gcs.port, **FAULTS) as resumed_faults:
-        resumed = _launch(workdir, tfds_dir, **FAULTY)
+        resumed = _launch(workdir, tfds_dir)
         resumed_out = _finish(resumed)
     return dict(
         workdir=workdir,
         gone=(gone.returncode, gone_out, gone_faults),
         resumed=(resumed.returncode, resumed_out, resumed_faults),
         left=left,
+        damaged=(max(left), names),
     )
 
 
 def test_faults_the_clients_retry_leave_the_run_unchanged(faulty_run, local_run):
     """429s, 503s, reset connections and slow replies at rates the clients' retries absorb, in
     both segments of the run (the first until the outage, the second from its resume, restore
-    included, to the end): the run finishes with the uninterrupted local run's parameters and
-    losses."""
+    and quarantine included, to the end): the run finishes with the uninterrupted local run's
+    parameters and losses."""
     workdir = faulty_run["workdir"]
     (_, gone_out, gone_faults), (code, out, faults) = faulty_run["gone"], faulty_run["resumed"]
     for injected in (gone_faults, faults):
-        assert injected["failed"] > 0 and injected["reset"] > 0 and injected["delayed"] > 0
+        assert min(injected[k] for k in ("failed", "reset", "delayed")) > 0, injected
     print(f"faults injected and absorbed: {gone_faults} until the outage, then {faults}")
-    assert _steps(gone_out)[:9] == list(range(1, 10))  # nothing failed before the outage
+    # nothing failed before the outage: every step up to its save was trained and logged
+    assert _steps(gone_out) == list(range(1, OUTAGE_AT + 1)), gone_out[-3000:]
     assert code == 0, out[-3000:]
     _assert_same_params(workdir, local_run)
     assert _losses(workdir) == _losses(local_run)
 
 
 def test_server_gone_mid_run_stops_with_a_clear_error_and_resumes(faulty_run, local_run):
-    """The server disappears while checkpoints are being saved: the trainer stops with an
-    error naming the workdir, the checkpoints verified before stay intact, and the next
-    launch (server back) resumes from the newest checkpoint and finishes like the local run."""
+    """The server disappears while a checkpoint is being saved: the trainer stops with an
+    error naming the workdir, the checkpoints saved before are intact (every one verifies),
+    and the next launch (server back) resumes from one of them and finishes like the local
+    run."""
     workdir, left = faulty_run["workdir"], faulty_run["left"]
     (gone_code, gone_out, _), (code, out, _) = faulty_run["gone"], faulty_run["resumed"]
     assert gone_code == 1, gone_out[-3000:]
     error = [line for line in gone_out.splitlines() if line.startswith("error: ")]
     assert error and "failed" in error[-1] and workdir in error[-1], gone_out[-3000:]
     print(error[-1][:300])
-    verified = [step for step, ok in left.items() if ok]
-    assert verified and verified[-1] >= FAULTY["checkpoint.every"]
+    every = OVERRIDES["checkpoint.every"]
+    assert left == {step: True for step in range(every, OUTAGE_AT, every)}
     assert code == 0, out[-3000:]
-    assert _steps(out)[0] == max(left) + 1  # resumed from the newest checkpoint
+    assert _steps(out)[0] - 1 in left  # resumed, not started again
     _assert_same_params(workdir, local_run)
 
 
-def test_damaged_checkpoint_on_gs_is_quarantined_and_training_falls_back(
-    faulty_run, tfds_dir, local_run
-):
-    """A flipped byte in the newest checkpoint's data on gs:// (the finished faulty_run's): the
-    relaunch reports it, moves the step to checkpoints.damaged/ (every object, nothing
-    deleted), resumes from the previous step and ends with the local run's parameters."""
-    workdir = faulty_run["workdir"]
-    steps = Checkpointer(f"{workdir}/checkpoints", read_only=True).all_steps()
-    assert steps[-1] == STEPS
-    step_dir = epath.Path(f"{workdir}/checkpoints/{STEPS}")
-    names = paths.files(step_dir)
-    victim = max((step_dir / n for n in names if "/d/" in n), key=lambda p: p.stat().length)
-    data = bytearray(victim.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    victim.write_bytes(bytes(data))
-    proc = _launch(workdir, tfds_dir, **FAULTY)
-    out = _finish(proc)
-    assert proc.returncode == 0, out[-3000:]
-    moved = epath.Path(f"{workdir}/checkpoints.damaged/{STEPS}-0")
+def test_damaged_checkpoint_on_gs_is_quarantined_and_training_falls_back(faulty_run, local_run):
+    """A flipped byte in the newest checkpoint's data on gs:// (the one faulty_run's outage
+    left): the relaunch reports it, moves the step to checkpoints.damaged/ (every object,
+    nothing deleted), resumes from the previous step and ends with the local run's parameters."""
+    workdir, (step, names) = faulty_run["workdir"], faulty_run["damaged"]
+    code, out, _ = faulty_run["resumed"]
+    assert code == 0, out[-3000:]
+    moved = epath.Path(f"{workdir}/checkpoints.damaged/{step}-0")
     assert "checksum mismatch" in out and f"moved to {moved}" in out, out[-3000:]
     assert paths.files(moved) == names
-    assert _steps(out)[0] == steps[-2] + 1  # resumed from the step before
+    assert _steps(out)[0] == max(s for s in faulty_run["left"] if s < step) + 1
     assert _losses(workdir)[STEPS] == _losses(local_run)[STEPS]
     _assert_same_params(workdir, local_run)
 

@@ -54,10 +54,6 @@ def _see_other_writers() -> None:
     """gcsfs caches directory listings for the life of a process, so a process that watches a
     workdir another one writes (evaluating a running training, a test comparing runs) would
     not see new checkpoints: every listing asks the store."""
-    try:
-        import fsspec
-    except ImportError:  # no gs:// support installed: nothing to configure
-        return
     for protocol in ("gcs", "gs"):
         fsspec.config.conf.setdefault(protocol, {})["use_listings_cache"] = False
 
@@ -173,33 +169,36 @@ def rename(src: Any, dst: Any) -> epath.Path:
 
 def files(root: Any) -> list[str]:
     """Every file under `root`, as paths relative to it ('a/b.txt'), sorted."""
-    return sorted(sizes(root))
+    if is_remote(root):
+        return sorted(sizes(root))
+    out = []
+    for dirpath, _, names in os.walk(root):
+        out += [os.path.relpath(os.path.join(dirpath, n), root) for n in names]
+    return sorted(out)
 
 
 def sizes(root: Any) -> dict[str, int]:
     """Every file under `root` (a path relative to it, 'a/b.txt') -> its size in bytes."""
-    root = epath.Path(root)
     if not is_remote(root):
-        out = {}
-        for dirpath, _, names in os.walk(root):
-            for name in names:
-                path = os.path.join(dirpath, name)
-                out[os.path.relpath(path, root)] = os.path.getsize(path)
-        return out
+        return {rel: os.path.getsize(os.path.join(root, rel)) for rel in files(root)}
     # A store has no directories, only names: one listing of every name under the prefix
     # (fsspec's find; a page per 1,000 objects, sizes included) instead of a listing per
     # "directory" and an is-it-a-directory lookup (two requests with gcsfs) per entry.
+    root = epath.Path(root)
     fs = epath_backend.fsspec_backend.fs(str(root))
     prefix = fsspec.core.strip_protocol(str(root)).rstrip("/") + "/"
     found = fs.find(str(root), detail=True)
     return {k[len(prefix) :]: int(v["size"]) for k, v in found.items() if k.startswith(prefix)}
 
 
+_HASH_BLOCK = 1 << 26  # 64 MiB
+
+
 def sha256(path: Any, size: int | None = None) -> str:
     """The SHA-256 of a file's bytes (hex), read in blocks of 64 MiB. On a store each block
     is one ranged read: with `size` (from `sizes`) nothing else is asked (gcsfs's open asks
     for the object's metadata first, with a listing beside it)."""
-    block, h = 1 << 26, hashlib.sha256()
+    block, h = _HASH_BLOCK, hashlib.sha256()
     if not is_remote(path):
         with open(path, "rb") as f:
             for data in iter(lambda: f.read(block), b""):

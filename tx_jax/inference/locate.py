@@ -6,6 +6,7 @@ restore.load reads the parameters, averaging.py averages them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -161,7 +162,15 @@ def config_differences(stored: Mapping, current: Mapping) -> dict[str, tuple[Any
 def abstract_params(
     model_config: ModelConfig, sharding: jax.sharding.Sharding, task: str = "translation"
 ) -> Any:
-    """The model's unboxed parameters as ShapeDtypeStructs placed by `sharding`."""
+    """The model's unboxed parameters as ShapeDtypeStructs placed by `sharding`. Tracing the
+    model's init is the slow part of opening a checkpoint (evaluating, averaging, translating
+    from one run opens several): the shapes are kept per (config, sharding, task), and each
+    caller gets its own tree of them."""
+    return jax.tree_util.tree_map(lambda x: x, _abstract_params(model_config, sharding, task))
+
+
+@functools.lru_cache(maxsize=16)
+def _abstract_params(model_config: ModelConfig, sharding: jax.sharding.Sharding, task: str):
     model = make_model(model_config, task)
     boxed = jax.eval_shape(lambda: init_params(model, jax.random.PRNGKey(0)))
     return jax.tree_util.tree_map(
