@@ -5,10 +5,11 @@
 #   ./launch.sh test [pytest args]                         ruff (lint + format) then pytest
 #   ./launch.sh sweep experiments/FILE.py [--parallel N] [--dry-run] [--only 0,3] [--root DIR]
 #                     [--test_split_eval] [--override key=value ...]     python -m tx_jax.sweep
-#   ./launch.sh tpu-create|tpu-setup|tpu-run|tpu-logs|tpu-delete NAME [...] [--dry-run]
+#   ./launch.sh tpu-create|tpu-setup|tpu-prepare|tpu-run|tpu-logs|tpu-delete NAME [...] [--dry-run]
 #                                                          Cloud TPU VMs (scripts/tpu.sh)
 #
-# Environment: PYTHON (interpreter for the venv, >= 3.11), TX_JAX_TEST_WORKERS (pytest-xdist),
+# Environment: PYTHON (interpreter for the venv, >= 3.11), TX_JAX_EXTRAS (extras installed besides
+# a command's own: gpu on an NVIDIA host, docs/gpus.md), TX_JAX_TEST_WORKERS (pytest-xdist),
 # JAX_COMPILATION_CACHE_DIR (train/sweep: JAX's persistent compilation cache; default .jax_cache,
 # which cuts a rerun's first step from 9.9 to 3.6 s on the default experiment, BENCHMARKS.md).
 set -euo pipefail
@@ -20,6 +21,7 @@ ensure_venv() {
   # $1: the extras this command needs (test needs test,export,plan); a venv that already has
   # them for this setup.cfg is used as it is.
   local extras="${1:-}" py="${PYTHON:-python3}"
+  [ -z "${TX_JAX_EXTRAS:-}" ] || extras="${extras:+$extras,}$TX_JAX_EXTRAS"
   if [ ! -x "$VENV/bin/python" ]; then
     "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
       echo "launch.sh: $py is older than Python 3.11; set PYTHON=python3.11 (or newer)" >&2
@@ -79,7 +81,7 @@ case "$cmd" in
     export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$PWD/.jax_cache}"
     exec "$VENV/bin/python" -m tx_jax.sweep "$@"
     ;;
-  tpu-create|tpu-setup|tpu-run|tpu-logs|tpu-delete)
+  tpu-create|tpu-setup|tpu-prepare|tpu-run|tpu-logs|tpu-delete)
     exec bash scripts/tpu.sh "$cmd" "$@"  # no venv here: --dry-run needs nothing installed
     ;;
   help|-h|--help)

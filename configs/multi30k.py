@@ -3,6 +3,8 @@
     --config=configs/multi30k.py                         en->de, the `small` model
     --config=configs/multi30k.py:pair=fr-en,variant=base
     --config=configs/multi30k.py:debug                   seconds (still reads the Multi30k files)
+    --config=configs/multi30k.py:reader=text             the same files read as a user's plain-text
+                                                         corpus (configs/text.py's dataset)
 
 Variants: `small` (d_model 256, 3+3 layers; its en->de test BLEU: README's Results), `base`
 (the paper's base model; overfits 29k pairs), `debug`.
@@ -30,7 +32,7 @@ def parse_pair(pair: str, config_file: str = "configs/multi30k.py") -> tuple[str
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    args = parse_arg(arg, pair="en-de", variant="small")
+    args = parse_arg(arg, pair="en-de", variant="small", reader="multi30k")
     source, target = parse_pair(args.pair)
     if args.variant not in VARIANTS:
         raise ValueError(
@@ -105,6 +107,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.train.cooldown_steps = 4_000
     elif args.variant == "debug":
         shrink_to_debug(c, bleu_examples=16)
+    if args.reader == "text":  # the raw files as prefixes: train.en.gz + train.de.gz, ...
+        c.data.dataset = "text"
+        for split, prefix in (("train", "train"), ("validation", "val"), (c.data.test_split, "")):
+            c.data[split] = f"{c.data.manual_dir}/{prefix or split}"
+        c.data.clean = ml_collections.ConfigDict(dict(max_chars=0, max_ratio=0.0))
+    elif args.reader != "multi30k":
+        raise ValueError(f"configs/multi30k.py: reader={args.reader!r} (multi30k, text)")
     return c
 
 

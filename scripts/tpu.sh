@@ -2,14 +2,21 @@
 # Cloud TPU VMs for tx_jax (called by ./launch.sh tpu-*; usable alone). Needs gcloud, except
 # with --dry-run, which prints every gcloud command ("+ ..." one per line) and runs nothing.
 #
-#   tpu-create NAME [--zone Z] [--accelerator-type v4-8] [--version tpu-ubuntu2204-base]
+#   tpu-create NAME [--zone Z] [--accelerator-type v4-8] [--version RUNTIME]
 #                   [--project P] [--spot | --queued]
+#                   RUNTIME defaults to the generation's (Cloud TPU's "TPU software versions"):
+#                   v6e v2-alpha-tpuv6e, v5p v2-alpha-tpuv5, v5e (v5litepod-*)
+#                   v2-alpha-tpuv5-lite, v4 and older tpu-ubuntu2204-base
 #   tpu-setup NAME [--zone Z] [--project P]      copy the repo to all workers, make .venv there
 #   tpu-run NAME [--zone Z] [--project P] [--accelerator-type T] [--no-plan] -- ARGS...
 #                   first plans the run for the slice here (python -m tx_jax.plan with ARGS'
 #                   --config flags; T defaults to what gcloud says of NAME) and refuses one that
 #                   does not fit; then python -m tx_jax.main ARGS --config.parallel.distributed=True
 #                   on every worker, in the background (nohup; log ~/tx_jax/runs/tpu-run.log)
+#   tpu-prepare NAME [--zone Z] [--project P] -- ARGS...
+#                   python -m tx_jax.prepare ARGS on worker 0, in the foreground: the data
+#                   into a gs:// data.data_dir and the tokenizer into the gs:// workdir, once,
+#                   before tpu-run (a pod's run does not wait for a long preparation)
 #   tpu-logs NAME [--worker N] [--zone Z] [--project P]          follow a worker's log
 #   tpu-delete NAME [--zone Z] [--project P]
 #
@@ -55,7 +62,7 @@ cmd="${1:-}"
 name="$1"
 shift
 
-zone="${TPU_ZONE:-}" project="${TPU_PROJECT:-}" accel="" version="tpu-ubuntu2204-base"
+zone="${TPU_ZONE:-}" project="${TPU_PROJECT:-}" accel="" version=""
 spot=0 queued=0 worker=0 plan=1
 remote_args=()
 while [ $# -gt 0 ]; do
@@ -86,6 +93,16 @@ where=()  # --zone/--project, when given
 
 ssh_all() {  # ssh_all REMOTE_COMMAND: run it on every worker
   run gcloud compute tpus tpu-vm ssh "$name" "${where[@]}" --worker=all --command="$1"
+}
+
+# The runtime (software) version for an accelerator type's TPU generation.
+runtime_for() {
+  case "$1" in
+    v6e-*) echo "v2-alpha-tpuv6e" ;;
+    v5p-*) echo "v2-alpha-tpuv5" ;;
+    v5litepod-*|v5e-*) echo "v2-alpha-tpuv5-lite" ;;
+    *) echo "tpu-ubuntu2204-base" ;;
+  esac
 }
 
 # Cloud's accelerator type -> tx_jax.plan's target (v5e is 'v5litepod' in Cloud's names).
@@ -124,6 +141,7 @@ plan_run() {
 case "$cmd" in
   tpu-create)
     [ "$spot" = 1 ] && [ "$queued" = 1 ] && die "tpu-create: --spot or --queued, not both"
+    [ -n "$version" ] || version=$(runtime_for "${accel:-v4-8}")
     if [ "$queued" = 1 ]; then
       run gcloud alpha compute tpus queued-resources create "$name" "${where[@]}" \
         --node-id="$name" --accelerator-type="${accel:-v4-8}" --runtime-version="$version"
@@ -152,6 +170,11 @@ case "$cmd" in
     ssh_all "cd $REMOTE_DIR && mkdir -p runs && nohup .venv/bin/python -m tx_jax.main \
 $args > $LOG 2>&1 < /dev/null &"
     ;;
+  tpu-prepare)
+    [ ${#remote_args[@]} -gt 0 ] || die "tpu-prepare: expected -- ARGS... (--config=... --workdir=gs://...)"
+    run gcloud compute tpus tpu-vm ssh "$name" "${where[@]}" --worker=0 \
+      --command="cd $REMOTE_DIR && .venv/bin/python -m tx_jax.prepare $(quote_words "${remote_args[@]}")"
+    ;;
   tpu-logs)
     run gcloud compute tpus tpu-vm ssh "$name" "${where[@]}" --worker="$worker" \
       --command="tail -n 100 -f $REMOTE_DIR/$LOG"
@@ -164,6 +187,6 @@ $args > $LOG 2>&1 < /dev/null &"
     fi
     ;;
   *)
-    die "unknown command '$cmd' (tpu-create, tpu-setup, tpu-run, tpu-logs, tpu-delete)"
+    die "unknown command '$cmd' (tpu-create, tpu-setup, tpu-prepare, tpu-run, tpu-logs, tpu-delete)"
     ;;
 esac

@@ -76,6 +76,24 @@ def tfds_dir(tmp_path_factory):
     return tmp_path_factory.getbasetemp() / "tfds"
 
 
+@pytest.fixture(scope="module")
+def gcs(tmp_path_factory):
+    """A local GCS server for the module (tests/gcs_server.py), and this process's clients
+    pointed at it (its environment, which the module's subprocesses inherit)."""
+    import gcs_server
+
+    server = gcs_server.start(str(tmp_path_factory.mktemp("gcs_data")), lifetime=1800)
+    saved = {k: os.environ.get(k) for k in server.env}
+    os.environ.update(server.env)
+    yield server
+    server.stop()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 # ------------------------------------------------------------ where a test's time goes
 # TX_JAX_TEST_PROFILE=FILE: one JSON line per test with the seconds JAX spent tracing,
 # lowering and compiling in this process (subprocesses not included): what to cut first.

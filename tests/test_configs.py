@@ -21,7 +21,15 @@ CONFIGS = sorted(CONFIG_DIR.glob("*.py"))
 DOCUMENTED = {
     "default": ["default"],
     "lm": ["default", "multi30k", "long", "variant=long,length=32768"],
-    "multi30k": ["small", "base", "pair=fr-cs", "pair=de-en,variant=base", "pair=cs-en,debug"],
+    "multi30k": [
+        "small",
+        "base",
+        "pair=fr-cs",
+        "pair=de-en,variant=base",
+        "pair=cs-en,debug",
+        "reader=text",
+    ],
+    "text": ["default"],
     "wmt14_ende": ["base", "big", "direction=de-en", "variant=big,direction=de-en"],
     "multilingual": [
         "default",

@@ -15,6 +15,7 @@ from unittest import mock
 import pytest
 import tensorflow_datasets as tfds
 
+from tx_jax.config import load_config
 from tx_jax.data import datasets, multi30k
 
 REAL_CORPUS = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k"
@@ -252,3 +253,26 @@ def test_real_corpus_en_de(tmp_path):
         for split in ("validation", "test_2016_flickr")
     }
     assert sizes == {"validation": 1014, "test_2016_flickr": 1000}
+
+
+@pytest.mark.skipif(not REAL_CORPUS.is_dir(), reason=f"no real corpus at {REAL_CORPUS}")
+def test_real_corpus_as_text_files_gives_the_same_pairs(tmp_path):
+    """configs/text.py with Multi30k's files as prefixes reads what configs/multi30k.py reads."""
+    data = load_config("configs/text.py").data
+    data.data_dir = str(tmp_path)
+    data.source_lang, data.target_lang = "en", "de"
+    splits = {"train": "train", "validation": "val", "test": "test_2016_flickr"}
+    for split, prefix in splits.items():
+        data[split] = str(REAL_CORPUS / prefix)
+    for split, prefix in splits.items():
+        text = list(datasets.load_split(data, split))
+        reference = datasets.load_translation_split(
+            "multi30k",
+            "validation" if prefix == "val" else prefix,
+            source_lang="en",
+            target_lang="de",
+            data_dir=str(tmp_path),
+            manual_dir=str(REAL_CORPUS),
+        )
+        assert len(text) == len(reference) and text == list(reference), split
+    assert len(text) == 1000

@@ -385,7 +385,7 @@ def _run_modules(commands: list[tuple], timeout: int = 600) -> list[str]:
 
 @pytest.mark.slow
 def test_the_readme_tour_runs_on_debug_configs(tmp_path):
-    """The tour's commands 1, 3-8, 10 and 11 on configs/default.py:debug, one after another
+    """The tour's commands 1, 3-8, 10, 11 and 12 on debug configs, one after another
     (the python -m commands in processes forked from one interpreter, tests/forked.py).
 
     Not run: 2 (needs the Multi30k files), 9 (a downloaded OPUS-MT directory; tests/
@@ -393,7 +393,17 @@ def test_the_readme_tour_runs_on_debug_configs(tmp_path):
     --dry-run."""
     readme = (ROOT / "README.md").read_text()
     tour = readme.split("## A tour", 1)[1].split("\n## ", 1)[0]
-    for module in ("main", "evaluate", "translate", "score", "plan", "export", "import_model"):
+    modules = (
+        "main",
+        "evaluate",
+        "translate",
+        "score",
+        "plan",
+        "export",
+        "import_model",
+        "prepare",
+    )
+    for module in modules:
         assert f"python -m tx_jax.{module}" in tour or module == "main"
     for sub in ("train", "sweep", "tpu-run"):
         assert f"./launch.sh {sub}" in tour
@@ -404,7 +414,19 @@ def test_the_readme_tour_runs_on_debug_configs(tmp_path):
     (tmp_path / "src.txt").write_text("the dog sees two cats .\nthe cat runs .\n")
     (tmp_path / "tgt.txt").write_text("a b\nc\n")
     source, target = f"--source={tmp_path / 'src.txt'}", f"--target={tmp_path / 'tgt.txt'}"
-    out, line, _, scores, plan, _, _ = _run_modules(
+    for shard in ("train-0", "train-1"):  # 12's corpus: two shards and a TSV file
+        (corpus / f"{shard}.en").write_text("the cat runs .\nthe dog sees two cats .\n")
+        (corpus / f"{shard}.de").write_text("die Katze rennt .\nder Hund sieht zwei Katzen .\n")
+    (corpus / "dev.tsv").write_text("the cat runs .\tdie Katze rennt .\n")
+    text = [
+        "--config=configs/text.py:debug",
+        f"--workdir={tmp_path / 'mine'}",
+        f"--config.data.train={corpus}/train-*",
+        f"--config.data.validation={corpus}/dev.tsv",
+        f"--config.data.data_dir={tmp_path / 'tfds'}",
+        "--config.data.vocab_size=24",
+    ]
+    out, line, _, scores, plan, _, _, prepared = _run_modules(
         [
             ("main", [debug, f"--workdir={run}"]),  # 1
             ("evaluate", [f"--workdir={run}", "--limit=8", "--beam_size=2"]),  # 3
@@ -417,8 +439,10 @@ def test_the_readme_tour_runs_on_debug_configs(tmp_path):
             ("plan", [debug, "--target=tpu:v5e-4", "--programs=train"]),  # 7
             ("export", [f"--workdir={run}", "--format=hf", f"--out={tmp_path / 'hf'}"]),  # 8
             ("sweep", ["experiments/table3_cpu.py", "--dry_run", "--only", "0"]),  # 10
+            ("prepare", text),  # 12
         ]
     )[1:]
+    assert "data: text train: 4 pairs" in prepared and "data: text validation: 1 pairs" in prepared
     assert "BLEU" in out
     assert len(line.splitlines()) == 1
     assert len((tmp_path / "out" / "a.src").read_text().splitlines()) == 3
@@ -439,3 +463,37 @@ def test_the_readme_tour_runs_on_debug_configs(tmp_path):
         ]
     )  # 11, as far as it goes without gcloud
     assert "gcloud" in dry
+
+
+def test_the_tpu_walk_in_the_docs_runs_with_dry_run():
+    """docs/tpu_and_cloud.md's walk from create to delete: each command, with --dry-run, prints
+    the gcloud commands it would run (scripts/tpu.sh) and exits 0."""
+    page = (ROOT / "docs" / "tpu_and_cloud.md").read_text()
+    block = page.split("## From a new TPU VM", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [
+        shlex.split(c)
+        for c in block.replace("\\\n", " ").splitlines()
+        if c.strip() and not c.startswith("#")
+    ]
+    subcommands = [c[1] for c in commands]
+    assert subcommands == [
+        "tpu-create",
+        "tpu-create",
+        "tpu-setup",
+        "tpu-prepare",
+        "tpu-run",
+        "tpu-logs",
+        "tpu-delete",
+    ]
+    outs = []
+    for args in commands:
+        assert args[0] == "./launch.sh"
+        cut = args.index("--") if "--" in args else len(args)
+        outs.append(_run(["bash", *args[:cut], "--dry-run", *args[cut:]]))
+        lines = outs[-1].splitlines()
+        assert lines and all(line.startswith("+ ") for line in lines), outs[-1]
+        assert any(line.startswith("+ gcloud ") for line in lines), outs[-1]
+    assert "--spot" in outs[0] and "queued-resources create" in outs[1]
+    assert "--version=tpu-ubuntu2204-base" in outs[0]  # v4's runtime
+    assert "--worker=0" in outs[3] and "python -m tx_jax.prepare --config=" in outs[3]
+    assert "-m tx_jax.plan --target=tpu:" in outs[4]  # planned first

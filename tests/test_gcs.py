@@ -48,21 +48,6 @@ OUTAGE_AT = 10
 
 
 @pytest.fixture(scope="module")
-def gcs(tmp_path_factory):
-    """The server, and this process's clients pointed at it."""
-    server = gcs_server.start(str(tmp_path_factory.mktemp("gcs_data")), lifetime=1800)
-    saved = {k: os.environ.get(k) for k in server.env}
-    os.environ.update(server.env)
-    yield server
-    server.stop()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
-@pytest.fixture(scope="module")
 def local_run(tmp_path_factory, tfds_dir):
     """The reference: the same run on local disk, uninterrupted."""
     workdir = tmp_path_factory.mktemp("local") / "run"

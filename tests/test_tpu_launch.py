@@ -56,6 +56,16 @@ def test_create_plain_spot_and_queued():
         "+ gcloud alpha compute tpus queued-resources create tx1 --node-id=tx1 "
         "--accelerator-type=v5litepod-8 --runtime-version=v2-alpha-tpuv5-lite"
     )
+    # without --version: the generation's runtime
+    runtimes = {
+        "v4-32": "tpu-ubuntu2204-base",
+        "v5litepod-16": "v2-alpha-tpuv5-lite",
+        "v5p-8": "v2-alpha-tpuv5",
+        "v6e-8": "v2-alpha-tpuv6e",
+    }
+    for accel, runtime in runtimes.items():
+        (line,) = dry_run("tpu-create", "tx1", f"--accelerator-type={accel}", "--dry-run")
+        assert line.endswith(f"--accelerator-type={accel} --version={runtime}"), line
 
 
 def test_setup_copies_to_all_workers_and_installs_jax_tpu():

@@ -12,6 +12,9 @@ it may be prepared without the network, and which config.data keys become builde
     'multi30k'               tx_jax.data.multi30k.Multi30k, the pair config chosen from the two
                              languages in either order ('en'/'de' and 'de'/'en' share 'en-de');
                              prepared offline from a manual_dir of raw files
+    'text'                   tx_jax.data.text_corpus.TextTranslation: the user's plain-text
+                             files that data.train / data.validation / data.test name (local or
+                             gs://), each split prepared on its own, keyed by its files' content
     any other name           the TFDS catalog (`TFDS_CATALOG`): e.g. 'wmt14_translate/de-en'.
                              source_lang and target_lang name two text features, the direction
                              being source -> target whatever the config name's order; so any
@@ -35,15 +38,18 @@ import dataclasses
 import difflib
 import functools
 import operator
+import os
 import re
+import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import jax
 import tensorflow_datasets as tfds
 from etils import epath
 
 from tx_jax import paths
-from tx_jax.data import multi30k, staging, synthetic
+from tx_jax.data import multi30k, staging, synthetic, text_corpus
 
 _ITER_CHUNK = 1024  # Records per batched read when iterating.
 
@@ -122,11 +128,17 @@ def network_only(builder: tfds.core.DatasetBuilder, manual_dir: str | None, down
 
 
 def catalog_builder(
-    name: str, *, source_lang: str, target_lang: str, data_dir: str | None, builder_kwargs: dict
+    name: str,
+    *,
+    split: str,
+    source_lang: str,
+    target_lang: str,
+    data_dir: str | None,
+    builder_kwargs: dict,
 ) -> tfds.core.DatasetBuilder:
     """The TFDS catalog's builder of `name` ('wmt14_translate/de-en'); the languages are
     feature keys, read in either order, so they do not choose the builder."""
-    del source_lang, target_lang
+    del split, source_lang, target_lang
     _import_tfds_translate()
     try:
         return tfds.builder(name, data_dir=data_dir, **builder_kwargs)
@@ -139,18 +151,25 @@ class DatasetEntry:
     """One row of `DATASETS`: how a named dataset becomes prepared data.
 
     Attributes:
-      builder: (name, *, source_lang, target_lang, data_dir, builder_kwargs) -> its TFDS
-        builder, not prepared yet; ValueError for languages or a config it cannot give.
+      builder: (name, *, split, source_lang, target_lang, data_dir, builder_kwargs) -> its
+        TFDS builder, not prepared yet (of every split, or of `split` alone for a dataset
+        prepared split by split); ValueError for languages or a config it cannot give.
       prepares_locally: (builder, manual_dir, download) -> whether it can be prepared without
         the network; it raises FileNotFoundError when local files it would read are missing.
       hint: what to do when the data is not prepared and cannot be prepared locally.
       config_kwargs: config.data -> the builder's keyword arguments.
+      extra_splits: config.data -> the splits a run reads besides train that are prepared on
+        their own (a text corpus's); empty when preparing train prepares every split.
+      raw_bytes: builder -> how much it reads to prepare, None when unknown (downloads): what
+        a multi-host run may prepare itself without waiting long (preparation.py).
     """
 
     builder: Callable[..., tfds.core.DatasetBuilder]
     prepares_locally: Callable[[tfds.core.DatasetBuilder, str | None, bool], bool] = network_only
     hint: str = "pass download=True to download and prepare it (network)"
     config_kwargs: Callable[[Any], dict] = config_builder_kwargs
+    extra_splits: Callable[[Any], list[str]] = lambda data: []
+    raw_bytes: Callable[[tfds.core.DatasetBuilder], int | None] = lambda builder: None
 
 
 DATASETS: dict[str, DatasetEntry] = {
@@ -159,11 +178,21 @@ DATASETS: dict[str, DatasetEntry] = {
         prepares_locally=synthetic.prepares_locally,
         hint="it is generated on first use",
         config_kwargs=synthetic.config_builder_kwargs,
+        raw_bytes=lambda builder: 0,
     ),
     "multi30k": DatasetEntry(
         builder=multi30k.make_builder,
         prepares_locally=multi30k.prepares_locally,
         hint="pass manual_dir=<directory with train.en.gz, val.en.gz, ...> or download=True",
+        raw_bytes=lambda builder: 0,  # 4 MB of text
+    ),
+    text_corpus.NAME: DatasetEntry(
+        builder=text_corpus.make_builder,
+        prepares_locally=text_corpus.prepares_locally,
+        hint="its files are read where data.<split> names them",
+        config_kwargs=text_corpus.config_builder_kwargs,
+        extra_splits=text_corpus.extra_splits,
+        raw_bytes=lambda builder: builder.builder_config.num_bytes,
     ),
 }
 # Every other name: a dataset of the TFDS catalog (or any registered TFDS builder).
@@ -220,21 +249,20 @@ def load_translation_split(
     make = functools.partial(
         entry.builder,
         name,
+        split=split,
         source_lang=source_lang,
         target_lang=target_lang,
         builder_kwargs=dict(builder_kwargs or {}),
     )
     if data_dir is not None and paths.is_remote(data_dir):
-        # array_record's reader opens local files only: the version directory this builder
-        # reads is copied to the cache first, and TFDS reads the copy.
-        local_root = staging.local_data_dir(str(data_dir), data_cache_dir)
-        relative = staging.builder_relative_dir(make(data_dir=local_root), local_root)
-        data_dir = staging.stage_prepared(str(data_dir), relative, data_cache_dir)
+        data_dir = _staged(make, entry, str(data_dir), data_cache_dir, manual_dir, download)
     builder = make(data_dir=data_dir)
     label = f"{name} ({builder.info.full_name})"
     _check_languages(builder, label, source_lang, target_lang)
     _ensure_prepared(builder, entry, label, manual_dir=manual_dir, download=download)
     _check_split(builder, label, split)
+    if isinstance(builder, text_corpus.TextTranslation):
+        _announce_counts(builder)
     return TranslationSource(
         data_source=builder.as_data_source(split),
         source_lang=source_lang,
@@ -242,6 +270,73 @@ def load_translation_split(
         name=name,
         split=split,
     )
+
+
+def _staged(make, entry, remote, data_cache_dir, manual_dir, download) -> str:
+    """The local data_dir to read a gs:// data_dir's prepared data from (staging.py: the
+    version directory this builder reads, copied and verified). Data that is not there yet
+    and may be prepared here is prepared in a temporary directory and published to the store
+    first, so that other hosts (and later runs) read the same files."""
+    # array_record's reader opens local files only, hence the copy.
+    local_root = staging.local_data_dir(remote, data_cache_dir)
+    relative = staging.builder_relative_dir(make(data_dir=local_root), local_root)
+    if not staging.is_published(remote, relative):
+        with tempfile.TemporaryDirectory(prefix="tx_jax_prepare_") as tmp:
+            builder = make(data_dir=tmp)
+            label = f"{builder.name} ({builder.info.full_name})"
+            try:
+                _ensure_prepared(builder, entry, label, manual_dir=manual_dir, download=download)
+            except FileNotFoundError as e:
+                raise FileNotFoundError(f"{e} (data.data_dir={remote!r})") from None
+            staging.publish(os.fspath(builder.data_dir), f"{remote.rstrip('/')}/{relative}")
+    return staging.stage_prepared(remote, relative, data_cache_dir)
+
+
+@functools.cache
+def _announce_counts_once(key: str, line: str) -> None:
+    del key
+    print(line, flush=True)
+
+
+def _announce_counts(builder: text_corpus.TextTranslation) -> None:
+    """The counts of a text corpus's split (read, dropped, kept), once per split and process,
+    on process 0's console."""
+    line = text_corpus.counts_line(builder)
+    if line and jax.process_index() == 0:
+        _announce_counts_once(builder.builder_config.name, line)
+
+
+def run_splits(data: Any) -> list[str]:
+    """'train' and the other splits a run of config.data reads that are prepared on their
+    own (a text corpus's validation and test); for other datasets preparing train prepares
+    every split."""
+    return ["train", *entry_of(data.dataset).extra_splits(data)]
+
+
+def unprepared_bytes(data: Any, split: str) -> int | None:
+    """0 when config.data's `split` is prepared where a run reads it (data_dir, or published
+    in a gs:// data_dir); else how many bytes preparing it reads, None when unknown (a
+    download)."""
+    entry = entry_of(data.dataset)
+    make = functools.partial(
+        entry.builder,
+        data.dataset,
+        split=split,
+        source_lang=data.source_lang,
+        target_lang=data.target_lang,
+        builder_kwargs=entry.config_kwargs(data),
+    )
+    if data.data_dir and paths.is_remote(data.data_dir):
+        local_root = staging.local_data_dir(str(data.data_dir), data.get("data_cache_dir"))
+        builder = make(data_dir=local_root)
+        relative = staging.builder_relative_dir(builder, local_root)
+        if staging.is_published(str(data.data_dir), relative):
+            return 0
+    else:
+        builder = make(data_dir=data.data_dir)
+        if builder.is_prepared():
+            return 0
+    return entry.raw_bytes(builder)
 
 
 def load_split(data: Any, split: str) -> TranslationSource:

@@ -1,17 +1,38 @@
-"""What one process prepares for all: in a multi-process run process 0 prepares the TFDS data
-(and the tokenizer, run_tokenizer.py) and the others wait at a barrier, so that no process
-reads files another one is still writing."""
+"""What a run prepares before its first step, on one host or many.
+
+A pod's workers share no disk: each has its own HOME, TFDS data dir and temporary files; only
+the workdir (gs://) and the data's own location are common. So in a multi-process run:
+
+- the workdir must be one every process sees: process 0 writes a token there and every
+  process reads it back; a process that cannot (a local workdir on another host's disk) stops
+  the run at once with a message, instead of dying later on a missing tokenizer.model;
+- process 0 prepares the data (every split the run reads) and the tokenizer (run_tokenizer.py)
+  while the others wait at a barrier; a process whose data_dir is its own then prepares its own
+  identical copy (the same files, read the same way), and one whose data_dir is shared (one
+  host, or gs://, where process 0 published it) reads process 0's;
+- so no process waits long at that barrier, data that is not prepared yet and takes more than
+  `MULTI_HOST_PREPARE_BYTES` to prepare (or a download) stops the run at once, on every
+  process, with the command that prepares it first (`python -m tx_jax.prepare`).
+"""
 
 from __future__ import annotations
 
+import secrets
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from etils import epath
 from jax.experimental import multihost_utils
 
 from tx_jax.data import datasets
+
+# A run of several processes prepares data itself up to this size (seconds of reading);
+# anything larger, or a download, is prepared first with `python -m tx_jax.prepare`.
+MULTI_HOST_PREPARE_BYTES = 64 << 20
+_TOKEN_FILE = ".tx_jax_processes"
 
 
 def barrier(name: str) -> None:
@@ -25,16 +46,74 @@ def open_train_splits(
     datas: Sequence[Any], workdir: epath.Path, *, also_prepare: Sequence[Any] = ()
 ) -> list[datasets.TranslationSource]:
     """The train split of each config.data in `datas`, opened once every process may read
-    it: process 0 creates `workdir` and prepares the data (those of `also_prepare` too, which
-    are not opened here), then every process passes the barrier 'data'."""
+    it: process 0 creates `workdir` and prepares every split a run reads of these data (and
+    of `also_prepare`, not opened here), then every process passes the barrier 'data'. In a
+    multi-process run `check_hosts` comes first."""
+    everything = [*datas, *also_prepare]
+    if jax.process_count() > 1:
+        check_hosts(workdir, everything)
     opened = {}
     if jax.process_index() == 0:
         workdir.mkdir(parents=True, exist_ok=True)
-        for i, data in enumerate([*datas, *also_prepare]):
-            source = datasets.load_split(data, "train")
-            if i < len(datas):
-                opened[i] = source
+        for i, data in enumerate(everything):
+            for split in datasets.run_splits(data):
+                source = datasets.load_split(data, split)
+                if i < len(datas) and split == "train":
+                    opened[i] = source
     barrier("data")
     return [
         opened[i] if i in opened else datasets.load_split(d, "train") for i, d in enumerate(datas)
     ]
+
+
+def unprepared(datas: Sequence[Any]) -> list[str]:
+    """The splits of `datas` a run reads that are not prepared and are too large for every
+    process of a multi-host run to prepare at its start: 'dataset split (size)'."""
+    found = []
+    for data in datas:
+        for split in datasets.run_splits(data):
+            size = datasets.unprepared_bytes(data, split)
+            if size is None or size > MULTI_HOST_PREPARE_BYTES:
+                what = "a download" if size is None else f"{size / 2**20:,.0f} MiB"
+                found.append(f"{data.dataset} {split} ({what})")
+    return found
+
+
+def check_hosts(workdir: epath.Path, datas: Sequence[Any]) -> None:
+    """Stops a multi-process run at its start, on every process, when a process cannot see
+    the workdir process 0 writes, or when data the run reads is not prepared and too large to
+    prepare without a long wait (`unprepared`). One barrier and one all-gather."""
+    token = secrets.randbits(30) + 1
+    path = workdir / _TOKEN_FILE
+    if jax.process_index() == 0:
+        workdir.mkdir(parents=True, exist_ok=True)
+        path.write_text(str(token))
+    barrier("workdir")
+    try:
+        seen = int(path.read_text())
+    except (OSError, ValueError):
+        seen = 0
+    missing = unprepared(datas)
+    mine = np.array([seen, token if jax.process_index() == 0 else 0, len(missing)], np.int32)
+    gathered = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 3)
+    blind = [i for i, row in enumerate(gathered) if row[0] != gathered[0, 1]]
+    if blind:
+        raise ValueError(
+            f"workdir {workdir}: process(es) {', '.join(map(str, blind))} of "
+            f"{jax.process_count()} cannot see what process 0 writes there; every process of a "
+            "run reads and writes one workdir: give a gs:// workdir (a local path only when "
+            "every process shares that disk)"
+        )
+    if gathered[:, 2].any():
+        raise ValueError(
+            f"not prepared: {'; '.join(missing) or 'data another process lacks'}. A run of "
+            f"{jax.process_count()} processes does not wait for a long preparation: run "
+            f"`{prepare_command()}` once first (with data.data_dir on gs:// when the hosts "
+            "share no disk), then launch again"
+        )
+
+
+def prepare_command() -> str:
+    """`python -m tx_jax.prepare` with this command line's --config and --workdir flags."""
+    keep = [a for a in sys.argv[1:] if a.startswith(("--config", "--workdir"))]
+    return " ".join(["python -m tx_jax.prepare", *keep]) if keep else "python -m tx_jax.prepare"

@@ -141,6 +141,28 @@ def stage_prepared(remote: str, relative: str, cache_dir: str | None = None) -> 
     return local_root
 
 
+def is_published(remote: str, relative: str) -> bool:
+    """Whether `remote`/`relative` holds prepared data: its dataset_info.json, which
+    `publish` writes last."""
+    fs, root = fsspec.core.url_to_fs(f"{remote.rstrip('/')}/{relative}/dataset_info.json")
+    return fs.exists(root)
+
+
+def publish(local_dir: str, remote_dir: str) -> None:
+    """Copies a prepared version directory to the store, dataset_info.json last: a reader
+    (`stage_prepared`, `is_published`) never takes a half-copied directory for prepared data."""
+    fs, root = fsspec.core.url_to_fs(remote_dir)
+    names = sorted(
+        os.path.relpath(os.path.join(d, n), local_dir)
+        for d, _, files in os.walk(local_dir)
+        for n in files
+    )
+    names.sort(key=lambda rel: rel == "dataset_info.json")
+    logging.info("publishing %s (%d files) to %s", local_dir, len(names), remote_dir)
+    for rel in names:
+        fs.put_file(os.path.join(local_dir, rel), f"{root}/{rel}")
+
+
 def builder_relative_dir(builder: Any, local_root: str) -> str:
     """The version directory of a TFDS builder made on `local_root`, relative to it."""
     return os.path.relpath(os.fspath(builder.data_dir), local_root)

@@ -481,11 +481,17 @@ def make_config(
 
 
 def make_builder(
-    name: str, *, source_lang: str, target_lang: str, data_dir: str | None, builder_kwargs: dict
+    name: str,
+    *,
+    split: str = "",
+    source_lang: str,
+    target_lang: str,
+    data_dir: str | None,
+    builder_kwargs: dict,
 ) -> SyntheticTranslation:
     """The table entry 'synthetic' (tx_jax.data.datasets): both directions read one corpus,
     whose sizes come in builder_kwargs ('config': `make_config(...)`), not in the name."""
-    del source_lang, target_lang
+    del split, source_lang, target_lang  # one corpus, every split prepared together
     if name != "synthetic":
         raise ValueError(
             f"Dataset {name!r}: the synthetic corpus has no named configs; use 'synthetic' "

@@ -53,16 +53,22 @@ def build_run(config: ml_collections.ConfigDict, workdir: str | epath.Path) -> R
     strategy = parallel.make_strategy(config.parallel)
     check_batch_divides(config, strategy)
     check_writable(workdir)
+    source = init_source(config, workdir)
+    task = prepare_task(config, workdir, source)
+    parts = build_model(config, task.tokenizer.vocab_size, task.tokenizer.bos_id)
+    return Run(config, workdir, strategy, task, *parts, source)
+
+
+def prepare_task(config: ml_collections.ConfigDict, workdir: epath.Path, source=None):
+    """The run's task: its data prepared and opened, its tokenizer trained (or given, or
+    train.init_from's `source`'s) and saved as WORKDIR/tokenizer.model."""
     is_lm = task_of(config) == "lm"
     prepare = lm_task.prepare_lm_task if is_lm else tasks.prepare_translation_task
     if directions.is_multilingual(config.data):
         prepare = directions.prepare_multilingual_task
     elif backtranslation.has_synthetic(config.data) and not is_lm:
         prepare = backtranslation.prepare_backtranslation_task
-    source = _init_source(config, workdir)
-    task = prepare(config.data, workdir, seed=config.seed, tokenizer=task_tokenizer(source))
-    parts = build_model(config, task.tokenizer.vocab_size, task.tokenizer.bos_id)
-    return Run(config, workdir, strategy, task, *parts, source)
+    return prepare(config.data, workdir, seed=config.seed, tokenizer=task_tokenizer(source))
 
 
 def task_tokenizer(source):
@@ -101,7 +107,7 @@ def train_step_fn(config: ml_collections.ConfigDict, model: nn.Module, tx, sched
     )
 
 
-def _init_source(config: ml_collections.ConfigDict, workdir: epath.Path):
+def init_source(config: ml_collections.ConfigDict, workdir: epath.Path):
     """train.init_from's checkpoint, opened (meta only), unless the workdir has checkpoints
     of its own: then the run resumes from those and init_from is not read again."""
     path = config.train.get("init_from")

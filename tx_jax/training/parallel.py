@@ -222,11 +222,7 @@ class Strategy:
         With several processes pmap's copies are host-local arrays, which Orbax cannot save;
         they become one global array replicated over every device."""
         if self.kind == "pmap" and jax.process_count() > 1:
-            from orbax.checkpoint import utils as ocp_utils
-
-            return jax.tree_util.tree_map(
-                ocp_utils.fully_replicated_host_local_array_to_global_array, state
-            )
+            return jax.tree_util.tree_map(_replicas_as_global, state)
         if self.kind == "pmap":
             return jax.tree_util.tree_map(_first_replica, state)
         return state
@@ -375,6 +371,16 @@ def _first_replica(x: jax.Array) -> jax.Array:
     devices on 2 cores: participants of different programs waiting for each other)."""
     local = x.addressable_shards[0].data  # [1, ...] on device 0
     return local.reshape(local.shape[1:])
+
+
+def _replicas_as_global(x: jax.Array) -> jax.Array:
+    """pmap's host-local copies [n_local, ...] of every process -> one global array [...]
+    replicated over every device. (Orbax's fully_replicated_host_local_array_to_global_array
+    keeps the leading axis when a process has one device: it compares shapes to find it.)"""
+    shards = sorted(x.addressable_shards, key=lambda s: s.device.id)
+    copies = [s.data.reshape(s.data.shape[1:]) for s in shards]  # each [1, ...] -> [...]
+    mesh = Mesh(np.asarray(jax.devices()), ("replica",))
+    return jax.make_array_from_single_device_arrays(x.shape[1:], NamedSharding(mesh, P()), copies)
 
 
 class _Null:

@@ -1,0 +1,70 @@
+r"""Command line: prepare what a run reads before it starts, and say what was made.
+
+    python -m tx_jax.prepare --config=configs/text.py --workdir=gs://bucket/runs/mine \
+        --config.data.train=gs://bucket/corpus/train --config.data.validation=... \
+        --config.data.data_dir=gs://bucket/tfds
+
+The dataset (every split the run reads) goes into data.data_dir, local or gs:// (prepared
+here, then published there for every host), and the tokenizer into WORKDIR/tokenizer.model
+(trained on the train split, or data.tokenizer_path's, or train.init_from's). A run started
+afterwards with the same --config and --workdir finds both and starts at once; a multi-host
+run needs this first when its data is large (tx_jax/data/preparation.py).
+"""
+
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from tx_jax.data import datasets
+from tx_jax.experiment import setup
+from tx_jax.experiment.validation import validate_config
+from tx_jax.ops import backend
+from tx_jax.training import checkpoint as ckpt_lib
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("workdir", None, "The run's directory: its tokenizer.model goes there.")
+config_flags.DEFINE_config_file(
+    "config", None, "Config file; 'file.py:arg' passes arg to get_config.", lock_config=True
+)
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def report(config) -> list[str]:
+    """What a run of `config` reads, prepared: one line per split, then the tokenizer."""
+    data = config.data
+    lines = []
+    for split in dict.fromkeys(
+        [*datasets.run_splits(data), data.get("eval_split"), data.get("test_split")]
+    ):
+        if not split:
+            continue
+        try:
+            source = datasets.load_split(data, split)
+        except ValueError:  # a split this dataset does not have (a test split is optional)
+            continue
+        where = data.data_dir or "TFDS's default data dir"
+        lines.append(f"data: {data.dataset} {split}: {len(source):,} pairs in {where}")
+    return lines
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    logging.set_verbosity(logging.WARNING)
+    backend.skip_absent_tpu()
+    config, workdir = FLAGS.config, ckpt_lib.absolute(FLAGS.workdir)
+    try:
+        validate_config(config)
+        source = setup.init_source(config, workdir)
+        task = setup.prepare_task(config, workdir, source)
+        lines = report(config)
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
+    for line in lines:
+        print(line)
+    print(f"tokenizer: {workdir / 'tokenizer.model'} ({task.tokenizer.vocab_size:,} pieces)")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,372 @@
+"""A user's plain-text parallel corpus as TFDS data: one prepared dataset per split.
+
+config.data names each split's files (configs/text.py); local paths and gs:// alike:
+
+    data.train = 'corpus/train-*'      a PREFIX, read as PREFIX.<source_lang> and
+                                       PREFIX.<target_lang>, each plain text or gzip (.gz),
+                                       line i of one translating line i of the other; a wildcard
+                                       in the file name matches shards (train-00.en.gz with
+                                       train-00.de.gz, ...), read in sorted order, paired by name
+    data.validation = 'corpus/dev.tsv' a path ending .tsv or .tsv.gz (a wildcard too): one pair
+                                       per line, source TAB target
+    data.test = 'corpus/test'          the split data.test_split names ('test'); data.eval_split
+                                       ('validation') is read from data.validation likewise
+
+Language codes only name files and features: any code works. Each split is prepared once into
+data_dir (ArrayRecord, through TFDS like every dataset here) under a config named by a digest
+of its files' names, sizes and content (SHA-256 of the bytes on local disk; the store's MD5 or
+CRC32C on gs://) and its cleaning settings. The same files reuse it; a changed file is prepared
+anew, so a changed test set is never scored from a stale copy.
+
+Cleaning, counted in the prepared data's metadata and logged whenever a split is opened: pairs
+with an empty side are dropped in every split; `data.clean.max_chars` (the longer side, in
+characters) and `data.clean.max_ratio` (longer side / shorter side, in characters) drop train
+pairs only (0: off), since the evaluation splits are what scores are reported on.
+
+Bad input raises CorpusError, a ValueError (the command lines print it as one line and exit 1),
+naming the file, the line and the config key: a missing file, line counts that differ, a TSV
+line without exactly one tab, bytes that are not UTF-8. TFDS writes a split into a temporary
+directory that is renamed into place only when it is complete, so a failed preparation leaves
+nothing that a rerun would read.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+import gzip
+import hashlib
+import itertools
+import json
+import logging
+import os
+import re
+import zlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import fsspec
+import tensorflow_datasets as tfds
+from absl import logging as absl_logging
+from etils import epath
+
+from tx_jax import paths
+
+NAME = "text"
+VERSION = "1.0.0"
+# The splits a config names files for, besides those data.eval_split and data.test_split name.
+SPLITS = ("train", "validation", "test")
+_WILDCARDS = "*?["
+
+
+class CorpusError(ValueError):
+    """Bad corpus input; the message names the file, the line and the config key."""
+
+
+def base_split(split: str) -> str:
+    """'train' of 'train[:1000]'; a ValueError for 'a+b' (a text corpus opens one split)."""
+    match = re.fullmatch(r"\s*(\w+)\s*(\[[^\]]*\])?\s*", split)
+    if match is None:
+        raise ValueError(f"text corpus: split {split!r} is not one split (or a slice of one)")
+    return match.group(1)
+
+
+# ------------------------------------------------------------------ finding the files
+
+
+def _matches(pattern: str) -> list[str]:
+    """The files a path or a wildcard pattern names, sorted (empty when none exist)."""
+    if not any(c in pattern for c in _WILDCARDS):
+        return [pattern] if epath.Path(pattern).is_file() else []
+    return paths.glob(pattern)
+
+
+def is_tsv(spec: str) -> bool:
+    """Whether a split's spec names TSV files (source TAB target) rather than a prefix."""
+    return spec.endswith((".tsv", ".tsv.gz"))
+
+
+def resolve(spec: str, key: str, languages: tuple[str, str]) -> list[tuple[str, ...]]:
+    """The shards `spec` names, in sorted order: (source file, target file) for a prefix,
+    (tsv file,) for a TSV path. CorpusError naming `key` when nothing or half a pair exists."""
+    if is_tsv(spec):
+        found = _matches(spec)
+        if not found:
+            raise CorpusError(f"{key}={spec!r}: no such file")
+        return [(f,) for f in found]
+    by_lang = {}
+    for lang in languages:
+        stems: dict[str, str] = {}
+        for suffix in (f".{lang}", f".{lang}.gz"):
+            for f in _matches(spec + suffix):
+                stem = f[: -len(suffix)]
+                if stem in stems:
+                    raise CorpusError(f"{key}={spec!r}: both {stems[stem]} and {f}; keep one")
+                stems[stem] = f
+        by_lang[lang] = stems
+    source, target = (by_lang[lang] for lang in languages)
+    if not source and not target:
+        raise CorpusError(
+            f"{key}={spec!r}: no file {spec}.{languages[0]}[.gz] or {spec}.{languages[1]}[.gz] "
+            "(a prefix P is read as P.<source_lang> and P.<target_lang>, plain or .gz; a path "
+            "ending .tsv or .tsv.gz as source TAB target)"
+        )
+    for stem in sorted(source.keys() ^ target.keys()):
+        have, lang = (
+            (source[stem], languages[1]) if stem in source else (target[stem], languages[0])
+        )
+        raise CorpusError(f"{key}={spec!r}: {have} has no partner {stem}.{lang}[.gz]")
+    return [(source[stem], target[stem]) for stem in sorted(source)]
+
+
+@functools.lru_cache(maxsize=4096)
+def _local_digest(path: str, size: int, mtime_ns: int) -> str:
+    del size, mtime_ns  # the cache key: a file rewritten since is hashed again
+    return "sha256:" + paths.sha256(path)
+
+
+def content_id(path: str) -> tuple[int, str]:
+    """(size, digest) of a file's bytes: SHA-256 locally, the store's MD5 or CRC32C remotely
+    (read from its metadata, not downloaded)."""
+    if not paths.is_remote(path):
+        stat = os.stat(path)
+        return stat.st_size, _local_digest(os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
+    fs, root = fsspec.core.url_to_fs(path)
+    info = fs.info(root)
+    size = int(info["size"])
+    for field in ("md5Hash", "crc32c"):
+        if info.get(field):
+            return size, f"{field}:{info[field]}"
+    return size, "sha256:" + paths.sha256(path, size)
+
+
+# ------------------------------------------------------------------ the builder
+
+
+@dataclasses.dataclass(eq=False)  # eq=False like tfds.core.BuilderConfig: stays hashable.
+class TextSplitConfig(tfds.core.BuilderConfig):
+    """One split of a text corpus: its shards, languages and cleaning (see `split_config`)."""
+
+    split: str = "train"
+    key: str = "data.train"
+    languages: tuple[str, str] = ("src", "tgt")
+    shards: tuple[tuple[str, ...], ...] = ()
+    max_chars: int = 0
+    max_ratio: float = 0.0
+    num_bytes: int = 0
+
+
+def split_config(
+    split: str, spec: str, languages: tuple[str, str], clean: Mapping[str, Any]
+) -> TextSplitConfig:
+    """The config of one split whose files `spec` names (cleaning applies to train only),
+    named '<split>-<digest>' after its files' names, sizes and digests and the cleaning."""
+    key = f"data.{split}"
+    shards = resolve(spec, key, languages)
+    ids = [(os.path.basename(f), *content_id(f)) for shard in shards for f in shard]
+    filters = {"max_chars": int(clean.get("max_chars") or 0)}
+    filters["max_ratio"] = float(clean.get("max_ratio") or 0.0)
+    if split != "train":
+        filters = {"max_chars": 0, "max_ratio": 0.0}
+    fingerprint = {"split": split, "languages": languages, "files": ids, "filters": filters}
+    digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()
+    return TextSplitConfig(
+        name=f"{split}-{digest[:16]}",
+        description=f"{key}={spec!r}: {languages[0]} -> {languages[1]}, {len(ids)} file(s)",
+        split=split,
+        key=key,
+        languages=tuple(languages),
+        shards=tuple(shards),
+        num_bytes=sum(size for _, size, _ in ids),
+        **filters,
+    )
+
+
+class TextTranslation(tfds.core.GeneratorBasedBuilder):
+    """A split of a plain-text parallel corpus (see the module docstring); its configs are
+    made per corpus by `split_config`, never listed."""
+
+    VERSION = tfds.core.Version(VERSION)
+    RELEASE_NOTES = {str(VERSION): "Plain-text pairs (prefix.<lang>[.gz] or .tsv[.gz]), cleaned."}
+    BUILDER_CONFIGS: list[TextSplitConfig] = []
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        source, target = self.builder_config.languages
+        return tfds.core.DatasetInfo(
+            builder=self,
+            description=self.builder_config.description,
+            features=tfds.features.FeaturesDict(
+                {source: tfds.features.Text(), target: tfds.features.Text()}
+            ),
+            disable_shuffling=True,  # file order: a test split lines up with its files
+            metadata=tfds.core.MetadataDict(),
+        )
+
+    def _split_generators(self, dl_manager: tfds.download.DownloadManager) -> dict:
+        del dl_manager
+        return {self.builder_config.split: self._generate_examples()}
+
+    def _generate_examples(self) -> Iterator[tuple[int, dict[str, str]]]:
+        """(running index, {source: text, target: text}) of the kept pairs, in file order; the
+        counts go to the metadata, written with the data once every pair is read."""
+        cfg = self.builder_config
+        counts = collections.Counter(read=0, empty=0, too_long=0, ratio=0)
+        for shard in cfg.shards:
+            for a, b in read_pairs(shard, cfg.key):
+                counts["read"] += 1
+                reason = drop_reason(a, b, cfg.max_chars, cfg.max_ratio)
+                if reason:
+                    counts[reason] += 1
+                    continue
+                yield counts["read"] - 1, {cfg.languages[0]: a, cfg.languages[1]: b}
+        counts["kept"] = counts["read"] - counts["empty"] - counts["too_long"] - counts["ratio"]
+        self.info.metadata["counts"] = dict(counts)
+        logging.info("%s", describe_counts(cfg, counts))
+
+
+def drop_reason(a: str, b: str, max_chars: int, max_ratio: float) -> str | None:
+    """Why a pair is dropped ('empty', 'too_long', 'ratio'), or None when it is kept."""
+    la, lb = len(a.strip()), len(b.strip())
+    if not la or not lb:
+        return "empty"
+    if max_chars and max(la, lb) > max_chars:
+        return "too_long"
+    if max_ratio and max(la, lb) / min(la, lb) > max_ratio:
+        return "ratio"
+    return None
+
+
+def describe_counts(cfg: TextSplitConfig, counts: Mapping[str, int]) -> str:
+    """One log line: what a split read, dropped and kept."""
+    line = (
+        f"text corpus {cfg.key} ({len(cfg.shards)} shard(s)): {counts['read']:,} pairs read, "
+        f"{counts['empty']:,} with an empty side dropped"
+    )
+    if cfg.max_chars:
+        line += f", {counts['too_long']:,} longer than {cfg.max_chars} characters dropped"
+    if cfg.max_ratio:
+        line += f", {counts['ratio']:,} with a length ratio over {cfg.max_ratio:g} dropped"
+    return line + f", {counts['kept']:,} kept"
+
+
+# ------------------------------------------------------------------ reading
+
+
+def read_lines(path: str, key: str) -> Iterator[str]:
+    """A text file's lines (plain or .gz) without their line ends; CorpusError naming the file,
+    the line and `key` for bytes that are not UTF-8 or a damaged gzip file."""
+    number = 0
+    try:
+        with epath.Path(path).open("rb") as raw, _maybe_gunzip(raw, path) as stream:
+            for number, line in enumerate(stream, start=1):
+                try:
+                    text = line.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise CorpusError(
+                        f"{path} line {number}: not UTF-8 (byte {line[e.start]:#04x} at column "
+                        f"{e.start + 1}) ({key})"
+                    ) from None
+                yield text.rstrip("\r\n")
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise CorpusError(f"{path}: damaged gzip data after line {number} ({e}) ({key})") from None
+
+
+def _maybe_gunzip(raw, path: str):
+    return gzip.open(raw, "rb") if path.endswith(".gz") else contextlib.nullcontext(raw)
+
+
+def read_pairs(shard: tuple[str, ...], key: str) -> Iterator[tuple[str, str]]:
+    """The (source, target) pairs of one shard: a TSV file, or two line-aligned files whose
+    line counts must agree (CorpusError naming both files and both counts)."""
+    if len(shard) == 1:
+        (path,) = shard
+        for number, line in enumerate(read_lines(path, key), start=1):
+            if line.count("\t") != 1:
+                raise CorpusError(
+                    f"{path} line {number}: {line.count(chr(9))} tabs; a TSV line is "
+                    f"source TAB target ({key})"
+                )
+            a, b = line.split("\t")
+            yield a, b
+        return
+    path_a, path_b = shard
+    lines_a, lines_b = read_lines(path_a, key), read_lines(path_b, key)
+    for count, (a, b) in enumerate(itertools.zip_longest(lines_a, lines_b)):
+        if a is None or b is None:
+            count_a = count + (a is not None) + sum(1 for _ in lines_a)
+            count_b = count + (b is not None) + sum(1 for _ in lines_b)
+            raise CorpusError(
+                f"{key}: line counts differ: {path_a} has {count_a:,} lines but {path_b} has "
+                f"{count_b:,}; the two files of a shard must be line-aligned translations"
+            )
+        yield a, b
+
+
+# ------------------------------------------------------------------ the table's entry
+
+
+def config_builder_kwargs(data: Any) -> dict:
+    """The split specs config.data gives (data.train, data.validation, data.test and the
+    splits eval_split/test_split name) and its cleaning, as the builder's arguments."""
+    names = [*SPLITS]
+    for split in (data.get("eval_split"), data.get("test_split")):
+        if split and base_split(split) not in names:
+            names.append(base_split(split))
+    specs = {name: data.get(name) for name in names if data.get(name)}
+    return {"specs": specs, "clean": dict(data.get("clean") or {})}
+
+
+def make_builder(
+    name: str,
+    *,
+    split: str,
+    source_lang: str,
+    target_lang: str,
+    data_dir: str | None,
+    builder_kwargs: dict,
+) -> TextTranslation:
+    """The table entry 'text' (tx_jax.data.datasets): the builder of one split's files."""
+    if name != NAME:
+        raise ValueError(f"Dataset {name!r}: a text corpus is dataset 'text' (configs/text.py)")
+    split = base_split(split)
+    spec = builder_kwargs.get("specs", {}).get(split)
+    if not spec:
+        raise CorpusError(
+            f"data.{split} is not set: the {split} split of a text corpus is read from the "
+            f"files data.{split} names (a prefix P for P.{source_lang} and P.{target_lang}, "
+            "or a .tsv file)"
+        )
+    config = split_config(split, spec, (source_lang, target_lang), builder_kwargs.get("clean", {}))
+    with _quiet_tfds():  # a config made per corpus is what TFDS warns of ("custom data config")
+        return TextTranslation(config=config, data_dir=data_dir)
+
+
+@contextlib.contextmanager
+def _quiet_tfds() -> Iterator[None]:
+    level = absl_logging.get_verbosity()
+    absl_logging.set_verbosity(absl_logging.ERROR)
+    try:
+        yield
+    finally:
+        absl_logging.set_verbosity(level)
+
+
+def prepares_locally(builder: TextTranslation, manual_dir: str | None, download: bool) -> bool:
+    """Always: the files are read where they are (local or gs://)."""
+    del builder, manual_dir, download
+    return True
+
+
+def extra_splits(data: Any) -> list[str]:
+    """The splits besides train that a run of `data` reads, each prepared on its own."""
+    specs = config_builder_kwargs(data)["specs"]
+    names = [base_split(s) for s in (data.get("eval_split"), data.get("test_split")) if s]
+    return [s for s in dict.fromkeys(names) if s in specs and s != "train"]
+
+
+def counts_line(builder: TextTranslation) -> str | None:
+    """The prepared split's counts (read, dropped, kept) as one line, None when unknown."""
+    counts = builder.info.metadata.get("counts") if builder.info.metadata else None
+    return describe_counts(builder.builder_config, counts) if counts else None
