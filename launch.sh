@@ -64,8 +64,10 @@ case "$cmd" in
     "$VENV/bin/ruff" check .
     "$VENV/bin/ruff" format --check .
     # --dist loadfile: a file's tests share one worker, so a module's fixtures (a trained
-    # run, a server) are built once, not once per worker.
-    "$VENV/bin/python" -m pytest -n "${TX_JAX_TEST_WORKERS:-2}" --dist loadfile "$@"
+    # run, a server) are built once, not once per worker; files are handed out in the order
+    # tests/conftest.py's LONGEST_FIRST gives them, not reordered by their number of tests.
+    "$VENV/bin/python" -m pytest -n "${TX_JAX_TEST_WORKERS:-2}" --dist loadfile \
+      --no-loadscope-reorder "$@"
     ;;
   train)
     ensure_venv

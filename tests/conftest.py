@@ -53,6 +53,50 @@ def reference_attention(q, k, v, mask=None, bias=None):
     return np.einsum("bhls,bshd->blhd", w, v), w
 
 
+# The test files, longest first (seconds in a full run: BENCHMARKS.md "Test suite"). launch.sh
+# runs `--dist loadfile --no-loadscope-reorder`: xdist hands whole files to the two workers in
+# this order, so the long ones start first and the workers finish together instead of one
+# waiting on a long file that came last. A file not listed runs after these.
+LONGEST_FIRST = (
+    "test_import_model.py",
+    "test_train.py",
+    "test_decoding.py",
+    "test_planning.py",
+    "test_gcs.py",
+    "test_evaluate.py",
+    "test_translate_corpus.py",
+    "test_attention.py",
+    "test_robustness.py",
+    "test_multiprocess.py",
+    "test_docs.py",
+    "test_import.py",
+    "test_hosts.py",
+    "test_multilingual.py",
+    "test_elastic.py",
+    "test_output_loss.py",
+    "test_models.py",
+    "test_export.py",
+    "test_kernels.py",
+    "test_visualize.py",
+    "test_losses_optim.py",
+    "test_language_similarity.py",
+    "test_multi30k_ende.py",
+    "test_data_text.py",
+    "test_sweep.py",
+    "test_fused_loss.py",
+    "test_flops.py",
+    "test_residual_norm.py",
+    "test_data_parallel.py",
+    "test_attention_splash.py",
+    "test_lm.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a file
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)

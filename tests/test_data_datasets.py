@@ -267,7 +267,8 @@ class TxJaxTestSummaries(tfds.core.GeneratorBasedBuilder):
 
 
 def test_table_rows_by_name():
-    assert set(datasets.DATASETS) == {"synthetic", "multi30k"}
+    assert set(datasets.DATASETS) == {"synthetic", "multi30k", "text"}
+    assert datasets.entry_of("text") is datasets.DATASETS["text"]
     assert datasets.entry_of("multi30k/en-de") is datasets.DATASETS["multi30k"]
     assert datasets.entry_of("synthetic") is datasets.DATASETS["synthetic"]
     assert datasets.entry_of(WMT) is datasets.TFDS_CATALOG

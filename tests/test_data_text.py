@@ -14,7 +14,8 @@ from helpers import ROOT
 from tx_jax.config import apply_overrides, load_config
 from tx_jax.data import datasets, text_corpus
 from tx_jax.experiment.loop import train_and_evaluate
-from tx_jax.inference import evaluation
+from tx_jax.inference import evaluation, restore, translation
+from tx_jax.interop import huggingface
 
 PAIRS = [(f"s{i} ü “{i % 7}”", f"t{i} ß {i % 5}") for i in range(12)]
 
@@ -114,11 +115,10 @@ def test_cleaning_drops_empty_pairs_everywhere_and_long_or_skewed_train_pairs(tm
     # the counts are kept with the data: a run that reuses it logs them too
     builder = text_corpus.make_builder(
         "text",
-        split="train",
         source_lang="en",
         target_lang="de",
         data_dir=data.data_dir,
-        builder_kwargs=text_corpus.config_builder_kwargs(data),
+        builder_kwargs={**text_corpus.config_builder_kwargs(data), "split": "train"},
     )
     assert builder.info.metadata["counts"] == {
         "read": 6,
@@ -200,8 +200,8 @@ def test_the_commands_say_bad_input_in_one_line_and_exit_1(tmp_path):
 
 def test_prepare_then_train_evaluate_a_changed_test_set_and_fine_tune(tmp_path, capsys):
     """`tx_jax.prepare` makes the data and the tokenizer; the run then prepares nothing; its
-    test score follows the test files (a changed file is read anew); train.init_from starts
-    a second run from it."""
+    test score follows the test files (a changed file is read anew); translate and export read
+    it; train.init_from starts a second run from it."""
     corpus = tmp_path / "corpus"
     words = ["red", "blue", "cat", "dog", "big", "small", "house", "tree"]
     german = ["rot", "blau", "Katze", "Hund", "gross", "klein", "Haus", "Baum"]
@@ -258,6 +258,12 @@ def test_prepare_then_train_evaluate_a_changed_test_set_and_fine_tune(tmp_path, 
     after = evaluation.evaluate(workdir, split="test", beam_size=1, write=False)
     assert (after["bleu"], after["chrf"]) != (before["bleu"], before["chrf"]), (before, after)
     assert len(list((tmp_path / "tfds" / "text_translation").iterdir())) == 4
+
+    # translation and export read the run as any other: its tokenizer and checkpoint
+    hypotheses = translation.translate(["red cat", "big house"], workdir, beam_size=1)
+    assert len(hypotheses) == 2 and all(isinstance(h, str) for h in hypotheses)
+    huggingface.export(restore.load(workdir), tmp_path / "hf")
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
 
     tuned = load_config("configs/text.py:debug")
     apply_overrides(tuned, {**flags, "train.init_from": str(workdir), "train.num_steps": 2})

@@ -38,6 +38,7 @@ ENTRY_POINTS = {
     "plan",
     "import_model",
     "score",
+    "prepare",
 }
 
 

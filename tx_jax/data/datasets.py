@@ -128,17 +128,11 @@ def network_only(builder: tfds.core.DatasetBuilder, manual_dir: str | None, down
 
 
 def catalog_builder(
-    name: str,
-    *,
-    split: str,
-    source_lang: str,
-    target_lang: str,
-    data_dir: str | None,
-    builder_kwargs: dict,
+    name: str, *, source_lang: str, target_lang: str, data_dir: str | None, builder_kwargs: dict
 ) -> tfds.core.DatasetBuilder:
     """The TFDS catalog's builder of `name` ('wmt14_translate/de-en'); the languages are
     feature keys, read in either order, so they do not choose the builder."""
-    del split, source_lang, target_lang
+    del source_lang, target_lang
     _import_tfds_translate()
     try:
         return tfds.builder(name, data_dir=data_dir, **builder_kwargs)
@@ -151,15 +145,15 @@ class DatasetEntry:
     """One row of `DATASETS`: how a named dataset becomes prepared data.
 
     Attributes:
-      builder: (name, *, split, source_lang, target_lang, data_dir, builder_kwargs) -> its
-        TFDS builder, not prepared yet (of every split, or of `split` alone for a dataset
-        prepared split by split); ValueError for languages or a config it cannot give.
+      builder: (name, *, source_lang, target_lang, data_dir, builder_kwargs) -> its TFDS
+        builder, not prepared yet; ValueError for languages or a config it cannot give.
       prepares_locally: (builder, manual_dir, download) -> whether it can be prepared without
         the network; it raises FileNotFoundError when local files it would read are missing.
       hint: what to do when the data is not prepared and cannot be prepared locally.
       config_kwargs: config.data -> the builder's keyword arguments.
       extra_splits: config.data -> the splits a run reads besides train that are prepared on
         their own (a text corpus's); empty when preparing train prepares every split.
+      per_split: whether a builder is one split's (builder_kwargs['split']), not every one's.
       raw_bytes: builder -> how much it reads to prepare, None when unknown (downloads): what
         a multi-host run may prepare itself without waiting long (preparation.py).
     """
@@ -169,6 +163,7 @@ class DatasetEntry:
     hint: str = "pass download=True to download and prepare it (network)"
     config_kwargs: Callable[[Any], dict] = config_builder_kwargs
     extra_splits: Callable[[Any], list[str]] = lambda data: []
+    per_split: bool = False
     raw_bytes: Callable[[tfds.core.DatasetBuilder], int | None] = lambda builder: None
 
 
@@ -192,6 +187,7 @@ DATASETS: dict[str, DatasetEntry] = {
         hint="its files are read where data.<split> names them",
         config_kwargs=text_corpus.config_builder_kwargs,
         extra_splits=text_corpus.extra_splits,
+        per_split=True,
         raw_bytes=lambda builder: builder.builder_config.num_bytes,
     ),
 }
@@ -246,14 +242,7 @@ def load_translation_split(
       FileNotFoundError: the data is not prepared and may not be prepared here.
     """
     entry = entry_of(name)
-    make = functools.partial(
-        entry.builder,
-        name,
-        split=split,
-        source_lang=source_lang,
-        target_lang=target_lang,
-        builder_kwargs=dict(builder_kwargs or {}),
-    )
+    make = _maker(entry, name, split, source_lang, target_lang, builder_kwargs)
     if data_dir is not None and paths.is_remote(data_dir):
         data_dir = _staged(make, entry, str(data_dir), data_cache_dir, manual_dir, download)
     builder = make(data_dir=data_dir)
@@ -269,6 +258,19 @@ def load_translation_split(
         target_lang=target_lang,
         name=name,
         split=split,
+    )
+
+
+def _maker(entry, name, split, source_lang, target_lang, builder_kwargs) -> Callable:
+    """entry.builder with everything but data_dir; a dataset prepared split by split gets
+    the split in its builder_kwargs."""
+    kwargs = {**(builder_kwargs or {}), **({"split": split} if entry.per_split else {})}
+    return functools.partial(
+        entry.builder,
+        name,
+        source_lang=source_lang,
+        target_lang=target_lang,
+        builder_kwargs=kwargs,
     )
 
 
@@ -318,13 +320,8 @@ def unprepared_bytes(data: Any, split: str) -> int | None:
     in a gs:// data_dir); else how many bytes preparing it reads, None when unknown (a
     download)."""
     entry = entry_of(data.dataset)
-    make = functools.partial(
-        entry.builder,
-        data.dataset,
-        split=split,
-        source_lang=data.source_lang,
-        target_lang=data.target_lang,
-        builder_kwargs=entry.config_kwargs(data),
+    make = _maker(
+        entry, data.dataset, split, data.source_lang, data.target_lang, entry.config_kwargs(data)
     )
     if data.data_dir and paths.is_remote(data.data_dir):
         local_root = staging.local_data_dir(str(data.data_dir), data.get("data_cache_dir"))

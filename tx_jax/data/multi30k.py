@@ -303,17 +303,10 @@ class Multi30k(tfds.core.GeneratorBasedBuilder):
 
 
 def make_builder(
-    name: str,
-    *,
-    split: str = "",
-    source_lang: str,
-    target_lang: str,
-    data_dir: str | None,
-    builder_kwargs: dict,
+    name: str, *, source_lang: str, target_lang: str, data_dir: str | None, builder_kwargs: dict
 ) -> Multi30k:
     """The builder of the two languages' pair config ('multi30k' with 'de'/'en' -> 'en-de');
     a config that the name ('multi30k/en-fr') or builder_kwargs give must be that one."""
-    del split  # every split of the pair is prepared together
     config = config_name(source_lang, target_lang)
     named = name.partition("/")[2] or builder_kwargs.get("config")
     if named and named != config:

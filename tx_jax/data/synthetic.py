@@ -481,17 +481,11 @@ def make_config(
 
 
 def make_builder(
-    name: str,
-    *,
-    split: str = "",
-    source_lang: str,
-    target_lang: str,
-    data_dir: str | None,
-    builder_kwargs: dict,
+    name: str, *, source_lang: str, target_lang: str, data_dir: str | None, builder_kwargs: dict
 ) -> SyntheticTranslation:
     """The table entry 'synthetic' (tx_jax.data.datasets): both directions read one corpus,
     whose sizes come in builder_kwargs ('config': `make_config(...)`), not in the name."""
-    del split, source_lang, target_lang  # one corpus, every split prepared together
+    del source_lang, target_lang
     if name != "synthetic":
         raise ValueError(
             f"Dataset {name!r}: the synthetic corpus has no named configs; use 'synthetic' "

@@ -319,18 +319,13 @@ def config_builder_kwargs(data: Any) -> dict:
 
 
 def make_builder(
-    name: str,
-    *,
-    split: str,
-    source_lang: str,
-    target_lang: str,
-    data_dir: str | None,
-    builder_kwargs: dict,
+    name: str, *, source_lang: str, target_lang: str, data_dir: str | None, builder_kwargs: dict
 ) -> TextTranslation:
-    """The table entry 'text' (tx_jax.data.datasets): the builder of one split's files."""
+    """The table entry 'text' (tx_jax.data.datasets): the builder of one split's files
+    (builder_kwargs['split'])."""
     if name != NAME:
         raise ValueError(f"Dataset {name!r}: a text corpus is dataset 'text' (configs/text.py)")
-    split = base_split(split)
+    split = base_split(builder_kwargs["split"])
     spec = builder_kwargs.get("specs", {}).get(split)
     if not spec:
         raise CorpusError(
