@@ -56,6 +56,8 @@ def test_prefixes_shards_gzip_and_tsv_read_the_same_pairs_for_any_language_codes
     write_prefix(tmp_path / "shards" / "part-1", PAIRS[5:], langs, gz=(True, True))
     write_prefix(tmp_path / "shards" / "part-0", PAIRS[:5], langs)
     write(tmp_path / "all.tsv", [f"{a}\t{b}" for a, b in PAIRS])
+    bom = tmp_path / "all.tsv"  # Windows' way: a byte order mark and CRLF line ends
+    bom.with_name("bom.tsv").write_bytes(b"\xef\xbb\xbf" + bom.read_bytes().replace(b"\n", b"\r\n"))
     write(tmp_path / "all.tsv.gz", [f"{a}\t{b}" for a, b in PAIRS], gz=True)
     specs = [
         tmp_path / "plain" / "train",
@@ -63,6 +65,7 @@ def test_prefixes_shards_gzip_and_tsv_read_the_same_pairs_for_any_language_codes
         f"{tmp_path}/shards/part-*",
         tmp_path / "all.tsv",
         tmp_path / "all.tsv.gz",
+        tmp_path / "bom.tsv",
     ]
     for spec in specs:
         assert read(text_data(tmp_path, langs, train=spec)) == PAIRS, spec

@@ -268,6 +268,8 @@ def read_lines(path: str, key: str) -> Iterator[str]:
                         f"{path} line {number}: not UTF-8 (byte {line[e.start]:#04x} at column "
                         f"{e.start + 1}) ({key})"
                     ) from None
+                if number == 1:
+                    text = text.removeprefix("\ufeff")  # a byte order mark is not text
                 yield text.rstrip("\r\n")
     except (EOFError, gzip.BadGzipFile, zlib.error) as e:
         raise CorpusError(f"{path}: damaged gzip data after line {number} ({e}) ({key})") from None
