@@ -14,6 +14,7 @@ from helpers import ROOT
 from tx_jax.config import apply_overrides, load_config
 from tx_jax.data import datasets, text_corpus
 from tx_jax.experiment.loop import train_and_evaluate
+from tx_jax.experiment.validation import validate_config
 from tx_jax.inference import evaluation, restore, translation
 from tx_jax.interop import huggingface
 
@@ -170,6 +171,11 @@ def test_bad_input_names_the_file_line_and_key_and_leaves_nothing_prepared(tmp_p
             datasets.load_split(data, split)
         assert message in str(e.value), name
         assert f"data.{split}" in str(e.value), name
+    # a run without a validation split is refused before anything runs
+    config = load_config("configs/text.py:debug")
+    config.data.train = str(tmp_path / "bad" / "tabs.tsv")
+    with pytest.raises(text_corpus.CorpusError, match=r"data.validation is not set: give"):
+        validate_config(config)
     # nothing a rerun would take for prepared data, not even a partial directory
     assert not list((tmp_path / "tfds").rglob("dataset_info.json"))
     assert not [p for p in (tmp_path / "tfds").rglob("*") if p.is_file()]
@@ -181,6 +187,8 @@ def test_bad_input_names_the_file_line_and_key_and_leaves_nothing_prepared(tmp_p
 def test_the_commands_say_bad_input_in_one_line_and_exit_1(tmp_path):
     corpora = bad_corpora(tmp_path)
     commands, names = [], ["counts", "utf-8"]
+    good = tmp_path / "good.tsv"
+    write(good, [f"{a}\t{b}" for a, b in PAIRS])
     for module, name in zip(("tx_jax.main", "tx_jax.prepare"), names, strict=True):
         ((split, spec),) = corpora[name][0].items()
         commands.append(
@@ -190,6 +198,7 @@ def test_the_commands_say_bad_input_in_one_line_and_exit_1(tmp_path):
                     "--config=configs/text.py:debug",
                     f"--workdir={tmp_path / name}",
                     f"--config.data.{split}={spec}",
+                    f"--config.data.validation={good}",
                     f"--config.data.data_dir={tmp_path / 'tfds'}",
                 ],
             )
@@ -268,9 +277,14 @@ def test_prepare_then_train_evaluate_a_changed_test_set_and_fine_tune(tmp_path, 
     huggingface.export(restore.load(workdir), tmp_path / "hf")
     assert (tmp_path / "hf" / "model.safetensors").is_file()
 
-    tuned = load_config("configs/text.py:debug")
-    apply_overrides(tuned, {**flags, "train.init_from": str(workdir), "train.num_steps": 2})
+    tuned = load_config("configs/text.py:debug")  # and without a test split: no test score
+    rest = {k: v for k, v in flags.items() if k != "data.test"}
+    apply_overrides(tuned, {**rest, "train.init_from": str(workdir), "train.num_steps": 2})
+    capsys.readouterr()
     train_and_evaluate(tuned, tmp_path / "tuned")
+    out = capsys.readouterr().out
+    assert "no test score: the data names no files for the test split 'test'" in out
+    assert "test_bleu" not in out
     assert (tmp_path / "tuned" / "tokenizer.model").read_bytes() == (
         workdir / "tokenizer.model"
     ).read_bytes()

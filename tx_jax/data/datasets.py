@@ -308,6 +308,12 @@ def _announce_counts(builder: text_corpus.TextTranslation) -> None:
         _announce_counts_once(builder.builder_config.name, line)
 
 
+def has_split(data: Any, split: str) -> bool:
+    """Whether config.data can give `split`: for a dataset prepared split by split (a text
+    corpus), whether its files are named; for the others, assumed (TFDS says when opened)."""
+    return text_corpus.has_split(data, split) if entry_of(data.dataset).per_split else True
+
+
 def run_splits(data: Any) -> list[str]:
     """'train' and the other splits a run of config.data reads that are prepared on their
     own (a text corpus's validation and test); for other datasets preparing train prepares

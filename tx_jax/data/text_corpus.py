@@ -356,6 +356,25 @@ def prepares_locally(builder: TextTranslation, manual_dir: str | None, download:
     return True
 
 
+def validate_config(data: Any) -> None:
+    """Before anything runs: the splits a run cannot do without have files (data.train and
+    the split data.eval_split names; a test split is optional: without files a run skips its
+    test score); CorpusError naming the key."""
+    specs = config_builder_kwargs(data)["specs"]
+    for split in ("train", base_split(data.eval_split)):
+        if split not in specs:
+            raise CorpusError(
+                f"data.{split} is not set: give the files of the {split} split, "
+                f"--config.data.{split}=PREFIX (PREFIX.{data.source_lang} and "
+                f"PREFIX.{data.target_lang}) or FILE.tsv"
+            )
+
+
+def has_split(data: Any, split: str) -> bool:
+    """Whether config.data names files for `split`."""
+    return base_split(split) in config_builder_kwargs(data)["specs"]
+
+
 def extra_splits(data: Any) -> list[str]:
     """The splits besides train that a run of `data` reads, each prepared on its own."""
     specs = config_builder_kwargs(data)["specs"]

@@ -31,6 +31,11 @@ def language_model_test(step: int, result: dict[str, float]) -> None:
         )
 
 
+def no_test_split(split: str) -> None:
+    if jax.process_index() == 0:
+        print(f"no test score: the data names no files for the test split {split!r}", flush=True)
+
+
 def stopped(signal_name: str, step: int, directory: epath.Path) -> None:
     print(
         f"{signal_name} at step {step}: checkpoint saved in {directory}; "

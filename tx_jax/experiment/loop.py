@@ -19,6 +19,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from tx_jax.data import datasets
 from tx_jax.experiment import console
 from tx_jax.experiment.evaluator import Evaluator
 from tx_jax.experiment.profiling import StepProfiler, profile_window
@@ -123,7 +124,10 @@ def _loop(run: Run, config, checkpointer, state, train_iter, p_train, evaluator,
     stop.restore()
     checkpointer.wait()
     checkpointer.close()
-    if config.eval.test_split and step == cfg.num_steps:  # every process decodes (SPMD)
+    test_split = config.eval.test_split
+    if test_split and not datasets.has_split(config.data, test_split):
+        console.no_test_split(test_split)
+    elif test_split and step == cfg.num_steps:  # every process decodes (SPMD)
         k = config.eval.get("average_last", 0)
         test_state = _averaged(run, state, k) if k else state
         final.update(evaluator.test_metrics(test_state, step, logger))
