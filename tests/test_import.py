@@ -11,6 +11,8 @@ bit, and each refusal names what it refuses.
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 
 import jax
@@ -44,7 +46,7 @@ V = 40  # source vocabulary
 V_T = 33  # Marian's separate decoder vocabulary
 
 
-def _marian(activation, *, shared=True, tied=True, scale=True):
+def _marian(activation, *, shared=True, tied=True, scale=True, decoder_layers=2):
     # shared=True with tied=False is not a case: transformers 5 then keeps three unequal
     # embeddings (shared, encoder's, decoder's); import refuses it by name (test below).
     v_t = V if shared else V_T
@@ -60,11 +62,11 @@ def _marian(activation, *, shared=True, tied=True, scale=True):
         decoder_start_token_id=pad,
         eos_token_id=0,
         forced_eos_token_id=0,
-        **SMALL,
+        **dict(SMALL, decoder_layers=decoder_layers),
     )
 
 
-def _m2m100(activation="relu"):
+def _m2m100(activation="relu", decoder_layers=2):
     # Untied M2M100 (tie_word_embeddings=False) is not a case here: transformers 5 then keeps
     # three unequal embeddings (shared, encoder's, decoder's), which import refuses by name.
     return transformers.M2M100Config(
@@ -72,18 +74,24 @@ def _m2m100(activation="relu"):
         activation_function=activation,
         encoder_layerdrop=0.0,
         decoder_layerdrop=0.0,
-        **SMALL,
+        **dict(SMALL, decoder_layers=decoder_layers),
     )
 
 
+# One case of each family has two decoder layers (a second layer's tensors mapped, the
+# decoding tests' caches per layer); the others one, which the decoding tests (compilation:
+# most of this file's time) compile faster: what those cases vary (activation, tying,
+# vocabularies, search settings) does not depend on the depth.
 CASES = {
     "marian-tied-swish": lambda: _marian("swish"),
-    "marian-untied-relu": lambda: _marian("relu", shared=False, tied=False, scale=False),
-    "marian-tied-gelu": lambda: _marian("gelu"),
-    "marian-untied-swish": lambda: _marian("swish", shared=False, tied=False),
-    "marian-separate-tied-gelu_new": lambda: _marian("gelu_new", shared=False),
+    "marian-untied-relu": lambda: _marian(
+        "relu", shared=False, tied=False, scale=False, decoder_layers=1
+    ),
+    "marian-tied-gelu": lambda: _marian("gelu", decoder_layers=1),
+    "marian-untied-swish": lambda: _marian("swish", shared=False, tied=False, decoder_layers=1),
+    "marian-separate-tied-gelu_new": lambda: _marian("gelu_new", shared=False, decoder_layers=1),
     "m2m100-relu": lambda: _m2m100(),
-    "m2m100-gelu": lambda: _m2m100("gelu"),
+    "m2m100-gelu": lambda: _m2m100("gelu", decoder_layers=1),
 }
 
 
@@ -322,11 +330,18 @@ def test_beam4_decoding_equals_generate(request, checkpoint, imported):
 # ------------------------------------------------------------------ refusals
 
 
-def _marian_checkpoint():
+@functools.cache
+def _marian_model():
     config = _marian("swish")
     model = transformers.MarianMTModel(config)
-    state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
-    return state, config.to_dict()
+    return {k: v.detach().numpy() for k, v in model.state_dict().items()}, config.to_dict()
+
+
+def _marian_checkpoint():
+    """(state dict, config.json dict) of one untrained MarianMTModel, built once per module:
+    fresh copies, which a test may change."""
+    state, hf_config = _marian_model()
+    return {k: v.copy() for k, v in state.items()}, copy.deepcopy(hf_config)
 
 
 @pytest.mark.parametrize(
@@ -411,13 +426,11 @@ def test_stored_position_tables_are_checked():
 
 
 def test_export_refuses_another_architecture():
-    _, hf_config = _marian_checkpoint()
-    cfg = ModelConfig(**pretrained.model_fields(hf_config)).replace(sinusoid_style="paper")
-    params = EncoderDecoder(cfg).init(
-        jax.random.key(0), jnp.ones((1, 4), jnp.int32), jnp.ones((1, 4), jnp.int32)
-    )
+    state, hf_config = _marian_checkpoint()
+    fields, params = pretrained.import_state_dict(state, hf_config)  # this architecture's tree
+    cfg = ModelConfig(**fields).replace(sinusoid_style="paper")
     with pytest.raises(ExportError, match="sinusoid_style='paper'"):
-        pretrained.export_state_dict(params["params"], cfg, hf_config)
+        pretrained.export_state_dict(params, cfg, hf_config)
 
 
 def test_written_directory_loads_in_transformers(checkpoint, imported, tmp_path):

@@ -4,10 +4,10 @@ workdir that restore, score, translate and fine-tuning read as any run's."""
 
 import gzip
 import json
+import pathlib
 import shutil
-import subprocess
-import sys
 
+import forked
 import numpy as np
 import pretrained_fixtures as pf
 import pytest
@@ -21,6 +21,8 @@ from tx_jax.interop.seq2seq_layout import PretrainedError
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _import(hf_dir, workdir, **kw):
@@ -50,6 +52,85 @@ def marian(tmp_path_factory):
     model, tok = pf.marian_dir(root / "hf", eos_bias=0.0, init_std=0.5)
     _import(root / "hf", root / "w")
     return model, tok, root
+
+
+@pytest.fixture(scope="module")
+def m2m_100(tmp_path_factory):
+    root = tmp_path_factory.mktemp("m2m_100")
+    model, tok = pf.m2m_100_dir(root / "hf")
+    _import(root / "hf", root / "w")
+    return model, tok, root
+
+
+def _multi30k_files(directory, n=48):
+    directory.mkdir(parents=True, exist_ok=True)
+    for prefix, count in (("train", n), ("val", 8), ("test_2016_flickr", 8)):
+        for lang, lines in (("en", pf.EN), ("de", pf.DE)):
+            with gzip.open(directory / f"{prefix}.{lang}.gz", "wt", encoding="utf-8") as f:
+                f.writelines(lines[i % len(lines)] + "\n" for i in range(count))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def multi30k(tmp_path_factory):
+    """(raw files, TFDS data dir) of a small Multi30k, prepared once for this file's runs."""
+    d = tmp_path_factory.mktemp("multi30k")
+    return _multi30k_files(d / "raw"), d / "tfds"
+
+
+CORPUS = [*pf.EN[:3], "", *pf.EN[3:6]]  # the multilingual corpus test's input (a blank line)
+
+
+@pytest.fixture(scope="module")
+def cli(marian, m2m_100, multi30k, tmp_path_factory):
+    """This file's command lines, each `python -m` forked from one interpreter (forked.py),
+    in this order -> (the directory of their files, {name: (exit code, stdout, stderr)})."""
+    d = tmp_path_factory.mktemp("cli")
+    mw, w = marian[2] / "w", m2m_100[2] / "w"
+    (d / "src").write_text("\n".join(pf.EN[:3]) + "\n")
+    (d / "tgt").write_text("\n".join(pf.DE[:3]) + "\n")
+    (d / "en.txt").write_text("".join(x + "\n" for x in CORPUS))
+    for name in ("export", "attention"):
+        (d / name).mkdir()
+    data = {"data.dataset": "multi30k", "data.manual_dir": str(multi30k[0])}
+    data["data.data_dir"] = str(multi30k[1])
+    data_flags = [f"--config.{k}={v}" for k, v in data.items()]
+
+    def corpus(out, lang):
+        return (
+            "tx_jax.translate",
+            [f"--workdir={w}", f"--input={d / 'en.txt'}", f"--output_dir={out}"]
+            + ["--shard_lines=3", "--beam_size=2", "--scores", "--source_lang=en"]
+            + [f"--target_lang={lang}"],
+        )
+
+    commands = {
+        "score": (
+            "tx_jax.score",
+            ["--workdir", str(mw), "--source", str(d / "src")] + ["--target", str(d / "tgt")],
+        ),
+        "export": ("tx_jax.export", [f"--workdir={mw}", f"--out={d / 'export'}"]),
+        "evaluate": (
+            "tx_jax.evaluate",
+            [f"--workdir={mw}", "--split=test_2016_flickr", "--beam_size=1", *data_flags],
+        ),
+        "attention": (
+            "tx_jax.visualize",
+            ["attention", f"--workdir={mw}", f"--source={pf.EN[1]}", f"--target={pf.DE[1]}"]
+            + [f"--out={d / 'attention'}"],
+        ),
+        "translate": (
+            "tx_jax.translate",
+            [f"--workdir={w}", "--beam_size=1", "--source_lang=en", "--target_lang=fr"],
+            "\n".join(pf.EN) + "\n",
+        ),
+        "evaluate_xx": ("tx_jax.evaluate", [f"--workdir={w}", "--target_lang=xx", *data_flags]),
+        "corpus_fr": corpus(d / "fr", "fr"),
+        "corpus_de": corpus(d / "de", "de"),
+        "corpus_fr_again_as_de": corpus(d / "fr", "de"),  # a relaunch: refused
+    }
+    runs = forked.run_modules(list(commands.values()), cwd=ROOT, timeout=1200)
+    return d, dict(zip(commands, runs, strict=True))
 
 
 def test_workdir_is_an_ordinary_run(marian):
@@ -88,17 +169,11 @@ def test_greedy_translations_equal_transformers_generate(marian):
         assert hyp == tok.decode(out[0], skip_special_tokens=True)
 
 
-def test_score_cli_one_line_per_pair(marian, tmp_path):
-    model, tok, root = marian
-    (tmp_path / "src").write_text("\n".join(pf.EN[:3]) + "\n")
-    (tmp_path / "tgt").write_text("\n".join(pf.DE[:3]) + "\n")
-    args = ["--workdir", str(root / "w"), "--source", str(tmp_path / "src")]
-    out = subprocess.run(
-        [sys.executable, "-m", "tx_jax.score", *args, "--target", str(tmp_path / "tgt")],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.splitlines()
+def test_score_cli_one_line_per_pair(marian, cli):
+    model, tok, _ = marian
+    code, out, err = cli[1]["score"]
+    assert code == 0, err[-3000:]
+    out = out.splitlines()
     want, count = _hf_logprobs(model, tok, pf.EN[:3], pf.DE[:3])
     assert len(out) == 3
     for line, w, n in zip(out, want, count, strict=True):
@@ -106,10 +181,9 @@ def test_score_cli_one_line_per_pair(marian, tmp_path):
         assert float(logprob) == pytest.approx(w, rel=1e-4) and int(tokens) == n
 
 
-def test_m2m_100_scores_skip_the_forced_language_token(tmp_path):
-    model, tok = pf.m2m_100_dir(tmp_path / "hf")
-    _import(tmp_path / "hf", tmp_path / "w")
-    loaded = restore.load(tmp_path / "w")
+def test_m2m_100_scores_skip_the_forced_language_token(m2m_100):
+    model, tok, root = m2m_100
+    loaded = restore.load(root / "w")
     assert loaded.tokenizer.family == "m2m_100" and loaded.model_config.sinusoid_style == "fairseq"
     tok.src_lang, tok.tgt_lang = "en", "fr"
     scores = likelihood.score_pairs(loaded, pf.EN, pf.DE, source_lang="en", target_lang="fr")
@@ -140,23 +214,13 @@ def test_refusals_write_nothing(tmp_path, marian):
     assert not (tmp_path / "w2").exists()
 
 
-def _multi30k_files(directory, n=48):
-    directory.mkdir(parents=True, exist_ok=True)
-    for prefix, count in (("train", n), ("val", 8), ("test_2016_flickr", 8)):
-        for lang, lines in (("en", pf.EN), ("de", pf.DE)):
-            with gzip.open(directory / f"{prefix}.{lang}.gz", "wt", encoding="utf-8") as f:
-                f.writelines(lines[i % len(lines)] + "\n" for i in range(count))
-    return directory
-
-
-def test_finetuning_an_imported_model_lowers_the_loss(marian, tmp_path):
+def test_finetuning_an_imported_model_lowers_the_loss(marian, multi30k, tmp_path):
     from tx_jax.experiment.loop import train_and_evaluate
 
     _, _, root = marian
     spec = f"configs/finetune.py:init_from={root / 'w'},debug"
     config = load_config(spec)
-    config.data.manual_dir = str(_multi30k_files(tmp_path / "raw"))
-    config.data.data_dir = str(tmp_path / "tfds")
+    config.data.manual_dir, config.data.data_dir = map(str, multi30k)
     config.train.num_steps = 8
     config.train.peak_lr = 3e-3
     assert config.model.sinusoid_style == "marian" and config.train.init_from == str(root / "w")
@@ -166,15 +230,13 @@ def test_finetuning_an_imported_model_lowers_the_loss(marian, tmp_path):
     assert len(nll) == 4 and nll[-1] < nll[0]  # steps 2, 4, 6, 8
 
 
-def test_export_of_the_import_gives_back_the_source(marian, tmp_path):
+def test_export_of_the_import_gives_back_the_source(marian, cli):
     from safetensors.numpy import load_file
 
     _, _, root = marian
-    subprocess.run(
-        [sys.executable, "-m", "tx_jax.export", f"--workdir={root / 'w'}", f"--out={tmp_path}"],
-        check=True,
-        capture_output=True,
-    )
+    code, _, err = cli[1]["export"]
+    assert code == 0, err[-3000:]
+    tmp_path = cli[0] / "export"
     want, got = (
         load_file(root / "hf" / "model.safetensors"),
         load_file(tmp_path / "model.safetensors"),
@@ -189,48 +251,37 @@ def test_export_of_the_import_gives_back_the_source(marian, tmp_path):
     assert {k: back.get(k) for k in source} == source
 
 
-def test_evaluate_cli_on_a_dataset_named_by_overrides(marian, tmp_path):
-    _, _, root = marian
-    raw = _multi30k_files(tmp_path / "raw")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tx_jax.evaluate",
-            f"--workdir={root / 'w'}",
-            "--split=test_2016_flickr",
-            "--beam_size=1",
-            "--config.data.dataset=multi30k",
-            f"--config.data.manual_dir={raw}",
-            f"--config.data.data_dir={tmp_path / 'tfds'}",
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "BLEU" in proc.stdout + proc.stderr
+def test_evaluate_cli_on_a_dataset_named_by_overrides(cli):
+    code, out, err = cli[1]["evaluate"]
+    assert code == 0, err[-2000:]
+    assert "BLEU" in out + err
 
 
-def test_m2m_100_translates_into_the_forced_language_as_generate(tmp_path):
+def test_m2m_100_translates_into_the_forced_language_as_generate(m2m_100, cli):
     from tx_jax.interop import pretrained
 
-    model, tok = pf.m2m_100_dir(tmp_path / "hf")
-    _import(tmp_path / "hf", tmp_path / "w")
-    loaded = restore.load(tmp_path / "w")
+    model, tok, root = m2m_100
+    loaded = restore.load(root / "w")
     source, target = languages.prefixes(loaded, "en", "fr")
     assert target == [loaded.tokenizer.language_id("fr")]
     perm = pretrained.vocab_permutation(model.config.to_dict())
     tok.src_lang = "en"
-    for line in pf.EN[:4]:
-        ids = [*source, *loaded.tokenizer.encode(line), loaded.tokenizer.eos_id]
-        ours = decoding.translate_greedy(
-            loaded.model_config,
-            loaded.params,
-            np.asarray([ids]),
-            eos_id=loaded.tokenizer.eos_id,
-            prompt=np.asarray([target]),
-        )
-        ours = [int(i) for i in np.asarray(ours)[0] if i != 0]
+    # One 0-padded batch of the four lines (one compilation): each row's limit is its own.
+    rows = [
+        [*source, *loaded.tokenizer.encode(line), loaded.tokenizer.eos_id] for line in pf.EN[:4]
+    ]
+    batch = np.zeros((len(rows), max(map(len, rows))), np.int32)
+    for r, ids in enumerate(rows):
+        batch[r, : len(ids)] = ids
+    decoded = decoding.translate_greedy(
+        loaded.model_config,
+        loaded.params,
+        batch,
+        eos_id=loaded.tokenizer.eos_id,
+        prompt=np.full((len(rows), 1), target[0], np.int32),
+    )
+    for line, ids, ours in zip(pf.EN[:4], rows, np.asarray(decoded), strict=True):
+        ours = [int(i) for i in ours if i != 0]
         enc = tok([line], return_tensors="pt")
         assert [int(perm[i]) for i in enc["input_ids"][0]] == ids
         limit = len(ids) + 50  # the forced token counts in both limits
@@ -240,47 +291,29 @@ def test_m2m_100_translates_into_the_forced_language_as_generate(tmp_path):
         theirs = [int(perm[i]) for i in out[0, 1:]]  # without the decoder's start token
         assert theirs[0] == target[0]
         assert ours == theirs[: len(ours)] and len(theirs) - len(ours) in (0, 1)  # + forced EOS
-    cli = subprocess.run(
-        [sys.executable, "-m", "tx_jax.translate", f"--workdir={tmp_path / 'w'}", "--beam_size=1"]
-        + ["--source_lang=en", "--target_lang=fr"],
-        input="\n".join(pf.EN) + "\n",
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    code, out, err = cli[1]["translate"]
+    assert code == 0, err[-3000:]
     want = translation.translate_lines(
         loaded, pf.EN, beam_size=1, source_prefix=source, target_prefix=target
     )
-    assert cli.stdout.splitlines() == want and len(want) == len(pf.EN)
+    assert out.splitlines() == want and len(want) == len(pf.EN)
 
 
-def test_attention_maps_of_an_imported_model(marian, tmp_path):
-    _, _, root = marian
-    subprocess.run(
-        [sys.executable, "-m", "tx_jax.visualize", "attention", f"--workdir={root / 'w'}"]
-        + [f"--source={pf.EN[1]}", f"--target={pf.DE[1]}", f"--out={tmp_path}"],
-        check=True,
-        capture_output=True,
-    )
+def test_attention_maps_of_an_imported_model(cli):
+    code, _, err = cli[1]["attention"]
+    assert code == 0, err[-3000:]
+    tmp_path = cli[0] / "attention"
     pngs = sorted(p.name for p in tmp_path.glob("*.png"))
     assert pngs and all((tmp_path / p).read_bytes()[:4] == b"\x89PNG" for p in pngs)
 
 
-@pytest.fixture(scope="module")
-def m2m_100(tmp_path_factory):
-    root = tmp_path_factory.mktemp("m2m_100")
-    model, tok = pf.m2m_100_dir(root / "hf")
-    _import(root / "hf", root / "w")
-    return model, tok, root
-
-
-def test_evaluate_m2m_100_forces_the_target_language(m2m_100, tmp_path, monkeypatch):
+def test_evaluate_m2m_100_forces_the_target_language(m2m_100, cli, multi30k, monkeypatch):
     from tx_jax.inference import evaluation
 
     _, _, root = m2m_100
-    w, raw = root / "w", _multi30k_files(tmp_path / "raw")
+    w, (raw, data_dir) = root / "w", multi30k
     data = {"data.dataset": "multi30k", "data.manual_dir": str(raw)}
-    data["data.data_dir"] = str(tmp_path / "tfds")
+    data["data.data_dir"] = str(data_dir)
     decoded = []  # every hypothesis's ids, as decoding produced them
     original = ImportedTokenizer.decode
 
@@ -310,25 +343,21 @@ def test_evaluate_m2m_100_forces_the_target_language(m2m_100, tmp_path, monkeypa
     # The default: the data languages (the checkpoint's en -> de).
     de = evaluation.evaluate(w, split=split, beam_size=1, overrides=data, write=False)
     assert de["languages"] is None and de["hypotheses"] is None
-    bad = subprocess.run(
-        [sys.executable, "-m", "tx_jax.evaluate", f"--workdir={w}", "--target_lang=xx"]
-        + [f"--config.{k}={v}" for k, v in data.items()],
-        capture_output=True,
-        text=True,
-    )
-    assert bad.returncode != 0
-    assert "error: language 'xx' is not one of this m2m_100 model's 100" in bad.stderr
+    code, _, err = cli[1]["evaluate_xx"]  # the same flags, on the command line
+    assert code != 0
+    assert "error: language 'xx' is not one of this m2m_100 model's 100" in err
 
 
-def test_finetuning_m2m_100_trains_the_language_tokens_and_lowers_the_loss(m2m_100, tmp_path):
+def test_finetuning_m2m_100_trains_the_language_tokens_and_lowers_the_loss(
+    m2m_100, multi30k, tmp_path
+):
     from tx_jax.data import tasks
     from tx_jax.experiment.loop import train_and_evaluate
     from tx_jax.interop import pretrained
 
     _, tok, root = m2m_100
     config = load_config(f"configs/finetune.py:init_from={root / 'w'},debug")
-    config.data.manual_dir = str(_multi30k_files(tmp_path / "raw"))
-    config.data.data_dir = str(tmp_path / "tfds")
+    config.data.manual_dir, config.data.data_dir = map(str, multi30k)
     config.train.num_steps = 8
     config.train.peak_lr = 3e-3
     loaded = restore.load(root / "w")
@@ -363,9 +392,7 @@ def test_finetuning_m2m_100_trains_the_language_tokens_and_lowers_the_loss(m2m_1
     assert len(nll) == 4 and nll[-1] < nll[0]  # steps 2, 4, 6, 8
 
 
-def test_an_imported_multilingual_model_translates_a_corpus_into_the_forced_language(
-    m2m_100, tmp_path
-):
+def test_an_imported_multilingual_model_translates_a_corpus_into_the_forced_language(m2m_100, cli):
     """`tx_jax.translate --input --output_dir --target_lang --scores` on an imported M2M100:
     the shards' text equals the stdin mode's translation with the same language tokens (a blank
     line kept), another --target_lang gives other scores (this random model's text barely
@@ -373,22 +400,11 @@ def test_an_imported_multilingual_model_translates_a_corpus_into_the_forced_lang
     naming it."""
     _, _, root = m2m_100
     loaded = restore.load(root / "w")
-    lines = [*pf.EN[:3], "", *pf.EN[3:6]]
-    (tmp_path / "en.txt").write_text("".join(x + "\n" for x in lines))
-
-    def launch(out, lang):
-        return subprocess.run(
-            [sys.executable, "-m", "tx_jax.translate", f"--workdir={root / 'w'}"]
-            + [f"--input={tmp_path / 'en.txt'}", f"--output_dir={out}", "--shard_lines=3"]
-            + ["--beam_size=2", "--scores", "--source_lang=en", f"--target_lang={lang}"],
-            capture_output=True,
-            text=True,
-        )
-
+    lines, (tmp_path, runs) = CORPUS, cli
     outputs = {}
     for lang in ("fr", "de"):
-        proc = launch(tmp_path / lang, lang)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        code, _, err = runs[f"corpus_{lang}"]
+        assert code == 0, err[-3000:]
         source, target = languages.prefixes(loaded, "en", lang)
         want = translation.translate_lines(
             loaded, lines, beam_size=2, source_prefix=source, target_prefix=target
@@ -397,5 +413,5 @@ def test_an_imported_multilingual_model_translates_a_corpus_into_the_forced_lang
         assert [r[0] for r in rows] == want and want[3] == "" and rows[3][1:] == ["nan", "0"]
         outputs[lang] = [float(r[1]) for i, r in enumerate(rows) if i != 3]
     assert all(a != b for a, b in zip(outputs["fr"], outputs["de"])), outputs
-    proc = launch(tmp_path / "fr", "de")
-    assert proc.returncode == 1 and "target_lang: 'fr' then, 'de' now" in proc.stderr, proc.stderr
+    code, _, err = runs["corpus_fr_again_as_de"]  # relaunched into fr's directory
+    assert code == 1 and "target_lang: 'fr' then, 'de' now" in err, err
