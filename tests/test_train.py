@@ -4,6 +4,7 @@ import gc
 import gzip
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -15,6 +16,22 @@ from tx_jax.experiment.setup import build_run
 from tx_jax.experiment.validation import validate_config
 from tx_jax.training import logs
 from tx_jax.training.checkpoint import Checkpointer
+
+STEPS = 3  # the shared one-device run's steps
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory, tfds_dir):
+    """One 3-step run on one device, checkpointed at its end and with steps 2-3 traced
+    (train.profile_steps): the reference of gradient accumulation and of the 8-device
+    layouts, and the profile test's trace. Tracing changes no number it computes."""
+    workdir = tmp_path_factory.mktemp("train") / "one"
+    config = tiny_config(
+        tfds_dir,
+        **{"train.num_steps": STEPS, "checkpoint.every": STEPS, "train.profile_steps": (2, 4)},
+    )
+    train_and_evaluate(config, workdir)
+    return workdir
 
 
 def test_tiny_run_lowers_the_loss_and_writes_a_checkpoint(tmp_path, tfds_dir):
@@ -47,31 +64,18 @@ def test_tiny_run_lowers_the_loss_and_writes_a_checkpoint(tmp_path, tfds_dir):
     assert 0.8 * wall - 0.05 <= windows <= wall + 0.05, (windows, wall)
 
 
-def test_tokens_per_second_leaves_out_evaluation(tmp_path, tfds_dir):
-    """A train record's window starts after the evaluation (and its save) before it: it is
-    at most the time from that validation record to this one."""
-    config = tiny_config(tfds_dir, **{"train.num_steps": 6, "eval.every": 2, "train.log_every": 2})
-    train_and_evaluate(config, tmp_path / "run")
-    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    validation = {r["step"]: r["elapsed"] for r in records if r["split"] == "validation"}
-    train = [r for r in records if r["split"] == "train"]
-    assert sorted(validation) == [2, 4, 6] and [r["step"] for r in train] == [2, 4, 6]
-    for r in train[1:]:
-        window = 2 * r["tokens"] / r["tokens_per_sec"]  # "tokens": the mean of the 2 steps
-        assert 0 < window <= r["elapsed"] - validation[r["step"] - 2] + 0.01, r
-
-
 def test_exact_resume_and_its_control(tmp_path, tfds_dir):
-    """2N steps in one run == N steps + restart + N steps, to the last bit."""
-    n = 4
+    """2N steps in one run == N steps + restart + N steps, to the last bit. The control's
+    first segment is the resumed run's (a copy of its workdir after N steps): the same run."""
+    n = 2
     cfg = lambda steps, **kw: tiny_config(
         tfds_dir,
         **{"train.num_steps": steps, "checkpoint.every": n, "model.dropout_rate": 0.1, **kw},
     )
     train_and_evaluate(cfg(2 * n), tmp_path / "straight")
     train_and_evaluate(cfg(n), tmp_path / "resumed")
+    shutil.copytree(tmp_path / "resumed", tmp_path / "control")
     train_and_evaluate(cfg(2 * n), tmp_path / "resumed")
-    train_and_evaluate(cfg(n), tmp_path / "control")
     train_and_evaluate(cfg(2 * n, **{"train.restore_data_iterator": False}), tmp_path / "control")
     straight = train_losses(tmp_path / "straight")
     resumed = train_losses(tmp_path / "resumed")
@@ -156,23 +160,24 @@ def test_several_experiments_in_one_process(tmp_path, tfds_dir):
     assert [c["parallel"]["strategy"] for c in configs] == ["pmap", "mesh"]
 
 
-def test_gradient_accumulation_equals_the_full_batch(tmp_path, tfds_dir):
-    one = tiny_config(tfds_dir, **{"train.num_steps": 3})
-    four = tiny_config(tfds_dir, **{"train.num_steps": 3, "train.grad_accum_steps": 4})
-    train_and_evaluate(one, tmp_path / "one")
+def test_gradient_accumulation_equals_the_full_batch(tmp_path, tfds_dir, one_device):
+    four = tiny_config(tfds_dir, **{"train.num_steps": STEPS, "train.grad_accum_steps": 4})
     train_and_evaluate(four, tmp_path / "four")
-    a, b = train_losses(tmp_path / "one"), train_losses(tmp_path / "four")
+    a, b = train_losses(one_device), train_losses(tmp_path / "four")
     np.testing.assert_allclose([a[s] for s in (1, 2, 3)], [b[s] for s in (1, 2, 3)], rtol=1e-5)
 
 
-def test_bf16_training_and_best_checkpoint_retention(tmp_path, tfds_dir):
+def test_bf16_training_best_checkpoint_retention_and_tokens_per_second(tmp_path, tfds_dir):
     """bf16 compute trains (finite, decreasing loss, float32 params); retention keeps the
-    latest `keep` checkpoints plus the best by the validation metric."""
+    latest `keep` checkpoints plus the best by the validation metric. And tokens/s leaves out
+    evaluation: a train record's window starts after the evaluation (and its save) before it,
+    so it is at most the time from that validation record to this one."""
     config = tiny_config(
         tfds_dir,
         **{
             "model.dtype": "bfloat16",
             "train.num_steps": 8,
+            "train.log_every": 2,
             "eval.every": 2,
             "checkpoint.every": 2,
             "checkpoint.keep": 1,
@@ -183,11 +188,16 @@ def test_bf16_training_and_best_checkpoint_retention(tmp_path, tfds_dir):
     )
     train_and_evaluate(config, tmp_path)
     losses = train_losses(tmp_path)
-    assert all(np.isfinite(v) for v in losses.values()) and losses[8] < losses[1]
-    validation = [
-        json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
-    ]
-    val_loss = {r["step"]: r["loss"] for r in validation if r["split"] == "validation"}
+    assert sorted(losses) == [2, 4, 6, 8]  # logged every 2 steps
+    assert all(np.isfinite(v) for v in losses.values()) and losses[8] < losses[2]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    validation = {r["step"]: r["elapsed"] for r in records if r["split"] == "validation"}
+    train = [r for r in records if r["split"] == "train"]
+    assert sorted(validation) == [2, 4, 6, 8] and [r["step"] for r in train] == [2, 4, 6, 8]
+    for r in train[1:]:
+        window = 2 * r["tokens"] / r["tokens_per_sec"]  # "tokens": the mean of the 2 steps
+        assert 0 < window <= r["elapsed"] - validation[r["step"] - 2] + 0.01, r
+    val_loss = {r["step"]: r["loss"] for r in records if r["split"] == "validation"}
     worst = max(val_loss, key=val_loss.get)
     assert worst != 8
     ckpt = Checkpointer(tmp_path / "checkpoints", read_only=True)
@@ -199,10 +209,9 @@ def test_bf16_training_and_best_checkpoint_retention(tmp_path, tfds_dir):
 
 
 @pytest.mark.slow
-def test_pmap_and_mesh_on_8_devices_match_one_device(tmp_path, tfds_dir):
-    steps = 5
+def test_pmap_and_mesh_on_8_devices_match_one_device(tmp_path, tfds_dir, one_device):
+    steps = STEPS
     base = {"train.num_steps": steps, "checkpoint.every": steps}
-    train_and_evaluate(tiny_config(tfds_dir, **base), tmp_path / "one")
     code = f"""
 import jax, numpy as np
 from helpers import tiny_config
@@ -232,7 +241,7 @@ np.savez({str(tmp_path)!r} + "/mesh_222_params.npz", **{{
     for p, x in jax.tree_util.tree_leaves_with_path(state.params)}})
 """
     run_python(code, devices=8)
-    want = train_losses(tmp_path / "one")
+    want = train_losses(one_device)
     for name in ("pmap", "mesh_data", "mesh_222"):
         got = train_losses(tmp_path / name)
         np.testing.assert_allclose(
@@ -255,11 +264,10 @@ np.savez({str(tmp_path)!r} + "/mesh_222_params.npz", **{{
         np.testing.assert_array_equal(leaf, saved[jax.tree_util.keystr(path)])
 
 
-def test_profile_steps_write_a_trace_tensorboard_reads(tmp_path, tfds_dir):
-    """train.profile_steps: a jax.profiler trace of the chosen steps in WORKDIR/tensorboard."""
-    config = tiny_config(tfds_dir, **{"train.num_steps": 4, "train.profile_steps": (2, 4)})
-    train_and_evaluate(config, tmp_path / "run")
-    runs = list((tmp_path / "run" / "tensorboard" / "plugins" / "profile").iterdir())
+def test_profile_steps_write_a_trace_tensorboard_reads(one_device):
+    """train.profile_steps: a jax.profiler trace of the chosen steps in WORKDIR/tensorboard
+    (the shared run traces steps 2 and 3)."""
+    runs = list((one_device / "tensorboard" / "plugins" / "profile").iterdir())
     assert len(runs) == 1  # one trace, started once
     xplane = list(runs[0].glob("*.xplane.pb"))
     assert len(xplane) == 1 and xplane[0].stat().st_size > 10_000

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import copy
 import hashlib
 import importlib.metadata
 import json
@@ -132,6 +133,25 @@ def plan_in_subprocess(
     return plan
 
 
+def cached_candidate(
+    config: ml_collections.ConfigDict,
+    overrides: dict[str, str],
+    target: str,
+    cache_dir: pathlib.Path | None,
+) -> dict[str, Any] | None:
+    """A candidate's cached plan, looked up here as its process would look it up (`config`
+    with the candidate's overrides applied as text): a rerun starts no process. None where
+    it is not cached or the config refuses the overrides (its process says why)."""
+    from tx_jax.config import apply_overrides
+
+    c = copy.deepcopy(config)
+    try:
+        apply_overrides(c, overrides, from_text=True)
+    except (KeyError, ValueError):
+        return None
+    return cached(cache_dir, cache_key(c, target, SEARCH_PROGRAMS))
+
+
 def run_search(
     config_spec: str,
     config: ml_collections.ConfigDict,
@@ -148,13 +168,22 @@ def run_search(
 
     def run(stage: list[dict[str, str]]) -> list[dict[str, Any]]:
         with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+            # a cached candidate needs no process; `config` has base_overrides applied
+            plans = [cached_candidate(config, c, target, cache_dir) for c in stage]
             futures = [
-                pool.submit(plan_in_subprocess, config_spec, base_overrides | c, target, cache_dir)
-                for c in stage
+                None
+                if plan is not None
+                else pool.submit(
+                    plan_in_subprocess, config_spec, base_overrides | c, target, cache_dir
+                )
+                for plan, c in zip(plans, stage)
             ]
             out = []
-            for c, f in zip(stage, futures):
-                plan = f.result()
+            for c, plan, f in zip(stage, plans, futures):
+                if f is not None:
+                    plan = f.result()
+                else:
+                    plan["overrides"] = base_overrides | c  # as its process records them
                 plan["candidate"] = c
                 log(describe(plan))
                 out.append(plan)
