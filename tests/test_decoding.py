@@ -469,7 +469,7 @@ def test_beam_forced_prefix_as_greedy_and_compaction_see_it(shallow):
 
 def test_eos_ends_a_sequence_and_padding_follows(small):
     cfg, params, _ = small
-    kw = dict(max_decode_len=8)
+    kw = dict(max_decode_len=MAX_LEN)  # greedy: the compiled search of the beam tests above
     greedy = decoding.translate_greedy(cfg, params, SMALL_SRC, **kw)
     beams, _ = decoding.translate_beam(cfg, params, SMALL_SRC, beam_size=3, alpha=0.6, **kw)
     sampled = decoding.sample(cfg, params, jax.random.key(0), inputs=SMALL_SRC, **kw)
