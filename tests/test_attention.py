@@ -592,8 +592,10 @@ def _encoder_decoder(impl="xla", **kw):
 def test_model_with_value_head_dim_differing_from_head_dim():
     """EncoderDecoder (tiny: M 64, H 4) with d_k 8, d_v 12 and GQA (K 2): every attention's
     W^V is [M, K, 12], W^O [H, 12, M]; forward and backward run and 'chunked' gives 'xla''s
-    logits and gradients. value_head_dim=None is the old model: the same parameters."""
-    kw = dict(head_dim=8, value_head_dim=12, num_kv_heads=2)
+    logits and gradients. value_head_dim=None is the old model: the same parameters. One
+    layer per stack: each kind of attention (encoder self, decoder self, cross) once."""
+    layers = dict(num_encoder_layers=1, num_decoder_layers=1)
+    kw = dict(head_dim=8, value_head_dim=12, num_kv_heads=2, **layers)
     model, params, src, tgt = _encoder_decoder(**kw)
     attentions = [
         layer[name]
@@ -603,7 +605,7 @@ def test_model_with_value_head_dim_differing_from_head_dim():
         for name in ("self_attention", "cross_attention")
         if name in layer
     ]
-    assert len(attentions) == 2 + 2 * 2
+    assert len(attentions) == 1 + 2 * 1
     for p in attentions:
         assert p["query_kernel"].shape == (64, 4, 8) and p["key_kernel"].shape == (64, 2, 8)
         assert p["value_kernel"].shape == (64, 2, 12) and p["out_kernel"].shape == (4, 12, 64)
@@ -623,8 +625,8 @@ def test_model_with_value_head_dim_differing_from_head_dim():
     dv = g_xla["decoder"]["layer_0"]["cross_attention"]["value_kernel"]
     assert dv.shape == (64, 2, 12) and float(jnp.abs(dv).max()) > 0
 
-    _, default, _, _ = _encoder_decoder()
-    _, explicit, _, _ = _encoder_decoder(value_head_dim=16)  # = d_model // num_heads
+    _, default, _, _ = _encoder_decoder(**layers)
+    _, explicit, _, _ = _encoder_decoder(value_head_dim=16, **layers)  # d_model // num_heads
     same = jax.tree_util.tree_map(lambda a, b: bool((a == b).all()), default, explicit)
     assert all(jax.tree_util.tree_leaves(same))
     assert jax.tree_util.tree_structure(default) == jax.tree_util.tree_structure(explicit)
