@@ -1,7 +1,6 @@
 """Label-smoothed cross-entropy, accuracy, and the learning-rate schedules."""
 
 import functools
-
 import jax
 import jax.numpy as jnp
 import ml_collections
