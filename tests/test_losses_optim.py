@@ -1,6 +1,5 @@
 """Label-smoothed cross-entropy, accuracy, and the learning-rate schedules."""
 
-import functools
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -303,33 +302,3 @@ def test_a_non_finite_step_leaves_the_state_as_it_was_on_each_backend(platform):
         leaves((skipped.params, skipped.opt_state)), leaves((poisoned.params, poisoned.opt_state))
     ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def test_the_same_optimizer_settings_give_the_same_objects_and_steps():
-    """A later run of the same settings reuses the optimizer objects, and so its compiled
-    step (training/parallel.py keys compiled steps by them); a setting the optimizer reads
-    makes a new one, a key it does not read does not."""
-    from tx_jax.config import load_config
-    from tx_jax.training import parallel
-    from tx_jax.training.step import eval_step
-
-    train = load_config("configs/default.py:debug").train
-    first = optim.make_optimizer(train, 32)
-    other = load_config("configs/default.py:debug").train
-    other.num_steps, other.log_every = 99, 7  # not read by rsqrt without a cooldown
-    assert optim.make_optimizer(other, 32) == first
-    assert optim.make_optimizer(other, 64) != first
-    other.lr_scale = other.lr_scale * 2
-    assert optim.make_optimizer(other, 32)[0] is not first[0]
-    ends = []
-    for num_steps in (4, 8):  # with a cooldown num_steps is read: the schedule ends there
-        cooled = load_config("configs/default.py:debug").train
-        cooled.cooldown_steps, cooled.num_steps = 2, num_steps
-        ends.append(optim.make_optimizer(cooled, 32)[1])
-    assert float(ends[0](3)) < float(ends[1](3))
-    strategy = parallel.make_strategy(load_config("configs/default.py:debug").parallel)
-    model = object.__new__  # any hashable bound argument stands in for the model here
-    a = strategy.compile_step(functools.partial(eval_step, model=model), donate=False)
-    b = strategy.compile_step(functools.partial(eval_step, model=model), donate=False)
-    c = strategy.compile_step(functools.partial(eval_step, model=len), donate=False)
-    assert a is b and a is not c
