@@ -53,11 +53,10 @@ def _base_schedule(train: Any, d_model: int) -> optax.Schedule:
     if kind == "rsqrt":
         return rsqrt_schedule(d_model, warmup, train.lr_scale)
     if kind == "linear_rsqrt":
-        peak = float(train.peak_lr)  # read now: the schedule must not see later config edits
 
         def schedule(count):
             step = jnp.asarray(count, jnp.float32) + 1.0
-            return peak * jnp.minimum(step / warmup, jnp.sqrt(warmup / step))
+            return train.peak_lr * jnp.minimum(step / warmup, jnp.sqrt(warmup / step))
 
         return schedule
     if kind == "cosine":
@@ -90,49 +89,7 @@ def weight_decay_mask(params: Any) -> Any:
 def make_optimizer(train: Any, d_model: int) -> tuple[optax.GradientTransformation, Any]:
     """Adam(beta1, beta2, eps) (paper: 0.9, 0.98, 1e-9), optional decoupled weight decay (on
     weight matrices and embeddings only: `decays`) and global-norm clipping. Returns
-    (transformation, schedule): the same objects as an earlier call whose `train` had the
-    same values in every key building them read, so that a later run of this process (a
-    resumed run, a study's next run) finds its train step already traced and compiled
-    (training/parallel.py keys compiled steps by these objects)."""
-    for made_d_model, reads, made in _MADE:
-        if made_d_model == d_model and all(_read(train, k) == v for k, v in reads):
-            return made
-    recorder = _Reads(train)
-    made = _make_optimizer(recorder, d_model)
-    _MADE.append((d_model, tuple(recorder.reads.items()), made))
-    del _MADE[:-_MADE_KEPT]
-    return made
-
-
-_MADE: list[tuple[int, tuple, tuple]] = []  # (d_model, the train values read, the result)
-_MADE_KEPT = 16
-_ABSENT = object()
-
-
-def _read(train: Any, key: str) -> Any:
-    return train.get(key, _ABSENT) if hasattr(train, "get") else getattr(train, key, _ABSENT)
-
-
-class _Reads:
-    """config.train, recording each key read (and its value) while the optimizer is built."""
-
-    def __init__(self, train: Any):
-        self._train, self.reads = train, {}
-
-    def __getattr__(self, key: str) -> Any:
-        value = _read(self._train, key)
-        self.reads[key] = value
-        if value is _ABSENT:
-            raise AttributeError(key)
-        return value
-
-    def get(self, key: str, default: Any = None) -> Any:
-        value = _read(self._train, key)
-        self.reads[key] = value
-        return default if value is _ABSENT else value
-
-
-def _make_optimizer(train: Any, d_model: int) -> tuple[optax.GradientTransformation, Any]:
+    (transformation, schedule)."""
     schedule = make_schedule(train, d_model)
     if train.weight_decay > 0:
         opt = optax.adamw(

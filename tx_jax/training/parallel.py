@@ -18,7 +18,6 @@ just those, `place_process_rows` assembles them); eval batches are per process
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 import weakref
@@ -294,37 +293,21 @@ class Strategy:
         returns_state=False), compiled for this run. pmap: metrics come back as per-device
         copies of the reduced values (fetch_metrics takes [0]).
         """
-        key = _step_key(step_fn, self._placement(state_shardings), donate, returns_state)
-        if key in _COMPILED:
-            return _COMPILED[key]
         if self.kind == "pmap":
-            compiled = _pmap(
+            return _pmap(
                 lambda s, b: step_fn(s, b, axis_name=PMAP_AXIS),
                 axis_name=PMAP_AXIS,
                 donate_argnums=(0,) if donate else (),
             )
-        else:
-            jitted = self.jit_step(
-                step_fn, donate=donate, state_shardings=state_shardings, returns_state=returns_state
-            )
+        jitted = self.jit_step(
+            step_fn, donate=donate, state_shardings=state_shardings, returns_state=returns_state
+        )
 
-            def compiled(state, batch):
-                with self.context():
-                    return jitted(state, batch)
+        def run(state, batch):
+            with self.context():
+                return jitted(state, batch)
 
-        if key is not None:
-            _COMPILED[key] = compiled
-            while len(_COMPILED) > _COMPILED_KEPT:
-                del _COMPILED[next(iter(_COMPILED))]
-        return compiled
-
-    def _placement(self, state_shardings: Any) -> tuple:
-        """What a compiled step depends on besides its function: the strategy and devices."""
-        if self.kind == "pmap":
-            return ("pmap", tuple(jax.local_devices()))
-        leaves, tree = jax.tree_util.tree_flatten(state_shardings)
-        rules = tuple(tuple(map(str, r)) for r in self.rules)
-        return ("mesh", self.mesh, rules, tuple(leaves), tree)
+        return run
 
     def jit_step(
         self,
@@ -388,27 +371,6 @@ def _first_replica(x: jax.Array) -> jax.Array:
     devices on 2 cores: participants of different programs waiting for each other)."""
     local = x.addressable_shards[0].data  # [1, ...] on device 0
     return local.reshape(local.shape[1:])
-
-
-# Steps compiled in this process, by what they compute (`_step_key`): a later run of the same
-# model, optimizer settings and devices (a resumed run, the next run of a study or notebook)
-# calls the step already traced and compiled instead of tracing it again.
-_COMPILED: dict[Any, Callable] = {}
-_COMPILED_KEPT = 16
-
-
-def _step_key(step_fn: Callable, *rest: Any) -> Any:
-    """A hashable identity of `step_fn` when it is a functools.partial of a function with
-    hashable bound arguments (a Flax module compares by its fields, optim.make_optimizer
-    returns the same transformation for the same settings), else None: not cached."""
-    if not isinstance(step_fn, functools.partial):
-        return None
-    key = (step_fn.func, step_fn.args, tuple(sorted(step_fn.keywords.items())), *rest)
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
 
 
 def _replicas_as_global(x: jax.Array) -> jax.Array:
