@@ -53,10 +53,11 @@ def _base_schedule(train: Any, d_model: int) -> optax.Schedule:
     if kind == "rsqrt":
         return rsqrt_schedule(d_model, warmup, train.lr_scale)
     if kind == "linear_rsqrt":
+        peak = float(train.peak_lr)  # read now: the schedule must not see later config edits
 
         def schedule(count):
             step = jnp.asarray(count, jnp.float32) + 1.0
-            return train.peak_lr * jnp.minimum(step / warmup, jnp.sqrt(warmup / step))
+            return peak * jnp.minimum(step / warmup, jnp.sqrt(warmup / step))
 
         return schedule
     if kind == "cosine":
