@@ -14,7 +14,6 @@ from helpers import ROOT
 from tx_jax.config import apply_overrides, load_config
 from tx_jax.data import datasets, text_corpus
 from tx_jax.experiment.loop import train_and_evaluate
-from tx_jax.experiment.validation import validate_config
 from tx_jax.inference import evaluation, restore, translation
 from tx_jax.interop import huggingface
 
@@ -171,11 +170,11 @@ def test_bad_input_names_the_file_line_and_key_and_leaves_nothing_prepared(tmp_p
             datasets.load_split(data, split)
         assert message in str(e.value), name
         assert f"data.{split}" in str(e.value), name
-    # a run without a validation split is refused before anything runs
+    # a run without a validation split is refused before anything is prepared
     config = load_config("configs/text.py:debug")
     config.data.train = str(tmp_path / "bad" / "tabs.tsv")
     with pytest.raises(text_corpus.CorpusError, match=r"data.validation is not set: give"):
-        validate_config(config)
+        train_and_evaluate(config, tmp_path / "refused")
     # nothing a rerun would take for prepared data, not even a partial directory
     assert not list((tmp_path / "tfds").rglob("dataset_info.json"))
     assert not [p for p in (tmp_path / "tfds").rglob("*") if p.is_file()]

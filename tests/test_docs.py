@@ -235,9 +235,11 @@ def config_uses() -> list[tuple[str, str, str]]:
         for text in spans:
             if "python -m" in text or "launch.sh" in text:
                 continue
+            spec = re.search(r"--config=([^\s`]+)", text)
+            spec = spec.group(1) if spec else "configs/default.py"
             for m in re.finditer(r"--config\.([\w.]+)", text):
                 if not _placeholder_key(m.group(0)):
-                    found.add((page.name, "configs/default.py", m.group(1)))
+                    found.add((page.name, spec, m.group(1)))
     return sorted(found)
 
 
@@ -469,7 +471,7 @@ def test_the_tpu_walk_in_the_docs_runs_with_dry_run():
     """docs/tpu_and_cloud.md's walk from create to delete: each command, with --dry-run, prints
     the gcloud commands it would run (scripts/tpu.sh) and exits 0."""
     page = (ROOT / "docs" / "tpu_and_cloud.md").read_text()
-    block = page.split("## From a new TPU VM", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    block = page.split("```bash\n", 1)[1].split("```", 1)[0]  # the walk, the page's first block
     commands = [
         shlex.split(c)
         for c in block.replace("\\\n", " ").splitlines()

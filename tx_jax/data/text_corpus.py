@@ -356,10 +356,11 @@ def prepares_locally(builder: TextTranslation, manual_dir: str | None, download:
     return True
 
 
-def validate_config(data: Any) -> None:
-    """Before anything runs: the splits a run cannot do without have files (data.train and
-    the split data.eval_split names; a test split is optional: without files a run skips its
-    test score); CorpusError naming the key."""
+def check_required(data: Any) -> None:
+    """At a run's start (`extra_splits`, before anything is prepared, on every process): the
+    splits a run cannot do without have files (data.train and the split data.eval_split
+    names; a test split is optional: without files a run skips its test score); CorpusError
+    naming the key. A config without files still plans (tx_jax.plan reads no data)."""
     specs = config_builder_kwargs(data)["specs"]
     for split in ("train", base_split(data.eval_split)):
         if split not in specs:
@@ -377,6 +378,7 @@ def has_split(data: Any, split: str) -> bool:
 
 def extra_splits(data: Any) -> list[str]:
     """The splits besides train that a run of `data` reads, each prepared on its own."""
+    check_required(data)
     specs = config_builder_kwargs(data)["specs"]
     names = [base_split(s) for s in (data.get("eval_split"), data.get("test_split")) if s]
     return [s for s in dict.fromkeys(names) if s in specs and s != "train"]

@@ -9,7 +9,7 @@ import math
 import ml_collections
 
 from tx_jax.config import task_of
-from tx_jax.data import backtranslation, directions, input_shards, lm_task, text_corpus
+from tx_jax.data import backtranslation, directions, input_shards, lm_task
 from tx_jax.experiment.profiling import profile_window
 from tx_jax.model import TASKS, ModelConfig
 from tx_jax.training import optim, parallel
@@ -34,8 +34,6 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
             )
     directions.validate_config(config.data, task_of(config))
     backtranslation.validate_config(config.data, task_of(config))
-    if config.data.get("dataset") == text_corpus.NAME:
-        text_corpus.validate_config(config.data)
     d = config.data
     input_shards.check_shape_rule(d.get("input_shards", 1), d.packing, d.bucket_boundaries)
     enums = {
