@@ -15,7 +15,6 @@ import sys
 import time
 import types
 
-import gcs_server
 import portpicker
 import pytest
 from helpers import ROOT, forced_devices, tiny_config
@@ -265,26 +264,15 @@ def test_sampling_is_reproducible_per_seed_whatever_the_shards(run, tmp_path):
     assert text == one["a.txt"] + one["b.txt"]
 
 
-def test_gcs_input_and_output(run, tmp_path):
-    server = gcs_server.start(str(tmp_path / "gcs_data"), lifetime=600)
-    saved = {k: os.environ.get(k) for k in server.env}
-    os.environ.update(server.env)
-    try:
-        bucket = "gs://tx-jax-test/corpus"
-        for name in ("a.txt", "b.txt.gz"):
-            (paths.Path(bucket) / "in" / name).write_bytes((run.root / "in" / name).read_bytes())
-        inputs = corpus.expand(f"{bucket}/in/a.txt,{bucket}/in/*.gz")
-        assert inputs == [f"{bucket}/in/a.txt", f"{bucket}/in/b.txt.gz"]
-        got = _run_here(run, f"{bucket}/out", 7, inputs=inputs)
-        assert got == _expected(run)
-        assert len(paths.glob(f"{bucket}/out/.shards/a.txt/*.done")) == 4
-    finally:
-        server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def test_gcs_input_and_output(run, gcs):
+    bucket = "gs://tx-jax-test/corpus"
+    for name in ("a.txt", "b.txt.gz"):
+        (paths.Path(bucket) / "in" / name).write_bytes((run.root / "in" / name).read_bytes())
+    inputs = corpus.expand(f"{bucket}/in/a.txt,{bucket}/in/*.gz")
+    assert inputs == [f"{bucket}/in/a.txt", f"{bucket}/in/b.txt.gz"]
+    got = _run_here(run, f"{bucket}/out", 7, inputs=inputs)
+    assert got == _expected(run)
+    assert len(paths.glob(f"{bucket}/out/.shards/a.txt/*.done")) == 4
 
 
 def test_clear_errors(run, tmp_path):
