@@ -5,6 +5,8 @@
 #   ./launch.sh test [pytest args]                         ruff (lint + format) then pytest
 #   ./launch.sh sweep experiments/FILE.py [--parallel N] [--dry-run] [--only 0,3] [--root DIR]
 #                     [--test_split_eval] [--override key=value ...]     python -m tx_jax.sweep
+#   ./launch.sh sweep experiments/FILE.py --tpu NAME[,NAME...] --root gs://B/sweeps/X
+#                     [--zone Z] [--recreate] [--no-plan] [--dry-run]    each point on a TPU VM
 #   ./launch.sh tpu-create|tpu-setup|tpu-prepare|tpu-run|tpu-logs|tpu-delete NAME [...] [--dry-run]
 #                                                          Cloud TPU VMs (scripts/tpu.sh)
 #
@@ -78,7 +80,8 @@ case "$cmd" in
     exec "$VENV/bin/python" -m tx_jax.main --config=configs/default.py --workdir="$workdir" "$@"
     ;;
   sweep)
-    ensure_venv
+    # On TPU VMs each point is planned here first: the TPU compiler (plan extra) is needed.
+    if [[ " $* " == *" --tpu"* ]]; then ensure_venv plan; else ensure_venv; fi
     cpu_host_platforms
     export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$PWD/.jax_cache}"
     exec "$VENV/bin/python" -m tx_jax.sweep "$@"
@@ -87,7 +90,7 @@ case "$cmd" in
     exec bash scripts/tpu.sh "$cmd" "$@"  # no venv here: --dry-run needs nothing installed
     ;;
   help|-h|--help)
-    sed -n '2,13p' "$0"
+    sed -n '2,16p' "$0"
     ;;
   *)
     echo "launch.sh: unknown command '$cmd' (expected train, test, sweep or tpu-*)" >&2

@@ -8,11 +8,13 @@
 #                   v6e v2-alpha-tpuv6e, v5p v2-alpha-tpuv5, v5e (v5litepod-*)
 #                   v2-alpha-tpuv5-lite, v4 and older tpu-ubuntu2204-base
 #   tpu-setup NAME [--zone Z] [--project P]      copy the repo to all workers, make .venv there
-#   tpu-run NAME [--zone Z] [--project P] [--accelerator-type T] [--no-plan] -- ARGS...
+#   tpu-run NAME [--zone Z] [--project P] [--accelerator-type T] [--no-plan] [--wait] -- ARGS...
 #                   first plans the run for the slice here (python -m tx_jax.plan with ARGS'
 #                   --config flags; T defaults to what gcloud says of NAME) and refuses one that
 #                   does not fit; then python -m tx_jax.main ARGS --config.parallel.distributed=True
-#                   on every worker, in the background (nohup; log ~/tx_jax/runs/tpu-run.log)
+#                   on every worker, in the background (nohup; log ~/tx_jax/runs/tpu-run.log),
+#                   or with --wait in the foreground: the output here, the exit status the
+#                   workers' (the TPU sweep's way: ./launch.sh sweep --tpu)
 #   tpu-prepare NAME [--zone Z] [--project P] -- ARGS...
 #                   python -m tx_jax.prepare ARGS on worker 0, in the foreground: the data
 #                   into a gs:// data.data_dir and the tokenizer into the gs:// workdir, once,
@@ -63,7 +65,7 @@ name="$1"
 shift
 
 zone="${TPU_ZONE:-}" project="${TPU_PROJECT:-}" accel="" version=""
-spot=0 queued=0 worker=0 plan=1
+spot=0 queued=0 worker=0 plan=1 wait=0
 remote_args=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -81,6 +83,7 @@ while [ $# -gt 0 ]; do
     --worker) worker="$2"; shift ;;
     --worker=*) worker="${1#*=}" ;;
     --no-plan|--no_plan) plan=0 ;;
+    --wait) wait=1 ;;
     --) shift; remote_args=("$@"); break ;;
     *) die "$cmd: unknown option '$1'" ;;
   esac
@@ -167,8 +170,12 @@ case "$cmd" in
     [ ${#remote_args[@]} -gt 0 ] || die "tpu-run: expected -- ARGS... (e.g. -- --config=...)"
     [ "$plan" = 1 ] && plan_run
     args="$(quote_words "${remote_args[@]}" --config.parallel.distributed=True)"
-    ssh_all "cd $REMOTE_DIR && mkdir -p runs && nohup .venv/bin/python -m tx_jax.main \
+    if [ "$wait" = 1 ]; then
+      ssh_all "cd $REMOTE_DIR && .venv/bin/python -m tx_jax.main $args"
+    else
+      ssh_all "cd $REMOTE_DIR && mkdir -p runs && nohup .venv/bin/python -m tx_jax.main \
 $args > $LOG 2>&1 < /dev/null &"
+    fi
     ;;
   tpu-prepare)
     [ ${#remote_args[@]} -gt 0 ] || die "tpu-prepare: expected -- ARGS... (--config=... --workdir=gs://...)"

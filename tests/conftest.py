@@ -65,6 +65,7 @@ LONGEST_FIRST = (
     "test_decoding.py",
     "test_planning.py",
     "test_translate_corpus.py",
+    "test_tpu_sweep.py",
     "test_elastic.py",
     "test_multilingual.py",
     "test_docs.py",

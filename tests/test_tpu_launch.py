@@ -166,3 +166,17 @@ def test_run_refuses_a_run_that_does_not_fit():
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "DOES NOT FIT" in proc.stdout
     assert "tpu-run: not started" in proc.stderr and "gcloud" not in proc.stderr
+
+
+def test_run_wait_runs_in_the_foreground():
+    """--wait (the TPU sweep's way): no nohup, no log file, the workers' exit status."""
+    (line,) = dry_run("tpu-run", "tx1", "--dry-run", "--no-plan", "--wait", "--", TRICKY)
+    remote = shlex.split(shlex.split(line[2:])[-1].removeprefix("--command="))
+    assert remote[:3] == ["cd", "~/tx_jax", "&&"]
+    assert remote[3:] == [
+        ".venv/bin/python",
+        "-m",
+        "tx_jax.main",
+        TRICKY,
+        "--config.parallel.distributed=True",
+    ]

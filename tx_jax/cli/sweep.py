@@ -2,22 +2,26 @@
 
 python -m tx_jax.sweep experiments/table3.py --root=runs/sweeps/table3 [--parallel=2]
     [--dry_run] [--only=0,3] [--test_split_eval] [--override=train.num_steps=100 ...]
+python -m tx_jax.sweep experiments/table3.py --tpu=NAME[,NAME...] --root=gs://B/sweeps/table3
+    [--zone=Z] [--project=P] [--recreate] [--no_plan] [--dry_run] [--only=0,3] [--override=...]
+    (experiment.tpu_sweep: each point on a free TPU VM)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
-from tx_jax.experiment import sweep
+from tx_jax.experiment import sweep, tpu_sweep
 from tx_jax.experiment.sweep import LOG_FILE, parse_overrides, run_sweep
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tx_jax.sweep",
-        description=sweep.__doc__,
+        description=sweep.__doc__ + "\n" + tpu_sweep.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("sweep_file", help="experiments/<file>.py")
@@ -44,9 +48,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="a dotted override added to every point (repeatable)",
     )
+    tpu = parser.add_argument_group("TPU VMs (experiment.tpu_sweep)")
+    tpu.add_argument("--tpu", help="TPU VM names, comma-separated: each point on a free one")
+    tpu.add_argument("--zone", default=os.environ.get("TPU_ZONE"), help="(default $TPU_ZONE)")
+    tpu.add_argument("--project", default=os.environ.get("TPU_PROJECT"), help="($TPU_PROJECT)")
+    tpu.add_argument(
+        "--recreate", action="store_true", help="recreate a preempted spot or queued VM"
+    )
+    tpu.add_argument(
+        "--no_plan", "--no-plan", action="store_true", help="start points without planning them"
+    )
     args = parser.parse_args(argv)
     try:
         only = [int(i) for i in args.only.split(",") if i.strip()] if args.only else None
+        if args.tpu:
+            if args.parallel != 1 or args.test_split_eval:
+                raise ValueError(
+                    "--tpu runs one point per VM (no --parallel) and scores the test split "
+                    "in training (eval.test_split), not with --test_split_eval"
+                )
+            rows = tpu_sweep.run_tpu_sweep(
+                args.sweep_file,
+                args.root,
+                args.tpu.split(","),
+                zone=args.zone,
+                project=args.project,
+                only=only,
+                dry_run=args.dry_run,
+                recreate=args.recreate,
+                plan=not args.no_plan,
+                overrides=parse_overrides(args.override),
+            )
+            return _exit_status(rows)
+        if args.recreate or args.no_plan:
+            raise ValueError("--recreate and --no-plan are for a sweep on TPU VMs (--tpu NAME,...)")
         rows = run_sweep(
             args.sweep_file,
             args.root,
@@ -60,11 +95,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"tx_jax.sweep: {e}", file=sys.stderr)
         return 2
-    failed = [r for r in rows if r["status"].startswith("failed")]
+    return _exit_status(rows)
+
+
+def _exit_status(rows) -> int:
+    """1 (and the list on stderr) if a point failed or was not run, else 0."""
+    failed = [r for r in rows if r["status"].startswith(("failed", "not run", "does not fit"))]
     if failed:
         print(
-            f"tx_jax.sweep: {len(failed)} point(s) failed: "
-            + ", ".join(f"[{r['index']}] {r['name']} ({r['workdir']}/{LOG_FILE})" for r in failed),
+            f"tx_jax.sweep: {len(failed)} point(s) failed or not run: "
+            + ", ".join(
+                f"[{r['index']}] {r['name']} ({r['status']}; {r['workdir']}/{LOG_FILE})"
+                for r in failed
+            ),
             file=sys.stderr,
         )
     return 1 if failed else 0
