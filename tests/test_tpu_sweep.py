@@ -264,6 +264,12 @@ def test_dry_run_needs_no_gcloud_and_deals_points_round_robin(tmp_path, monkeypa
             "TPU VM tx-c is CREATING, not READY",
         ),
         ({}, ["--tpu=tx-b", "--root=runs/sweeps/seeds"], "a TPU sweep's root is a gs:// path"),
+        (
+            {"tx-d": {**VMS["tx-b"], "acceleratorType": "v3-8"}},
+            ["--tpu=tx-d"],
+            "TPU VM tx-d: tx_jax.plan cannot plan for v3-8 (v4, v5e, v5p, v6e slices); "
+            "pass --no-plan",
+        ),
     ],
 )
 def test_a_users_mistake_is_one_line(cloud_env, capsys, change, args, message):

@@ -1,6 +1,6 @@
 """A sweep on Cloud TPU VMs: every point on one of the named VMs, all of its workers.
 
-    ./launch.sh sweep experiments/X.py --tpu NAME[,NAME...] --root gs://B/sweeps/X
+    ./launch.sh sweep SWEEP_FILE --tpu NAME[,NAME...] --root gs://B/sweeps/NAME
         [--zone Z] [--project P] [--recreate] [--no-plan] [--dry-run] [--only 0,3]
 
 This host (a workstation, or any machine with gcloud) is the controller; the VMs run the
@@ -48,6 +48,7 @@ from tx_jax.experiment import sweep as local
 TPU_SH = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "tpu.sh"
 REMOTE_PYTHON = ".venv/bin/python"  # on each worker, relative to tpu.sh's REMOTE_DIR
 READY = "READY"
+RECREATED = ("PREEMPTED", "TERMINATED", "gone")  # what --recreate brings back
 # How often a VM being recreated is asked whether it is READY, and for how long.
 POLL_SECONDS = float(os.environ.get("TX_JAX_TPU_POLL_SECONDS", "30"))
 RECREATE_WAIT_SECONDS = 2 * 3600
@@ -172,10 +173,7 @@ class TpuSweep:
     def _plan(self, point: local.Point, vm: VM) -> bool:
         key = (point.index, vm.accelerator_type)
         if key not in self.fits:
-            target = plan_target(vm.accelerator_type)
-            if target is None:
-                self.fits[key] = False
-                return False
+            target = plan_target(vm.accelerator_type)  # not None: checked at the start
             argv = [sys.executable, "-m", "tx_jax.plan", f"--target={target}"]
             argv += ["--programs=train,eval"]
             argv += [a for a in _remote_args(point, self.sweep.config) if a.startswith("--config")]
@@ -205,8 +203,11 @@ class TpuSweep:
         if rc == 0:
             (point.workdir / local.DONE_FILE).write_text(json.dumps(record, indent=1) + "\n")
             return _Outcome("done", point, vm, record)
-        node = self.cloud.describe(vm.name)
-        state = node.get("state", "") if node else "gone"
+        try:
+            node = self.cloud.describe(vm.name)
+            state = node.get("state", "") if node else "gone"
+        except SweepError as e:  # gcloud cannot say: the point is safer elsewhere
+            node, state = None, f"unknown ({e})"
         if state != READY:
             return _Outcome("lost", point, vm, record, state or "no state")
         return _Outcome("failed", point, vm, record, f"rc {rc}")
@@ -327,7 +328,7 @@ class TpuSweep:
                 f"[{point.index}] {point.name}: requeued: {vm.name} is {outcome.detail}; "
                 "the point resumes from its last checkpoint on the next free VM"
             )
-            if self.recreate and (vm.spot or vm.queued):
+            if self.recreate and (vm.spot or vm.queued) and outcome.detail in RECREATED:
                 self.echo(f"{vm.name}: recreating ({'queued' if vm.queued else 'spot'})")
                 busy.append(vm)
                 running[pool.submit(self.recreate_vm, vm, outcome.detail)] = (vm, None)
@@ -383,6 +384,11 @@ def run_tpu_sweep(
             echo(f"[{p.index}] {p.name} -> {vm}")
             echo("    " + cloud.printed(cloud.start_command(vm, args[p.index])))
         return []
+    if shutil.which("gcloud") is None:
+        raise SweepError(
+            "gcloud is not on PATH: install the Google Cloud CLI "
+            "(https://cloud.google.com/sdk/docs/install), or see the commands with --dry-run"
+        )
     runner = TpuSweep(sweep, points, root, cloud, plan=plan, recreate=recreate, echo=echo)
     try:
         for p in points:
@@ -396,18 +402,8 @@ def run_tpu_sweep(
         rows = runner.results()
         echo((runner.root / "results.md").read_text())
         return rows
-    if shutil.which("gcloud") is None:
-        raise SweepError(
-            "gcloud is not on PATH: install the Google Cloud CLI "
-            "(https://cloud.google.com/sdk/docs/install), or see the commands with --dry-run"
-        )
-    if plan and importlib.util.find_spec("libtpu") is None:
-        raise SweepError(
-            "planning each point needs the TPU compiler (the plan extra: pip install -e "
-            "'.[plan]'; ./launch.sh sweep --tpu installs it), or pass --no-plan"
-        )
     vms = []
-    for name in dict.fromkeys(names):
+    for name in dict.fromkeys(names):  # each named once, READY, and plannable
         node = cloud.describe(name)
         state = node.get("state", "") if node else "gone"
         if node is None or state != READY:
@@ -419,6 +415,16 @@ def run_tpu_sweep(
                 + "); create it with ./launch.sh tpu-create and tpu-setup, or leave it out"
             )
         vms.append(VM.from_describe(name, node))
+        if plan and plan_target(vms[-1].accelerator_type) is None:
+            raise SweepError(
+                f"TPU VM {name}: tx_jax.plan cannot plan for {vms[-1].accelerator_type} "
+                "(v4, v5e, v5p, v6e slices); pass --no-plan to start its points unplanned"
+            )
+    if plan and importlib.util.find_spec("libtpu") is None:
+        raise SweepError(
+            "planning each point needs the TPU compiler (the plan extra: pip install -e "
+            "'.[plan]'; ./launch.sh sweep --tpu installs it), or pass --no-plan"
+        )
     done = len(points) - len(pending)
     echo(
         f"{len(pending)} point(s) to run ({done} done) on "
