@@ -32,8 +32,9 @@
 #                    debug model with XLA and cuDNN attention, with and without dropout, run
 #                    twice: which case fails, which repeats bit for bit -> OUT_DIR/determinism.json),
 #                    then base with XLA attention (the mode's cost)
-#   FLAGS="--xla_gpu_... ..."  base once per XLA flag, one process each (read at JAX's start);
-#                    e.g. --xla_gpu_dot_merger_threshold_mb=0, the dot merger off (BENCHMARKS.md)
+#   FLAGS="--xla_gpu_... ..."  base once per XLA flag, one process each (read at JAX's start),
+#                    e.g. --xla_gpu_enable_cudnn_layer_norm=true; a flag that pays is set in the
+#                    runs, and then in their plans too (the plans above have none)
 #   BATCH=1          twice the per-GPU batch (data.tokens_per_batch=53248)
 # The Python scripts it runs (gpu_step.py, gpu_profile.py, gpu_determinism.py, cudnn_bias.py,
 # attention.py) are its parts: each also runs alone (its docstring), but on a GPU host this
