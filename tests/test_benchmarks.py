@@ -183,7 +183,7 @@ def test_gpu_profile_summarizes_the_committed_h100_profile():
     out = gpu_profile.summarize(os.path.join(_common.ROOT, "benchmarks/results/gpu_profile"))
     assert sum(out["categories_ms"].values()) == pytest.approx(out["total_ms"])
     assert sum(out["sources_ms"].values()) == pytest.approx(out["total_ms"])
-    assert 16 < out["categories_ms"]["matmul"] < 17  # BENCHMARKS.md, "One NVIDIA H100, 2026-11-27"
+    assert 16 < out["categories_ms"]["matmul"] < 17  # BENCHMARKS.md, "Where the base step's time"
 
 
 def test_loss_benchmark_checks_both_implementations_agree_and_records_times(tmp_path):
