@@ -6,11 +6,12 @@
     JAX_PLATFORMS=cpu python benchmarks/cudnn_bias.py --shape 2,16,2,8 --out /tmp/b.json  # XLA's
 
 The paper's base step reads its dense mask bias in each of 36 cuDNN calls (forward and
-backward of 18 attentions), [104, 8, 256, 256] bf16 each time: ~3.9 GB a step (BENCHMARKS.md,
-"The logits read once"). A bias broadcast over heads would be an eighth of that, if cuDNN takes
-it. Packed rows (4 segments each, as gpu_step.py's batch), self-attention with the causal mask
-and without; jit(value_and_grad) of sum(out * g) in q, k, v; medians of --reps synchronised
-calls. The compiled HLO's custom-call operands are recorded, to show the bias cuDNN receives.
+backward of 18 attentions), [104, 8, 256, 256] bf16 each time: ~3.9 GB a step
+(benchmarks/HISTORY.md, "The logits read once"). A bias broadcast over heads would be an
+eighth of that, if cuDNN takes it. Packed rows (4 segments each, as gpu_step.py's batch),
+self-attention with the causal mask and without; jit(value_and_grad) of sum(out * g) in q, k,
+v; medians of --reps synchronised calls. The compiled HLO's custom-call operands are
+recorded, to show the bias cuDNN receives.
 
 --dbias-probe prints one line: whether the installed jax's cuDNN backward writes the gradient
 of the bias a boolean mask becomes (jax 0.10 asks for it whatever the bias; jax's change "Skip

@@ -28,10 +28,17 @@
 #                    what they compute -> OUT_DIR/{profile.json, hlo.txt.gz, trace.json.gz}
 #   CUDNN_BIAS=1     benchmarks/cudnn_bias.py: [B, 1, L, S] against [B, H, L, S] masks alone
 #   ATTENTION=1      benchmarks/attention.py in bf16 (xla, chunked, cudnn), L 1,024-8,192
-#   DETERMINISTIC=1  base with XLA attention under --xla_gpu_deterministic_ops=true (its cost)
-#   FLAGS="--xla_gpu_... ..."  base once per XLA flag, one process each (read at JAX's start);
-#                    e.g. --xla_gpu_dot_merger_threshold_mb=0, the dot merger off (BENCHMARKS.md)
+#   DETERMINISTIC=1  under --xla_gpu_deterministic_ops=true: benchmarks/gpu_determinism.py (the
+#                    debug model with XLA and cuDNN attention, with and without dropout, run
+#                    twice: which case fails, which repeats bit for bit -> OUT_DIR/determinism.json),
+#                    then base with XLA attention (the mode's cost)
+#   FLAGS="--xla_gpu_... ..."  base once per XLA flag, one process each (read at JAX's start),
+#                    e.g. --xla_gpu_enable_cudnn_layer_norm=true; a flag that pays is set in the
+#                    runs, and then in their plans too (the plans above have none)
 #   BATCH=1          twice the per-GPU batch (data.tokens_per_batch=53248)
+# The Python scripts it runs (gpu_step.py, gpu_profile.py, gpu_determinism.py, cudnn_bias.py,
+# attention.py) are its parts: each also runs alone (its docstring), but on a GPU host this
+# script is the one command, and the next GPU figures of BENCHMARKS.md come from it.
 # Expects tx_jax importable (PYTHONPATH=.) with its dependencies. An image with jax, flax, optax
 # and orbax but not tx_jax's data stack needed (2026-11-26, as wheels for its Python 3.12):
 # array-record dm-tree docstring-parser googleapis-common-protos grain immutabledict
@@ -98,6 +105,10 @@ if [ "${ATTENTION:-0}" = 1 ]; then
   cp benchmarks/results/attention_gpu.json "$out/" 2>/dev/null
 fi
 if [ "${DETERMINISTIC:-0}" = 1 ]; then
+  d="debug:bfloat16"
+  XLA_FLAGS=--xla_gpu_deterministic_ops=true timeout 120 python3 benchmarks/gpu_determinism.py \
+    --cases "$d:xla,$d:xla/model.dropout_rate=0.1,$d:cudnn,$d:cudnn/model.dropout_rate=0.1" \
+    --out "$out/determinism.json" 2>&1 | quiet
   XLA_FLAGS=--xla_gpu_deterministic_ops=true step deterministic 130 "$B:bfloat16:xla"
 fi
 for flag in ${FLAGS:-}; do

@@ -183,7 +183,7 @@ def test_gpu_profile_summarizes_the_committed_h100_profile():
     out = gpu_profile.summarize(os.path.join(_common.ROOT, "benchmarks/results/gpu_profile"))
     assert sum(out["categories_ms"].values()) == pytest.approx(out["total_ms"])
     assert sum(out["sources_ms"].values()) == pytest.approx(out["total_ms"])
-    assert 16 < out["categories_ms"]["matmul"] < 17  # BENCHMARKS.md, "One NVIDIA H100, 2026-11-27"
+    assert 16 < out["categories_ms"]["matmul"] < 17  # BENCHMARKS.md, "Where the base step's time"
 
 
 def test_loss_benchmark_checks_both_implementations_agree_and_records_times(tmp_path):
@@ -196,43 +196,6 @@ def test_loss_benchmark_checks_both_implementations_agree_and_records_times(tmp_
     for case in record["cases"]:
         assert set(case["seconds"]) == {"dense", "onepass"}
         assert all(len(v) == 2 and min(v) > 0 for v in case["seconds"].values())
-
-
-def test_norm_plan_compares_two_ways_to_the_same_gradient():
-    """benchmarks/norm_plan.py plans flax's LayerNorm against a custom VJP of the residual,
-    hashed dropout and layer norm and against the Pallas kernels (in Pallas' interpreter
-    here): all must compute the same gradients, or the traffic they are compared by means
-    nothing."""
-    import jax
-    import jax.numpy as jnp
-    import norm_plan
-    import numpy as np
-
-    B, L, M, layers = 2, 6, 16, 3
-    keys = jax.random.split(jax.random.key(0), 3 * layers + 2)
-    params = [
-        (
-            jax.random.normal(keys[3 * i], (M, M), jnp.bfloat16) * 0.3,
-            1.0 + 0.1 * jax.random.normal(keys[3 * i + 1], (M,), jnp.float32),
-            0.1 * jax.random.normal(keys[3 * i + 2], (M,), jnp.float32),
-        )
-        for i in range(layers)
-    ]
-    x = jax.random.normal(keys[-2], (B, L, M), jnp.bfloat16)
-    w = jax.random.normal(keys[-1], (B, L, M), jnp.float32)
-    got = {
-        v: jax.jit(norm_plan.grad_fn(v))(params, x, jax.random.key(7), w)
-        for v in norm_plan.VARIANTS
-    }
-    want = jax.tree.leaves(got["flax"])
-    assert len(want) == 3 * layers + 1
-    for variant in norm_plan.VARIANTS[1:]:
-        flat = jax.tree.leaves(got[variant])
-        assert len(flat) == len(want), variant
-        for a, b in zip(want, flat):
-            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-            assert np.isfinite(a).all() and np.abs(a).max() > 0
-            assert np.abs(a - b).max() <= 0.03 * np.abs(a).max(), variant  # bf16 activations
 
 
 def test_cudnn_bias_probe_compares_both_mask_forms(tmp_path):

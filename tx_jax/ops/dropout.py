@@ -11,7 +11,7 @@ same Threefry-2x32 written out as 20 unrolled rounds of elementwise ops (one fus
 bits equal jax.random.bits(key, shape, uint32) exactly, tests/test_dropout.py). The masks
 keep both 32-bit words of each block and split each word into two 16-bit draws, so one
 block serves four elements and the rate is exact to 1.5e-5 (0.1 becomes 6554 / 65536 =
-0.10001). BENCHMARKS.md ('Optimisations...') has the effect. Leading axes keep their shapes
+0.10001). benchmarks/HISTORY.md ('Optimisations...') has the effect. Leading axes keep their shapes
 (blocks are drawn as [..., ceil(N/4)] from per-element counters), so the draw is partitioned
 like `x` under a sharded jit. The module (`Dropout`) and the choice between these masks and
 jax.random's are in kernels.py.
@@ -95,7 +95,7 @@ def keep_mask(rng: Array, rate: float, shape: tuple[int, ...]) -> Array:
         words = bits[..., 0], bits[..., 1]
     # Draw d = 2w + h of block j is half h (low 16 bits first) of word w. Picked with an iota
     # and shifts, one fused elementwise loop; stacking the words and bitcasting them to uint16
-    # (the same bits) is slower and needs more step temporaries (BENCHMARKS.md).
+    # (the same bits) is slower and needs more step temporaries (benchmarks/HISTORY.md).
     full = (*blocks, 4)
     d = lax.broadcasted_iota(jnp.uint32, full, len(full) - 1)
     word = jnp.where(d < 2, words[0][..., None], words[1][..., None])

@@ -12,8 +12,8 @@ fusion that produced it, and then sometimes run a slower generic dot. Here the b
 materialises the transpose of the *smaller* operand behind an optimisation barrier, so the
 weight gradient is one canonical dot: x^T [K, T] when K <= N (every projection), and g^T
 [N, T] when K > N (the FFN's second matrix, whose [T, 4d] input would be a 4x larger copy),
-computing dw^T = g^T x and transposing the small [N, K] result. BENCHMARKS.md ('Optimisations
-and their measured effect') has the effect.
+computing dw^T = g^T x and transposing the small [N, K] result. benchmarks/HISTORY.md
+('Optimisations and their measured effect') has the effect.
 """
 
 from __future__ import annotations

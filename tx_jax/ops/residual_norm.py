@@ -14,8 +14,8 @@
               `backend.pallas_interpreter()` asks for the kernels in Pallas' interpreter
               (correct and slow: the CPU tests run them so). Rows are whole blocks of the
               model width, so the width must be a power of two (Triton's blocks are).
-    'auto'    'xla' (until a GPU has timed 'pallas': BENCHMARKS.md, "One kernel for the
-              residual, dropout and layer norm").
+    'auto'    'xla' (until a GPU has timed 'pallas': BENCHMARKS.md, "Implementation
+              choices").
 
 The arithmetic follows the reference's dtypes: dropout's scale and the residual add in the
 activations' dtype, the statistics and normalisation in float32, the output cast back; the

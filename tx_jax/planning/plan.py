@@ -58,7 +58,7 @@ def traffic(p: programs_lib.Program) -> float:
     each top-level operation) and the cost analysis' bytes accessed (traffic inside fusions
     too; on GPU the CPU client's analysis of the GPU module, custom calls added). Where a
     loop body runs more than once, hlo.hbm_traffic alone: the cost analysis counts the body
-    once, which made a blocked loss look 4 GB lighter than it is (BENCHMARKS.md)."""
+    once, which made a blocked loss look 4 GB lighter than it is (benchmarks/HISTORY.md, "GPU")."""
     if p.loop_trips > 1 and p.hbm_bytes > 0:
         return p.hbm_bytes
     counts = [x for x in (p.hbm_bytes, p.bytes_accessed) if x > 0]

@@ -172,8 +172,8 @@ def _cost(compiled, platform: str = "gpu", module: hlo.Module | None = None) -> 
     through the CPU client, which counts the partitioned module's FLOPs and bytes just the
     same. On GPU either analysis gives a custom call (cuDNN's attention, a cuBLAS or Pallas
     kernel) no bytes: its operands and results are added as the planner counts them, or a
-    kernel of our own would look free (BENCHMARKS.md, "One kernel for the residual, dropout
-    and layer norm"); 'custom call bytes' says how much that was."""
+    kernel of our own would look free (benchmarks/HISTORY.md, "One kernel for the residual,
+    dropout and layer norm"); 'custom call bytes' says how much that was."""
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):
         cost = cost[0] if cost else None

@@ -38,7 +38,8 @@ def token_cross_entropy(logits: Array, targets: Array, label_smoothing: float) -
     With sum_v q_v = 1: CE = -sum_v q_v (z_v - lse(z)) = lse(z) - (c - u) z_t - u sum_v z_v
     (c = 1 - eps, u = eps / (V - 1)), and dCE/dz = softmax(z) - q. The custom VJP computes
     that gradient in one elementwise pass over [B, L, V]; autodiff would differentiate the
-    gather of z_t into a scatter over a [B, L, V] array of zeros (BENCHMARKS.md, 'Optimisations').
+    gather of z_t into a scatter over a [B, L, V] array of zeros (benchmarks/HISTORY.md,
+    'Optimisations').
     """
     return _token_ce_fwd(logits, targets, label_smoothing)[0]
 

@@ -422,7 +422,7 @@ def _pmap_sharding() -> NamedSharding:
 
     The mesh axis is named like the pmap's axis: jax.pmap returns arrays sharded over a mesh
     with that name, and an input whose sharding differs only in the name compiles the step
-    a second time (the state at step 2; BENCHMARKS.md has the cost).
+    a second time (the state at step 2; benchmarks/HISTORY.md, 'Optimisations...', has the cost).
     """
     return NamedSharding(Mesh(np.asarray(jax.local_devices()), (PMAP_AXIS,)), P(PMAP_AXIS))
 

@@ -187,7 +187,7 @@ def _optimizer_update(tx: optax.GradientTransformation, grads, state: TrainState
 
 def _update_if(finite: Array, update, old):
     """update() where `finite`, else `old` (the params and optimizer state), as each backend
-    compiles best (BENCHMARKS.md, "The skipped update without a conditional")."""
+    compiles best (benchmarks/HISTORY.md, "The skipped update without a conditional")."""
     if backend.current() == "cpu":
         # XLA:CPU copies every Adam moment to write a select's result into the donated buffers
         return lax.cond(finite, update, lambda: old)
