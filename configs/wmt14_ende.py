@@ -100,8 +100,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # but on TPU the tensor axis 2 (0 = the platform's size): for base on a v5e-16 the plan's
     # --search ranks data=8 tensor=2 first, 3.6 GB of HBM traffic a chip a step against 4.6
     # with data=16, because each chip's Adam update and embedding gradient are half as large
-    # (BENCHMARKS.md, issue 38's levers). On one GPU or 8 CPU devices the same config is data-
-    # parallel. Any size given explicitly wins: --config.parallel.mesh.tensor=1 for data=16.
+    # (BENCHMARKS.md, "The step-speed levers in the plans"). On one GPU or 8 CPU devices the
+    # same config is data-parallel. Any size given explicitly wins:
+    # --config.parallel.mesh.tensor=1 for data=16.
     c.parallel.strategy = "mesh"
     c.parallel.mesh.tensor = 0
     c.parallel.mesh_by_platform = {"tpu": {"tensor": 2}}
