@@ -84,7 +84,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.bucket_boundaries = [16, 32, 48, 64]
     c.data.packing = True  # pack pairs into max_len rows with segment ids (one shape)
     # Train stream shards (fixed for a run, whatever the process count); a pod sets a multiple
-    # of its processes so each reads only its share (README "Multi-host input").
+    # of its processes so each reads only its share (docs/training.md "Multi-host input").
     c.data.input_shards = 1
     c.data.eval_split = "validation"
     c.data.test_split = "test"

@@ -3,7 +3,7 @@
     --config=configs/lm.py                   the synthetic corpus's target side, CPU, ~minutes
     --config=configs/lm.py:multi30k          Multi30k's English side (../shared/data/multi30k)
     --config=configs/lm.py:debug             seconds
-    --config=configs/lm.py:variant=long,length=32768   long context (seed 003): a base-size
+    --config=configs/lm.py:variant=long,length=32768   long context: a base-size
                                              model on packed rows of `length` tokens, sized for
                                              accelerators (python -m tx_jax.plan plans it)
     python -m tx_jax.generate --workdir=DIR --prompt="the red"     samples from the result

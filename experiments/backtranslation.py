@@ -52,15 +52,16 @@ back-translation is missing and a run that needs it is not finished; each run re
 sha256 of the synthetic corpus it trained on, and the report names runs whose
 back-translation differs from the recorded one (a de->en model retrained on another CPU).
 RUN_ORDER puts the back-translated runs early, where they share one back-translation, and
-the baseline before the last two, so a study cut short by a session's end compares first.
+the baseline before the last two, so a study stopped early compares first.
 
-Sizes (--size): `default`, each run within the issue's 45 minutes on the 2-core CPU:
+Sizes (--size): `default`, each run within the study's 45 minutes on the 2-core CPU:
 configs/multi30k.py's `small` model (d_model 256, 3+3 layers) with dropout 0.1 (600
-updates are ~11 epochs of A, where 0.3 mostly slows learning: docs/experiments.md, Table 3
-at CPU scale), float32 compute, batches of 4,096 tokens, 600 updates (warmup 150, peak 2e-3,
-linear cooldown over the last 120), validation every 150 updates (loss; greedy BLEU on the
-first 500 sentences). On the Zen 4 VM it trains at ~2,000 target tokens/s in float32 (bfloat16:
-~1,450), 1.8 s an update: ~18 min a run, ~25 with its evaluations and test decode. `long`:
+updates are ~11 epochs of A, where 0.3 mostly slows learning: docs/experiments.md,
+"The paper's Table 3 at CPU scale"), float32 compute, batches of 4,096 tokens, 600 updates
+(warmup 150, peak 2e-3, linear cooldown over the last 120), validation every 150 updates
+(loss; greedy BLEU on the first 500 sentences). On the Zen 4 VM it trains at ~2,000 target
+tokens/s in float32 (bfloat16: ~1,450), 1.8 s an update: ~18 min a run, ~25 with its
+evaluations and test decode. `long`:
 the same model with dropout 0.3 for 1,800 updates (warmup 600, cooldown 360), ~55 min of
 training a run on free cores (its partial results: docs/experiments.md). `debug` (--debug): the same
 pipeline with a 1-layer d_model-32 model, 40 updates and 400 train pairs: a few minutes
@@ -468,7 +469,7 @@ def second_seed_settings(first: dict[str, float], policy: str) -> list[str]:
 
 def second_seed_order(settings: list[str]) -> list[str]:
     """The second seeds in RUN_ORDER, those trained on a back-translation first: while ROOT
-    holds it (a ROOT lost between sessions means the de->en model trained again for them)."""
+    holds it (once ROOT is lost, the de->en model must train again for them)."""
     ordered = [s for s in RUN_ORDER if s in settings]
     uses_bt = [s for s in ordered if SETTINGS[s][1] and SETTINGS[s][1][0] in BT_METHODS]
     return uses_bt + [s for s in ordered if s not in uses_bt]
@@ -548,7 +549,7 @@ def conclusion(results: dict) -> list[str]:
 
 
 def _times(results: dict) -> str:
-    """Each run's training time and CPU (runs may come from several sessions' records)."""
+    """Each run's training time and CPU (a record's runs may come from several machines)."""
     runs = [("de_en", results["de_en"])] + [
         (f"{k}/seed{r['seed']}", r) for k, v in results["runs"].items() for r in v
     ]

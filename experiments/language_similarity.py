@@ -77,7 +77,7 @@ class Size:
 
 
 SIZES = {
-    # sized for a 2-core CPU (wall times: README's Results and the report)
+    # sized for a 2-core CPU (wall times: docs/experiments.md "Language similarity" and the report)
     "default": Size(
         "default",
         dict(

@@ -75,7 +75,8 @@ PAPER = {
 
 
 def table(root: str) -> str:
-    """The README's table from a finished (or partly finished) sweep under `root`."""
+    """The table of docs/experiments.md "The paper's Table 3 at CPU scale" from a finished (or
+    partly finished) sweep under `root`."""
     points = sweep_lib.expand(sweep_lib.load_sweep(__file__), root)
     lines = [
         "| point (here) | paper's row | paper PPL | paper BLEU | here: val PPL | here: val BLEU |",

@@ -1,5 +1,6 @@
 """README.md and docs/*.md against the repository: the paths, commands, flags and config keys
-they name exist, and the README's tour runs end to end on debug configs.
+they name exist, and the README's tour runs end to end on debug configs. Code comments and
+docstrings cite sections that exist, and no file speaks of how the work was organised.
 
 What is read from a page: backtick spans, link targets and code blocks (fenced or indented),
 with a shell line's trailing backslash joining it to the next. A path counts when it starts
@@ -10,13 +11,16 @@ Commands that cannot run here (gcloud, a GPU) are checked for their flags only.
 
 from __future__ import annotations
 
+import ast
 import fnmatch
 import functools
 import glob
+import io
 import os
 import re
 import shlex
 import subprocess
+import tokenize
 from pathlib import Path
 
 import forked
@@ -25,6 +29,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MEASURES = [ROOT / "BENCHMARKS.md", ROOT / "benchmarks" / "HISTORY.md"]  # paths and links only
+OTHER_PAGES = [ROOT / "experiments" / "README.md"]  # paths, links and cited sections
 TOP = (
     "tx_jax/",
     "configs/",
@@ -92,6 +97,10 @@ def _clean_path(token: str) -> str | None:
     return token
 
 
+def _rel(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def named_paths(pages: tuple[Path, ...] = tuple(PAGES)) -> list[tuple[str, str]]:
     """(page, repository-relative path) for every path a page names."""
     found = set()
@@ -101,13 +110,13 @@ def named_paths(pages: tuple[Path, ...] = tuple(PAGES)) -> list[tuple[str, str]]
             for token in _tokens(text):
                 path = _clean_path(token)
                 if path:
-                    found.add((page.name, path))
+                    found.add((_rel(page), path))
         for link in links:
             target = link.split("#")[0]
             if not target or "://" in target:
                 continue
             resolved = os.path.normpath(page.parent / target)
-            found.add((page.name, os.path.relpath(resolved, ROOT)))
+            found.add((_rel(page), os.path.relpath(resolved, ROOT)))
     return sorted(found)
 
 
@@ -264,7 +273,7 @@ def test_the_pages_exist_and_start_with_their_commands():
 
 def test_every_named_path_exists():
     missing = []
-    for page, path in named_paths(tuple(PAGES + MEASURES)):
+    for page, path in named_paths(tuple(PAGES + MEASURES + OTHER_PAGES)):
         if any(ch in path for ch in "*?["):
             ok = bool(glob.glob(str(ROOT / path)))
         else:
@@ -281,31 +290,168 @@ def _anchor(heading: str) -> str:
     return text.replace(" ", "-")
 
 
+def headings(doc: Path) -> list[str]:
+    """A markdown file's headings as they read now (another change may have renamed them)."""
+    return re.findall(r"^#+ (.+)$", doc.read_text(), flags=re.M)
+
+
 def test_every_link_to_a_section_has_its_heading():
     bad = []
-    for page in PAGES + MEASURES:
+    for page in PAGES + MEASURES + OTHER_PAGES:
         for link in page_parts(page)[2]:
             target, _, anchor = link.partition("#")
             if not anchor or "://" in target:
                 continue
             doc = (page.parent / target).resolve() if target else page
-            headings = re.findall(r"^#+ (.+)$", doc.read_text(), flags=re.M)
-            if anchor not in {_anchor(h) for h in headings}:
-                bad.append(f"{page.name}: {link}")
+            if anchor not in {_anchor(h) for h in headings(doc)}:
+                bad.append(f"{_rel(page)}: {link}")
     assert not bad, "links to missing sections:\n" + "\n".join(bad)
 
 
-def test_every_cited_benchmarks_section_exists():
-    """`BENCHMARKS.md, "Name"` (or `BENCHMARKS.md "Name"`, `BENCHMARKS.md ("Name")`) in a page
-    names the start of one of BENCHMARKS.md's headings."""
-    headings = re.findall(r"^#+ (.+)$", (ROOT / "BENCHMARKS.md").read_text(), flags=re.M)
+def config_arguments(path: Path) -> tuple[list[str], list[str]]:
+    """(the argument names a config's get_config parses, its variants), read from its source:
+    parse_arg's keywords, and the variant names it compares against or lists in VARIANTS."""
+    text = path.read_text()
+    names = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "parse_arg":
+            names += [k.arg for k in node.keywords]
+    variants = set(re.findall(r'args\.variant [!=]= "(\w+)"', text))
+    variants |= set(re.findall(r'\bvariant="(\w+)"', text))
+    for listed in re.findall(r"^VARIANTS = \(([^)]*)\)", text, flags=re.M):
+        variants |= set(re.findall(r'"(\w+)"', listed))
+    return names, sorted(variants)
+
+
+def test_the_configs_table_lists_every_config_its_arguments_and_variants():
+    """docs/training.md's table of configs: a row per file in configs/, naming each argument
+    its get_config parses and each of its variants (in backticks)."""
+    section = (ROOT / "docs" / "training.md").read_text().split("\n## Configs\n", 1)[1]
+    rows = {
+        m.group(1): line
+        for line in section.split("\n## ", 1)[0].splitlines()
+        if (m := re.match(r"\| `(configs/\w+\.py)` \|", line))
+    }
     bad = []
-    for page in PAGES:
-        prose = re.sub(r"\s*\n\s*", " ", page.read_text())
-        for name in re.findall(r'BENCHMARKS\.md,? \(?"([^"]+)"', prose):
-            if not any(h.startswith(name.rstrip(".")) for h in headings):
-                bad.append(f"{page.name}: {name}")
-    assert not bad, "BENCHMARKS.md sections cited but missing:\n" + "\n".join(bad)
+    for path in sorted((ROOT / "configs").glob("*.py")):
+        row = rows.get(_rel(path))
+        if row is None:
+            bad.append(f"{_rel(path)}: no row")
+            continue
+        names, variants = config_arguments(path)
+        assert names and variants, f"{_rel(path)}: no parse_arg or variant found"
+        bad += [f"{_rel(path)}: argument {n}" for n in names if not re.search(rf"\b{n}\b", row)]
+        bad += [f"{_rel(path)}: variant {v}" for v in variants if f"`{v}`" not in row]
+    assert not bad, "missing from docs/training.md's table of configs:\n" + "\n".join(bad)
+
+
+# ---------------------------------------------------------------------- sections cited in prose
+
+# How a page or a comment cites a section of a document: the document's name (`BENCHMARKS.md`,
+# `docs/training.md`, `training.md` beside the page, `README`), then optionally 's, a comma or
+# a parenthesis, then the section's title in double or single quotes, or its first word bare:
+#     BENCHMARKS.md, "Test suite"    docs/data.md "Your own corpus"    (BENCHMARKS.md ('Optim...'))
+#     docs/design.md's Architecture tree
+_DOC = r"(?<![\w/.-])(?P<doc>(?:[\w.-]+/)*[\w.-]+\.md|README)"
+QUOTED_CITATION = re.compile(_DOC + r"(?:'s)?,?\s\(?(?:\"(?P<dq>[^\"]+)\"|'(?P<sq>[^']+)')")
+BARE_CITATION = re.compile(_DOC + r"(?:'s|,)\s(?P<word>[A-Z][\w-]*)")
+# A document a comment names must exist; these are written by the studies into their roots.
+WRITTEN_BY_RUNS = {"REPORT.md", "RESULTS.md", "results.md"}
+PLACEHOLDER_TITLES = {"Name", "Section", "Title"}
+
+
+def code_files() -> list[Path]:
+    """Every Python and shell file of the repository."""
+    return [p for p in repository_files() if p.suffix in (".py", ".sh")]
+
+
+def citing_files() -> list[Path]:
+    """The pages, experiments/README.md and the code, whose comments and docstrings cite."""
+    return PAGES + OTHER_PAGES + code_files()
+
+
+@functools.cache
+def prose(path: Path) -> str:
+    """What a file says to its reader: a page whole; of a Python file its comments and
+    docstrings, of a shell file its comments (not the code's strings, which may build paths)."""
+    text = path.read_text()
+    if path.suffix == ".md":
+        return text
+    if path.suffix != ".py":
+        return "\n".join(line.split("#", 1)[1] for line in text.splitlines() if "#" in line)
+    parts = [
+        tok.string.lstrip("#")
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline)
+        if tok.type == tokenize.COMMENT
+    ]
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            parts.append(ast.get_docstring(node, clean=False) or "")
+    return "\n".join(parts)
+
+
+def _cited_document(doc: str, citing: Path) -> Path | None:
+    """The file a citation names: from the repository's root, else beside the citing file."""
+    name = "README.md" if doc == "README" else doc
+    for base in (ROOT, citing.parent):
+        if (base / name).is_file():
+            return base / name
+    return None
+
+
+def _one_line(path: Path) -> str:
+    """The file's prose with its lines joined: a citation may wrap."""
+    return re.sub(r"\s*\n\s*", " ", prose(path))
+
+
+def citations(path: Path) -> list[tuple[str, str, bool]]:
+    """(document, title, quoted) for each section `path` cites."""
+    text = _one_line(path)
+    found = [
+        (m.group("doc"), m.group("dq") or m.group("sq"), True)
+        for m in QUOTED_CITATION.finditer(text)
+    ]
+    found += [(m.group("doc"), m.group("word"), False) for m in BARE_CITATION.finditer(text)]
+    return found
+
+
+def test_every_cited_section_exists():
+    """A quoted title names the start of one of the cited document's headings (an ellipsis
+    ends a shortened one); a bare capitalised word after a document's name is a word of one
+    of its headings. Titles are read from the documents as they are now."""
+    bad, seen = [], 0
+    for path in citing_files():
+        for doc, title, quoted in citations(path):
+            cited = _cited_document(doc, path)
+            if cited is None:
+                if quoted and doc not in WRITTEN_BY_RUNS:
+                    bad.append(f'{_rel(path)}: {doc} "{title}" (no such file)')
+                continue
+            if title in PLACEHOLDER_TITLES:
+                continue
+            seen += 1
+            names = headings(cited)
+            if quoted:
+                ok = any(h.startswith(title.rstrip(".…").strip()) for h in names)
+            else:
+                ok = any(re.search(rf"\b{re.escape(title)}\b", h) for h in names)
+            if not ok:
+                bad.append(f'{_rel(path)}: {doc} "{title}" (no such heading in {_rel(cited)})')
+    assert not bad, "sections cited but missing:\n" + "\n".join(bad)
+    assert seen > 20  # the extractor sees the citations
+
+
+def test_every_document_a_comment_names_exists():
+    """A markdown file named in the comments or docstrings of Python or shell code (one under
+    docs/, or an upper-case name such as BENCHMARKS.md) is a file of the repository, from its
+    root or beside the code, unless the runs write it."""
+    name = re.compile(r"(?<![\w/.$-])((?:docs/[\w.-]+|[A-Z][A-Z_]+)\.md)\b")
+    bad = []
+    for path in code_files():
+        for doc in set(name.findall(prose(path))) - WRITTEN_BY_RUNS:
+            if _cited_document(doc, path) is None:
+                bad.append(f"{_rel(path)}: {doc}")
+    assert not bad, "documents named but not in the repository:\n" + "\n".join(bad)
 
 
 def test_every_launch_sh_subcommand_exists():
@@ -356,6 +502,126 @@ def test_every_config_key_exists_in_its_config():
         elif not has_key(config_of(spec), key):
             bad.append(f"{page}: --config.{key} not in {spec}")
     assert not bad, "\n".join(bad)
+
+
+# ---------------------------------------------------------------------- the project's words
+
+# Files speak of the code and its results, never of how the work on it was organised: no
+# ticket numbers, no machines on loan, no working periods, no brief, no numbered seed files
+# (the "H100, 2026-11-27", "the seed articles in ../shared/seeds", "the paper" instead). Each
+# word is built from parts, so that this file does not contain it.
+_TICKET, _LOAN, _PERIOD = "iss" + "ue", "le" + "nt", "sess" + "ion"
+_WHICH = (
+    "this|that|these|those|a|an|one|the|each|every|next|last|previous|earlier|later|current|"
+    "first|second|third|fourth|fifth|sixth|other|another|several|many|two|three|same|whole|"
+    "our|between"
+)
+PROJECT_WORDS = {
+    "a ticket's number": re.compile(rf"\b{_TICKET}s?\s+#?\d+", re.I),
+    "the ticket": re.compile(rf"\b(?:the|this|that|our) {_TICKET}\b", re.I),
+    "a machine on loan": re.compile(rf"\b{_LOAN}\b", re.I),
+    "a working period": re.compile(rf"\b(?:{_WHICH})\s+{_PERIOD}s?\b|\b{_PERIOD}s'", re.I),
+    "the brief": re.compile(r"\btask\s+" + "state" + "ment", re.I),
+    "a numbered seed file": re.compile(
+        r"\bsource\s+" + "docu" + r"ments?\b|\bseed\s+" + r"0\d\d\b", re.I
+    ),
+}
+# Another project's tickets are references like any other (jax-ml/jax#1605): a number after
+# a repository's path or a project's name is not one of ours.
+THIRD_PARTY = re.compile(
+    r"(?:github|[\w.-]+/[\w.-]+|\b(?:jax|jaxlib|xla|flax|orbax|optax|grain|tensorflow|tfds|"
+    r"pytorch|torch|sentencepiece|sacrebleu|ctranslate2|transformers|cuda|cudnn|pip))\W*$",
+    re.I,
+)
+
+
+@functools.cache
+def repository_files() -> tuple[Path, ...]:
+    """Every file git tracks or would add (untracked and not ignored); where git is not at hand,
+    a walk of the tree that skips .git, .venv, runs and caches."""
+    try:
+        out = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        ).stdout.decode()
+        names = [n for n in out.split("\0") if n]
+    except (OSError, subprocess.CalledProcessError):
+        skip = {".git", ".venv", "runs", "__pycache__", ".pytest_cache", ".ruff_cache"}
+        names = []
+        for top, dirs, files in os.walk(ROOT):
+            dirs[:] = [d for d in dirs if d not in skip]
+            names += [os.path.relpath(os.path.join(top, f), ROOT) for f in files]
+    return tuple(ROOT / n for n in sorted(set(names)) if (ROOT / n).is_file())
+
+
+def project_words(path: Path) -> list[str]:
+    """'file:line: "words" (what they are)' for each of PROJECT_WORDS in a text file."""
+    data = path.read_bytes()
+    if b"\0" in data:
+        return []
+    try:
+        text = data.decode()
+    except UnicodeDecodeError:
+        return []
+    found = []
+    for kind, pattern in PROJECT_WORDS.items():  # on the whole text: a phrase may wrap
+        for m in pattern.finditer(text):
+            before = text[text.rfind("\n", 0, m.start()) + 1 : m.start()]
+            if kind == "a ticket's number" and THIRD_PARTY.search(before):
+                continue
+            number = text.count("\n", 0, m.start()) + 1
+            found.append(f'{_rel(path)}:{number}: "{" ".join(m.group(0).split())}" ({kind})')
+    return sorted(found, key=lambda hit: int(hit.split(":")[1]))
+
+
+def test_no_file_speaks_of_how_the_work_was_organised():
+    files = repository_files()
+    assert ROOT / "BENCHMARKS.md" in files and ROOT / "tests" / "test_docs.py" in files
+    found = [hit for path in files for hit in project_words(path)]
+    assert not found, (
+        "name things by what they are (a machine and a date, a seed article, the paper):\n"
+        + "\n".join(found)
+    )
+
+
+def test_the_project_words_are_caught_and_the_rest_is_not(tmp_path):
+    """The patterns against lines they must catch and lines they must leave alone."""
+    caught = [
+        f"the levers of {_TICKET} 38",
+        f"{_TICKET.title()} #53 asks for it",
+        f"within the {_TICKET}'s 45 minutes",
+        f"the fourth {_LOAN} GPU",
+        f"Before a GPU was {_LOAN}",
+        f"measured in this {_PERIOD}",
+        f"a later {_PERIOD} will",
+        f"the earlier {_PERIOD}s' tables",
+        f"its kind changed between\n  {_PERIOD}s: AMD EPYC",
+        f"**Second {_PERIOD}** (2026-11-24)",
+        "the task " + "statement's figure",
+        "source " + "document 002",
+        "long context (seed " + "003)",
+    ]
+    left = [
+        f'@pytest.fixture(scope="{_PERIOD}")',
+        f"s = requests.{_PERIOD.title()}()",
+        f"async with aiohttp.Client{_PERIOD.title()}() as s:",
+        f"subprocess.Popen(cmd, start_new_{_PERIOD}=True)",
+        f"the ssh {_PERIOD} ends with 255",
+        f"one data dir per test {_PERIOD}",
+        "an excel" + f"{_LOAN} and si{_LOAN} fallback",
+        f"see https://github.com/jax-ml/jax/{_TICKET}s/12345",
+        f"a jax {_TICKET} 1605 of theirs",
+        "the fix of PR #39512",
+        "seed 1 (AMD Zen 4), seeds 0,1",
+    ]
+    for i, line in enumerate(caught + left):
+        (tmp_path / f"{i}.txt").write_text(line + "\n")
+    hits = {i for i in range(len(caught + left)) if project_words(tmp_path / f"{i}.txt")}
+    missed = [caught[i] for i in range(len(caught)) if i not in hits]
+    wrong = [left[i - len(caught)] for i in hits if i >= len(caught)]
+    assert not missed and not wrong, f"missed: {missed}; caught wrongly: {wrong}"
 
 
 # ---------------------------------------------------------------------- the tour, end to end

@@ -396,7 +396,7 @@ def test_gs_data_dir_is_staged_to_a_verified_local_cache(gcs, tfds_dir, tmp_path
     cfg = lambda data_dir, **kw: tiny_config(  # noqa: E731
         data_dir, **{"train.num_steps": 3, "eval.every": 3, "eval.test_split": "test", **kw}
     )
-    datasets.load_split(cfg(tfds_dir).data, "train")  # prepared locally (once per session)
+    datasets.load_split(cfg(tfds_dir).data, "train")  # prepared locally (once per pytest session)
     remote = f"{BUCKET}/tfds"
     paths.upload_tree(str(tfds_dir), remote)
     cache = tmp_path / "cache"

@@ -4,7 +4,8 @@ for 'cuda' and 'tpu' on a CPU host (jax.export / jit(...).trace(...).lower(lower
 Lowering produces the StableHLO that the accelerator's compiler would get; it needs no device
 of the target (the mesh case lowers for 8 devices of an AbstractMesh) and compiles nothing.
 A path that this jaxlib cannot lower for a platform (a lowering rule or plugin missing) is
-skipped with jax's message. README ('Accelerator lowering, checked on the CPU') lists them.
+skipped with jax's message. docs/planning.md ("Accelerator lowering, checked on the CPU")
+lists them.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """tx_jax.planning: runs compiled for a TPU slice by the TPU compiler (libtpu, the `plan`
 extra) on this CPU host, and what the plan reads off them. Needs no TPU; skipped, with the
 reason, where libtpu is not installed. GPU targets need jax's CUDA plugin (several GB): their
-test runs only with TX_JAX_GPU_PLAN_TESTS=1 (README, "Planning a run for TPU/GPU").
+test runs only with TX_JAX_GPU_PLAN_TESTS=1 (docs/planning.md, "Planning for TPU and GPU").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Sizes a reader can hold (DESIGN.md, principle 9): no module of tx_jax over MAX_MODULE_LINES
-lines and no function or method over MAX_FUNCTION_LINES, both read with `ast`. A failure lists
-every offender with its file, name and length.
+"""Sizes a reader can hold (docs/design.md, "Architecture"): no module of tx_jax over
+MAX_MODULE_LINES lines and no function or method over MAX_FUNCTION_LINES, both read with `ast`.
+A failure lists every offender with its file, name and length.
 """
 
 from __future__ import annotations

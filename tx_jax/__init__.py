@@ -1,6 +1,6 @@
 """tx_jax: the Transformer ("Attention Is All You Need") and its descendants in JAX/Flax.
 
-The package is layered (README, Architecture); this module re-exports the model API and
+The package is layered (docs/design.md "Architecture"); this module re-exports the model API and
 gives short names to the modules researchers use most:
 
     tx_jax.EncoderDecoder, tx_jax.variant("base"), ...       the model (tx_jax.model)

@@ -148,7 +148,7 @@ def _model_summary(mc: ModelConfig) -> dict[str, Any]:
         "dtype": mc.dtype,
         "attention_impl": mc.attention_impl,
         "remat": mc.remat,
-        # issue 38's levers, as the config names them ('auto' resolves per platform)
+        # the step-speed levers, as the config names them ('auto' resolves per platform)
         "loss_impl": mc.loss_impl,
         "dropout_bits": mc.dropout_bits,
         "residual_norm": mc.residual_norm,
