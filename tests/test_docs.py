@@ -350,7 +350,7 @@ def test_the_configs_table_lists_every_config_its_arguments_and_variants():
 # How a page or a comment cites a section of a document: the document's name (`BENCHMARKS.md`,
 # `docs/training.md`, `training.md` beside the page, `README`), then optionally 's, a comma or
 # a parenthesis, then the section's title in double or single quotes, or its first word bare:
-#     BENCHMARKS.md, "Test suite"    docs/data.md "Your own corpus"    (BENCHMARKS.md ('Optim...'))
+#     BENCHMARKS.md, "Test suite"    docs/data.md "Your own corpus"    (BENCHMARKS.md ('Method'))
 #     docs/design.md's Architecture tree
 _DOC = r"(?<![\w/.-])(?P<doc>(?:[\w.-]+/)*[\w.-]+\.md|README)"
 QUOTED_CITATION = re.compile(_DOC + r"(?:'s)?,?\s\(?(?:\"(?P<dq>[^\"]+)\"|'(?P<sq>[^']+)')")

@@ -402,8 +402,22 @@ def run_tpu_sweep(
         rows = runner.results()
         echo((runner.root / "results.md").read_text())
         return rows
+    vms = ready_vms(cloud, names, plan)
+    done = len(points) - len(pending)
+    echo(
+        f"{len(pending)} point(s) to run ({done} done) on "
+        + ", ".join(f"{vm.name} ({vm.accelerator_type}, {vm.workers} worker(s))" for vm in vms)
+    )
+    rows = runner.run(vms)
+    echo((runner.root / "results.md").read_text())
+    return rows
+
+
+def ready_vms(cloud: Cloud, names: Sequence[str], plan: bool) -> list[VM]:
+    """The named VMs, each READY and (with `plan`) of a slice tx_jax.plan knows, else the
+    first mistake as a SweepError."""
     vms = []
-    for name in dict.fromkeys(names):  # each named once, READY, and plannable
+    for name in dict.fromkeys(names):  # each once
         node = cloud.describe(name)
         state = node.get("state", "") if node else "gone"
         if node is None or state != READY:
@@ -425,11 +439,4 @@ def run_tpu_sweep(
             "planning each point needs the TPU compiler (the plan extra: pip install -e "
             "'.[plan]'; ./launch.sh sweep --tpu installs it), or pass --no-plan"
         )
-    done = len(points) - len(pending)
-    echo(
-        f"{len(pending)} point(s) to run ({done} done) on "
-        + ", ".join(f"{vm.name} ({vm.accelerator_type}, {vm.workers} worker(s))" for vm in vms)
-    )
-    rows = runner.run(vms)
-    echo((runner.root / "results.md").read_text())
-    return rows
+    return vms
