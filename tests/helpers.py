@@ -57,6 +57,22 @@ def forced_devices(devices: int) -> str:
     )
 
 
+def process_env(process_id: int, num_processes: int, port: int, devices: int, **extra) -> dict:
+    """The environment of one of `num_processes` jax.distributed processes on 127.0.0.1:port,
+    each with `devices` forced CPU devices; `extra` (HOME, TMPDIR, ...) added."""
+    return dict(
+        os.environ,
+        XLA_FLAGS=forced_devices(devices),
+        JAX_PLATFORMS="cpu",
+        JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+        JAX_NUM_PROCESSES=str(num_processes),
+        JAX_PROCESS_ID=str(process_id),
+        PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+        PYTHONUNBUFFERED="1",
+        **extra,
+    )
+
+
 def run_python(code: str, *, devices: int = 8, timeout: int = 600, env=None) -> str:
     """Run `code` in a fresh interpreter with `devices` forced CPU devices; return stdout."""
     full_env = dict(os.environ, **(env or {}))

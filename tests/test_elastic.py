@@ -15,7 +15,6 @@ float32 rounding (measured: BENCHMARKS.md "Elastic resume"); RTOL bounds that.
 """
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -24,7 +23,7 @@ import types
 import numpy as np
 import portpicker
 import pytest
-from helpers import ROOT, forced_devices, run_python, tiny_config, train_losses
+from helpers import ROOT, process_env, run_python, tiny_config, train_losses
 
 from tx_jax.experiment.loop import train_and_evaluate
 from tx_jax.training.checkpoint import Checkpointer
@@ -95,15 +94,7 @@ def _two_processes(tfds_dir, workdir) -> list[str]:
     procs = []
     try:
         for i in range(2):
-            env = dict(
-                os.environ,
-                XLA_FLAGS=forced_devices(4),
-                JAX_PLATFORMS="cpu",
-                JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-                JAX_NUM_PROCESSES="2",
-                JAX_PROCESS_ID=str(i),
-                PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
-            )
+            env = process_env(i, 2, port, 4)
             code = _code(tfds_dir, [("two", workdir, STOP_AT - 1, {})])
             procs.append(
                 subprocess.Popen(

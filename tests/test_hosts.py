@@ -13,7 +13,6 @@ another "host" reads from its own staged copy.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -21,7 +20,7 @@ import numpy as np
 import portpicker
 import pytest
 from etils import epath
-from helpers import ROOT, forced_devices
+from helpers import ROOT, process_env
 
 from tx_jax.config import apply_overrides, load_config
 from tx_jax.data import datasets
@@ -111,18 +110,14 @@ def _launch(base, overrides: dict, workdir: str, refusals: bool, name: str) -> l
             host = base / f"host{i}"
             for sub in ("home", "tfds", "tmp"):
                 (host / sub).mkdir(parents=True, exist_ok=True)
-            env = dict(
-                os.environ,
+            env = process_env(
+                i,
+                2,
+                port,
+                1,
                 HOME=str(host / "home"),
                 TFDS_DATA_DIR=str(host / "tfds"),
                 TMPDIR=str(host / "tmp"),
-                XLA_FLAGS=forced_devices(1),
-                JAX_PLATFORMS="cpu",
-                JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-                JAX_NUM_PROCESSES="2",
-                JAX_PROCESS_ID=str(i),
-                PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
-                PYTHONUNBUFFERED="1",
             )
             with open(base / f"{name}_process{i}.log", "w") as log:
                 procs.append(

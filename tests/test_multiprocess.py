@@ -12,7 +12,6 @@ trains two runs one after the other, one per parallel strategy:
 """
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import jax
 import numpy as np
 import portpicker
 import pytest
-from helpers import ROOT, forced_devices, run_python, tiny_config, train_losses
+from helpers import ROOT, process_env, run_python, tiny_config, train_losses
 
 from tx_jax.experiment.evaluator import Evaluator
 from tx_jax.experiment.loop import train_and_evaluate
@@ -84,16 +83,7 @@ def _launch(tfds_dir, runs, logs, name: str) -> list[subprocess.Popen]:
     procs: list[subprocess.Popen] = []
     try:
         for i in range(NUM_PROCESSES):
-            env = dict(
-                os.environ,
-                XLA_FLAGS=forced_devices(LOCAL_DEVICES),
-                JAX_PLATFORMS="cpu",
-                JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-                JAX_NUM_PROCESSES=str(NUM_PROCESSES),
-                JAX_PROCESS_ID=str(i),
-                PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
-                PYTHONUNBUFFERED="1",
-            )
+            env = process_env(i, NUM_PROCESSES, port, LOCAL_DEVICES)
             with open(logs / f"{name}_process{i}.log", "w") as log:  # the child keeps a copy
                 procs.append(
                     subprocess.Popen(

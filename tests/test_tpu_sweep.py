@@ -93,12 +93,17 @@ def fleet(gcs, tmp_path_factory):
     return Fleet(tmp_path_factory.mktemp("fleet"))
 
 
+def use_standin(mp: pytest.MonkeyPatch, fleet: Fleet) -> None:
+    """The repository as working directory, the stand-in gcloud first on PATH, one device."""
+    mp.chdir(ROOT)
+    mp.setenv("PATH", f"{STANDIN}{os.pathsep}{os.environ['PATH']}")
+    mp.setenv("GCLOUD_STANDIN_DIR", str(fleet.dir))
+    mp.setenv("XLA_FLAGS", forced_devices(1))
+
+
 @pytest.fixture
 def cloud_env(fleet, monkeypatch):
-    monkeypatch.chdir(ROOT)
-    monkeypatch.setenv("PATH", f"{STANDIN}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("GCLOUD_STANDIN_DIR", str(fleet.dir))
-    monkeypatch.setenv("XLA_FLAGS", forced_devices(1))
+    use_standin(monkeypatch, fleet)
     return fleet
 
 
@@ -128,10 +133,7 @@ def first(fleet, gcs):
     """2 VMs x 4 points to the end (once for the module)."""
     mp = pytest.MonkeyPatch()
     try:
-        mp.chdir(ROOT)
-        mp.setenv("PATH", f"{STANDIN}{os.pathsep}{os.environ['PATH']}")
-        mp.setenv("GCLOUD_STANDIN_DIR", str(fleet.dir))
-        mp.setenv("XLA_FLAGS", forced_devices(1))
+        use_standin(mp, fleet)
         root = f"{BUCKET}/first"
         rc = sweep_cli.main(
             [str(fleet.sweep_file), "--tpu=tx-a,tx-b", "--zone=z", f"--root={root}", "--no-plan"]

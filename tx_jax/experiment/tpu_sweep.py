@@ -50,7 +50,7 @@ REMOTE_PYTHON = ".venv/bin/python"  # on each worker, relative to tpu.sh's REMOT
 READY = "READY"
 RECREATED = ("PREEMPTED", "TERMINATED", "gone")  # what --recreate brings back
 # How often a VM being recreated is asked whether it is READY, and for how long.
-POLL_SECONDS = float(os.environ.get("TX_JAX_TPU_POLL_SECONDS", "30"))
+POLL_SECONDS = 30
 RECREATE_WAIT_SECONDS = 2 * 3600
 
 
@@ -253,7 +253,7 @@ class TpuSweep:
     def run(self, vms: list[VM]) -> list[dict]:
         queue = collections.deque(p for p in self.points if p.index not in self.status)
         free, busy = list(vms), []  # busy: running a point, or being recreated
-        running: dict[concurrent.futures.Future, tuple[VM, local.Point | None]] = {}
+        running: dict[concurrent.futures.Future, VM] = {}  # a point's run or a recreation
         with concurrent.futures.ThreadPoolExecutor(max(1, 2 * len(vms))) as pool:
             while queue or running:
                 for vm in list(free):
@@ -268,7 +268,7 @@ class TpuSweep:
                     busy.append(vm)
                     self.status[point.index] = {"status": f"running on {vm.name}"}
                     self.echo(f"[{point.index}] {point.name}: started on {vm.name}")
-                    running[pool.submit(self.run_point, point, vm)] = (vm, point)
+                    running[pool.submit(self.run_point, point, vm)] = vm
                 # A point that no live VM's slice holds is not run.
                 types = sorted({vm.accelerator_type for vm in free + busy})
                 for point in list(queue):
@@ -281,7 +281,7 @@ class TpuSweep:
                     running, return_when=concurrent.futures.FIRST_COMPLETED
                 )
                 for future in finished:
-                    vm, _ = running.pop(future)
+                    vm = running.pop(future)
                     busy.remove(vm)
                     outcome = future.result()
                     back = self._handle(outcome, queue, pool, running, busy)
@@ -331,7 +331,7 @@ class TpuSweep:
             if self.recreate and (vm.spot or vm.queued) and outcome.detail in RECREATED:
                 self.echo(f"{vm.name}: recreating ({'queued' if vm.queued else 'spot'})")
                 busy.append(vm)
-                running[pool.submit(self.recreate_vm, vm, outcome.detail)] = (vm, None)
+                running[pool.submit(self.recreate_vm, vm, outcome.detail)] = vm
             else:
                 self.echo(f"{vm.name}: {outcome.detail}, no longer used")
             return None
