@@ -73,7 +73,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         dict(num_train=50_000, num_validation=1_000, num_test=1_000, seed=0)
     )
     c.data.vocab_size = 512  # joint SentencePiece pieces (the model's vocab_size follows it)
-    c.data.tokenizer_pairs = 50_000  # train pairs used to train the tokenizer
+    # Train pairs the tokenizer learns from: a uniform sample over the whole train split (drawn
+    # with c.seed), all of them when the split has no more.
+    c.data.tokenizer_pairs = 50_000
+    # SentencePiece's training options (tx_jax/data/run_tokenizer.py).
+    c.data.tokenizer = ml_collections.ConfigDict()
+    c.data.tokenizer.model_type = "unigram"  # unigram | bpe
+    c.data.tokenizer.character_coverage = 1.0  # (0, 1]: share of the sample's characters kept
+    c.data.tokenizer.byte_fallback = False  # an unknown character as UTF-8 byte pieces, not <unk>
     c.data.max_len = 64  # train pairs with a longer side (in tokens, EOS included) are dropped
     c.data.max_eval_len = 96  # eval sources/references are truncated to this
     # Eval/decode batches are sorted by length and padded to these ([]: x1.5 steps up to

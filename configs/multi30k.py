@@ -111,7 +111,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.data.dataset = "text"
         for split, prefix in (("train", "train"), ("validation", "val"), (c.data.test_split, "")):
             c.data[split] = f"{c.data.manual_dir}/{prefix or split}"
-        c.data.clean = ml_collections.ConfigDict(dict(max_chars=0, max_ratio=0.0))
+        c.data.clean = ml_collections.ConfigDict(dict(max_chars=0, max_ratio=0.0, dedup=False))
     elif args.reader != "multi30k":
         raise ValueError(f"configs/multi30k.py: reader={args.reader!r} (multi30k, text)")
     return c

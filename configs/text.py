@@ -35,4 +35,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.clean = ml_collections.ConfigDict()
     c.data.clean.max_chars = 0  # drop train pairs whose longer side has more characters
     c.data.clean.max_ratio = 0.0  # drop train pairs whose sides' lengths differ more (e.g. 3)
+    c.data.clean.dedup = False  # drop a train pair identical to an earlier one (both sides)
+    # A character the vocabulary lacks is encoded as its UTF-8 bytes, not <unk> (256 of the
+    # pieces: the debug variant's 160 pieces have no room for them).
+    c.data.tokenizer.byte_fallback = args.variant == "default"
     return c

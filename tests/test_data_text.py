@@ -1,18 +1,25 @@
 """A plain-text parallel corpus (tx_jax/data/text_corpus.py, configs/text.py): the file layouts,
-preparation keyed by content, cleaning, errors, and a run on it from `tx_jax.prepare` to a
-changed test set's score and a fine-tuning run from it."""
+preparation keyed by content, cleaning (exact duplicates too), errors, a tokenizer that learns
+from every shard, and a run on it from `tx_jax.prepare` to a changed test set's score and a
+fine-tuning run from it."""
 
 from __future__ import annotations
 
 import gzip
+import hashlib
+import json
+import os
 import pathlib
+import random
 
+import numpy as np
 import pytest
 from forked import run_modules
 from helpers import ROOT
 
 from tx_jax.config import apply_overrides, load_config
-from tx_jax.data import datasets, text_corpus
+from tx_jax.data import datasets, tasks, text_corpus, views
+from tx_jax.data import tokenizer as tk
 from tx_jax.experiment.loop import train_and_evaluate
 from tx_jax.inference import evaluation, restore, translation
 from tx_jax.interop import huggingface
@@ -130,6 +137,114 @@ def test_cleaning_drops_empty_pairs_everywhere_and_long_or_skewed_train_pairs(tm
         "ratio": 1,
         "kept": 2,
     }
+
+
+def _builder(data, split: str) -> text_corpus.TextTranslation:
+    return text_corpus.make_builder(
+        "text",
+        source_lang=data.source_lang,
+        target_lang=data.target_lang,
+        data_dir=data.data_dir,
+        builder_kwargs={**text_corpus.config_builder_kwargs(data), "split": split},
+    )
+
+
+def test_dedup_drops_repeated_train_pairs_only_and_counts_them(tmp_path, capsys):
+    first = [
+        ("a cat", "eine Katze"),
+        ("a cat", "eine Katze"),  # a duplicate
+        ("a cat", "die Katze"),  # the same source, another target: kept
+        ("  ", "leer"),  # an empty side: dropped as empty
+        ("  ", "leer"),  # ... and again as empty, not as a duplicate
+    ]
+    second = [("a dog", "ein Hund"), ("a cat", "eine Katze")]  # a duplicate across shards
+    write_prefix(tmp_path / "c" / "part-0", first)
+    write_prefix(tmp_path / "c" / "part-1", second)
+    write_prefix(tmp_path / "c" / "dev", first + second)
+    spec = f"{tmp_path}/c/part-*"
+    data = text_data(tmp_path, train=spec, validation=tmp_path / "c" / "dev")
+    assert data.clean.dedup is False  # configs/text.py: off unless asked for
+    data.clean.dedup = True
+    assert read(data) == [first[0], first[2], second[0]]
+    assert read(data, "validation") == [*first[:3], *second]  # evaluation splits: every pair
+    out = capsys.readouterr().out
+    assert (
+        "text corpus data.train (2 shard(s)): 7 pairs read, 2 with an empty side dropped, "
+        "2 duplicates dropped, 3 kept"
+    ) in out
+    assert "data.validation (1 shard(s)): 7 pairs read, 2 with an empty side dropped, 5 kept" in out
+    assert _builder(data, "train").info.metadata["counts"] == {
+        "read": 7,
+        "empty": 2,
+        "too_long": 0,
+        "ratio": 0,
+        "duplicate": 2,
+        "kept": 3,
+    }
+    assert "duplicate" not in _builder(data, "validation").info.metadata["counts"]
+    assert text_corpus.pair_hash("a", "b\tc") != text_corpus.pair_hash("a\tb", "c")
+
+
+def test_dedup_off_keeps_every_prepared_corpus_digest(tmp_path):
+    """The split's name (its digest) is what it was before dedup existed unless dedup is on,
+    so corpora prepared before are reused."""
+    write_prefix(tmp_path / "c" / "train", PAIRS)
+    langs, spec = ("en", "de"), str(tmp_path / "c" / "train")
+    ids = [(os.path.basename(f), *text_corpus.content_id(f)) for f in (f"{spec}.en", f"{spec}.de")]
+    fingerprint = {
+        "split": "train",
+        "languages": langs,
+        "files": ids,
+        "filters": {"max_chars": 0, "max_ratio": 0.0},
+    }
+    before = "train-" + hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()
+    name = {
+        str(clean): text_corpus.split_config("train", spec, langs, clean).name
+        for clean in ({}, {"max_chars": 0, "max_ratio": 0.0, "dedup": False}, {"dedup": True})
+    }
+    assert list(name.values())[:2] == [before[:22]] * 2
+    assert name[str({"dedup": True})] != before[:22]
+    assert text_corpus.split_config("train", spec, langs, {"dedup": True}).dedup is True
+    valid = text_corpus.split_config("validation", spec, langs, {"dedup": True})
+    assert not valid.dedup
+    assert valid.name == text_corpus.split_config("validation", spec, langs, {}).name
+    m30k = load_config("configs/multi30k.py:reader=text").data.clean
+    assert m30k.to_dict() == {"max_chars": 0, "max_ratio": 0.0, "dedup": False}
+
+
+def test_the_tokenizer_learns_from_every_shard_not_the_head(tmp_path):
+    """A corpus of four shards whose last alone has 'ж': with data.tokenizer_pairs a sixth of
+    it, the tokenizer (a sample over all shards) encodes 'ж' without <unk>; the first
+    tokenizer_pairs pairs (the rule before) lack it, and a tokenizer of them gives <unk>."""
+    rng = random.Random(0)
+    english = ["a", "the", "cat", "dog", "sat", "on", "red", "blue", "house", "tree"]
+    german = ["ein", "der", "Katze", "Hund", "sass", "auf", "rot", "blau", "Haus", "Baum"]
+
+    def pair(last: bool) -> tuple[str, str]:
+        k = [rng.randrange(10) for _ in range(rng.randint(2, 6))]
+        target = " ".join(german[i] for i in k)
+        return " ".join(english[i] for i in k), target + (" жар" if last else "")
+
+    for shard in range(4):
+        pairs = [pair(shard == 3) for _ in range(300)]
+        write_prefix(tmp_path / "c" / f"part-{shard}", pairs, gz=(shard % 2 == 1, False))
+    write_prefix(tmp_path / "c" / "dev", [pair(False) for _ in range(8)])
+    data = text_data(tmp_path, train=f"{tmp_path}/c/part-*", validation=tmp_path / "c" / "dev")
+    data.tokenizer_pairs = 200
+    assert data.tokenizer.byte_fallback is False  # the debug variant: 'ж' is a piece or <unk>
+    task = tasks.prepare_translation_task(data, tmp_path / "run", seed=0)
+    train = task.splits["train"]
+    assert len(train) == 1200
+    head = list(train)[:200]  # what the tokenizer learnt from before: shard 0's pairs
+    assert not any("ж" in s + t for s, t in head)
+    drawn = views.Sample(train, 200, seed=0).indices
+    assert (np.bincount(drawn // 300, minlength=4) > 20).all()  # ~50 from every shard
+    sentence = "ein жар Haus"
+    ids = task.tokenizer.encode(sentence)
+    assert tk.UNK_ID not in ids and task.tokenizer.decode(ids) == sentence
+    assert any("ж" in task.tokenizer.id_to_piece(i) for i in ids)
+    old = tk.train_tokenizer(tk.iter_pair_texts(head), data.vocab_size, tmp_path / "old.model")
+    assert tk.UNK_ID in old.encode(sentence)
 
 
 def bad_corpora(tmp_path: pathlib.Path) -> dict[str, tuple[dict, str]]:

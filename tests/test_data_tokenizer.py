@@ -148,3 +148,35 @@ def test_rejects_model_without_pad_zero(corpus, tmp_path):
     )  # SentencePiece defaults: unk=0, bos=1, eos=2, no pad
     with pytest.raises(ValueError, match="pad_id=0"):
         tk.Tokenizer.from_bytes(model.getvalue())
+
+
+@pytest.mark.parametrize("model_type", ["unigram", "bpe"])
+def test_byte_fallback_round_trips_characters_never_seen(corpus, tmp_path, model_type):
+    """With byte_fallback, a character absent from the training text is its UTF-8 bytes (one
+    piece each) and decodes back to itself; without it, it is <unk>."""
+    text = "the cat ☃ sat on ж 漢字"  # none of ☃ ж 漢 字 is in the corpus
+    assert not set("☃ж漢字") & set("".join(corpus))
+    kw = dict(vocab_size=320, model_type=model_type)
+    fallback = tk.train_tokenizer(corpus, model_path=tmp_path / "b.model", byte_fallback=True, **kw)
+    ids = fallback.encode(text)
+    assert tk.UNK_ID not in ids and 0 not in ids
+    snowman = [fallback.piece_to_id(f"<0x{b:02X}>") for b in "☃".encode()]  # E2 98 83
+    assert [fallback.id_to_piece(i) for i in snowman] == ["<0xE2>", "<0x98>", "<0x83>"]
+    assert any(ids[i : i + 3] == snowman for i in range(len(ids)))
+    assert fallback.decode(ids) == text
+    assert fallback.decode([fallback.bos_id, *ids, fallback.eos_id, 0, 0]) == text
+    assert fallback.decode_batch([ids, fallback.encode("ж")]) == [text, "ж"]
+    assert tk.Tokenizer.from_bytes(fallback.to_bytes()).encode(text) == ids
+    for sentence in corpus[:50]:  # seen text is not written as bytes
+        seen = fallback.encode(sentence)
+        assert fallback.decode(seen) == sentence
+        assert not any(fallback.id_to_piece(i).startswith("<0x") for i in seen)
+    plain = tk.train_tokenizer(corpus, model_path=tmp_path / "p.model", **kw)
+    assert plain.encode("☃")[-1] == tk.UNK_ID and tk.UNK_ID in plain.encode(text)
+    assert plain.decode(plain.encode(text)) != text
+
+
+def test_byte_fallback_needs_room_for_the_256_byte_pieces(corpus, tmp_path):
+    with pytest.raises(ValueError, match="byte_fallback adds 256 byte pieces"):
+        tk.train_tokenizer(corpus, 160, tmp_path / "small.model", byte_fallback=True)
+    assert not (tmp_path / "small.model").exists()

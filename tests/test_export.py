@@ -259,3 +259,60 @@ def test_a_run_exported_then_imported_translates_as_the_run(hf_dir, loaded, sour
     assert all(s for s, e in zip(same, ended, strict=True) if e), [
         (a, b) for a, b, s in zip(ours, theirs, same, strict=True) if not s
     ]
+
+
+def test_a_byte_fallback_tokenizer_exports_to_both_formats(tmp_path):
+    """A tokenizer trained with byte_fallback (data.tokenizer.byte_fallback, configs/text.py)
+    is exported as it is: Transformers' Marian tokenizer writes an unseen character as the same
+    byte pieces and ids as tx_jax, decodes them back, and its model reads them as tx_jax's;
+    CTranslate2's vocabulary holds the byte pieces at their ids and translates from them."""
+    from flax import linen as nn
+
+    from tx_jax.data import tokenizer as tk
+    from tx_jax.model import init_params, make_model
+
+    words = ["the", "cat", "dog", "sat", "on", "a", "red", "mat", "ein", "Haus", "rot"]
+    corpus = [" ".join(words[(i * k) % len(words)] for k in range(1, 6)) for i in range(200)]
+    tok = tk.train_tokenizer(corpus, 300, tmp_path / "bf.model", byte_fallback=True)
+    cfg = ModelConfig(
+        vocab_size=tok.vocab_size,
+        d_model=32,
+        num_heads=4,
+        d_ff=64,
+        num_encoder_layers=1,
+        num_decoder_layers=1,
+        dropout_rate=0.0,
+    )
+    params = nn.meta.unbox(init_params(make_model(cfg), jax.random.PRNGKey(0)))
+    config = tiny_config(tmp_path / "tfds", **{"data.max_eval_len": 64})
+    loaded = restore.Loaded(config, tok, cfg, params, 0, tmp_path / "ckpt", tmp_path)
+    text = "the cat ☃ sat on жß 漢字"  # no character of ☃жß漢字 in the corpus
+    ids = tok.encode(text)
+    snowman = [tok.piece_to_id(p) for p in ("<0xE2>", "<0x98>", "<0x83>")]
+    assert tk.UNK_ID not in ids and any(ids[i : i + 3] == snowman for i in range(len(ids)))
+
+    hf_dir = huggingface.export(loaded, tmp_path / "hf")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+    batch = hf_tok([text], text_target=[text], return_tensors="pt")
+    assert batch["input_ids"][0].tolist() == ids + [EOS_ID]
+    assert hf_tok.decode(batch["input_ids"][0], skip_special_tokens=True) == text
+    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(str(hf_dir)).eval()
+    labels = batch["labels"].numpy()
+    decoder_inputs = np.pad(labels, ((0, 0), (1, 0)), constant_values=cfg.bos_id)[:, :-1]
+    with torch.no_grad():
+        theirs = model(
+            input_ids=batch["input_ids"], decoder_input_ids=torch.from_numpy(decoder_inputs)
+        ).logits.numpy()
+    ours = jax.jit(make_model(cfg).apply)({"params": params}, batch["input_ids"].numpy(), labels)
+    assert np.abs(np.asarray(ours) - theirs).max() < LOGITS_ATOL
+
+    ct2_dir = ct2_export.export(loaded, tmp_path / "ct2")
+    vocabulary = json.loads((pathlib.Path(ct2_dir) / "shared_vocabulary.json").read_text())
+    assert vocabulary == weights.vocabulary(tok, cfg.vocab_size)
+    assert [vocabulary[i] for i in snowman] == ["<0xE2>", "<0x98>", "<0x83>"]
+    translator = ctranslate2.Translator(str(ct2_dir), device="cpu", intra_threads=1)
+    pieces = [tok.id_to_piece(i) for i in ids]
+    (result,) = translator.translate_batch([pieces], beam_size=1, max_decoding_length=8)
+    assert result.hypotheses[0] and set(result.hypotheses[0]) <= set(vocabulary)
+    (scored,) = translator.score_batch([pieces], [pieces])
+    assert len(scored.log_probs) == len(pieces) + 1  # every byte piece read as a token, + EOS

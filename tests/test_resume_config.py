@@ -165,3 +165,26 @@ def test_the_command_line_says_a_refusal_in_one_line(trained, tfds_dir):
     assert errors[0].startswith(f"error: cannot resume {trained}/checkpoints/2 under this config")
     assert "model.d_ff (64 in the checkpoint, 128 now)" in errors[0]
     print(errors[0])
+
+
+def test_data_tokenizer_decides_the_vocabulary_and_an_old_config_reads_as_its_defaults(
+    trained, tfds_dir
+):
+    """A checkpoint's config from before data.tokenizer existed compares as the options its
+    tokenizer was trained with: no change under the defaults, a refused one otherwise."""
+    stored = json.loads((trained / "config.json").read_text())
+    old = json.loads(json.dumps(stored))
+    del old["data"]["tokenizer"]
+    same = {"train.num_steps": STEPS}
+    assert resume.differences(old, tiny_config(tfds_dir, **same)) == {}
+    changed = tiny_config(tfds_dir, **same, **{"data.tokenizer.byte_fallback": True})
+    assert resume.differences(old, changed) == {"data.tokenizer.byte_fallback": (False, True)}
+    assert resume._under("data.tokenizer.byte_fallback", resume.VOCABULARY_KEYS)
+    new = tiny_config(tfds_dir, **same)
+    del new["data"]["tokenizer"]  # a config that has none, against one that has the defaults
+    assert resume.differences(stored, new) == {}
+    message = _refusal(tfds_dir, trained, **{"data.tokenizer.model_type": "bpe"})
+    assert (
+        "data.tokenizer.model_type ('unigram' in the checkpoint, 'bpe' now) decides the "
+        "vocabulary, which a resumed run keeps"
+    ) in message

@@ -20,9 +20,9 @@ tag is one id: `lang_tag('de') == '<2de>'`, id `tokenizer.piece_to_id('<2de>')`.
 encoded as [tag id] + pieces + [EOS].
 
 Shared vocabulary: one SentencePiece model over every language: for each unordered language
-pair of the directions, both sides of its first `data.tokenizer_pairs` train pairs (each
-sentence once), unless `data.tokenizer_path` or `train.init_from` gives one (which must have
-the tags).
+pair of the directions, both sides of `data.tokenizer_pairs` of its train pairs drawn
+uniformly with the run's seed (all of them when it has no more; each sentence once), unless
+`data.tokenizer_path` or `train.init_from` gives one (which must have the tags).
 
 Data: a direction is `data.dataset` with source_lang/target_lang set to it (Multi30k prepares
 one pair config for both directions of a pair); `data.max_train_pairs` cuts each direction's
@@ -45,7 +45,7 @@ from tx_jax.data.eval_pipeline import EvalBatches
 from tx_jax.data.input_shards import ShardedTrainIterator, Span
 from tx_jax.data.tokenizer import Tokenizer
 from tx_jax.data.train_input import kept_train_pairs, parse_max_train_pairs, sharded_train_iterator
-from tx_jax.data.views import Concat, Prefix
+from tx_jax.data.views import Concat, Sample
 
 Direction = tuple[str, str]  # (source language, target language)
 
@@ -216,12 +216,15 @@ class MultilingualTask:
         return EvalBatches(batches, sum(p.num_examples for p in parts), stats)
 
 
-def _tokenizer_texts(data: Any, train_pairs: Sequence[Sequence[tuple[str, str]]]) -> Iterator[str]:
-    """Both sides of the first data.tokenizer_pairs of each language pair's `train_pairs`,
-    each distinct sentence once (English of en-de and en-fr is the same text in Multi30k)."""
+def _tokenizer_texts(
+    data: Any, train_pairs: Sequence[Sequence[tuple[str, str]]], seed: int
+) -> Iterator[str]:
+    """Both sides of a uniform sample (views.Sample, `seed`) of data.tokenizer_pairs of each
+    language pair's `train_pairs` (all of them when it has no more), each distinct sentence
+    once (English of en-de and en-fr is the same text in Multi30k)."""
     seen: set[str] = set()
     for pairs in train_pairs:
-        for pair in Prefix(pairs, data.tokenizer_pairs):
+        for pair in Sample(pairs, data.tokenizer_pairs, seed):
             for text in pair:
                 if text not in seen:
                     seen.add(text)
@@ -236,6 +239,7 @@ def prepare_multilingual_task(
     trained, extra = train_directions(data), extra_directions(data)
     if not trained:
         raise ValueError("data.directions is empty: name the directions, e.g. 'en-de,de-en'")
+    run_tokenizer.tokenizer_options(data)  # a bad option fails before the data is prepared
     workdir = epath.Path(workdir)
     by_pair: dict[frozenset, Direction] = {}  # one direction per unordered language pair
     for d in trained:
@@ -249,7 +253,7 @@ def prepare_multilingual_task(
     tok = run_tokenizer.load_or_train_tokenizer(
         data,
         workdir,
-        lambda: _tokenizer_texts(data, train_pairs),
+        lambda: _tokenizer_texts(data, train_pairs, seed),
         given=tokenizer,
         given_by="train.init_from",
         symbols=[lang_tag(x) for x in languages],

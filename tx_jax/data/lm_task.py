@@ -24,7 +24,7 @@ from tx_jax.data import eval_pipeline, input_shards, pipeline, preparation, run_
 from tx_jax.data.tasks import TranslationTask
 from tx_jax.data.tokenizer import Tokenizer
 from tx_jax.data.train_input import kept_train_pairs, sharded_train_iterator
-from tx_jax.data.views import LazySequence, Prefix
+from tx_jax.data.views import LazySequence, Sample
 
 LM_SIDES = ("target", "source", "both")
 
@@ -91,14 +91,16 @@ def prepare_lm_task(
     data: Any, workdir: str | epath.Path, *, seed: int, tokenizer: Tokenizer | None = None
 ) -> LMTask:
     """The pairs of `data` read as for translation; the tokenizer is trained on the LM side
-    only (`data.lm_side`) unless `tokenizer` (another run's, for `train.init_from`) is given,
-    and saved as WORKDIR/tokenizer.model like a translation one."""
+    only (`data.lm_side`) of `data.tokenizer_pairs` train pairs drawn uniformly with `seed`
+    (all of them when the split has no more) unless `tokenizer` (another run's, for
+    `train.init_from`) is given, and saved as WORKDIR/tokenizer.model like a translation one."""
     side = data.get("lm_side", "target")
     if side not in LM_SIDES:
         raise ValueError(f"data.lm_side={side!r}; expected one of {LM_SIDES}")
+    run_tokenizer.tokenizer_options(data)  # a bad option fails before the data is prepared
     workdir = epath.Path(workdir)
     (train,) = preparation.open_train_splits([data], workdir)
-    pairs = Prefix(kept_train_pairs(data, train), data.tokenizer_pairs)
+    pairs = Sample(kept_train_pairs(data, train), data.tokenizer_pairs, seed)
     tok = run_tokenizer.load_or_train_tokenizer(
         data,
         workdir,

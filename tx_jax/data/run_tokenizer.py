@@ -1,12 +1,14 @@
 """A run's tokenizer: WORKDIR/tokenizer.model, given or trained once, then loaded from there.
 
-The joint SentencePiece model is trained on the train split once and saved as
-WORKDIR/tokenizer.model; resuming and evaluation load it from there (and checkpoints carry a
-copy). `data.tokenizer_path` (or `train.init_from`'s checkpoint) gives an existing tokenizer
-to use instead, so that runs share one vocabulary; a given tokenizer is any object with the
-Tokenizer interface (encode, decode, piece ids, `to_bytes`), an imported model's included,
-and is kept as its `to_bytes()`. In a multi-process run process 0 writes the file and the
-others wait.
+The joint SentencePiece model is trained once, on a uniform seeded sample of
+`data.tokenizer_pairs` train pairs (views.Sample: the whole split when it has no more), with
+the options of `data.tokenizer` (`tokenizer_options`), and saved as WORKDIR/tokenizer.model;
+resuming and evaluation load it from there, by its bytes, whatever the config's options say
+(and checkpoints carry a copy). `data.tokenizer_path` (or `train.init_from`'s checkpoint)
+gives an existing tokenizer to use instead, so that runs share one vocabulary; a given
+tokenizer is any object with the Tokenizer interface (encode, decode, piece ids, `to_bytes`),
+an imported model's included, and is kept as its `to_bytes()`. In a multi-process run process
+0 writes the file and the others wait.
 """
 
 from __future__ import annotations
@@ -25,6 +27,41 @@ from tx_jax.data.preparation import barrier
 from tx_jax.data.tokenizer import Tokenizer, train_tokenizer
 
 TOKENIZER_FILE = "tokenizer.model"
+# SentencePiece's options under data.tokenizer, with the values of a config that has none (one
+# stored before they existed): what every tokenizer trained here before them was.
+TOKENIZER_DEFAULTS = {"model_type": "unigram", "character_coverage": 1.0, "byte_fallback": False}
+MODEL_TYPES = ("unigram", "bpe")
+
+
+def tokenizer_options(data: Any) -> dict[str, Any]:
+    """`data.tokenizer`'s SentencePiece options (TOKENIZER_DEFAULTS where unset), checked:
+    a ValueError naming the key for a model_type not in MODEL_TYPES, a character_coverage
+    outside (0, 1], or a byte_fallback that is not a bool."""
+    given = data.get("tokenizer") or {}
+    options = {
+        k: default if given.get(k) is None else given.get(k)
+        for k, default in TOKENIZER_DEFAULTS.items()
+    }
+    if options["model_type"] not in MODEL_TYPES:
+        raise ValueError(
+            f"data.tokenizer.model_type={options['model_type']!r}; expected one of "
+            f"{', '.join(MODEL_TYPES)}"
+        )
+    coverage = options["character_coverage"]
+    if (
+        isinstance(coverage, bool)
+        or not isinstance(coverage, (int, float))
+        or not 0 < coverage <= 1
+    ):
+        raise ValueError(
+            f"data.tokenizer.character_coverage={coverage!r}; expected a fraction in (0, 1] "
+            "(1.0: every character of the sample; 0.9995 for a large character set)"
+        )
+    if not isinstance(options["byte_fallback"], bool):
+        raise ValueError(
+            f"data.tokenizer.byte_fallback={options['byte_fallback']!r}; expected True or False"
+        )
+    return options
 
 
 def read_tokenizer(data: bytes) -> Tokenizer:
@@ -60,11 +97,14 @@ def load_or_train_tokenizer(
     given_by: str = "data.tokenizer_path",
     symbols: Sequence[str] = (),
 ) -> Tokenizer:
-    """WORKDIR/tokenizer.model if present, else `given` (or `data.tokenizer_path`'s) saved
-    there, else a `data.vocab_size` model trained on `texts()` (e.g. both sides of the first
-    `data.tokenizer_pairs` train pairs: a joint vocabulary) with `symbols` (and
-    `data.user_defined_symbols`) as single pieces. A WORKDIR/tokenizer.model that differs
-    from the given one is an error naming `given_by`: the vocabularies would not match."""
+    """WORKDIR/tokenizer.model if present (read as it is: never trained again), else `given`
+    (or `data.tokenizer_path`'s) saved there, else a `data.vocab_size` model trained with the
+    options of `data.tokenizer` (`tokenizer_options`) on `texts()` (e.g. both sides of a
+    uniform sample of `data.tokenizer_pairs` train pairs: a joint vocabulary) with `symbols`
+    (and `data.user_defined_symbols`) as single pieces. A WORKDIR/tokenizer.model that
+    differs from the given one is an error naming `given_by`: the vocabularies would not
+    match."""
+    options = tokenizer_options(data)
     path = workdir / TOKENIZER_FILE
     if given is None:
         given = given_tokenizer(data)
@@ -87,9 +127,13 @@ def load_or_train_tokenizer(
         if given is not None:
             paths.write_atomic(path, given.to_bytes())
         else:
-            logging.info("training a %d-piece SentencePiece model", data.vocab_size)
+            logging.info(
+                "training a %d-piece SentencePiece model (%s)",
+                data.vocab_size,
+                ", ".join(f"{k}={v}" for k, v in options.items()),
+            )
             symbols = (*symbols, *(data.get("user_defined_symbols") or ()))
-            _train_tokenizer_to(path, texts(), data.vocab_size, symbols)
+            _train_tokenizer_to(path, texts(), data.vocab_size, symbols, **options)
     barrier("tokenizer")
     tokenizer = read_tokenizer(path.read_bytes())
     if given is not None and not _same(tokenizer, given):
@@ -98,15 +142,20 @@ def load_or_train_tokenizer(
 
 
 def _train_tokenizer_to(
-    path: epath.Path, texts: Iterable[str], vocab_size: int, symbols: Sequence[str]
+    path: epath.Path,
+    texts: Iterable[str],
+    vocab_size: int,
+    symbols: Sequence[str],
+    **options: Any,
 ) -> None:
-    """Trains a tokenizer on `texts` and writes it to `path`. For a remote (gs://) path it is
-    trained into a temporary directory of this run (train_tokenizer writes a local file and
-    renames it), so concurrent runs never share the file; the directory is removed afterwards."""
+    """Trains a tokenizer on `texts` (with SentencePiece's `options`: tokenizer_options) and
+    writes it to `path`. For a remote (gs://) path it is trained into a temporary directory
+    of this run (train_tokenizer writes a local file and renames it), so concurrent runs never
+    share the file; the directory is removed afterwards."""
     if not paths.is_remote(path):
-        train_tokenizer(texts, vocab_size, str(path), user_defined_symbols=symbols)
+        train_tokenizer(texts, vocab_size, str(path), user_defined_symbols=symbols, **options)
         return
     with tempfile.TemporaryDirectory(prefix="tx_jax_tokenizer_") as local:
         model = os.path.join(local, TOKENIZER_FILE)
-        trained = train_tokenizer(texts, vocab_size, model, user_defined_symbols=symbols)
+        trained = train_tokenizer(texts, vocab_size, model, user_defined_symbols=symbols, **options)
     path.write_bytes(trained.to_bytes())

@@ -7,7 +7,8 @@
 
 A task is built whole, from its data config and its tokenizer (any object with the Tokenizer
 interface); `prepare_translation_task` finds the tokenizer first (given, loaded from the
-workdir, or trained on the train split: run_tokenizer.py), then builds the task. The other
+workdir, or trained on a uniform sample of the train split: run_tokenizer.py), then builds
+the task. The other
 tasks read the same way: lm_task.py (one side of the pairs, task='lm'), directions.py
 (several tagged directions in one model). Which pairs train and how they are batched and
 sharded over processes: train_input.py; datasets by name: datasets.py.
@@ -27,10 +28,10 @@ from typing import Any
 from etils import epath
 
 from tx_jax.data import datasets, eval_pipeline, input_shards, pipeline, preparation
-from tx_jax.data.run_tokenizer import load_or_train_tokenizer
+from tx_jax.data.run_tokenizer import load_or_train_tokenizer, tokenizer_options
 from tx_jax.data.tokenizer import Tokenizer, iter_pair_texts
 from tx_jax.data.train_input import kept_train_pairs, sharded_train_iterator
-from tx_jax.data.views import Prefix
+from tx_jax.data.views import Prefix, Sample
 
 
 @dataclasses.dataclass
@@ -150,11 +151,13 @@ def prepare_translation_task(
 ) -> TranslationTask:
     """Splits and tokenizer of one language pair; `tokenizer`, when given (another run's, for
     `train.init_from`), is used and saved as WORKDIR/tokenizer.model instead of training one
-    on both sides of the first `data.tokenizer_pairs` train pairs (with `symbols`, e.g. the
-    back-translation tag, as single pieces)."""
+    (data.tokenizer's options) on both sides of `data.tokenizer_pairs` train pairs drawn
+    uniformly over the whole split with `seed` (all of them when the split has no more; with
+    `symbols`, e.g. the back-translation tag, as single pieces)."""
+    tokenizer_options(data)  # a bad option fails before the data is prepared
     workdir = epath.Path(workdir)
     (train,) = preparation.open_train_splits([data], workdir)
-    pairs = Prefix(kept_train_pairs(data, train), data.tokenizer_pairs)
+    pairs = Sample(kept_train_pairs(data, train), data.tokenizer_pairs, seed)
     tok = load_or_train_tokenizer(
         data,
         workdir,

@@ -7,7 +7,8 @@ one SentencePiece model on source and target text together (the caller passes bo
 Reserved ids, fixed for every model trained here:
 
     0  <pad>   padding, and only padding (the input pipeline pads with 0)
-    1  <unk>   any piece the model cannot represent (e.g. a character never seen)
+    1  <unk>   any piece the model cannot represent (e.g. a character never seen; a model
+               trained with byte_fallback writes such a character as its UTF-8 byte pieces)
     2  <s>     BOS (used by decoders as the start token; never added by `encode`)
     3  </s>    EOS (appended by the input pipeline; `decode` stops at the first one)
 
@@ -81,6 +82,7 @@ def train_tokenizer(
     *,
     model_type: str = "unigram",
     character_coverage: float = 1.0,
+    byte_fallback: bool = False,
     user_defined_symbols: Sequence[str] = (),
     max_sentences: int = DEFAULT_MAX_SENTENCES,
     max_sentence_length: int = 8192,
@@ -97,7 +99,11 @@ def train_tokenizer(
         `Tokenizer.vocab_size` for the real size.
       model_path: where the serialized model goes (written atomically: temp file + rename).
       model_type: 'unigram' | 'bpe' | 'char' | 'word'.
-      character_coverage: fraction of characters the model covers; the rest map to <unk>.
+      character_coverage: fraction of characters the model covers; the rest map to <unk>
+        (or to bytes, with `byte_fallback`).
+      byte_fallback: a character outside the vocabulary is encoded as its UTF-8 bytes, one
+        piece each ('<0xE2>', 256 of the pieces), instead of <unk>; `decode` joins them back.
+        `vocab_size` must then exceed 256 + 4 + the characters covered.
       user_defined_symbols: pieces that are never split (e.g. language tags '<2de>'); they get
         ids 4, 5, ... in the given order.
       max_sentences: at most this many sentences are used (seeded reservoir sample).
@@ -123,6 +129,7 @@ def train_tokenizer(
             vocab_size=vocab_size,
             model_type=model_type,
             character_coverage=character_coverage,
+            byte_fallback=byte_fallback,
             user_defined_symbols=list(user_defined_symbols),
             pad_id=PAD_ID,
             unk_id=UNK_ID,
@@ -136,9 +143,10 @@ def train_tokenizer(
             minloglevel=2,
         )
     except RuntimeError as e:
+        hint = " (byte_fallback adds 256 byte pieces to the vocabulary)" if byte_fallback else ""
         raise ValueError(
             f"SentencePiece training failed (vocab_size={vocab_size}, model_type={model_type},"
-            f" {len(sentences)} sentences): {e}"
+            f" {len(sentences)} sentences){hint}: {e}"
         ) from e
     tokenizer = Tokenizer.from_bytes(model.getvalue())
     tokenizer.save(model_path)
@@ -240,7 +248,8 @@ class Tokenizer:
     # ----------------------------------------------------------------------- encode/decode
 
     def encode(self, text: str) -> list[int]:
-        """Text -> ids, without BOS or EOS. Unseen characters become `unk_id`, never 0."""
+        """Text -> ids, without BOS or EOS. Unseen characters become `unk_id`, never 0 (or
+        their UTF-8 byte pieces, '<0xE2>', in a model trained with byte_fallback)."""
         return self._sp.encode(text)
 
     def encode_batch(self, texts: Sequence[str], num_threads: int = -1) -> list[list[int]]:

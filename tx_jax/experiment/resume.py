@@ -22,7 +22,7 @@ from typing import Any
 import ml_collections
 from etils import epath
 
-from tx_jax.data.run_tokenizer import TOKENIZER_FILE
+from tx_jax.data.run_tokenizer import TOKENIZER_DEFAULTS, TOKENIZER_FILE
 from tx_jax.experiment import console
 from tx_jax.inference.locate import (
     CheckpointError,
@@ -41,6 +41,7 @@ VOCABULARY_KEYS = (
     "data.vocab_size",
     "data.tokenizer_path",
     "data.tokenizer_pairs",
+    "data.tokenizer",
     "data.user_defined_symbols",
     "data.dataset",
     "data.synthetic",
@@ -139,9 +140,21 @@ def differences(stored: Mapping, config: ml_collections.ConfigDict) -> dict[str,
     """Dotted key -> (stored, new) for the keys of `config` that differ from `stored` (a saved
     config). `config` is compared as a checkpoint stores it (JSON: tuples are lists); a key
     unset on both sides (None, '', 0, [] or absent: one added since the checkpoint) is no
-    change."""
-    current = json.loads(json.dumps(config.to_dict()))
-    return {k: (a, b) for k, (a, b) in config_differences(stored, current).items() if a or b}
+    change. A config without data.tokenizer (one stored before it existed) reads as the
+    options its tokenizer was trained with."""
+    current = _tokenizer_defaults(json.loads(json.dumps(config.to_dict())))
+    changed = config_differences(_tokenizer_defaults(stored), current)
+    return {k: (a, b) for k, (a, b) in changed.items() if a or b}
+
+
+def _tokenizer_defaults(config: Mapping) -> Mapping:
+    """`config` (a saved one) with run_tokenizer.TOKENIZER_DEFAULTS where data.tokenizer
+    lacks a key."""
+    data = config.get("data")
+    if not isinstance(data, Mapping):
+        return config
+    tokenizer = {**TOKENIZER_DEFAULTS, **(data.get("tokenizer") or {})}
+    return {**config, "data": {**data, "tokenizer": tokenizer}}
 
 
 def _under(key: str, prefixes: tuple[str, ...]) -> bool:
