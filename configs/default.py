@@ -129,6 +129,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train.peak_lr = 1e-3  # for linear_rsqrt / cosine / constant
     c.train.final_lr_fraction = 0.1  # cosine: end at peak_lr * this
     c.train.cooldown_steps = 0  # > 0: the last N updates ramp the rate linearly down to 0
+    # > 0: minutes of training, the schedule fitted to them: a new run times its update and
+    # fixes num_steps (warmup kept, capped at half; cooldown keeps its share of num_steps) so
+    # that set-up, compilation, updates and saves fill it (periodic evaluations not counted;
+    # the final evaluation and test score come after). 0: off (experiment/budget.py)
+    c.train.time_budget_minutes = 0.0
     c.train.beta1 = 0.9
     c.train.beta2 = 0.98
     c.train.eps = 1e-9

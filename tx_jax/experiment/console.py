@@ -50,10 +50,18 @@ def resumed(step: int, changes: str) -> None:
         print(f"resuming from step {step} with config changes: {changes}", flush=True)
 
 
-def summary(run: Any, final: dict[str, Any]) -> None:
-    """Where the checkpoints and logs are, and the final scores."""
+def summary(run: Any, final: dict[str, Any], budget_clock: float | None = None) -> None:
+    """Where the checkpoints and logs are, the final scores, and for a run with a time
+    budget (run.budget) the budget clock after its last update (`budget_clock`)."""
     if jax.process_index() != 0:
         return
+    if run.budget and budget_clock is not None:
+        seconds = 60 * run.budget["minutes"]
+        print(
+            f"time budget {run.budget['minutes']:g} min ({seconds:,.0f} s): {budget_clock:,.0f} s "
+            f"of training at the last update ({budget_clock / seconds:.0%}; set-up, "
+            "compilation, updates and saves; evaluations not counted)"
+        )
     print(f"checkpoints: {run.workdir / 'checkpoints'}")
     print(
         f"logs:        {run.workdir / 'metrics.jsonl'} (TensorBoard: {run.workdir / 'tensorboard'})"

@@ -6,7 +6,8 @@ run is evaluated (loss, accuracy, perplexity and, for translation, BLEU) and che
 and at the end the test split is scored (with the average of the last `eval.average_last`
 checkpoints when that is set). SIGTERM / SIGINT save and stop at the next step boundary.
 With data.directions set, BLEU is logged per direction (bleu/en-de, ...) and 'bleu' is their
-mean, so checkpoint.best_metric='bleu' works unchanged.
+mean, so checkpoint.best_metric='bleu' works unchanged. With train.time_budget_minutes a new
+run first times its update and fits train.num_steps to the budget (experiment/budget.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import ml_collections
 import numpy as np
 
 from tx_jax.data import datasets
-from tx_jax.experiment import console
+from tx_jax.experiment import budget, console
 from tx_jax.experiment.evaluator import Evaluator
 from tx_jax.experiment.profiling import StepProfiler, profile_window
 from tx_jax.experiment.setup import Run, build_run, restore_or_init, train_step_fn
@@ -39,25 +40,30 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     run = build_run(config, workdir)
     cfg = config.train
     checkpointer = _open_checkpointer(run)
+    new = checkpointer.latest_step() is None
+    run = budget.from_checkpoint(run, checkpointer)  # a budgeted run's steps, when resumed
     state, data_state = restore_or_init(run, checkpointer)
-    # after the restore: a config it refuses leaves the workdir's config.json as it was
-    logs.write_json(run.workdir / "config.json", config.to_dict())
-    logs.write_json(run.workdir / "versions.json", logs.versions())
-    train_iter = run.task.train_iterator(  # this process's rows of the global batches
-        batch_multiple=run.strategy.global_batch_multiple * cfg.grad_accum_steps,
-        spans=run.strategy.process_row_spans(),
-    )
+    train_iter = _train_iterator(run)
     if data_state and cfg.restore_data_iterator:
         train_iter.set_state(data_state)
     shardings = None
     if run.strategy.kind == "mesh":
         shardings = run.strategy.state_shardings(jax.eval_shape(run.init_fn))
+    if new and budget.minutes(run.config) > 0:  # its step timed: the steps it has time for
+        run = budget.fit(run, state, shardings, started, _train_iterator(run))
+    config, cfg = run.config, run.config.train
+    # after the restore (a config it refuses leaves the workdir's config.json as it was) and
+    # the budget's fit (config.json holds the steps the run takes)
+    logs.write_json(run.workdir / "config.json", config.to_dict())
+    logs.write_json(run.workdir / "versions.json", logs.versions())
     p_train = _compile_train_step(run, shardings)
     evaluator = Evaluator(run, shardings)
+    train_seconds, eval_seconds = _seconds_before(run, checkpointer, state)
     logger = logs.MetricLogger(
         run.workdir,
         cfg.num_steps,
-        train_seconds=_train_seconds_before(run, checkpointer, state),
+        train_seconds=train_seconds,
+        eval_seconds=eval_seconds,
         started=started,
     )
     try:
@@ -75,6 +81,7 @@ def _loop(run: Run, config, checkpointer, state, train_iter, p_train, evaluator,
     save = functools.partial(_save, run, checkpointer, train_iter, logger)
     pending: list[dict] = []
     last_log, final = time.time(), {}
+    clock = None  # the budget clock after the last update (experiment/budget.py)
     paused = 0.0  # evaluation and its save since the last log: not in the tokens/s window
     stop = StopSignal(checkpointer)
     window = profile_window(cfg.get("profile_steps"), cfg.num_steps)
@@ -112,9 +119,12 @@ def _loop(run: Run, config, checkpointer, state, train_iter, p_train, evaluator,
             logger.write(step, "train", scalars)
             logger.progress(step, scalars)
             _check_finite(scalars, cfg.max_nonfinite_steps, step)
+        if is_last:
+            clock = logger.budget_clock()
         if step % config.eval.every == 0 or is_last:
             started = time.time()
             final = evaluator.evaluate(state, step, logger, bleu=True)
+            logger.count_eval(time.time() - started)  # out of the budget clock, the save in it
             save(step, state, metrics=final)
             paused += time.time() - started
         elif step % config.checkpoint.every == 0:
@@ -133,7 +143,7 @@ def _loop(run: Run, config, checkpointer, state, train_iter, p_train, evaluator,
         final.update(evaluator.test_metrics(test_state, step, logger))
         if k:
             final["test_average_last"] = float(k)
-    console.summary(run, final)
+    console.summary(run, final, budget_clock=clock)
     return final
 
 
@@ -145,6 +155,14 @@ def _open_checkpointer(run: Run) -> ckpt_lib.Checkpointer:
         best_metric=c.best_metric,
         best_mode=c.best_mode,
         async_save=c.async_save,
+    )
+
+
+def _train_iterator(run: Run):
+    """This process's rows of the run's global train batches, from the first batch."""
+    return run.task.train_iterator(
+        batch_multiple=run.strategy.global_batch_multiple * run.config.train.grad_accum_steps,
+        spans=run.strategy.process_row_spans(),
     )
 
 
@@ -166,13 +184,14 @@ def _averaged(run: Run, state, k: int):
     return state.replace(params=run.strategy.place_restored(params))
 
 
-def _train_seconds_before(run: Run, checkpointer, state) -> float:
-    """The training time of the segments before this one: the restored checkpoint's (0 for a
-    new run, or a checkpoint written before train_seconds was kept)."""
+def _seconds_before(run: Run, checkpointer, state) -> tuple[float, float]:
+    """(train_seconds, eval_seconds) of the segments before this one: the restored
+    checkpoint's (0 for a new run, or a checkpoint written before they were kept)."""
     step = int(jax.device_get(run.strategy.for_checkpoint(state).step))
     if step == 0 or step not in checkpointer.all_steps():
-        return 0.0
-    return float(checkpointer.restore_meta(step).get("train_seconds", 0.0))
+        return 0.0, 0.0
+    meta = checkpointer.restore_meta(step)
+    return float(meta.get("train_seconds", 0.0)), float(meta.get("eval_seconds", 0.0))
 
 
 def _save(run: Run, checkpointer, train_iter, logger, step: int, state, *, metrics=None) -> None:
@@ -185,7 +204,11 @@ def _save(run: Run, checkpointer, train_iter, logger, step: int, state, *, metri
         tokenizer_bytes=run.task.tokenizer.to_bytes(),
         versions=logs.versions(),
         metrics=metrics or None,
-        extra_meta={"train_seconds": round(logger.train_seconds(), 3)},
+        extra_meta={
+            "train_seconds": round(logger.train_seconds(), 3),
+            "eval_seconds": round(logger.eval_seconds(), 3),
+            **({"budget": run.budget} if run.budget else {}),
+        },
     )
 
 

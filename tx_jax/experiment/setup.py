@@ -43,6 +43,8 @@ class Run:
     init_fn: Callable[[], TrainState]
     # train.init_from's checkpoint when this run starts from it (None when resuming)
     init_source: restore.InitSource | None = None
+    # train.time_budget_minutes' measurement and the steps it fixed (experiment/budget.py)
+    budget: dict | None = None
 
 
 def build_run(config: ml_collections.ConfigDict, workdir: str | epath.Path) -> Run:
@@ -81,9 +83,15 @@ def build_model(config: ml_collections.ConfigDict, vocab_size: int, bos_id: int)
     trains, also built without data by tx_jax.planning (vocabulary from data.vocab_size)."""
     model_config = ModelConfig.from_config(config.model, vocab_size=vocab_size, bos_id=bos_id)
     model = make_model(model_config, task_of(config))
+    return model_config, model, *build_optimizer(config, model_config, model)
+
+
+def build_optimizer(config: ml_collections.ConfigDict, model_config: ModelConfig, model):
+    """(tx, schedule, init_fn) of `config`'s train section for `model`: what a run rebuilds
+    when its schedule's steps change (experiment/budget.py); the state's structure stays."""
     tx, schedule = optim.make_optimizer(config.train, model_config.d_model)
     init_fn = functools.partial(init_state, model, tx, config.seed)
-    return model_config, model, tx, schedule, init_fn
+    return tx, schedule, init_fn
 
 
 def state_shapes(config: ml_collections.ConfigDict, tokenizer) -> TrainState:

@@ -70,6 +70,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
             f"train.cooldown_steps={cooldown} must be in [0, train.num_steps="
             f"{config.train.num_steps}]"
         )
+    minutes = config.train.get("time_budget_minutes", 0.0)
+    if not (math.isfinite(minutes) and minutes >= 0):
+        raise ValueError(
+            f"train.time_budget_minutes={minutes} must be >= 0 (0: no budget, the run takes "
+            "train.num_steps updates)"
+        )
     k = config.eval.get("average_last", 0)
     if not 0 <= k <= config.checkpoint.keep:
         raise ValueError(

@@ -111,11 +111,14 @@ class MetricLogger:
         total_steps: int,
         *,
         train_seconds: float = 0.0,
+        eval_seconds: float = 0.0,
         started: float | None = None,
     ):
         """`train_seconds`: the run's training time before this process (a resumed run's,
-        from its checkpoint); `started`: when this process's part began (time.time(); default
-        now). Records carry train_seconds = the sum of every segment's time so far."""
+        from its checkpoint), `eval_seconds` the part of it spent in evaluations during
+        training; `started`: when this process's part began (time.time(); default now).
+        Records carry train_seconds = the sum of every segment's time so far, and
+        eval_seconds = the part of it that `count_eval` was told of."""
         self.workdir = epath.Path(workdir)
         self.total_steps = total_steps
         self.enabled = jax.process_index() == 0
@@ -123,6 +126,7 @@ class MetricLogger:
         self._created = self._start = time.time()
         self._segment_start = self._created if started is None else started
         self._train_seconds = float(train_seconds)
+        self._eval_seconds = float(eval_seconds)
         self._start_step: int | None = None
         self._staging: str | None = None  # local TensorBoard dir of a remote workdir
         self._synced: dict[str, int] = {}  # staged file -> size copied up
@@ -151,6 +155,7 @@ class MetricLogger:
             "split": split,
             "elapsed": round(time.time() - self._created, 3),  # seconds since the logger started
             "train_seconds": round(self.train_seconds(), 3),  # every segment's, compile included
+            "eval_seconds": round(self._eval_seconds, 3),  # the evaluations' part of it
             **{k: float(v) for k, v in scalars.items()},
         }
         paths.append_text(self.workdir / "metrics.jsonl", json.dumps(record) + "\n")
@@ -161,15 +166,16 @@ class MetricLogger:
             self._sync()
 
     def segment(self, event: str, step: int) -> None:
-        """Append {event: 'start' | 'stop', step, train_seconds, time, cpu, devices} to
-        WORKDIR/segments.jsonl: which machine trained which steps of a run stopped and
-        resumed, and for how long (a run's minutes compare only on the same kind of CPU)."""
+        """Append {event: 'start' | 'stop', step, train_seconds, eval_seconds, time, cpu,
+        devices} to WORKDIR/segments.jsonl: which machine trained which steps of a run stopped
+        and resumed, and for how long (a run's minutes compare only on the same kind of CPU)."""
         if not self.enabled:
             return
         record = {
             "event": event,
             "step": int(step),
             "train_seconds": round(self.train_seconds(), 3),
+            "eval_seconds": round(self._eval_seconds, 3),
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "cpu": cpu(),
             "devices": versions()["devices"],
@@ -180,6 +186,19 @@ class MetricLogger:
         """Wall seconds of training in every segment of the run so far (a segment from its
         process's start: set-up, compilation and periodic evaluation included)."""
         return self._train_seconds + time.time() - self._segment_start
+
+    def count_eval(self, seconds: float) -> None:
+        """Add an evaluation during training (`seconds` of wall time) to eval_seconds."""
+        self._eval_seconds += seconds
+
+    def eval_seconds(self) -> float:
+        """Wall seconds of evaluation during training in every segment of the run so far."""
+        return self._eval_seconds
+
+    def budget_clock(self) -> float:
+        """train_seconds minus eval_seconds: what train.time_budget_minutes counts
+        (experiment/budget.py)."""
+        return self.train_seconds() - self._eval_seconds
 
     def _sync(self) -> None:
         """Copy the staged event files that grew to WORKDIR/tensorboard."""

@@ -1,0 +1,255 @@
+"""train.time_budget_minutes: a run's schedule fitted to a wall-clock budget.
+
+fairseq's --stop-time-hours stops a run when its time is up, wherever its schedule is; here the
+schedule ends at the budget: a new run times its update once and fixes train.num_steps, so
+that its warmup, decay and cooldown run their course within the budget.
+
+The budget clock is the run's training time: set-up (data, tokenizer, model), compilation,
+the updates and the checkpoint saves, summed over the segments of a run stopped and resumed:
+MetricLogger's train_seconds minus its eval_seconds, the evaluations during training (their
+cost is a choice of how often to look, not of how long to train). The final evaluation and
+the test-split score come after the last update, outside the budget. metrics.jsonl's records
+and every checkpoint's meta carry both figures, so a resumed run continues the clock.
+
+Fitting (`fit`), for a new run (no checkpoint of its own; a train.init_from start is new):
+once the run is set up, its train step is compiled as the run compiles it (donating) and
+timed on a copy of the initial state with the batches of a second train iterator, so the
+run's own state, batches and random streams are untouched (its numbers are those of a run
+given the fitted train.num_steps): UNTIMED updates first (the first one compiles), then at
+least MIN_TIMED and at least min(MAX_TIMING_SECONDS, TIMING_SHARE of the budget) of them,
+timed together as the loop runs them (one in flight, the next batch prepared meanwhile).
+Then
+
+    num_steps = floor((budget - clock - compile) / step_seconds), at least 1
+
+where `clock` is the budget clock when the timing ends and `compile` the time the run's own
+step takes to compile: the timed program's, the same but for the schedule's constants. The
+set-up having spent the budget already is an error. With several processes all of them time
+the updates (each is a collective program) and process 0's figures are everyone's.
+
+The schedule under a budget: train.warmup_steps is kept (it is about stability, counted in
+updates) but at most num_steps // 2; train.cooldown_steps keeps its share of the config's
+train.num_steps; cosine and linear decays run to the fitted num_steps. The fitted values
+replace the config's before WORKDIR/config.json and the first checkpoint are written, and the
+timing goes into every checkpoint's meta ('budget').
+
+Resuming: a run with a checkpoint of its own is not timed again: num_steps, warmup_steps and
+cooldown_steps are its checkpoint's (`from_checkpoint`), whatever the config says, so the
+continuation is the uninterrupted run's to the bit; a changed budget is reported in one line
+and not applied (the schedule was fixed when the run started); so is a budget given to a run
+that started without one.
+
+What the timing leaves out: the checkpoint saves (in the clock, not timed: an async save
+costs the loop little) and the logging every train.log_every updates, so a run with many slow
+saves or frequent logs ends after its budget by about their time. While it runs the devices
+hold a second copy of the train state.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from jax.experimental import multihost_utils
+
+from tx_jax.experiment.setup import Run, build_optimizer, train_step_fn
+
+KEY = "train.time_budget_minutes"
+# The schedule's keys a budget fixes (and a resumed run takes from its checkpoint).
+FIXED_KEYS = ("num_steps", "warmup_steps", "cooldown_steps")
+# Untimed updates before the timing: the first compiles; the second runs once more after
+# one-time costs (buffers allocated, thread pools started) and sizes the timing.
+UNTIMED = 2
+# Timed updates at least: the mean of fewer is one sample's noise.
+MIN_TIMED = 3
+# Timing length: 10 s of updates fix the mean step to about 1% where step times vary by
+# about that (an accelerator's); a short budget (a smoke run, a test) spends at most 5% of
+# itself timing.
+MAX_TIMING_SECONDS = 10.0
+TIMING_SHARE = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Seconds of the first update (compilation included) and of one update after it."""
+
+    first_seconds: float
+    step_seconds: float
+    updates: int  # timed together
+
+
+def minutes(config: ml_collections.ConfigDict) -> float:
+    """The config's budget in minutes (0: none)."""
+    return float(config.train.get("time_budget_minutes", 0.0) or 0.0)
+
+
+def fitted_steps(budget_seconds: float, spent_seconds: float, step_seconds: float) -> int:
+    """floor((budget - spent) / step), at least 1: the updates that fill what the set-up left
+    of the budget. ValueError when the set-up spent it all."""
+    left = budget_seconds - spent_seconds
+    if left <= 0:
+        raise ValueError(
+            f"{KEY}={budget_seconds / 60:g}: its {_secs(budget_seconds)} are spent by set-up, "
+            f"compilation and timing ({_secs(spent_seconds)}) before the first update; raise it"
+        )
+    return max(1, math.floor(left / step_seconds))
+
+
+def schedule_steps(train: ml_collections.ConfigDict, num_steps: int) -> dict[str, int]:
+    """The schedule's keys for `num_steps` fitted updates: warmup_steps kept but at most half
+    of them (at least 1), cooldown_steps' share of the config's num_steps kept."""
+    warmup = max(1, min(int(train.warmup_steps), num_steps // 2))
+    share = int(train.get("cooldown_steps", 0)) / int(train.num_steps)
+    cooldown = min(num_steps, round(share * num_steps))
+    return {"num_steps": num_steps, "warmup_steps": warmup, "cooldown_steps": cooldown}
+
+
+def time_updates(
+    step: Callable,
+    state: Any,
+    batches: Iterator,
+    *,
+    target_seconds: float,
+    clock: Callable[[], float] = time.perf_counter,
+    agree: Callable[[int], int] | None = None,
+) -> Timing:
+    """Time `step(state, batch) -> (state, metrics)` (donating its state: `state` is used
+    up) on `batches`: UNTIMED updates, then max(MIN_TIMED, target / the second's time) timed
+    together, with one in flight as the loop runs them. `agree`: the timed count every
+    process uses (default: process 0's)."""
+    agree = agree or _process_0s
+    seconds = []
+    for _ in range(UNTIMED):
+        batch = next(batches)
+        started = clock()
+        state, metrics = step(state, batch)
+        jax.block_until_ready(metrics)
+        seconds.append(clock() - started)
+    n = agree(max(MIN_TIMED, math.ceil(target_seconds / max(seconds[-1], 1e-6))))
+    pending = None
+    started = clock()
+    for _ in range(n):
+        state, metrics = step(state, next(batches))
+        if pending is not None:
+            jax.block_until_ready(pending)
+        pending = metrics
+    jax.block_until_ready((state, pending))
+    return Timing(seconds[0], (clock() - started) / n, n)
+
+
+def fit(run: Run, state: Any, shardings: Any, started: float, train_iter: Any) -> Run:
+    """`run` with its schedule fitted to its budget (a new run's `state`, not changed):
+    its step timed with `train_iter`'s batches (a second iterator, used up), the
+    schedule's keys fixed, tx/schedule/init_fn rebuilt; the line printed. `started`: when
+    the run's clock started (time.time(); the logger's `started`)."""
+    budget_seconds = 60 * minutes(run.config)
+    step_fn = train_step_fn(run.config, run.model, run.tx, run.schedule)
+    p_step = run.strategy.compile_step(step_fn, donate=True, state_shardings=shardings)
+    batches = (run.strategy.place_process_rows(b, train_iter.share) for b in train_iter)
+    copied = jax.tree_util.tree_map(lambda x: jax.device_put(x, x.sharding, may_alias=False), state)
+    target = min(MAX_TIMING_SECONDS, TIMING_SHARE * budget_seconds)
+    timing = time_updates(p_step, copied, batches, target_seconds=target)
+    del p_step, copied, batches  # the timed program and state copy are freed
+    clock = time.time() - started  # a new run: no segment before this one
+    measured = np.asarray([timing.first_seconds, timing.step_seconds, clock], np.float32)
+    first, step_seconds, clock = (float(x) for x in _process_0s(measured))
+    compile_seconds = max(first - step_seconds, 0.0)
+    num_steps = fitted_steps(budget_seconds, clock + compile_seconds, step_seconds)
+    values = schedule_steps(run.config.train, num_steps)
+    record = {
+        "minutes": minutes(run.config),
+        "step_seconds": step_seconds,
+        "timed_updates": timing.updates,
+        "setup_seconds": clock,  # the budget clock when the timing ended
+        "compile_seconds": compile_seconds,  # expected for the run's own step
+        **values,
+    }
+    _say(
+        f"time budget {record['minutes']:g} min: {step_seconds:.3g} s/update measured over "
+        f"{timing.updates} updates after {_secs(clock)} of set-up, compilation and timing "
+        f"(+{_secs(compile_seconds)} to compile the run's step) -> {num_steps:,} updates "
+        f"(warmup {values['warmup_steps']:,}, cooldown {values['cooldown_steps']:,})"
+    )
+    return _with_train(run, values, record)
+
+
+def from_checkpoint(run: Run, checkpointer: Any) -> Run:
+    """A resumed run as its checkpoint fixed it: a budgeted run's num_steps, warmup_steps,
+    cooldown_steps and budget (Run.budget) from its newest readable checkpoint, whatever the
+    config says; a changed budget, or one set for a run that started without, said in one
+    line and not applied. `run` itself for a new run (or one with no readable checkpoint)."""
+    stored = _stored_meta(checkpointer)
+    if stored is None:
+        return run
+    stored_train = stored["config"].get("train", {})
+    old, new = float(stored_train.get("time_budget_minutes", 0.0) or 0.0), minutes(run.config)
+    record = stored.get("budget")
+    if record is None:  # started without a budget: the config's steps, as always
+        if new > 0:
+            _say(
+                f"{KEY}={new:g} not applied: this run started without a budget and a budget "
+                f"is fitted only when a run starts; it resumes with train.num_steps="
+                f"{run.config.train.num_steps:,}"
+            )
+            return _with_train(run, {}, None, budget_minutes=old)
+        return run
+    if new != old:
+        _say(
+            f"{KEY}={new:g} not applied: this run's budget of {old:g} min fixed its schedule "
+            f"({record['num_steps']:,} updates) when it started, and a resumed run keeps it "
+            "(train.init_from starts a new run from its parameters)"
+        )
+    values = {k: int(stored_train[k]) for k in FIXED_KEYS}
+    return _with_train(run, values, record, budget_minutes=old)
+
+
+def _with_train(
+    run: Run, values: dict[str, int], record: dict | None, budget_minutes: float | None = None
+) -> Run:
+    """`run` with a copy of its config holding `values` in its train section (and the budget
+    `budget_minutes`), its optimizer rebuilt for them and `record` as its budget."""
+    config = copy.deepcopy(run.config)
+    for key, value in values.items():
+        config.train[key] = value
+    if budget_minutes is not None:
+        config.train.time_budget_minutes = budget_minutes
+    tx, schedule, init_fn = build_optimizer(config, run.model_config, run.model)
+    return dataclasses.replace(
+        run, config=config, tx=tx, schedule=schedule, init_fn=init_fn, budget=record
+    )
+
+
+def _stored_meta(checkpointer: Any) -> dict | None:
+    """The meta of the newest checkpoint whose meta reads (no array read), or None."""
+    for step in reversed(checkpointer.all_steps()):
+        try:
+            return checkpointer.restore_meta(step)
+        except Exception as e:  # noqa: BLE001 - damage reads as Orbax's, JSON's or OS errors
+            logging.warning("checkpoint step %d: meta unreadable (%s)", step, e)
+    return None
+
+
+def _process_0s(value: Any) -> Any:
+    """Process 0's `value` on every process (it is, with one process)."""
+    if jax.process_count() == 1:
+        return value
+    out = multihost_utils.broadcast_one_to_all(np.asarray(value))
+    return out.item() if np.ndim(out) == 0 else out
+
+
+def _secs(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds < 10 else f"{seconds:,.0f} s"
+
+
+def _say(line: str) -> None:
+    logging.info("%s", line)
+    if jax.process_index() == 0:
+        print(line, flush=True)
