@@ -70,8 +70,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.test_split = "test_2016_flickr"  # 1,000 pairs: the usual Multi30k test set
     c.data.eval_batch_size = 16  # sentences per eval/decode batch (CPU: small is fastest)
 
-    # Training: ~7.5 updates per 1,000 pairs (~3,850 target tokens each): ~230 per epoch of the
-    # 29k pairs; 9,000 updates (~39 epochs) are ~140 min on the 2-core Sapphire Rapids CPU.
+    # Training: ~238 pairs (~3,850 target tokens) an update: ~122 updates per epoch of the 29k
+    # pairs; 9,000 updates (~74 epochs) are ~140 min on the 2-core Sapphire Rapids CPU.
     c.train.num_steps = 9_000
     c.train.schedule = "rsqrt"  # the paper's warmup then 1/sqrt(step) decay
     c.train.warmup_steps = 1000  # shorter than the paper's 4000: far fewer steps in all

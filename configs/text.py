@@ -10,12 +10,16 @@ Each of data.train, data.validation and data.test is a prefix P, read as P.<sour
 P.<target_lang> (each plain or .gz; a wildcard in P's file name matches shards, paired by
 name), or a path ending .tsv or .tsv.gz (source TAB target). Each split is prepared once into
 data_dir, keyed by its files' content (tx_jax/data/text_corpus.py; docs/data.md "Your own
-corpus"). Model and training are configs/default.py's; every key set here is commented.
+corpus"). The model, vocabulary, lengths and schedule are left to the data (None): the run
+chooses them from the prepared train split and says so in one line (tx_jax/experiment/
+sizing.py's rule; `python -m tx_jax.prepare` prints the same choices); any of them set on the
+command line wins. The rest is configs/default.py's; every key set here is commented.
 """
 
 import ml_collections
 
 from tx_jax.config import parse_arg, sibling_config
+from tx_jax.experiment.sizing import SIZED_KEYS, SIZED_TYPES
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -39,4 +43,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # A character the vocabulary lacks is encoded as its UTF-8 bytes, not <unk> (256 of the
     # pieces: the debug variant's 160 pieces have no room for them).
     c.data.tokenizer.byte_fallback = args.variant == "default"
+    c.eval.bleu_examples = 1000  # validation pairs decoded for BLEU during training
+    c.train.lr_scale = 1.0  # the paper's d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
+    if args.variant == "default":
+        c.eval.test_beam_size = 4  # the test score: beam 4, alpha 0.6 (the paper's section 6.1)
+        leave_to_data(c)
     return c
+
+
+def leave_to_data(c: ml_collections.ConfigDict) -> None:
+    """The model, vocabulary, lengths and schedule are chosen from the corpus when the run
+    reads it (tx_jax/experiment/sizing.py; docs/data.md "Your own corpus"): each is None here,
+    and any of them set on the command line is kept as set."""
+    for key in SIZED_KEYS:
+        section, name = key.split(".")
+        c[section][name] = ml_collections.FieldReference(None, field_type=SIZED_TYPES[key])

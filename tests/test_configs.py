@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from tx_jax.config import apply_overrides, parse_arg
+from tx_jax.experiment import sizing
 from tx_jax.experiment.validation import validate_config
 from tx_jax.inference import restore
 from tx_jax.model import TASKS
@@ -57,6 +58,8 @@ def load(path: pathlib.Path):
 @pytest.mark.parametrize("path,arg", CASES, ids=[f"{p.stem}:{a}" for p, a in CASES])
 def test_config_builds_and_model_eval_shapes(path, arg):
     config = load(path).get_config(arg)
+    if sizing.unset_keys(config):  # sized from the data (tests/test_sizing.py): the rest checked
+        config = sizing.with_placeholders(config)
     validate_config(config)
     task = restore.task_of(config)
     assert task in TASKS

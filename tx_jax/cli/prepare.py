@@ -6,18 +6,21 @@ r"""Command line: prepare what a run reads before it starts, and say what was ma
 
 The dataset (every split the run reads) goes into data.data_dir, local or gs:// (prepared
 here, then published there for every host), and the tokenizer into WORKDIR/tokenizer.model
-(trained on the train split, or data.tokenizer_path's, or train.init_from's). A run started
+(trained on the train split, or data.tokenizer_path's, or train.init_from's). A config that
+leaves sizes to the data (configs/text.py) gets them here as a run would, printed in one line
+and as --config flags (for tx_jax.plan and tpu-run, which read no data). A run started
 afterwards with the same --config and --workdir finds both and starts at once; a multi-host
 run needs this first when its data is large (tx_jax/data/preparation.py).
 """
 
 import sys
 
+import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from tx_jax.data import datasets
-from tx_jax.experiment import setup
+from tx_jax.experiment import setup, sizing
 from tx_jax.experiment.validation import validate_config
 from tx_jax.ops import backend
 from tx_jax.training import checkpoint as ckpt_lib
@@ -55,15 +58,26 @@ def main(argv):
     backend.skip_absent_tpu()
     config, workdir = FLAGS.config, ckpt_lib.absolute(FLAGS.workdir)
     try:
-        validate_config(config)
+        config = sizing.begin(config, workdir)
+        unset = sizing.unset_keys(config)
+        validate_config(sizing.with_placeholders(config))
         source = setup.init_source(config, workdir)
-        task = setup.prepare_task(config, workdir, source)
+        # the batch rows a run on this host's devices would need (pmap: one per device)
+        config, task = setup.sized_task(
+            config,
+            workdir,
+            source,
+            batch_multiple=jax.device_count() * config.train.grad_accum_steps,
+        )
         lines = report(config)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
     for line in lines:
         print(line)
     print(f"tokenizer: {workdir / 'tokenizer.model'} ({task.tokenizer.vocab_size:,} pieces)")
+    if unset:  # what tx_jax.plan, tpu-run and sweeps need to build this run without data
+        chosen = {k: sizing.get(config, k) for k in unset}
+        print(f"as flags: {sizing.as_flags(chosen)}")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     if config.train.get("deterministic"):
         backend.require_deterministic_ops()
     run = build_run(config, workdir)
+    config = run.config  # with what the run chose from its data (experiment/sizing.py)
     cfg = config.train
     checkpointer = _open_checkpointer(run)
     new = checkpointer.latest_step() is None

@@ -17,8 +17,9 @@ import optax
 from etils import epath
 
 from tx_jax.config import task_of
-from tx_jax.data import backtranslation, directions, lm_task, tasks
-from tx_jax.experiment import resume
+from tx_jax.data import backtranslation, directions, lengths, lm_task, preparation, tasks
+from tx_jax.data.train_input import kept_train_pairs
+from tx_jax.experiment import resume, sizing
 from tx_jax.experiment.validation import check_batch_divides, validate_config
 from tx_jax.inference import restore
 from tx_jax.model import ModelConfig, make_model
@@ -50,15 +51,59 @@ class Run:
 def build_run(config: ml_collections.ConfigDict, workdir: str | epath.Path) -> Run:
     """Devices, data, tokenizer, model and optimizer for `config` in `workdir`."""
     workdir = ckpt_lib.absolute(workdir)
-    validate_config(config)
+    config = sizing.begin(config, workdir)
+    validate_config(sizing.with_placeholders(config))
     parallel.maybe_initialize_distributed(config.parallel)
     strategy = parallel.make_strategy(config.parallel)
-    check_batch_divides(config, strategy)
+    if not sizing.unset_keys(config):  # before any data is read, where the sizes are known
+        check_batch_divides(config, strategy)
     check_writable(workdir)
     source = init_source(config, workdir)
-    task = prepare_task(config, workdir, source)
+    multiple = strategy.global_batch_multiple * config.train.grad_accum_steps
+    config, task = sized_task(config, workdir, source, batch_multiple=multiple)
+    check_batch_divides(config, strategy)
     parts = build_model(config, task.tokenizer.vocab_size, task.tokenizer.bos_id)
     return Run(config, workdir, strategy, task, *parts, source)
+
+
+def sized_task(
+    config: ml_collections.ConfigDict, workdir: epath.Path, source=None, *, batch_multiple: int
+):
+    """(config, task): the task prepared (prepare_task) with the keys `config` leaves to the
+    data chosen from it first (experiment/sizing.py: the vocabulary before the tokenizer is
+    trained, the rest from the tokenized lengths), announced in one line, then what
+    data.max_len drops of the train split and data.max_eval_len truncates of the evaluation
+    splits. Returns a sized copy; a config with nothing unset is returned as it is."""
+    unset = sizing.unset_keys(config)
+    if unset and "data.vocab_size" in unset:
+        (train,) = preparation.open_train_splits([config.data], workdir)
+        sizing.size_vocabulary(config, len(kept_train_pairs(config.data, train)))
+    task = prepare_task(config, workdir, source)
+    if not isinstance(task, tasks.TranslationTask):
+        if unset:
+            raise ValueError(f"{sizing.unset_message(unset)} (sized for one translation pair)")
+        return config, task
+    train = lengths.train_lengths(task, config.seed)
+    evals = lengths.eval_lengths(task, _eval_splits(config))
+    lines = []
+    if unset:
+        platform = jax.devices()[0].platform
+        choices = sizing.size_run(
+            config, unset, train, evals, platform=platform, batch_multiple=batch_multiple
+        )
+        lines.append(choices.line)
+        validate_config(config)
+    lines.append(lengths.describe_train(train, config.data.max_len))
+    lines.append(lengths.describe_eval(evals, config.data.max_eval_len))
+    if jax.process_index() == 0:
+        for line in filter(None, lines):
+            print(line, flush=True)
+    return config, task
+
+
+def _eval_splits(config: ml_collections.ConfigDict) -> list[str]:
+    """The evaluation splits a run decodes: validation, and the test split when scored."""
+    return ["validation", *(["test"] if config.eval.get("test_split") else [])]
 
 
 def prepare_task(config: ml_collections.ConfigDict, workdir: epath.Path, source=None):

@@ -10,6 +10,7 @@ import ml_collections
 
 from tx_jax.config import task_of
 from tx_jax.data import backtranslation, directions, input_shards, lm_task
+from tx_jax.experiment import sizing
 from tx_jax.experiment.profiling import profile_window
 from tx_jax.model import TASKS, ModelConfig
 from tx_jax.training import optim, parallel
@@ -19,6 +20,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     """Every check that needs no device and no data, before anything compiles. Raises
     ValueError naming the key (unknown keys are caught by the locked ConfigDict / from_config).
     """
+    unset = sizing.unset_keys(config)
+    if unset:
+        raise ValueError(sizing.unset_message(unset))
     ModelConfig.from_config(config.model)  # unknown keys, enums, divisibility
     if task_of(config) not in TASKS:
         raise ValueError(f"task={config.task!r}; expected one of {TASKS}")
