@@ -66,13 +66,15 @@ def test_each_size_class_gets_its_model_at_config_time(
     assert m.dtype == "bfloat16"  # on a TPU
     assert sizing.unset_keys(config) == []
     validate_config(config)  # a complete, valid config
-    # lengths: the 99th percentile of the longer side, rounded up to 8; evaluation: the longest
-    assert config.data.max_len == sizing.round_up(train.percentile(99), 8) == 48
-    assert config.data.max_eval_len == 72 and config.data.bucket_boundaries == [48]
+    # lengths: the 99th percentile of the longer side, rounded up to 8 (at least 64 for packed
+    # rows); evaluation: the longest
+    assert sizing.round_up(train.percentile(99), 8) == 48
+    assert config.data.max_len == 64 and config.data.bucket_boundaries == [64]
+    assert config.data.max_eval_len == 72
     # steps: the class's epochs of the packed train split, within the bounds
     cls = sizing.size_class(total)
-    rows = config.data.tokens_per_batch // 48
-    per_batch = sizing.packed_pairs_per_batch(train.source, train.target, 48, rows)
+    rows = config.data.tokens_per_batch // 64
+    per_batch = sizing.packed_pairs_per_batch(train.source, train.target, 64, rows)
     steps = sizing.clamp(sizing.round_up(cls.epochs * total / per_batch, 100), sizing.STEPS_RANGE)
     assert config.train.num_steps == steps
     assert config.train.cooldown_steps == round(0.2 * steps)
@@ -96,12 +98,15 @@ def test_the_rule_at_the_small_end_is_the_measured_recipe():
 
 
 def test_values_the_user_sets_win_and_are_named():
-    config, choices, _ = sized(29_000, **{"model.d_model": 512, "data.max_len": 64})
-    assert (config.model.d_model, config.data.max_len) == (512, 64)
+    config, choices, _ = sized(29_000, **{"model.d_model": 512, "data.max_len": 48})
+    assert (config.model.d_model, config.data.max_len) == (512, 48)
     assert config.model.num_heads == 4  # the rest from the class
     assert "model.d_model" not in choices.values and "data.max_len" not in choices.values
     assert "set in the config, kept: model.d_model, data.max_len" in choices.line
-    assert config.data.bucket_boundaries == [64]
+    assert config.data.bucket_boundaries == [48]
+    # unpacked batches: the percentile itself, and geometric buckets up to it
+    config, _, _ = sized(29_000, **{"data.packing": False})
+    assert config.data.max_len == 48 and config.data.bucket_boundaries[-1] == 48
 
 
 def test_packing_simulation_counts_pairs_per_batch():
@@ -187,10 +192,10 @@ def test_prepare_prints_the_choices_and_a_run_records_and_keeps_them(tmp_path, c
     assert code == 0, err
     assert "sized from the data: 300 train pairs, 99th percentile" in out
     assert "-> small model (d_model 256, 3+3 layers" in out
-    assert "train: data.max_len=16 drops 1 of 300 pairs (0.33%)" in out
+    assert "train: data.max_len=64 drops 1 of 300 pairs (0.33%)" in out
     assert "evaluation: data.max_eval_len=" in out and "0 of 20 validation sources" in out
     flags = next(line for line in out.splitlines() if line.startswith("as flags: "))
-    assert "--config.model.d_model=256" in flags and "--config.data.max_len=16" in flags
+    assert "--config.model.d_model=256" in flags and "--config.data.max_len=64" in flags
 
     config = load_config("configs/text.py")
     tiny = {"model.d_model": 32, "model.num_heads": 2, "model.d_ff": 64}
@@ -202,9 +207,9 @@ def test_prepare_prints_the_choices_and_a_run_records_and_keeps_them(tmp_path, c
     out = capsys.readouterr().out
     assert sizing.unset_keys(config)  # the caller's config is left as it was
     assert "set in the config, kept: model.d_model, model.num_heads, model.d_ff" in out
-    assert "train: data.max_len=16 drops 1 of 300 pairs" in out
+    assert "train: data.max_len=64 drops 1 of 300 pairs" in out
     recorded = json.loads((workdir / "config.json").read_text())
-    assert recorded["data"]["max_len"] == 16 and recorded["model"]["dropout_rate"] == 0.3
+    assert recorded["data"]["max_len"] == 64 and recorded["model"]["dropout_rate"] == 0.3
     assert recorded["train"]["num_steps"] == 2 and recorded["data"]["vocab_size"] == 300
 
     # resumed: the recorded choices win over the rule (here: a value the rule would not pick)
@@ -212,4 +217,4 @@ def test_prepare_prints_the_choices_and_a_run_records_and_keeps_them(tmp_path, c
     (workdir / "config.json").write_text(json.dumps(recorded))
     again = sizing.begin(config, epath.Path(workdir))
     assert again.data.max_eval_len == 40 and again.model.dropout_rate == 0.3
-    assert again.data.max_len == 16 and sizing.unset_keys(again) == []
+    assert again.data.max_len == 64 and sizing.unset_keys(again) == []

@@ -23,7 +23,8 @@ The rule (docs/data.md "Your own corpus" has it as a table, with its evidence):
   ~7 epochs; dropout 0.1 as there).
 
 Lengths: data.max_len is the 99th percentile of a train pair's longer side in ids (EOS
-included) rounded up to a multiple of 8, within [16, 256]; data.max_eval_len holds the longest
+included) rounded up to a multiple of 8, within [16, 256], and at least 64 for packed rows
+(shorter rows hold too few pairs and waste their ends); data.max_eval_len holds the longest
 evaluation source and reference (no test source truncated), within [16, 1024]. Steps: the
 epochs above of the train split, batched as the run batches it (first-fit packing simulated on
 the sampled lengths), within [1,000, 300,000]; a linear cooldown over the last 20% (measured on
@@ -89,6 +90,10 @@ SIZED_TYPES = {
     "data.bucket_boundaries": list,
 }
 MAX_LEN_RANGE = (16, 256)
+# Packed rows shorter than this hold too few pairs and waste their ends: on Multi30k rows of
+# 40 carry ~229 pairs an update, rows of 64 ~238 (BENCHMARKS.md "Your corpus at a 60-minute
+# budget"); a packed row's length is data.max_len, so a packed run's is at least this.
+MIN_PACKED_LEN = 64
 MAX_EVAL_LEN_RANGE = (16, 1024)
 STEPS_RANGE = (1_000, 300_000)
 PERCENTILE = 99
@@ -290,7 +295,8 @@ def size_run(
         choose("model.dtype", "bfloat16" if bf16 else "float32")
         chosen["model.dtype"] = (chosen["model.dtype"], why)
     p = train.percentile(PERCENTILE)
-    max_len = choose("data.max_len", clamp(round_up(p, 8), MAX_LEN_RANGE))
+    floor = MIN_PACKED_LEN if config.data.get("packing", True) else MAX_LEN_RANGE[0]
+    max_len = choose("data.max_len", clamp(max(round_up(p, 8), floor), MAX_LEN_RANGE))
     longest = max(
         (int(max(e.source.max(), e.target.max())) for e in evals.values() if e.sampled), default=0
     )
