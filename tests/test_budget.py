@@ -100,9 +100,9 @@ def test_time_updates_times_the_updates_after_the_untimed_ones():
     timing = budget.time_updates(
         step, 0, iter(range(100)), target_seconds=2.2, clock=lambda: now[0], agree=lambda n: n
     )
-    # 2 untimed, then ceil(2.2 / 0.5) = 5 timed (at least MIN_TIMED), batches in order
+    # UNTIMED untimed, then ceil(2.2 / 0.5) = 5 timed (at least MIN_TIMED), batches in order
     assert timing == budget.Timing(first_seconds=5.0, step_seconds=0.5, updates=5)
-    assert calls == list(range(7))
+    assert calls == list(range(budget.UNTIMED + 5))
     short = budget.time_updates(
         step, 0, iter(range(100)), target_seconds=0.1, clock=lambda: now[0], agree=lambda n: n
     )
