@@ -1,6 +1,7 @@
 """README.md and docs/*.md against the repository: the paths, commands, flags and config keys
-they name exist, and the README's tour runs end to end on debug configs. Code comments and
-docstrings cite sections that exist, and no file speaks of how the work was organised.
+they name exist (a key in backticks in some config), docs/data.md lists every dataset, and the
+README's tour runs end to end on debug configs. Code comments and docstrings cite sections that
+exist, and no file speaks of how the work was organised.
 
 What is read from a page: backtick spans, link targets and code blocks (fenced or indented),
 with a shell line's trailing backslash joining it to the next. A path counts when it starts
@@ -502,6 +503,103 @@ def test_every_config_key_exists_in_its_config():
         elif not has_key(config_of(spec), key):
             bad.append(f"{page}: --config.{key} not in {spec}")
     assert not bad, "\n".join(bad)
+
+
+# A backtick span of a page's prose that starts with a section's key (`data.max_len`,
+# `config.data.dataset`, `model.loss_impl=onepass`, `data.tokenizer.*`,
+# `parallel.coordinator_address/num_processes/process_id`) names a config key. Spans that read
+# like one and name something else, each with what it is:
+NOT_CONFIG_KEYS = {
+    "model.encode": "a method of the model (docs/design.md)",
+    "model.decode": "a method of the model (docs/design.md)",
+    "parallel.make_abstract_strategy": "a function of tx_jax/training/parallel.py",
+}
+NAMED_KEY = re.compile(
+    rf"(?:--)?(?:config\.)?((?:{'|'.join(CONFIG_SECTIONS)})(?:\.[A-Za-z_][\w/]*)+)(\.\*)?"
+)
+FILE_SUFFIXES = {"py", "md", "json", "jsonl", "txt", "model", "safetensors", "png", "gz"}
+
+
+def named_keys() -> list[tuple[str, str]]:
+    """(page, dotted key) for each config key a page's prose names in backticks; `a.b/c` names
+    a.b and a.c, `a.b.*` names a.b."""
+    found = set()
+    for page in PAGES:
+        for span in page_parts(page)[1]:
+            m = NAMED_KEY.match(span)
+            if not m or m.group(1).rpartition(".")[2] in FILE_SUFFIXES:
+                continue
+            head, _, last = m.group(1).rpartition(".")
+            found |= {(_rel(page), f"{head}.{name}") for name in last.split("/") if name}
+    return sorted(found)
+
+
+@functools.cache
+def every_config() -> tuple:
+    """Each file of configs/ as loaded plain and under each variant it names."""
+    specs = []
+    for path in sorted((ROOT / "configs").glob("*.py")):
+        specs += [_rel(path), *(f"{_rel(path)}:{v}" for v in config_arguments(path)[1])]
+    return tuple(config_of(spec) for spec in specs)
+
+
+def names_a_key(config, dotted: str) -> bool:
+    """Whether `dotted` is a key of `config`, or lies under one of its free-form dicts, whose
+    keys no config fixes: a plain dict, or one left empty (parallel.mesh_by_platform)."""
+    node = config
+    for part in dotted.split("."):
+        if type(node) is dict or (hasattr(node, "keys") and not list(node.keys())):
+            return True
+        try:
+            node = node[part]
+        except (KeyError, TypeError, AttributeError):
+            return False
+    return True
+
+
+def test_every_config_key_a_page_names_exists_in_some_config():
+    keys = named_keys()
+    assert len(keys) > 50, "the extractor sees too few keys"
+    configs = every_config()
+    bad = [
+        f"{page}: `{key}`"
+        for page, key in keys
+        if key not in NOT_CONFIG_KEYS and not any(names_a_key(c, key) for c in configs)
+    ]
+    assert not bad, "named but in no config of configs/ (any variant):\n" + "\n".join(bad)
+    unused = set(NOT_CONFIG_KEYS) - {key for _, key in keys}
+    assert not unused, f"NOT_CONFIG_KEYS names what no page says any more: {sorted(unused)}"
+
+
+def dataset_names() -> list[str]:
+    """The names of tx_jax/data/datasets.py's DATASETS table, read from its source (importing
+    it imports TFDS): string keys, and `module.NAME` keys looked up in tx_jax/data/module.py."""
+    tree = ast.parse((ROOT / "tx_jax" / "data" / "datasets.py").read_text())
+    table = next(
+        node.value
+        for node in tree.body
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "DATASETS"
+    )
+    names = []
+    for key in table.keys:
+        if isinstance(key, ast.Constant):
+            names.append(key.value)
+        else:
+            module = (ROOT / "tx_jax" / "data" / f"{key.value.id}.py").read_text()
+            names.append(re.search(rf'^{key.attr} = "(\w+)"', module, flags=re.M).group(1))
+    return names
+
+
+def test_the_datasets_section_lists_every_dataset():
+    """docs/data.md's "Datasets" names each value of config.data.dataset that the table of
+    tx_jax/data/datasets.py has, in backticks, and the TFDS catalog for every other name."""
+    page = (ROOT / "docs" / "data.md").read_text()
+    section = page.split("\n## Datasets\n", 1)[1].split("\n## ", 1)[0]
+    names = dataset_names()
+    assert {"synthetic", "multi30k", "text"} <= set(names), names
+    missing = [name for name in names if f"`{name}`" not in section]
+    assert not missing, f'docs/data.md "Datasets" does not list: {missing}'
+    assert "TFDS catalog name" in section
 
 
 # ---------------------------------------------------------------------- the project's words
