@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # tx_jax's one entry point. Sets up .venv on first use (and again when setup.cfg changes).
 #
-#   ./launch.sh train [WORKDIR] [--config.key=value ...]   default experiment (CPU, offline)
+#   ./launch.sh train [WORKDIR] [--config.key=value ...]   default experiment (CPU; offline once .venv is installed)
 #   ./launch.sh test [pytest args]                         ruff (lint + format) then pytest
 #   ./launch.sh sweep experiments/FILE.py [--parallel N] [--dry-run] [--only 0,3] [--root DIR]
 #                     [--test_split_eval] [--override key=value ...]     python -m tx_jax.sweep
