@@ -44,7 +44,6 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import jax
 import ml_collections
 import numpy as np
 from etils import epath
@@ -344,10 +343,6 @@ def describe(config, cls: SizeClass, train, p: int, per_epoch: float, chosen, un
     )
     kept = [k for k in SIZED_KEYS if k not in unset and get(config, k) is not None]
     return line + (f"; set in the config, kept: {', '.join(kept)}" if kept else "")
-
-
-def platform_of_devices() -> str:
-    return jax.devices()[0].platform
 
 
 def with_placeholders(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
