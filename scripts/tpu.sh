@@ -7,7 +7,11 @@
 #                   RUNTIME defaults to the generation's (Cloud TPU's "TPU software versions"):
 #                   v6e v2-alpha-tpuv6e, v5p v2-alpha-tpuv5, v5e (v5litepod-*)
 #                   v2-alpha-tpuv5-lite, v4 and older tpu-ubuntu2204-base
-#   tpu-setup NAME [--zone Z] [--project P]      copy the repo to all workers, make .venv there
+#   tpu-setup NAME [--zone Z] [--project P] [--extras E]
+#                   waits for a queued VM to be ACTIVE; copies the working tree to every
+#                   worker (~/tx_jax) and runs scripts/tpu_worker_setup.sh there: a Python
+#                   3.11 from uv whatever the image's python3 is, .venv, tx_jax with jax[tpu]
+#                   and the extras E (none by default; e.g. export), each worker's devices
 #   tpu-run NAME [--zone Z] [--project P] [--accelerator-type T] [--no-plan] [--wait] -- ARGS...
 #                   first plans the run for the slice here (python -m tx_jax.plan with ARGS'
 #                   --config flags; T defaults to what gcloud says of NAME) and refuses one that
@@ -23,7 +27,8 @@
 #   tpu-delete NAME [--zone Z] [--project P]
 #
 # --workdir may be gs://bucket/path: etils/Orbax write there directly. Environment:
-# TPU_ZONE, TPU_PROJECT (defaults for --zone, --project).
+# TPU_ZONE, TPU_PROJECT (defaults for --zone, --project); TPU_POLL_SECONDS (how often tpu-setup
+# asks a queued VM's state, default 60).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -65,7 +70,7 @@ name="$1"
 shift
 
 zone="${TPU_ZONE:-}" project="${TPU_PROJECT:-}" accel="" version=""
-spot=0 queued=0 worker=0 plan=1 wait=0
+spot=0 queued=0 worker=0 plan=1 wait=0 extras=""
 remote_args=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -84,6 +89,8 @@ while [ $# -gt 0 ]; do
     --worker=*) worker="${1#*=}" ;;
     --no-plan|--no_plan) plan=0 ;;
     --wait) wait=1 ;;
+    --extras) extras="$2"; shift ;;
+    --extras=*) extras="${1#*=}" ;;
     --) shift; remote_args=("$@"); break ;;
     *) die "$cmd: unknown option '$1'" ;;
   esac
@@ -133,12 +140,37 @@ plan_run() {
   for a in "${remote_args[@]}"; do
     case "$a" in --config=*|--config.*) args+=("$a") ;; esac
   done
-  local target
+  local target py="${TX_JAX_PYTHON:-.venv/bin/python}"
   target=$(plan_target "$type")
-  if ! run "${TX_JAX_PYTHON:-.venv/bin/python}" -m tx_jax.plan --target="$target" \
+  if [ "$DRY_RUN" != 1 ] && ! "$py" -c 'import importlib.util as u, sys
+sys.exit(u.find_spec("libtpu") is None or u.find_spec("tx_jax") is None)' 2>/dev/null; then
+    die "tpu-run: planning here needs tx_jax with the TPU compiler in $py: ./launch.sh test installs both (or .venv/bin/pip install -e '.[plan]'); or pass --no-plan"
+  fi
+  if ! run "$py" -m tx_jax.plan --target="$target" \
       --programs=train,eval "${args[@]}"; then
     die "tpu-run: not started: the plan above says the run does not fit on $type or cannot be built (fix the config, or pass --no-plan)"
   fi
+}
+
+# A VM made by `tpu-create --queued` exists once its queued resource is ACTIVE: wait for that,
+# one line a poll. A name that is no queued resource (a plain tpu-create) goes on at once.
+wait_until_active() {
+  local describe=(gcloud alpha compute tpus queued-resources describe "$name" "${where[@]}"
+    --format='value(state.state)')
+  if [ "$DRY_RUN" = 1 ]; then
+    run "${describe[@]}"  # a real run asks again each TPU_POLL_SECONDS until ACTIVE
+    return 0
+  fi
+  local state start=$SECONDS
+  while state=$("${describe[@]}" 2>/dev/null) && [ -n "$state" ]; do
+    case "$state" in
+      ACTIVE) return 0 ;;
+      FAILED|SUSPENDING|SUSPENDED|DELETING)
+        die "$cmd: queued resource $name is $state: delete it (tpu-delete $name --queued) and create it again" ;;
+    esac
+    echo "$cmd: $name is queued ($state, $(( (SECONDS - start) / 60 )) min): waiting until it is ACTIVE"
+    sleep "${TPU_POLL_SECONDS:-60}"
+  done
 }
 
 case "$cmd" in
@@ -156,15 +188,16 @@ case "$cmd" in
     fi
     ;;
   tpu-setup)
+    wait_until_active
     # The working tree as it is (tracked and untracked files, not .venv/runs/.git).
     archive="/tmp/tx_jax-$name.tar.gz"
-    run tar czf "$archive" --exclude=.venv --exclude=runs --exclude=.git --exclude=.jax_cache .
-    run gcloud compute tpus tpu-vm scp "$archive" "$name:/tmp/tx_jax.tar.gz" "${where[@]}" \
+    run tar czf "$archive" --exclude=.venv --exclude=runs --exclude=.git --exclude=.jax_cache \
+      --exclude=__pycache__ --exclude='*.egg-info' --exclude=.pytest_cache --exclude=.ruff_cache .
+    run gcloud compute tpus tpu-vm scp "$archive" "$name:tx_jax-setup.tar.gz" "${where[@]}" \
       --worker=all
-    ssh_all "mkdir -p $REMOTE_DIR && tar xzf /tmp/tx_jax.tar.gz -C $REMOTE_DIR && cd $REMOTE_DIR \
-&& python3 -m venv .venv && .venv/bin/pip install -q --upgrade pip \
-&& .venv/bin/pip install -q -e '.[test]' 'jax[tpu]' \
-&& .venv/bin/python -c 'import jax; print(jax.process_index(), jax.devices())'"
+    ssh_all "mkdir -p $REMOTE_DIR && tar xzf ~/tx_jax-setup.tar.gz -C $REMOTE_DIR \
+&& rm ~/tx_jax-setup.tar.gz && cd $REMOTE_DIR && bash scripts/tpu_worker_setup.sh${extras:+ $(
+      quote_words "$extras")}"
     ;;
   tpu-run)
     [ ${#remote_args[@]} -gt 0 ] || die "tpu-run: expected -- ARGS... (e.g. -- --config=...)"

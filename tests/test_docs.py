@@ -863,3 +863,13 @@ def test_the_tpu_walk_in_the_docs_runs_with_dry_run():
     assert "--version=tpu-ubuntu2204-base" in outs[0]  # v4's runtime
     assert "--worker=0" in outs[3] and "python -m tx_jax.prepare --config=" in outs[3]
     assert "-m tx_jax.plan --target=tpu:" in outs[4]  # planned first
+
+
+def test_the_tpu_setup_dry_run_in_the_docs_is_what_it_prints():
+    page = (ROOT / "docs" / "tpu_and_cloud.md").read_text()
+    prompt = "$ ./launch.sh tpu-setup tx1 --zone us-central2-b --dry-run\n"
+    shown = page.split(prompt, 1)[1].split("```", 1)[0]
+    printed = _run(
+        ["bash", "./launch.sh", "tpu-setup", "tx1", "--zone", "us-central2-b", "--dry-run"]
+    )
+    assert shown == printed
