@@ -1,7 +1,7 @@
 """Decoder-only language modelling (config.task='lm') on one side of a translation corpus.
 
     --config=configs/lm.py                   the synthetic corpus's target side, CPU, ~minutes
-    --config=configs/lm.py:multi30k          Multi30k's English side (../shared/data/multi30k)
+    --config=configs/lm.py:multi30k          Multi30k's English side (manual_dir, else downloaded)
     --config=configs/lm.py:debug             seconds
     --config=configs/lm.py:variant=long,length=32768   long context: a base-size
                                              model on packed rows of `length` tokens, sized for
@@ -76,6 +76,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.data.lm_side = "source"
         c.data.manual_dir = repo_path(__file__, "..", "shared", "data", "multi30k")
         c.data.data_dir = None  # TFDS's default (~/tensorflow_datasets)
+        c.data.download = True  # without the files above, fetched from github.com/multi30k
         c.data.vocab_size = 4000  # English only: ~10k word types
         c.data.tokenizer_pairs = 29_000  # the whole train split
         c.data.tokens_per_batch = 4096

@@ -1,4 +1,5 @@
-"""Multi30k (task 1) translation, any pair of en/de/fr/cs; raw files from ../shared/data/multi30k.
+"""Multi30k (task 1) translation, any pair of en/de/fr/cs: the raw release's files from
+data.manual_dir when they are there, else downloaded once (about 4 MB) into data.data_dir.
 
     --config=configs/multi30k.py                         en->de, the `small` model
     --config=configs/multi30k.py:pair=fr-en,variant=base
@@ -56,9 +57,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.dataset = "multi30k"
     c.data.source_lang = source
     c.data.target_lang = target
-    c.data.manual_dir = repo_path(__file__, "..", "shared", "data", "multi30k")  # from repo root
+    # The raw files (train.en.gz, val.en.gz, ...) where the project's machines keep them; a
+    # directory that does not exist (a fresh clone) means: download them.
+    c.data.manual_dir = repo_path(__file__, "..", "shared", "data", "multi30k")
     c.data.data_dir = None  # TFDS's default (~/tensorflow_datasets): shared by every workdir
-    c.data.download = False  # True: fetch the raw files from github.com/multi30k/dataset
+    c.data.download = True  # without the files above, fetch them from github.com/multi30k/dataset
     c.data.vocab_size = 8000  # joint SentencePiece pieces over both languages
     c.data.tokenizer_pairs = 29_000  # the whole train split
     c.data.max_len = 64  # Multi30k sentences are short (~13 words); longer pairs are dropped

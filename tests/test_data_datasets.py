@@ -20,7 +20,7 @@ import tensorflow_datasets as tfds
 from tensorflow_datasets.core import naming
 from tensorflow_datasets.core import splits as splits_lib
 
-from tx_jax.data import datasets, synthetic
+from tx_jax.data import datasets, multi30k, synthetic
 
 WMT = "wmt14_translate/de-en"
 
@@ -77,22 +77,44 @@ def test_multi30k_both_directions_share_one_prepared_pair(multi30k_dirs):
     assert (pathlib.Path(data_dir) / "multi30k" / "en-fr" / "1.0.0").is_dir()
 
 
-def test_multi30k_not_prepared_without_manual_dir_raises(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"not prepared in .*manual_dir=.*download=True"):
+def test_multi30k_without_files_or_download_names_both_keys(tmp_path):
+    with pytest.raises(
+        multi30k.SourceUnavailable,
+        match=r"^Multi30k en-de: data.manual_dir is not set: put the raw files there "
+        r"\(train.en.gz, train.de.gz, val.en.gz, val.de.gz, .*\) or set data.download=True",
+    ):
         datasets.load_translation_split(
             "multi30k", "train", source_lang="en", target_lang="de", data_dir=str(tmp_path)
         )
+    (tmp_path / "empty").mkdir()
+    for manual_dir, said in (
+        (tmp_path / "none", "does not exist"),
+        (tmp_path / "empty", "is empty"),
+    ):
+        with pytest.raises(multi30k.SourceUnavailable, match=f"{manual_dir} {said}: put"):
+            datasets.load_translation_split(
+                "multi30k",
+                "train",
+                source_lang="en",
+                target_lang="de",
+                data_dir=str(tmp_path / "data"),
+                manual_dir=str(manual_dir),
+            )
 
 
-def test_multi30k_wrong_manual_dir_fails_offline(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"lacks train\.en\.gz, train\.de\.gz"):
+def test_multi30k_wrong_manual_dir_fails_offline_even_with_download(tmp_path):
+    """A directory holding other files is a mistake to name, never a silent download."""
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "train.en").write_text("not the raw release\n")
+    with pytest.raises(multi30k.SourceUnavailable, match=r"lacks train\.en\.gz, train\.de\.gz"):
         datasets.load_translation_split(
             "multi30k",
             "train",
             source_lang="de",
             target_lang="en",
             data_dir=str(tmp_path / "data"),
-            manual_dir=str(tmp_path),
+            manual_dir=str(tmp_path / "raw"),
+            download=True,
         )
 
 

@@ -7,13 +7,19 @@ test at the end, and only where ../shared/data/multi30k (beside the repository) 
 from __future__ import annotations
 
 import gzip
+import http.server
+import os
 import pathlib
 import pickle
+import subprocess
+import sys
+import threading
 import time
 from unittest import mock
 
 import pytest
 import tensorflow_datasets as tfds
+from helpers import ROOT
 
 from tx_jax.config import load_config
 from tx_jax.data import datasets, multi30k
@@ -276,3 +282,112 @@ def test_real_corpus_as_text_files_gives_the_same_pairs(tmp_path):
         )
         assert len(text) == len(reference) and text == list(reference), split
     assert len(text) == 1000
+
+
+# --------------------------------------------------------------------------- a fresh clone
+# configs/multi30k.py:debug where ../shared is not beside the repository: its manual_dir does
+# not exist, so the raw files are downloaded (from a mirror on 127.0.0.1 here), or, with no
+# network, the run stops in one line naming data.manual_dir and data.download.
+
+SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "ze", "pa", "gu", "be", "do", "fi")
+
+
+def varied_corpus(directory: pathlib.Path, lines: int, langs=("en", "de")) -> pathlib.Path:
+    """Every split of `langs` in the release, `lines` lines each of words made of syllables:
+    enough distinct pieces for the debug variant's 200-piece tokenizer."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for split, prefix in multi30k.SPLIT_FILE_PREFIXES.items():
+        if not set(langs) <= multi30k.SPLIT_LANGUAGES[split]:
+            continue
+        for k, lang in enumerate(langs):
+            sentences = []
+            for i in range(lines):
+                words = [
+                    SYLLABLES[(i * 7 + j * 3 + k) % 14] + SYLLABLES[(i + j * 5) % 14] + lang
+                    for j in range(3 + i % 9)
+                ]
+                sentences.append(" ".join(words))
+            write_lines(directory / f"{prefix}.{lang}.gz", sentences)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def mirror(tmp_path_factory):
+    """(its URL, the paths asked for): the raw release served on 127.0.0.1."""
+    root = tmp_path_factory.mktemp("release")
+    varied_corpus(root / "raw", lines=300)
+    asked: list[str] = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, directory=str(root), **kwargs)
+
+        def log_message(self, format, *args):  # noqa: A002 (the base class's name)
+            asked.append(self.path)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/raw", asked
+    server.shutdown()
+
+
+def prepare_in_a_fresh_clone(tmp_path: pathlib.Path, **env: str) -> subprocess.CompletedProcess:
+    """python -m tx_jax.prepare --config=configs/multi30k.py:debug with no raw files beside."""
+    clean = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tx_jax.prepare",
+            "--config=configs/multi30k.py:debug",
+            f"--workdir={tmp_path / 'run'}",
+            f"--config.data.manual_dir={tmp_path / 'shared'}",  # what a clone lacks
+            f"--config.data.data_dir={tmp_path / 'tfds'}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**clean, "JAX_PLATFORMS": "cpu", **env},
+    )
+
+
+def test_a_fresh_clone_downloads_the_raw_files_saying_so(tmp_path, mirror):
+    url, asked = mirror
+    proc = prepare_in_a_fresh_clone(tmp_path, TX_JAX_MULTI30K_URL=url)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == (
+        f"Multi30k en-de: data.manual_dir {tmp_path / 'shared'} does not exist: downloading the "
+        f"raw files from {url}/ (data.download=True)"
+    )
+    assert "data: multi30k train: 300 pairs" in proc.stdout
+    assert "data: multi30k test_2016_flickr: 300 pairs" in proc.stdout
+    assert (tmp_path / "run" / "tokenizer.model").exists()
+    # one reachability check, then every file of the pair's six splits
+    files = {
+        f"/raw/{p}.{lang}.gz"
+        for p in multi30k.SPLIT_FILE_PREFIXES.values()
+        for lang in ("en", "de")
+    }
+    assert asked[0] == "/raw/train.en.gz" and set(asked[1:]) == files, asked
+
+
+def test_a_fresh_clone_without_network_stops_in_one_line(tmp_path):
+    """No network: the release's host is reached through a proxy that refuses (127.0.0.1:1)."""
+    proxy = "http://127.0.0.1:1"
+    start = time.perf_counter()
+    proc = prepare_in_a_fresh_clone(tmp_path, HTTPS_PROXY=proxy, HTTP_PROXY=proxy)
+    assert proc.returncode == 1 and time.perf_counter() - start < 120
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert line.startswith(
+        f"error: Multi30k en-de: data.manual_dir {tmp_path / 'shared'} does not exist, and "
+        f"data.download=True cannot reach {multi30k.RELEASE_URL}train.en.gz ("
+    )
+    assert line.endswith(
+        "put the raw files (train.en.gz, train.de.gz, val.en.gz, val.de.gz, ...) in "
+        "data.manual_dir, or run where that host is reachable"
+    )
+    assert not (tmp_path / "tfds" / "multi30k" / "en-de").exists()

@@ -20,8 +20,9 @@ caller picks the direction (`tx_jax.data.datasets.load_translation_split`), whos
 Where the files come from, in order:
   1. the manual directory (`tfds.download.DownloadConfig(manual_dir=...)`) when it exists and
      is not empty: every split whose two files are there is prepared; train and val must be;
-  2. otherwise the public repository (`URL_TEMPLATE`) through `dl_manager.download`, for the
-     splits that `SPLIT_LANGUAGES` says exist for both languages.
+  2. otherwise the public repository (`release_url`: GitHub's, or the mirror that
+     $TX_JAX_MULTI30K_URL names) through `dl_manager.download`, for the splits that
+     `SPLIT_LANGUAGES` says exist for both languages.
 
 Reading a pair of files (`read_parallel`): only the trailing newline ('\\n', and a '\\r' before
 it) is removed; other whitespace is kept as written. Both files must have the same number of
@@ -46,8 +47,10 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import itertools
+import os
 from collections.abc import Iterator, Mapping
 
+import requests
 import tensorflow_datasets as tfds
 from absl import logging
 from etils import epath
@@ -74,9 +77,18 @@ SPLIT_LANGUAGES: dict[str, frozenset[str]] = {
     "test_2017_mscoco": frozenset({"en", "de", "fr"}),
     "test_2018_flickr": frozenset(LANGUAGES),
 }
-URL_TEMPLATE = (
-    "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/{prefix}.{lang}.gz"
-)
+RELEASE_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/"
+# A mirror of the raw release's data/task1/raw (same file names) replaces RELEASE_URL.
+MIRROR_ENV = "TX_JAX_MULTI30K_URL"
+# Seconds to wait for the release's host before saying it cannot be reached: TFDS's downloader
+# retries an unreachable host without end.
+REACH_TIMEOUT = 20
+
+
+class SourceUnavailable(ValueError):
+    """The raw files are neither in data.manual_dir nor to be downloaded: one line saying what
+    to do (a ValueError: the run stops with it, no traceback)."""
+
 
 _CITATION = """\
 @inproceedings{elliott-etal-2016-multi30k,
@@ -128,16 +140,7 @@ def local_split_files(
       FileNotFoundError: naming the directory and the missing files when a required split
         (train, validation) lacks a file.
     """
-    directory = epath.Path(directory)
-    found: dict[str, dict[str, epath.Path]] = {}
-    missing: list[str] = []
-    for split in SPLIT_FILE_PREFIXES:
-        paths = {lang: directory / file_name(split, lang) for lang in (lang1, lang2)}
-        exists = {lang: path.exists() for lang, path in paths.items()}
-        if all(exists.values()):
-            found[split] = paths
-        elif split in REQUIRED_SPLITS:
-            missing += [paths[lang].name for lang, ok in exists.items() if not ok]
+    found, missing = _split_files(epath.Path(directory), lang1, lang2)
     if missing:
         raise FileNotFoundError(
             f"Multi30k {lang1}-{lang2}: {directory} lacks {', '.join(missing)}; it needs "
@@ -147,10 +150,32 @@ def local_split_files(
     return found
 
 
+def release_url() -> str:
+    """The raw release's address: $TX_JAX_MULTI30K_URL (a mirror) or GitHub's, ending in '/'."""
+    return (os.environ.get(MIRROR_ENV) or RELEASE_URL).rstrip("/") + "/"
+
+
+def _split_files(
+    directory: epath.Path, lang1: str, lang2: str
+) -> tuple[dict[str, dict[str, epath.Path]], list[str]]:
+    """({split: {lang: path}} of the splits whose two files exist, the required files missing)."""
+    found: dict[str, dict[str, epath.Path]] = {}
+    missing: list[str] = []
+    for split in SPLIT_FILE_PREFIXES:
+        paths = {lang: directory / file_name(split, lang) for lang in (lang1, lang2)}
+        exists = {lang: path.exists() for lang, path in paths.items()}
+        if all(exists.values()):
+            found[split] = paths
+        elif split in REQUIRED_SPLITS:
+            missing += [paths[lang].name for lang, ok in exists.items() if not ok]
+    return found, missing
+
+
 def download_urls(lang1: str, lang2: str) -> dict[str, dict[str, str]]:
     """Returns {split: {lang: url}} of the public raw files for the splits both languages have."""
+    base = release_url()
     return {
-        split: {lang: URL_TEMPLATE.format(prefix=prefix, lang=lang) for lang in (lang1, lang2)}
+        split: {lang: f"{base}{prefix}.{lang}.gz" for lang in (lang1, lang2)}
         for split, prefix in SPLIT_FILE_PREFIXES.items()
         if {lang1, lang2} <= SPLIT_LANGUAGES[split]
     }
@@ -272,11 +297,13 @@ class Multi30k(tfds.core.GeneratorBasedBuilder):
             try:
                 files = dl_manager.download(download_urls(lang1, lang2))
             except Exception as e:  # The download backends raise many kinds.
-                raise RuntimeError(
+                reason = " ".join(str(e).split())[:300]
+                raise SourceUnavailable(
                     f"Multi30k {lang1}-{lang2}: no raw files in the manual directory and "
-                    f"downloading them failed ({e}). Put train.{lang1}.gz, train.{lang2}.gz, "
-                    f"val.{lang1}.gz, val.{lang2}.gz (and test_*.gz) in a directory and pass "
-                    "it as tfds.download.DownloadConfig(manual_dir=...)."
+                    f"downloading them from {release_url()} failed ({reason}): put train."
+                    f"{lang1}.gz, train.{lang2}.gz, val.{lang1}.gz, val.{lang2}.gz (and test_*.gz) "
+                    "in a directory and pass it as data.manual_dir (tfds.download.DownloadConfig"
+                    "(manual_dir=...))"
                 ) from e
         generators = {}
         for split, paths in files.items():
@@ -318,14 +345,45 @@ def make_builder(
 
 
 def prepares_locally(builder: Multi30k, manual_dir: str | None, download: bool) -> bool:
-    """Whether `builder` can be prepared offline: from a manual_dir of raw files. Without
-    `download` the files are checked now, so a wrong directory fails here rather than the
-    builder falling back to a download."""
+    """Whether `builder` is prepared from data.manual_dir's raw files (True), or downloads them
+    (False, said in one line, once the release's host answered). SourceUnavailable, one line
+    naming data.manual_dir and data.download, when it can do neither; a manual_dir that holds
+    some files but not the required ones is an error too, never a silent download."""
+    lang1, lang2 = builder.builder_config.languages
+    pair = f"Multi30k {lang1}-{lang2}"
+    needed = ", ".join(file_name(s, lang) for s in REQUIRED_SPLITS for lang in (lang1, lang2))
     if manual_dir is None:
-        return False
+        where = "data.manual_dir is not set"
+    else:
+        directory = epath.Path(manual_dir)
+        _, missing = _split_files(directory, lang1, lang2)
+        if not missing:
+            return True
+        if directory.exists() and any(directory.iterdir()):
+            raise SourceUnavailable(
+                f"{pair}: data.manual_dir {directory} lacks {', '.join(missing)} (gzip text, one "
+                "sentence per line): add them, or point data.manual_dir at the raw release"
+            )
+        where = f"data.manual_dir {directory} " + (
+            "is empty" if directory.exists() else "does not exist"
+        )
     if not download:
-        local_split_files(manual_dir, *builder.builder_config.languages)
-    return True
+        raise SourceUnavailable(
+            f"{pair}: {where}: put the raw files there ({needed}, ...: {RELEASE_URL}) "
+            "or set data.download=True to download them"
+        )
+    url = download_urls(lang1, lang2)["train"][lang1]
+    try:
+        with requests.get(url, stream=True, timeout=REACH_TIMEOUT) as response:
+            response.raise_for_status()
+    except requests.RequestException as e:
+        reason = " ".join(str(e).split())[:300]
+        raise SourceUnavailable(
+            f"{pair}: {where}, and data.download=True cannot reach {url} ({reason}): put the "
+            f"raw files ({needed}, ...) in data.manual_dir, or run where that host is reachable"
+        ) from None
+    print(f"{pair}: {where}: downloading the raw files from {release_url()} (data.download=True)")
+    return False
 
 
 def _usable_manual_dir(dl_manager: tfds.download.DownloadManager) -> epath.Path | None:
