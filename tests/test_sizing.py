@@ -200,7 +200,10 @@ def test_prepare_prints_the_choices_and_a_run_records_and_keeps_them(tmp_path, c
     config = load_config("configs/text.py")
     tiny = {"model.d_model": 32, "model.num_heads": 2, "model.d_ff": 64}
     tiny.update({"model.num_encoder_layers": 1, "model.num_decoder_layers": 1})
-    tiny.update({"train.num_steps": 2, "eval.bleu_examples": 4, "data.vocab_size": 300})
+    tiny.update({"eval.bleu_examples": 4, "data.vocab_size": 300})
+    # a time budget (as test_budget.py's): its fitted steps get the evaluation and checkpoint
+    # cadence the rule gives that many steps, since the data chose the cadence too
+    tiny.update({"train.time_budget_minutes": 0.4, "train.log_every": 1000})
     apply_overrides(config, {**files, **tiny})
     workdir = tmp_path / "run"
     train_and_evaluate(config, workdir)
@@ -210,7 +213,19 @@ def test_prepare_prints_the_choices_and_a_run_records_and_keeps_them(tmp_path, c
     assert "train: data.max_len=64 drops 1 of 300 pairs" in out
     recorded = json.loads((workdir / "config.json").read_text())
     assert recorded["data"]["max_len"] == 64 and recorded["model"]["dropout_rate"] == 0.3
-    assert recorded["train"]["num_steps"] == 2 and recorded["data"]["vocab_size"] == 300
+    assert recorded["data"]["vocab_size"] == 300
+    steps = recorded["train"]["num_steps"]
+    every = recorded["eval"]["every"]
+    assert 10 < steps < 5000 and every == max(100, -(-steps // 1000) * 100)  # ~10 evaluations
+    assert recorded["checkpoint"]["every"] == every // 2
+    assert f"-> {steps:,} updates" in out
+    assert f", eval.every {every:,}, checkpoint.every {every // 2:,})" in out
+    evaluated = [
+        r["step"]
+        for r in map(json.loads, (workdir / "metrics.jsonl").open())
+        if r["split"] == "validation"
+    ]
+    assert evaluated == [*range(every, steps, every), steps]
 
     # resumed: the recorded choices win over the rule (here: a value the rule would not pick)
     recorded["data"]["max_eval_len"] = 40

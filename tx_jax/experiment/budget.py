@@ -29,7 +29,9 @@ the updates (each is a collective program) and process 0's figures are everyone'
 
 The schedule under a budget: train.warmup_steps is kept (it is about stability, counted in
 updates) but at most num_steps // 2; train.cooldown_steps keeps its share of the config's
-train.num_steps; cosine and linear decays run to the fitted num_steps. The fitted values
+train.num_steps; cosine and linear decays run to the fitted num_steps. An eval.every and
+checkpoint.every that the data chose (configs/text.py's, experiment/sizing.py) are chosen again
+for the fitted num_steps (~10 evaluations); values a config sets are kept. The fitted values
 replace the config's before WORKDIR/config.json and the first checkpoint are written, and the
 timing goes into every checkpoint's meta ('budget').
 
@@ -60,6 +62,7 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
+from tx_jax.experiment import sizing
 from tx_jax.experiment.setup import Run, build_optimizer, train_step_fn
 
 KEY = "train.time_budget_minutes"
@@ -165,6 +168,12 @@ def fit(run: Run, state: Any, shardings: Any, started: float, train_iter: Any) -
     compile_seconds = max(first - step_seconds, 0.0)
     num_steps = fitted_steps(budget_seconds, clock + compile_seconds, step_seconds)
     values = schedule_steps(run.config.train, num_steps)
+    cadence = {}  # the evaluation and checkpoint cadence the data chose, for the fitted steps
+    if "eval.every" in run.sized:
+        cadence["eval.every"] = sizing.eval_every(num_steps)
+    if "checkpoint.every" in run.sized:
+        every = cadence.get("eval.every", run.config.eval.every)
+        cadence["checkpoint.every"] = sizing.checkpoint_every(every)
     record = {
         "minutes": minutes(run.config),
         "step_seconds": step_seconds,
@@ -173,13 +182,14 @@ def fit(run: Run, state: Any, shardings: Any, started: float, train_iter: Any) -
         "compile_seconds": compile_seconds,  # expected for the run's own step
         **values,
     }
+    said = "".join(f", {key} {value:,}" for key, value in cadence.items())
     _say(
         f"time budget {record['minutes']:g} min: {step_seconds:.3g} s/update measured over "
         f"{timing.updates} updates after {_secs(clock)} of set-up, compilation and timing "
         f"(+{_secs(compile_seconds)} to compile the run's step) -> {num_steps:,} updates "
-        f"(warmup {values['warmup_steps']:,}, cooldown {values['cooldown_steps']:,})"
+        f"(warmup {values['warmup_steps']:,}, cooldown {values['cooldown_steps']:,}{said})"
     )
-    return _with_train(run, values, record)
+    return _with_train(run, values, record, cadence=cadence)
 
 
 def from_checkpoint(run: Run, checkpointer: Any) -> Run:
@@ -213,13 +223,21 @@ def from_checkpoint(run: Run, checkpointer: Any) -> Run:
 
 
 def _with_train(
-    run: Run, values: dict[str, int], record: dict | None, budget_minutes: float | None = None
+    run: Run,
+    values: dict[str, int],
+    record: dict | None,
+    budget_minutes: float | None = None,
+    cadence: dict[str, int] | None = None,
 ) -> Run:
     """`run` with a copy of its config holding `values` in its train section (and the budget
-    `budget_minutes`), its optimizer rebuilt for them and `record` as its budget."""
+    `budget_minutes`, the `cadence`: 'eval.every' and 'checkpoint.every'), its optimizer
+    rebuilt for them and `record` as its budget."""
     config = copy.deepcopy(run.config)
     for key, value in values.items():
         config.train[key] = value
+    for key, value in (cadence or {}).items():
+        section, name = key.split(".")
+        config[section][name] = value
     if budget_minutes is not None:
         config.train.time_budget_minutes = budget_minutes
     tx, schedule, init_fn = build_optimizer(config, run.model_config, run.model)

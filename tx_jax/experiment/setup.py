@@ -46,6 +46,8 @@ class Run:
     init_source: restore.InitSource | None = None
     # train.time_budget_minutes' measurement and the steps it fixed (experiment/budget.py)
     budget: dict | None = None
+    # the keys the data chose (experiment/sizing.py): a budget refits the cadence among them
+    sized: tuple[str, ...] = ()
 
 
 def build_run(config: ml_collections.ConfigDict, workdir: str | epath.Path) -> Run:
@@ -60,10 +62,11 @@ def build_run(config: ml_collections.ConfigDict, workdir: str | epath.Path) -> R
     check_writable(workdir)
     source = init_source(config, workdir)
     multiple = strategy.global_batch_multiple * config.train.grad_accum_steps
+    sized = tuple(sizing.unset_keys(config))
     config, task = sized_task(config, workdir, source, batch_multiple=multiple)
     check_batch_divides(config, strategy)
     parts = build_model(config, task.tokenizer.vocab_size, task.tokenizer.bos_id)
-    return Run(config, workdir, strategy, task, *parts, source)
+    return Run(config, workdir, strategy, task, *parts, source, sized=sized)
 
 
 def sized_task(

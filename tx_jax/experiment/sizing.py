@@ -259,6 +259,17 @@ def bfloat16_compute(platform: str) -> tuple[bool, str]:
     return feats != "no bfloat16 units", f"CPU with {feats}"
 
 
+def eval_every(steps: int) -> int:
+    """eval.every for a run of `steps` updates: ~10 evaluations (also a time budget's, for its
+    fitted steps: budget.py); checkpoint.every is `checkpoint_every` of the one the run uses."""
+    return max(100, round_up(steps / 10, 100))
+
+
+def checkpoint_every(eval_every: int) -> int:
+    """A checkpoint between two evaluations (each evaluation saves one too)."""
+    return max(50, eval_every // 2)
+
+
 @dataclasses.dataclass
 class Choices:
     """What the rule chose (and what the user set) for one run, and the one line saying so."""
@@ -313,8 +324,8 @@ def size_run(
     steps = choose("train.num_steps", clamp(round_up(cls.epochs * per_epoch, 100), STEPS_RANGE))
     choose("train.warmup_steps", max(1, min(cls.warmup_steps, steps // 4)))
     choose("train.cooldown_steps", round(COOLDOWN_SHARE * steps))
-    every = choose("eval.every", max(100, round_up(steps / 10, 100)))
-    choose("checkpoint.every", max(50, every // 2))
+    every = choose("eval.every", eval_every(steps))
+    choose("checkpoint.every", checkpoint_every(every))
     line = describe(config, cls, train, p, per_epoch, chosen, unset)
     chosen = {k: (v[0] if isinstance(v, tuple) else v) for k, v in chosen.items()}
     return Choices(chosen, line)
