@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-from unittest import mock
 
 import pytest
 import tensorflow_datasets as tfds
@@ -198,39 +197,6 @@ def test_missing_required_file_is_named(tmp_path):
             file_format="array_record",
             download_config=tfds.download.DownloadConfig(manual_dir=str(raw)),
         )
-
-
-def test_without_manual_dir_downloads_the_public_files(tmp_path):
-    """No manual dir: the builder asks dl_manager for the public URLs (served from tmp here)."""
-    remote = write_corpus(
-        tmp_path / "remote",
-        {p: (2, ("en", "cs")) for p in ("train", "val", "test_2016_flickr", "test_2018_flickr")},
-    )
-    requested = []
-
-    def fake_download(self, urls):
-        del self
-        requested.extend(url for per_lang in urls.values() for url in per_lang.values())
-        return {
-            split: {lang: remote / url.rsplit("/", 1)[1] for lang, url in per_lang.items()}
-            for split, per_lang in urls.items()
-        }
-
-    with mock.patch.object(tfds.download.DownloadManager, "download", fake_download):
-        builder = multi30k.Multi30k(config="en-cs", data_dir=str(tmp_path / "data"))
-        builder.download_and_prepare(file_format="array_record")
-    assert len(requested) == 8
-    assert all(url.startswith("https://raw.githubusercontent.com/multi30k/") for url in requested)
-    assert sorted(builder.info.splits.keys()) == [
-        "test_2016_flickr",
-        "test_2018_flickr",
-        "train",
-        "validation",
-    ]
-    assert builder.as_data_source("test_2018_flickr")[1] == {
-        "en": sentence("test_2018_flickr", "en", 1).encode(),
-        "cs": sentence("test_2018_flickr", "cs", 1).encode(),
-    }
 
 
 @pytest.mark.skipif(not REAL_CORPUS.is_dir(), reason=f"no real Multi30k at {REAL_CORPUS}")
