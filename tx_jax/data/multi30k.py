@@ -48,6 +48,7 @@ import dataclasses
 import gzip
 import itertools
 import os
+import re
 from collections.abc import Iterator, Mapping
 
 import requests
@@ -297,7 +298,7 @@ class Multi30k(tfds.core.GeneratorBasedBuilder):
             try:
                 files = dl_manager.download(download_urls(lang1, lang2))
             except Exception as e:  # The download backends raise many kinds.
-                reason = " ".join(str(e).split())[:300]
+                reason = _short_reason(e)
                 raise SourceUnavailable(
                     f"Multi30k {lang1}-{lang2}: no raw files in the manual directory and "
                     f"downloading them from {release_url()} failed ({reason}): put train."
@@ -377,13 +378,23 @@ def prepares_locally(builder: Multi30k, manual_dir: str | None, download: bool) 
         with requests.get(url, stream=True, timeout=REACH_TIMEOUT) as response:
             response.raise_for_status()
     except requests.RequestException as e:
-        reason = " ".join(str(e).split())[:300]
+        reason = _short_reason(e)
         raise SourceUnavailable(
             f"{pair}: {where}, and data.download=True cannot reach {url} ({reason}): put the "
             f"raw files ({needed}, ...) in data.manual_dir, or run where that host is reachable"
         ) from None
     print(f"{pair}: {where}: downloading the raw files from {release_url()} (data.download=True)")
     return False
+
+
+def _short_reason(error: Exception) -> str:
+    """What a failed request says, short: the OS's words when it has them ('[Errno -2] Name
+    or service not known'), else its first 200 characters."""
+    text = " ".join(str(error).split())
+    found = re.findall(r"\[Errno [^\]]*\][^)\"']*", text)
+    if found:
+        return f"{type(error).__name__}: {found[-1].strip()}"
+    return text if len(text) <= 200 else text[:200].rsplit(" ", 1)[0] + " ..."
 
 
 def _usable_manual_dir(dl_manager: tfds.download.DownloadManager) -> epath.Path | None:
