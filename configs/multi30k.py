@@ -1,5 +1,5 @@
 """Multi30k (task 1) translation, any pair of en/de/fr/cs: the raw release's files from
-data.manual_dir when they are there, else downloaded once (about 4 MB) into data.data_dir.
+data.manual_dir when they are there, else downloaded once (~1.5 MB a pair) into data.data_dir.
 
     --config=configs/multi30k.py                         en->de, the `small` model
     --config=configs/multi30k.py:pair=fr-en,variant=base
