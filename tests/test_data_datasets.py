@@ -77,29 +77,33 @@ def test_multi30k_both_directions_share_one_prepared_pair(multi30k_dirs):
     assert (pathlib.Path(data_dir) / "multi30k" / "en-fr" / "1.0.0").is_dir()
 
 
+def _load_multi30k_train(tmp_path, manual_dir=None, download=False):
+    """de->en train of Multi30k into tmp_path/data, raw files from `manual_dir`."""
+    return datasets.load_translation_split(
+        "multi30k",
+        "train",
+        source_lang="de",
+        target_lang="en",
+        data_dir=str(tmp_path / "data"),
+        manual_dir=None if manual_dir is None else str(manual_dir),
+        download=download,
+    )
+
+
 def test_multi30k_without_files_or_download_names_both_keys(tmp_path):
     with pytest.raises(
         multi30k.SourceUnavailable,
         match=r"^Multi30k en-de: data.manual_dir is not set: put the raw files there "
         r"\(train.en.gz, train.de.gz, val.en.gz, val.de.gz, .*\) or set data.download=True",
     ):
-        datasets.load_translation_split(
-            "multi30k", "train", source_lang="en", target_lang="de", data_dir=str(tmp_path)
-        )
+        _load_multi30k_train(tmp_path)
     (tmp_path / "empty").mkdir()
     for manual_dir, said in (
         (tmp_path / "none", "does not exist"),
         (tmp_path / "empty", "is empty"),
     ):
         with pytest.raises(multi30k.SourceUnavailable, match=f"{manual_dir} {said}: put"):
-            datasets.load_translation_split(
-                "multi30k",
-                "train",
-                source_lang="en",
-                target_lang="de",
-                data_dir=str(tmp_path / "data"),
-                manual_dir=str(manual_dir),
-            )
+            _load_multi30k_train(tmp_path, manual_dir)
 
 
 def test_multi30k_wrong_manual_dir_fails_offline_even_with_download(tmp_path):
@@ -107,15 +111,7 @@ def test_multi30k_wrong_manual_dir_fails_offline_even_with_download(tmp_path):
     (tmp_path / "raw").mkdir()
     (tmp_path / "raw" / "train.en").write_text("not the raw release\n")
     with pytest.raises(multi30k.SourceUnavailable, match=r"lacks train\.en\.gz, train\.de\.gz"):
-        datasets.load_translation_split(
-            "multi30k",
-            "train",
-            source_lang="de",
-            target_lang="en",
-            data_dir=str(tmp_path / "data"),
-            manual_dir=str(tmp_path / "raw"),
-            download=True,
-        )
+        _load_multi30k_train(tmp_path, tmp_path / "raw", download=True)
 
 
 def test_multi30k_bad_language_and_split(multi30k_dirs):

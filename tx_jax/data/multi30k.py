@@ -145,10 +145,14 @@ def local_split_files(
     if missing:
         raise FileNotFoundError(
             f"Multi30k {lang1}-{lang2}: {directory} lacks {', '.join(missing)}; it needs "
-            f"{', '.join(file_name(s, lang) for s in REQUIRED_SPLITS for lang in (lang1, lang2))} "
-            "(gzip text, one sentence per line)."
+            f"{_required_files(lang1, lang2)} (gzip text, one sentence per line)."
         )
     return found
+
+
+def _required_files(lang1: str, lang2: str) -> str:
+    """'train.en.gz, train.de.gz, val.en.gz, val.de.gz': the files a pair cannot do without."""
+    return ", ".join(file_name(s, lang) for s in REQUIRED_SPLITS for lang in (lang1, lang2))
 
 
 def release_url() -> str:
@@ -352,7 +356,7 @@ def prepares_locally(builder: Multi30k, manual_dir: str | None, download: bool) 
     some files but not the required ones is an error too, never a silent download."""
     lang1, lang2 = builder.builder_config.languages
     pair = f"Multi30k {lang1}-{lang2}"
-    needed = ", ".join(file_name(s, lang) for s in REQUIRED_SPLITS for lang in (lang1, lang2))
+    needed = _required_files(lang1, lang2)
     if manual_dir is None:
         where = "data.manual_dir is not set"
     else:
