@@ -177,11 +177,9 @@ def test_two_hosts_without_a_shared_disk_train_stop_resume_and_match_one_process
     steps = range(1, STEPS + 1)
     print("2 hosts:  ", [round(got[s], 6) for s in steps])
     print("1 process:", [round(want[s], 6) for s in steps])
-    # Equal to float32 reductions in another order: two processes all-reduce the gradients of
-    # two half batches where one process sums one batch, so each sum differs by a few ulps and
-    # eight updates carry the difference on (2.0e-5 relative seen on an AMD EPYC, 5e-7 on an
-    # Intel Xeon). 1e-4 is 5x that, while a batch read twice or skipped changes a step's loss
-    # by the spread between batches (0.4-10% from one step to the next here).
+    # Equal to what float32 reductions in another order allow: two processes all-reduce the
+    # gradients of two half batches where one process sums one batch, each sum a few ulps
+    # apart, carried on by eight updates; a batch read twice or skipped moves a loss far more.
     np.testing.assert_allclose([got[s] for s in steps], [want[s] for s in steps], rtol=1e-4)
     tokenizer = epath.Path(workdir) / "tokenizer.model"
     assert tokenizer.read_bytes() == (tmp_path / "one" / "run" / "tokenizer.model").read_bytes()
