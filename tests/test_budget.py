@@ -273,3 +273,12 @@ def test_a_resumed_run_keeps_its_steps_to_the_bit(budgeted, tfds_dir, tmp_path, 
     assert len(leaves[0]) == len(leaves[1]) > 0
     for a, b in zip(*leaves):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_cadence_the_data_chose_is_chosen_again_for_the_fitted_steps():
+    both = ("eval.every", "checkpoint.every")
+    assert budget.refit_cadence(both, 911, 1000) == {"eval.every": 100, "checkpoint.every": 50}
+    assert budget.refit_cadence(both, 4321, 1000) == {"eval.every": 500, "checkpoint.every": 250}
+    # the config set eval.every: kept, and the checkpoints follow it
+    assert budget.refit_cadence(("checkpoint.every",), 911, 300) == {"checkpoint.every": 150}
+    assert budget.refit_cadence((), 911, 300) == {}

@@ -168,12 +168,7 @@ def fit(run: Run, state: Any, shardings: Any, started: float, train_iter: Any) -
     compile_seconds = max(first - step_seconds, 0.0)
     num_steps = fitted_steps(budget_seconds, clock + compile_seconds, step_seconds)
     values = schedule_steps(run.config.train, num_steps)
-    cadence = {}  # the evaluation and checkpoint cadence the data chose, for the fitted steps
-    if "eval.every" in run.sized:
-        cadence["eval.every"] = sizing.eval_every(num_steps)
-    if "checkpoint.every" in run.sized:
-        every = cadence.get("eval.every", run.config.eval.every)
-        cadence["checkpoint.every"] = sizing.checkpoint_every(every)
+    cadence = refit_cadence(run.sized, num_steps, run.config.eval.every)
     record = {
         "minutes": minutes(run.config),
         "step_seconds": step_seconds,
@@ -190,6 +185,17 @@ def fit(run: Run, state: Any, shardings: Any, started: float, train_iter: Any) -
         f"(warmup {values['warmup_steps']:,}, cooldown {values['cooldown_steps']:,}{said})"
     )
     return _with_train(run, values, record, cadence=cadence)
+
+
+def refit_cadence(sized: tuple[str, ...], num_steps: int, eval_every: int) -> dict[str, int]:
+    """The evaluation and checkpoint cadence for the fitted steps, of the keys the data chose
+    (`sized`); `eval_every` is the run's when the config set it."""
+    cadence = {}
+    if "eval.every" in sized:
+        cadence["eval.every"] = eval_every = sizing.eval_every(num_steps)
+    if "checkpoint.every" in sized:
+        cadence["checkpoint.every"] = sizing.checkpoint_every(eval_every)
+    return cadence
 
 
 def from_checkpoint(run: Run, checkpointer: Any) -> Run:
