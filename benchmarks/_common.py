@@ -135,8 +135,6 @@ def config_train_step(config, vocab_size: int, bos_id: int):
     state donated."""
     import functools
 
-    import jax
-
     from tx_jax.model.config import ModelConfig
     from tx_jax.model.transformer import EncoderDecoder
     from tx_jax.training import optim, parallel
@@ -148,9 +146,7 @@ def config_train_step(config, vocab_size: int, bos_id: int):
     tx, schedule = optim.make_optimizer(config.train, cfg.d_model)
     strategy = parallel.make_strategy(config.parallel)
     init_fn = functools.partial(init_state, model, tx, config.seed)
-    shardings = None
-    if strategy.kind == "mesh":
-        shardings = strategy.state_shardings(jax.eval_shape(init_fn))
+    shardings = strategy.step_shardings(init_fn)
     step_fn = functools.partial(
         train_step,
         model=model,

@@ -430,9 +430,7 @@ def device_worker(args) -> None:
             )
         )
         strategy = parallel.make_strategy(par)
-        shardings = None
-        if kind == "mesh":
-            shardings = strategy.state_shardings(jax.eval_shape(init_fn))
+        shardings = strategy.step_shardings(init_fn)
         compiled = strategy.compile_step(step_fn, donate=True, state_shardings=shardings)
         runners[f"{kind} (8 devices)"] = _StrategyRunner(strategy, compiled, init_fn, batch)
     times = {k: [] for k in runners}

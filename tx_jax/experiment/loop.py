@@ -47,9 +47,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     train_iter = _train_iterator(run)
     if data_state and cfg.restore_data_iterator:
         train_iter.set_state(data_state)
-    shardings = None
-    if run.strategy.kind == "mesh":
-        shardings = run.strategy.state_shardings(jax.eval_shape(run.init_fn))
+    shardings = run.strategy.step_shardings(run.init_fn)
     if new and budget.minutes(run.config) > 0:  # its step timed: the steps it has time for
         run = budget.fit(run, state, shardings, started, _train_iterator(run))
     config, cfg = run.config, run.config.train

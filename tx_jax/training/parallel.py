@@ -1,11 +1,5 @@
-"""Putting state and batches on devices: 'pmap' or 'mesh', behind one interface.
-
-    'pmap': jax.pmap over the local devices; the state is replicated, every device gets a
-            slice of the batch, and gradient/metric sums are averaged with lax.pmean.
-    'mesh': jax.jit over a Mesh with axes (data, fsdp, tensor). Parameters and optimizer
-            state are sharded by the logical axis names the model attaches to them
-            (`nn.with_logical_partitioning`), mapped to mesh axes by `config.parallel.rules`;
-            the batch is split over (data, fsdp); the state is donated to the step.
+"""Putting state and batches on devices: `PmapStrategy` (jax.pmap) or `MeshStrategy` (jax.jit
+over a Mesh), behind one interface, `Strategy`.
 
 Model code never sees a device: it names axes ('batch', 'embed', 'heads', ...), and only
 this file turns names into placements. Multi-host runs call `maybe_initialize_distributed`
@@ -17,13 +11,15 @@ just those, `place_process_rows` assembles them); eval batches are per process
 
 from __future__ import annotations
 
+import abc
+import contextlib
 import dataclasses
 import logging
 import os
 import weakref
 from collections.abc import Callable, Sequence
 from fractions import Fraction
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -88,13 +84,10 @@ def maybe_initialize_distributed(parallel: Any) -> None:
 def _pmap(fn: Callable, **kwargs: Any) -> Callable:
     """jax.pmap(fn, **kwargs), whose compiled programs are freed when the result is dropped.
 
-    jax 0.10's pmap (a jit of shard_map) caches per function in an lu.cache, a
-    WeakKeyDictionary keyed by `fn` whose value holds `fn`: the entry, with its executables,
-    is never freed (a leak of JAX's; no jax issue filed for it that we found, the design
-    is jax-ml/jax#1605's). Each train_and_evaluate left about 500 memory mappings behind,
-    and a process that ran enough (the tests in one process, a notebook) passed the
-    kernel's vm.max_map_count (65530): XLA:CPU then aborted or segfaulted compiling or
-    serialising an executable. The entry is evicted with the pmapped function."""
+    jax 0.10's pmap caches per function in a WeakKeyDictionary keyed by `fn` whose value holds
+    `fn` (jax-ml/jax#1605's design): the executables were never freed, and a process that ran
+    enough (the tests, a notebook) passed the kernel's vm.max_map_count, where XLA:CPU aborted
+    or segfaulted. The entry is evicted with the pmapped function."""
     pmapped = jax.pmap(fn, **kwargs)
     from jax._src import pmap as jax_pmap  # private: jax exposes no per-function eviction
 
@@ -157,99 +150,193 @@ def platform_sizes(parallel: Any, platform: str | None) -> dict[str, int]:
     return {k: int(v) for k, v in entry.items()}
 
 
-@dataclasses.dataclass
-class Strategy:
-    """How this run places things. Build with `make_strategy(config.parallel)`."""
+class Strategy(abc.ABC):
+    """How a run places its state and batches: `PmapStrategy` or `MeshStrategy`, built by
+    `make_strategy(config.parallel)`. A batch is a dict of [B, ...] arrays, B_local rows of
+    them on a process; `init_fn() -> state` returns the state boxed with logical axis names."""
 
-    kind: str
-    mesh: Mesh | AbstractMesh | None = None  # AbstractMesh: lowering only (make_abstract_strategy)
-    rules: tuple[tuple[str, Any], ...] = DEFAULT_RULES
+    kind: ClassVar[str]  # parallel.strategy's value
+
+    @property
+    @abc.abstractmethod
+    def global_batch_multiple(self) -> int:
+        """B must divide by this (all devices, or the mesh's batch shards)."""
+
+    @property
+    @abc.abstractmethod
+    def local_batch_multiple(self) -> int:
+        """B_local must divide by this (local devices, or this host's share of the shards)."""
+
+    @abc.abstractmethod
+    def init_state(self, init_fn: Callable[[], Any]) -> Any:
+        """Allocate `init_fn()`'s state, already placed as the step takes it."""
+
+    @abc.abstractmethod
+    def abstract_state(self, init_fn: Callable[[], Any]) -> Any:
+        """ShapeDtypeStructs, with the shardings of this run, to restore a checkpoint into."""
+
+    def step_shardings(self, init_fn: Callable[[], Any]) -> Any:
+        """compile_step's `state_shardings` for `init_fn`'s state (None: the step places it)."""
+        return None
+
+    def place_restored(self, state: Any) -> Any:
+        """A state restored into `abstract_state` -> ready for the step."""
+        return state
+
+    def for_checkpoint(self, state: Any) -> Any:
+        """The state as the checkpoint stores it."""
+        return state
+
+    @abc.abstractmethod
+    def place_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Host-local numpy batch [B_local, ...] -> device arrays for the step."""
+
+    @abc.abstractmethod
+    def process_row_spans(self) -> list[tuple[Fraction, Fraction]]:
+        """The rows of a global train batch on this process's devices: sorted fractions [a, b)."""
+
+    def place_process_rows(self, batch: dict[str, np.ndarray], share: Fraction) -> dict:
+        """This process's rows of a global batch (`process_row_spans`, `share` of its rows,
+        in order) -> global device arrays for the step."""
+        return self.place_batch(batch)
+
+    def context(self) -> contextlib.AbstractContextManager:
+        """Trace-time context of the step (calls, lowering)."""
+        return contextlib.nullcontext()
+
+    @abc.abstractmethod
+    def compile_step(
+        self,
+        step_fn: Callable,
+        *,
+        donate: bool,
+        state_shardings: Any = None,
+        returns_state: bool = True,
+    ) -> Callable:
+        """step_fn(state, batch, axis_name=...) -> (state', metrics) (or metrics alone when
+        returns_state=False), compiled for this run; `donate`: the state's buffers are reused."""
+
+    @abc.abstractmethod
+    def fetch_metrics(self, metrics: Any) -> dict[str, float]:
+        """The step's device metrics -> host floats."""
+
+
+@dataclasses.dataclass
+class PmapStrategy(Strategy):
+    """jax.pmap over the n local devices: the state replicated as [n, ...], the batch split as
+    [n, B_local / n, ...]; the step averages gradient and metric sums with lax.pmean."""
+
+    kind: ClassVar[str] = "pmap"
 
     @property
     def global_batch_multiple(self) -> int:
-        """The global batch must divide by this (all devices, or the mesh's batch shards)."""
-        if self.kind == "pmap":
-            return jax.device_count()
+        return jax.device_count()
+
+    @property
+    def local_batch_multiple(self) -> int:
+        return jax.local_device_count()
+
+    def init_state(self, init_fn: Callable[[], Any]) -> Any:
+        return replicate(jax.jit(lambda: nn.meta.unbox(init_fn()))())
+
+    def abstract_state(self, init_fn: Callable[[], Any]) -> Any:
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # one replica
+        return jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+            nn.meta.unbox(jax.eval_shape(init_fn)),
+        )
+
+    def place_restored(self, state: Any) -> Any:
+        return replicate(state)
+
+    def for_checkpoint(self, state: Any) -> Any:
+        # one replica; with several processes the copies are host-local arrays, which Orbax
+        # cannot save, so they become one global array replicated over every device
+        one = _replicas_as_global if jax.process_count() > 1 else _first_replica
+        return jax.tree_util.tree_map(one, state)
+
+    def place_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        n = jax.local_device_count()
+        sharding = _pmap_sharding()
+        return jax.tree_util.tree_map(
+            lambda x: jax.device_put(x.reshape(n, x.shape[0] // n, *x.shape[1:]), sharding),
+            batch,
+        )
+
+    def process_row_spans(self) -> list[tuple[Fraction, Fraction]]:
+        i, n = jax.process_index(), jax.process_count()
+        return [(Fraction(i, n), Fraction(i + 1, n))]  # the process's block
+
+    def compile_step(
+        self,
+        step_fn: Callable,
+        *,
+        donate: bool,
+        state_shardings: Any = None,
+        returns_state: bool = True,
+    ) -> Callable:
+        # the pmap places the state (state_shardings unused) and returns what step_fn returns
+        return _pmap(
+            lambda s, b: step_fn(s, b, axis_name=PMAP_AXIS),
+            axis_name=PMAP_AXIS,
+            donate_argnums=(0,) if donate else (),
+        )
+
+    def fetch_metrics(self, metrics: Any) -> dict[str, float]:
+        # every device holds a copy of the reduced values
+        return {k: float(v[0]) for k, v in jax.device_get(metrics).items()}
+
+
+@dataclasses.dataclass
+class MeshStrategy(Strategy):
+    """jax.jit over a Mesh with axes (data, fsdp, tensor): the state sharded by the logical axis
+    names the model attaches (`nn.with_logical_partitioning`), mapped to mesh axes by `rules`
+    (config.parallel.rules), and donated to the step; the batch split over (data, fsdp). An
+    AbstractMesh is for lowering only (make_abstract_strategy)."""
+
+    mesh: Mesh | AbstractMesh
+    rules: tuple[tuple[str, Any], ...] = DEFAULT_RULES
+    kind: ClassVar[str] = "mesh"
+
+    @property
+    def global_batch_multiple(self) -> int:
         return self.mesh.shape["data"] * self.mesh.shape["fsdp"]
 
     @property
     def local_batch_multiple(self) -> int:
-        """The host-local batch must divide by this (local devices, or this host's share)."""
-        if self.kind == "pmap":
-            return jax.local_device_count()
-        shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-        return max(1, shards // jax.process_count())
+        return max(1, self.global_batch_multiple // jax.process_count())
 
-    # ----------------------------------------------------------------- state
     def init_state(self, init_fn: Callable[[], Any]) -> Any:
-        """Allocate the state that `init_fn()` (boxed with logical names) returns, already
-        placed: replicated for pmap, sharded by the rules on the mesh."""
-        if self.kind == "pmap":
-            state = jax.jit(lambda: nn.meta.unbox(init_fn()))()
-            return replicate(state)
-        shardings = self.state_shardings(jax.eval_shape(init_fn))
+        shardings = self.step_shardings(init_fn)
         with self.context():
             return jax.jit(lambda: nn.meta.unbox(init_fn()), out_shardings=shardings)()
 
     def state_shardings(self, abstract_boxed_state: Any) -> Any:
-        """Shardings (mesh) for a boxed abstract state; same tree as the unboxed state."""
+        """Shardings for a boxed abstract state; same tree as the unboxed state."""
         specs = nn.get_partition_spec(abstract_boxed_state)
         return nn.logical_to_mesh_sharding(specs, self.mesh, self.rules)
 
-    def abstract_state(self, init_fn: Callable[[], Any]) -> Any:
-        """ShapeDtypeStructs, with the shardings of this run, to restore a checkpoint into.
+    def step_shardings(self, init_fn: Callable[[], Any]) -> Any:
+        return self.state_shardings(jax.eval_shape(init_fn))
 
-        For pmap the target is single-device (the checkpoint stores one replica)."""
+    def abstract_state(self, init_fn: Callable[[], Any]) -> Any:
         boxed = jax.eval_shape(init_fn)
-        abstract = nn.meta.unbox(boxed)
-        if self.kind == "pmap":
-            sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-            return jax.tree_util.tree_map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract
-            )
-        shardings = self.state_shardings(boxed)
         return jax.tree_util.tree_map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            nn.meta.unbox(boxed),
+            self.state_shardings(boxed),
         )
 
-    def place_restored(self, state: Any) -> Any:
-        """A state restored into `abstract_state` -> ready for the step."""
-        return replicate(state) if self.kind == "pmap" else state
-
-    def for_checkpoint(self, state: Any) -> Any:
-        """The state as the checkpoint stores it: one replica for pmap, as is for mesh.
-
-        With several processes pmap's copies are host-local arrays, which Orbax cannot save;
-        they become one global array replicated over every device."""
-        if self.kind == "pmap" and jax.process_count() > 1:
-            return jax.tree_util.tree_map(_replicas_as_global, state)
-        if self.kind == "pmap":
-            return jax.tree_util.tree_map(_first_replica, state)
-        return state
-
-    # ----------------------------------------------------------------- batches
     def place_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """Host-local numpy batch [B_local, ...] -> device arrays for the step."""
-        if self.kind == "pmap":
-            n = jax.local_device_count()
-            sharding = _pmap_sharding()
-            return jax.tree_util.tree_map(
-                lambda x: jax.device_put(x.reshape(n, x.shape[0] // n, *x.shape[1:]), sharding),
-                batch,
-            )
         sharding = self.batch_sharding()
         return jax.tree_util.tree_map(
             lambda x: jax.make_array_from_process_local_data(sharding, x), batch
         )
 
     def process_row_spans(self) -> list[tuple[Fraction, Fraction]]:
-        """The rows of a global train batch that this process's devices hold, as sorted
-        fractions [a, b) of it: pmap, the process's block; a mesh, whatever its batch
-        sharding gives them (all rows when the batch axes lie within one process)."""
-        if self.kind == "pmap":
-            i, n = jax.process_index(), jax.process_count()
-            return [(Fraction(i, n), Fraction(i + 1, n))]
-        n = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        # whatever the batch sharding gives this process's devices (all rows when the batch
+        # axes lie within one process)
+        n = self.global_batch_multiple
         held = self.batch_sharding().addressable_devices_indices_map((n,)).values()
         starts = sorted({index[0].indices(n)[:2] for index in held})
         spans: list[tuple[int, int]] = []
@@ -261,9 +348,7 @@ class Strategy:
         return [(Fraction(a, n), Fraction(b, n)) for a, b in spans]
 
     def place_process_rows(self, batch: dict[str, np.ndarray], share: Fraction) -> dict:
-        """This process's rows of a global batch (`process_row_spans`, `share` of its rows,
-        in order) -> global device arrays for the step. With one process: `place_batch`."""
-        if self.kind == "pmap" or jax.process_count() == 1:
+        if jax.process_count() == 1:
             return self.place_batch(batch)
         sharding = self.batch_sharding()
         return {
@@ -276,11 +361,18 @@ class Strategy:
     def batch_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, P(("data", "fsdp")))
 
+    @contextlib.contextmanager
     def context(self):
-        """Trace-time context: the mesh and the logical rules (activation constraints)."""
-        return _MeshContext(self.mesh, self.rules) if self.kind == "mesh" else _Null()
+        """The mesh and the logical rules (activation constraints)."""
+        # jax.set_mesh takes only a Mesh of real devices; an AbstractMesh (lowering) is set
+        # as the abstract mesh, which is all that tracing and flax's constraints read.
+        if isinstance(self.mesh, AbstractMesh):
+            mesh_ctx = jax.sharding.use_abstract_mesh(self.mesh)
+        else:
+            mesh_ctx = jax.set_mesh(self.mesh)
+        with mesh_ctx, nn.logical_axis_rules(self.rules):
+            yield
 
-    # ----------------------------------------------------------------- steps
     def compile_step(
         self,
         step_fn: Callable,
@@ -289,16 +381,6 @@ class Strategy:
         state_shardings: Any = None,
         returns_state: bool = True,
     ) -> Callable:
-        """step_fn(state, batch, axis_name=...) -> (state', metrics) (or metrics alone when
-        returns_state=False), compiled for this run. pmap: metrics come back as per-device
-        copies of the reduced values (fetch_metrics takes [0]).
-        """
-        if self.kind == "pmap":
-            return _pmap(
-                lambda s, b: step_fn(s, b, axis_name=PMAP_AXIS),
-                axis_name=PMAP_AXIS,
-                donate_argnums=(0,) if donate else (),
-            )
         jitted = self.jit_step(
             step_fn, donate=donate, state_shardings=state_shardings, returns_state=returns_state
         )
@@ -317,10 +399,8 @@ class Strategy:
         state_shardings: Any,
         returns_state: bool = True,
     ) -> Any:
-        """The mesh step as a `jax.jit` object (call or lower it inside `context()`): what
+        """The step as a `jax.jit` object (call or lower it inside `context()`): what
         compile_step runs, and what `export_step` lowers."""
-        if self.kind != "mesh":
-            raise ValueError(f"jit_step needs parallel.strategy='mesh', not {self.kind!r}")
         replicated = NamedSharding(self.mesh, P())
         return jax.jit(
             lambda s, b: step_fn(s, b, axis_name=None),
@@ -339,7 +419,7 @@ class Strategy:
         donate: bool = False,
         returns_state: bool = True,
     ) -> Any:
-        """`jax.export.Exported` of the mesh step for `platforms` ('cuda', 'tpu', ...): the
+        """`jax.export.Exported` of the step for `platforms` ('cuda', 'tpu', ...): the
         StableHLO that compile_step would compile there, lowered (not compiled) on any host.
 
         `batch` holds ShapeDtypeStructs of the global batch; the state is `init_fn`'s, sharded
@@ -357,11 +437,7 @@ class Strategy:
             return jax.export.export(jitted, platforms=tuple(platforms))(state, batch)
 
     def fetch_metrics(self, metrics: Any) -> dict[str, float]:
-        """Device metrics -> host floats (first replica for pmap)."""
-        metrics = jax.device_get(metrics)
-        if self.kind == "pmap":
-            metrics = jax.tree_util.tree_map(lambda x: x[0], metrics)
-        return {k: float(v) for k, v in metrics.items()}
+        return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
 
 def _first_replica(x: jax.Array) -> jax.Array:
@@ -381,37 +457,6 @@ def _replicas_as_global(x: jax.Array) -> jax.Array:
     copies = [s.data.reshape(s.data.shape[1:]) for s in shards]  # each [1, ...] -> [...]
     mesh = Mesh(np.asarray(jax.devices()), ("replica",))
     return jax.make_array_from_single_device_arrays(x.shape[1:], NamedSharding(mesh, P()), copies)
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-class _MeshContext:
-    def __init__(self, mesh: Mesh, rules: Sequence):
-        self._mesh, self._rules = mesh, rules
-        self._stack: list = []
-
-    def __enter__(self):
-        # jax.set_mesh takes only a Mesh of real devices; an AbstractMesh (lowering) is set
-        # as the abstract mesh, which is all that tracing and flax's constraints read.
-        if isinstance(self._mesh, AbstractMesh):
-            mesh_ctx = jax.sharding.use_abstract_mesh(self._mesh)
-        else:
-            mesh_ctx = jax.set_mesh(self._mesh)
-        for ctx in (mesh_ctx, nn.logical_axis_rules(self._rules)):
-            ctx.__enter__()
-            self._stack.append(ctx)
-        return self
-
-    def __exit__(self, *exc):
-        while self._stack:
-            self._stack.pop().__exit__(*exc)
-        return False
 
 
 PMAP_AXIS = "batch"  # the axis name of compile_step's pmap
@@ -437,29 +482,29 @@ def replicate(tree: Any) -> Any:
 
 
 def make_strategy(parallel: Any, devices: Sequence[Any] | None = None) -> Strategy:
-    """config.parallel (strategy, mesh, rules) -> Strategy, validated.
+    """config.parallel (strategy, mesh, rules) -> PmapStrategy or MeshStrategy, validated.
 
     `devices`: the mesh's devices (default jax.devices()); tx_jax.planning passes the devices
     of a TPU/GPU topology that this host does not have, to compile (never run) for them."""
     kind = parallel.strategy
     if kind not in STRATEGIES:
         raise ValueError(f"parallel.strategy={kind!r}; expected one of {STRATEGIES}")
-    rules = _rules(parallel)
+    rules = _rules(parallel)  # read for pmap too: a malformed table fails either way
     if kind == "pmap":
-        return Strategy("pmap", rules=rules)
+        return PmapStrategy()
     devices = jax.devices() if devices is None else list(devices)
     sizes = platform_sizes(parallel, devices[0].platform)
     shape = mesh_shape(dict(parallel.mesh), len(devices), sizes)
-    return Strategy("mesh", Mesh(np.asarray(devices).reshape(shape), MESH_AXES), rules)
+    return MeshStrategy(Mesh(np.asarray(devices).reshape(shape), MESH_AXES), rules)
 
 
 def make_abstract_strategy(
     parallel: Any, num_devices: int, platform: str | None = None
-) -> Strategy:
-    """A 'mesh' Strategy over `num_devices` devices that need not exist (an AbstractMesh shaped
+) -> MeshStrategy:
+    """A MeshStrategy over `num_devices` devices that need not exist (an AbstractMesh shaped
     by `parallel.mesh` on `platform`, with `parallel.rules`): for lowering steps for another
-    platform or a larger slice than this host has (`Strategy.export_step`), never for running
-    them."""
+    platform or a larger slice than this host has (`MeshStrategy.export_step`), never for
+    running them."""
     if parallel.get("strategy", "mesh") != "mesh":
         raise ValueError(
             f"parallel.strategy={parallel.get('strategy')!r}: an abstract mesh needs 'mesh' "
@@ -467,14 +512,9 @@ def make_abstract_strategy(
         )
     sizes = platform_sizes(parallel, platform)
     shape = mesh_shape(dict(parallel.get("mesh", {})), num_devices, sizes)
-    return Strategy("mesh", AbstractMesh(shape, MESH_AXES), _rules(parallel))
+    return MeshStrategy(AbstractMesh(shape, MESH_AXES), _rules(parallel))
 
 
 def _rules(parallel: Any) -> tuple[tuple[str, Any], ...]:
-    return tuple((name, _axes(axes)) for name, axes in parallel.get("rules", DEFAULT_RULES))
-
-
-def _axes(axes: Any) -> Any:
-    if isinstance(axes, list):
-        return tuple(axes)
-    return axes
+    rules = parallel.get("rules", DEFAULT_RULES)  # a config's lists -> tuples
+    return tuple((name, tuple(a) if isinstance(a, list) else a) for name, a in rules)
