@@ -135,13 +135,15 @@ def config_train_step(config, vocab_size: int, bos_id: int):
     state donated."""
     import functools
 
+    import jax
+
     from tx_jax.model.config import ModelConfig
     from tx_jax.model.transformer import EncoderDecoder
     from tx_jax.training import optim, parallel
     from tx_jax.training.state import init_state
     from tx_jax.training.step import train_step
 
-    cfg = ModelConfig.from_config(config.model, vocab_size=vocab_size, bos_id=bos_id)
+    cfg = ModelConfig.of_run(config, jax.default_backend(), vocab_size=vocab_size, bos_id=bos_id)
     model = EncoderDecoder(cfg)
     tx, schedule = optim.make_optimizer(config.train, cfg.d_model)
     strategy = parallel.make_strategy(config.parallel)

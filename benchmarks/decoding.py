@@ -54,7 +54,9 @@ def main():
     parser.add_argument("--out", default="", help="default benchmarks/results/decoding.json")
     args = parser.parse_args()
     threads = _common.pin_threads(args.threads)
-    cfg = ModelConfig.from_config(default.get_config().model, vocab_size=512, dropout_rate=0.0)
+    cfg = ModelConfig.of_run(
+        default.get_config(), jax.default_backend(), vocab_size=512, dropout_rate=0.0
+    )
     model = EncoderDecoder(cfg)
     B = args.batch
     src = jnp.asarray(np.random.default_rng(0).integers(4, 512, (B, args.source_len)), jnp.int32)

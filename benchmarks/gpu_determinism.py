@@ -40,7 +40,9 @@ def run_case(case: str, steps: int, device) -> dict:
         shapes = programs.train_batches(built)[-1]
         program = programs.compile_train(built, shapes)
         row["custom_calls"] = sorted(set(program.custom_calls))
-        _, _, _, _, init_fn = build_model(config, config.data.vocab_size, BOS_ID)
+        _, _, _, _, init_fn = build_model(
+            config, config.data.vocab_size, BOS_ID, built.target.platform
+        )
         s = built.strategy
         batch = gpu_step._packed_batch(shapes, config.data.vocab_size, 0, s.batch_sharding())
         runs = []

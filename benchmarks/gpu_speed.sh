@@ -1,32 +1,25 @@
 #!/usr/bin/env bash
-# The one entry point on a GPU host: correctness first, then the A/B timing of every GPU
-# candidate against the default, in one call (device time is scarce). A value becomes a GPU
-# default only after this has shown it correct and faster there (docs/design.md,
-# "Implementation choices: one rule").
+# The one entry point on a GPU host: correctness first, then the A/B timing of the GPU default
+# against the other values a GPU run may name, in one call (device time is scarce). A kernel
+# enters the package, or becomes a GPU default, only after this has shown it correct and faster
+# there (docs/design.md, "Implementation choices: one rule"; benchmarks/HISTORY.md, "Removed
+# kernels", names the commit each removed candidate can be revived from).
 #
 #   bash benchmarks/gpu_speed.sh OUT_DIR
 #   GPU_SPEED_DRY=1 bash benchmarks/gpu_speed.sh /tmp/out     # CPU smoke check: debug model, 1 case
 #
-# 0. Versions, and one line from benchmarks/cudnn_bias.py --dbias-probe: does this jax skip the
-#    bias gradient of a boolean mask (then 'cudnn_nodbias' is unnecessary)? -> OUT_DIR/versions.txt
-# 1. tests/test_gpu.py and the cuDNN lowering tests (cuDNN attention and the candidates against
-#    float64 and XLA, the bf16 step through cuDNN, the Triton-compiled Pallas kernels)
-#    -> OUT_DIR/gpu_tests.log. A candidate whose test fails here is not one.
+# 0. Versions -> OUT_DIR/versions.txt
+# 1. tests/test_gpu.py and the cuDNN lowering tests (cuDNN attention against float64 and XLA,
+#    'auto' resolved for the GPU, the bf16 step through cuDNN) -> OUT_DIR/gpu_tests.log.
 # 2. benchmarks/gpu_step.py, one process: the chip's ceilings, then the paper's base (and big) in
-#    bf16, the default first, then each candidate alone on top of it, then all of them together
-#    -> OUT_DIR/gpu_step.json (ms/step, tokens/s, MFU, losses, the plan's bound of the same
-#    program). CASES=... replaces the list. The candidates: jax's private cuDNN call without the
-#    mask's bias gradient (cudnn_nodbias), the mask broadcast over heads (cudnn_broadcast), the
-#    logits read once (loss_impl=onepass), dropout's bits hashed (dropout_bits=hash), the post-LN
-#    tail in one Pallas kernel (residual_norm=pallas, which hashes its masks), the loss with the
-#    logits never written (loss_impl=fused), the FFN's bias and ReLU inside Pallas matmuls
-#    (ffn_impl=pallas).
+#    bf16, the default first, then each other value alone on top of it (XLA's attention, the
+#    packed dropout bits, the blocked loss) -> OUT_DIR/gpu_step.json (ms/step, tokens/s, MFU,
+#    losses, the plan's bound of the same program). CASES=... replaces the list.
 # 3. Meanwhile `python -m tx_jax.plan --target=gpu:<chip>-1` for base and big on the host's CPU,
 #    under the XLA_FLAGS the runs get (none by default) -> OUT_DIR/plan_{base,big}.json.
 # Options, each after the above (a call cut off by its limit keeps what ran first):
 #   PROFILE=1        benchmarks/gpu_profile.py: a jax.profiler trace of 3 base steps, kernels by
 #                    what they compute -> OUT_DIR/{profile.json, hlo.txt.gz, trace.json.gz}
-#   CUDNN_BIAS=1     benchmarks/cudnn_bias.py: [B, 1, L, S] against [B, H, L, S] masks alone
 #   ATTENTION=1      benchmarks/attention.py in bf16 (xla, chunked, cudnn), L 1,024-8,192
 #   DETERMINISTIC=1  under --xla_gpu_deterministic_ops=true: benchmarks/gpu_determinism.py (the
 #                    debug model with XLA and cuDNN attention, with and without dropout, run
@@ -36,8 +29,7 @@
 #                    e.g. --xla_gpu_enable_cudnn_layer_norm=true; a flag that pays is set in the
 #                    runs, and then in their plans too (the plans above have none)
 #   BATCH=1          twice the per-GPU batch (data.tokens_per_batch=53248)
-# The Python scripts it runs (gpu_step.py, gpu_profile.py, gpu_determinism.py, cudnn_bias.py,
-# attention.py) are its parts: each also runs alone (its docstring), but on a GPU host this
+# The Python scripts it runs (gpu_step.py, gpu_profile.py, gpu_determinism.py, attention.py) are its parts: each also runs alone (its docstring), but on a GPU host this
 # script is the one command, and the next GPU figures of BENCHMARKS.md come from it.
 # Expects tx_jax importable (PYTHONPATH=.) with its dependencies. An image with jax, flax, optax
 # and orbax but not tx_jax's data stack needed (2026-11-26, as wheels for its Python 3.12):
@@ -52,7 +44,7 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/tx_jax_jcc}
 if [ "${GPU_SPEED_DRY:-0}" = 1 ]; then  # the script's path on a CPU: tiny and quick
   export JAX_PLATFORMS=cpu
   B=debug G=debug PEAK=${PEAK:-256} STEPS=${STEPS:-2} PLANS=${PLANS:-0}
-  CASES=${CASES:-debug:float32,debug:float32/model.dropout_bits=hash}
+  CASES=${CASES:-debug:float32,debug:float32/model.dropout_bits=packed}
 else
   export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda,cpu}
   B=${BASE:-base} G=${BIG:-big}
@@ -65,12 +57,11 @@ quiet() { grep -v "^WARNING\|^I0000\|^W0000\|^E0000\|^  File\|^    "; }
     --query-gpu=name,memory.total,driver_version,clocks.max.sm,temperature.gpu | head -1
   python3 -c 'import jax, flax, optax; print("jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__, jax.devices())' 2>&1 | quiet
   python3 -c 'from jax._src.lib import cuda_versions as c; print("cudnn", c.cudnn_get_version())' 2>&1 | quiet | tail -1
-  timeout 60 python3 benchmarks/cudnn_bias.py --dbias-probe 2>&1 | quiet | tail -1
 } | tee "$out/versions.txt"
 
 timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
   "tests/test_lowering.py::test_cudnn_attention_lowers_for_cuda" \
-  "tests/test_lowering.py::test_cudnn_bias_has_the_heads_the_implementation_says" \
+  "tests/test_lowering.py::test_cudnn_bias_has_every_head" \
   2>&1 | tee "$out/gpu_tests.log" | tail -6
 
 if [ "${PLANS:-1}" = 1 ]; then
@@ -90,14 +81,10 @@ step() {  # NAME TIMEOUT CASES: one gpu_step.py process
     --peak-size "${PEAK:-8192}" --peak-reps 3 --out "$out/$1.json" 2>&1 | quiet
 }
 m=$B:bfloat16/model
-all="attention_impl=cudnn_nodbias/model.dropout_bits=hash/model.residual_norm=pallas/model.loss_impl=fused/model.ffn_impl=pallas"
-step gpu_step "${STEP_TIMEOUT:-420}" "${CASES:-$B:bfloat16,$m.attention_impl=cudnn_nodbias,$m.attention_impl=cudnn_broadcast,$m.loss_impl=onepass,$m.dropout_bits=hash,$m.residual_norm=pallas/model.dropout_bits=hash,$m.loss_impl=fused,$m.ffn_impl=pallas,$m.$all,$G:bfloat16,$G:bfloat16/model.$all}"
+step gpu_step "${STEP_TIMEOUT:-420}" "${CASES:-$B:bfloat16,$m.attention_impl=xla,$m.dropout_bits=packed,$m.loss_impl=blocked,$G:bfloat16}"
 
 if [ "${PROFILE:-0}" = 1 ]; then
   timeout 150 python3 benchmarks/gpu_profile.py --case "$B:bfloat16" --steps 3 --out-dir "$out" 2>&1 | quiet
-fi
-if [ "${CUDNN_BIAS:-0}" = 1 ]; then
-  timeout 90 python3 benchmarks/cudnn_bias.py --out "$out/cudnn_bias.json" 2>&1 | quiet
 fi
 if [ "${ATTENTION:-0}" = 1 ]; then
   timeout 150 python3 benchmarks/attention.py --dtype bfloat16 --lengths 1024,2048,4096,8192 \

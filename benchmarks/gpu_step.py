@@ -154,7 +154,7 @@ def prepare_case(case: str, device, chip_name):
     }
 
     # The same compiled program, run: the real state, a random packed batch, state donated.
-    _, _, _, _, init_fn = build_model(config, config.data.vocab_size, BOS_ID)
+    _, _, _, _, init_fn = build_model(config, config.data.vocab_size, BOS_ID, built.target.platform)
     s = built.strategy
     state = s.init_state(init_fn)
     batch = _packed_batch(shapes, config.data.vocab_size, config.seed, s.batch_sharding())

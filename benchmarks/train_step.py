@@ -89,8 +89,10 @@ def _parse_args(argv=None):
 
 
 def _model_config(name: str, args, vocab: int):
+    import jax
+
     from tx_jax import config as config_utils
-    from tx_jax.model.config import VARIANTS, ModelConfig
+    from tx_jax.model.config import IMPLEMENTATION_FIELDS, VARIANTS, ModelConfig
 
     overrides, *_ = SHAPES[name]
     base = VARIANTS["base"] if name == "base" else {}
@@ -101,17 +103,20 @@ def _model_config(name: str, args, vocab: int):
         if not sep or key not in defaults:
             raise SystemExit(f"--set {item!r}: expected KEY=VALUE with KEY a ModelConfig field")
         extra[key] = config_utils.convert_text(value, defaults[key])
+    # as a run resolves them on this platform, unless --set names one
+    auto = dict.fromkeys(IMPLEMENTATION_FIELDS, "auto")
     return ModelConfig(
         **{
             **base,
             **overrides,
+            **auto,
             "vocab_size": vocab,
             "dropout_rate": args.dropout,
             "attention_dropout_rate": args.dropout,
             "ffn_dropout_rate": args.dropout,
             **extra,
         }
-    )
+    ).resolved(jax.default_backend(), longest=max(SHAPES[name][2:4]))
 
 
 def _train_config():

@@ -1,6 +1,5 @@
 """dot_product_attention, the mask helpers, and MultiHeadAttention."""
 
-import functools
 import os
 
 import flax.linen as nn
@@ -12,7 +11,7 @@ from conftest import reference_attention
 
 from tx_jax.model import attention as A
 from tx_jax.model.multihead import MultiHeadAttention
-from tx_jax.ops import attention_kernels, masks
+from tx_jax.ops import masks
 
 IMPLS = ["xla", "chunked"]
 
@@ -233,8 +232,7 @@ def test_value_head_dim_differs_matches_float64_reference(rng, impl, dv, masking
 
 @pytest.mark.parametrize("dv", DVS)
 def test_value_head_dim_differs_with_bias_matches_float64_reference(rng, dv):
-    """A bias with d_v != d_k ('xla'); 'chunked' refuses a bias, and 'auto' given one keeps to
-    'xla' even where it would stream over key blocks."""
+    """A bias with d_v != d_k ('xla'); 'chunked' refuses a bias."""
     q, k, v, q_seg, kv_seg = _random_problem(rng, L=37, Dv=dv)
     bias = rng.normal(size=(1, 4, 37, 37)).astype(np.float32)
     kw = dict(is_causal=True, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
@@ -244,10 +242,6 @@ def test_value_head_dim_differs_with_bias_matches_float64_reference(rng, dv):
     assert err < 1e-5, err
     with pytest.raises(ValueError, match="'chunked' does not support bias"):
         A.dot_product_attention(q, k, v, bias=bias, implementation="chunked", **kw)
-    long_k = jnp.zeros((2, attention_kernels.CHUNKED_FROM, 2, 8))
-    long_v = jnp.zeros((2, attention_kernels.CHUNKED_FROM, 2, dv))
-    choose = functools.partial(attention_kernels.choose, "auto", q, long_k, long_v, platform="cpu")
-    assert choose() == "chunked" and choose(bias=True) == "xla"
 
 
 @pytest.mark.parametrize("dv", DVS)
@@ -316,16 +310,16 @@ def test_value_head_dim_differs_with_dropout(rng, dv):
 
 def test_cudnn_rejects_a_value_head_dim_differing_from_the_key_and_auto_avoids_it(rng):
     """jax.nn.dot_product_attention needs value.shape == key.shape, so 'cudnn' cannot do
-    d_v != d_k: an explicit request is an error naming both shapes, and 'auto' on a GPU
-    picks it only when the head dims agree."""
+    d_v != d_k: an explicit request is an error naming both shapes, and 'auto' resolved for a
+    GPU picks it only when the head dims agree."""
     q, k, v, _, _ = _random_problem(rng, Dv=16)
     with pytest.raises(ValueError, match=r"cudnn.*value head dim.*\(2, 37, 2, 16\)"):
         A.dot_product_attention(q, k, v, implementation="cudnn")
-    bf = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
-    q16, k16 = bf(rng.normal(size=(2, 13, 4, 16))), bf(rng.normal(size=(2, 37, 2, 16)))
-    choose = functools.partial(attention_kernels.choose, "auto", platform="gpu")
-    assert choose(q16, k16, bf(v[..., :16])) == "cudnn"
-    assert choose(q16, k16, bf(v[..., :8])) == "xla"
+    from tx_jax.model.config import ModelConfig
+
+    cfg = ModelConfig(attention_impl="auto", d_model=64, num_heads=4, dtype="bfloat16")
+    assert cfg.resolved("gpu").attention_impl == "cudnn"
+    assert cfg.replace(value_head_dim=8).resolved("gpu").attention_impl == "xla"
 
 
 def test_chunked_backward_memory_is_linear_in_length():
@@ -431,22 +425,22 @@ def test_attention_dropout_draws_its_bits_where_dropout_bits_says(rng):
 
     q, k, v, _, _ = _random_problem(rng)
     key, rate = jax.random.key(7), 0.3
-    kw = dict(dropout_rate=rate, dropout_rng=key, deterministic=False, kernels="generic")
+    kw = dict(dropout_rate=rate, dropout_rng=key, deterministic=False)
     _, w = A.dot_product_attention(q, k, v, implementation="xla", return_weights=True)
     B, L, H, D = q.shape
     Kh = k.shape[2]
     w = np.asarray(w).reshape(B, Kh, H // Kh, L, -1)
-    keep = np.asarray(K_.keep_mask(key, rate, w.shape, "generic", "hash"))
-    used = np.where(keep, w / (1 - K_.effective_rate(rate, "generic", "hash")), 0.0)
+    keep = np.asarray(K_.keep_mask(key, rate, w.shape, "packed"))
+    used = np.where(keep, w / (1 - K_.effective_rate(rate, "packed")), 0.0)
     want = np.einsum("bkgls,bskd->blkgd", used, v).reshape(B, L, H, -1)
-    got = A.dot_product_attention(q, k, v, implementation="xla", dropout_bits="hash", **kw)
+    got = A.dot_product_attention(q, k, v, implementation="xla", dropout_bits="packed", **kw)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     for impl in ("xla", "chunked"):
         outs = [
             A.dot_product_attention(
                 q, k, v, implementation=impl, chunk_size=8, dropout_bits=bits, **kw
             )
-            for bits in ("hash", "bernoulli")
+            for bits in ("packed", "bernoulli")
         ]
         assert not np.allclose(outs[0], outs[1]), impl
 
@@ -657,24 +651,28 @@ def test_sow_weights_rows_sum_to_one():
 
 
 def test_deterministic_gpu_mode_keeps_cudnn_out(monkeypatch):
-    """Under XLA:GPU's deterministic ops (train.deterministic) cuDNN's fused attention fails
-    at its first call (H100, jax 0.11.2): 'auto' picks XLA's attention for a GPU instead,
-    and an explicit 'cudnn' is refused naming the flag."""
+    """Under XLA:GPU's deterministic ops cuDNN's fused attention fails at its first call
+    (H100, jax 0.11.2): a run resolved for a GPU with train.deterministic, or with the flag in
+    XLA_FLAGS, gets XLA's attention."""
+    import ml_collections
+
+    from tx_jax.model.config import ModelConfig
     from tx_jax.ops import backend
 
-    _choose = attention_kernels.choose
-    q = jnp.zeros((2, 16, 4, 64), jnp.bfloat16)
-    with backend.target("gpu"):
-        monkeypatch.setenv("XLA_FLAGS", "")
-        assert _choose("auto", q, q, q) == "cudnn"
-        monkeypatch.setenv(
-            "XLA_FLAGS", "--xla_force_host_platform_device_count=2 " + backend.DETERMINISTIC_FLAG
-        )
-        assert backend.deterministic_ops()
-        assert _choose("auto", q, q, q) == "xla"
-        for impl in ("cudnn", "cudnn_broadcast", "cudnn_nodbias"):
-            with pytest.raises(ValueError, match="xla_gpu_deterministic_ops"):
-                _choose(impl, q, q, q)
+    run = ml_collections.ConfigDict(
+        {
+            "model": {"attention_impl": "auto", "dtype": "bfloat16"},
+            "data": {"max_len": 64},
+            "train": {"deterministic": False},
+        }
+    )
+    monkeypatch.setenv("XLA_FLAGS", "")
+    assert ModelConfig.of_run(run, "gpu").attention_impl == "cudnn"
+    run.train.deterministic = True
+    assert ModelConfig.of_run(run, "gpu").attention_impl == "xla"
+    run.train.deterministic = False
+    monkeypatch.setenv("XLA_FLAGS", backend.DETERMINISTIC_FLAG)
+    assert ModelConfig.of_run(run, "gpu").attention_impl == "xla"
 
 
 def test_require_deterministic_ops_adds_the_flag_once(monkeypatch):

@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 from conftest import reference_attention  # noqa: E402
 
 from tx_jax.model import attention as A  # noqa: E402
-from tx_jax.ops import attention_kernels, backend, masks, splash  # noqa: E402
+from tx_jax.ops import masks, splash  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -125,19 +125,15 @@ def test_splash_rejects_what_the_kernel_cannot_do(rng):
     _attend(q, k, v, "splash", dropout_rate=0.1, deterministic=True)
 
 
-def test_auto_never_picks_splash_until_a_tpu_has_run_it(rng):
+def test_auto_never_picks_splash_until_a_tpu_has_run_it():
     """'splash' has run in Pallas' interpreter and compiled for a TPU, but no TPU has run its
-    tests or timed it: 'auto' keeps to 'xla' for a TPU, under a mesh or not, where splash
-    would apply; an explicit 'splash' is the candidate's own choice."""
-    q, k, v = (jnp.asarray(x) for x in _problem(rng, L=256, S=256))
-    choose = attention_kernels.choose
-    with backend.target("tpu"):
-        assert choose("auto", q, k, v) == "xla"
-    mesh = jax.sharding.AbstractMesh((2,), ("data",))
-    with backend.target("tpu"), jax.sharding.use_abstract_mesh(mesh):
-        assert choose("auto", q, k, v) == "xla"
-        assert choose("auto", q.astype(jnp.bfloat16), k, v) == "xla"
-        assert choose("splash", q, k, v) == "splash"
+    tests or timed it: 'auto' resolved for a TPU keeps to 'xla' at any length; an explicit
+    'splash' is kept (long context)."""
+    from tx_jax.model.config import ModelConfig
+
+    auto = ModelConfig(attention_impl="auto", dtype="bfloat16")
+    assert auto.resolved("tpu", longest=32768).attention_impl == "xla"
+    assert ModelConfig(attention_impl="splash").resolved("tpu").attention_impl == "splash"
 
 
 def _tpu_devices():

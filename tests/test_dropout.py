@@ -115,7 +115,7 @@ def test_zero_rate_and_bad_rate():
 
 def test_module_is_inactive_when_deterministic():
     x = jnp.ones((4, 8))
-    module = K.Dropout(0.5, kernels="cpu")
+    module = K.Dropout(0.5, bits="packed")
     np.testing.assert_array_equal(module.apply({}, x, deterministic=True), x)
     out = module.apply({}, x, deterministic=False, rngs={"dropout": jax.random.key(0)})
     assert set(np.unique(np.asarray(out))) <= {0.0, 2.0}

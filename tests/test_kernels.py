@@ -1,11 +1,10 @@
-"""tx_jax.ops.kernels / model.kernels: the CPU kernels and the generic ones compute the same
-model, 'auto' picks by backend, and the generic dropout is a proper dropout on any layout."""
+"""tx_jax.ops.kernels / model.kernels and model.dropout_bits: the CPU kernels and the generic
+ones compute the same model, the CPU config uses them, and each dropout generator is a proper
+dropout on any layout."""
 
 import collections
-import contextlib
 import dataclasses
 import functools
-import io
 import json
 
 import flax.linen as nn
@@ -99,13 +98,19 @@ def test_every_projection_and_dropout_follows_model_kernels(cls, extra, draws):
     """The gradient's jaxpr: 'generic' has no optimisation barrier (no CPU matmul VJP) and
     one jax.random draw per dropout site (EncoderDecoder 1+1 layers: 2 embeddings, 3 + 5
     residual/attention/FFN sites, + 2 cross-attention; DecoderOnly: 4 outside attention, the
-    chunked attention's forward and two in its backward); 'cpu' and 'auto' the reverse."""
+    chunked attention's forward and two in its backward); the CPU kernels with their packed
+    masks the reverse, and a config resolved for a CPU is those."""
     rates = {"dropout_rate": 0.1, "attention_dropout_rate": 0.1, "ffn_dropout_rate": 0.1}
     batch = _batch()
     args = (batch["targets"],) if cls is DecoderOnly else (batch["inputs"], batch["targets"])
+    configs = {
+        "resolved": _tiny(kernels="auto", dropout_bits="auto", **rates, **extra).resolved("cpu"),
+        "cpu": _tiny(kernels="cpu", dropout_bits="packed", **rates, **extra),
+        "generic": _tiny(kernels="generic", dropout_bits="bernoulli", **rates, **extra),
+    }
     found = {}
-    for kernels in ("auto", "cpu", "generic"):
-        model = cls(_tiny(kernels=kernels, **rates, **extra))
+    for name, cfg in configs.items():
+        model = cls(cfg)
         params = model.init(jax.random.key(0), *args)["params"]
 
         def loss(p, model=model):
@@ -113,10 +118,10 @@ def test_every_projection_and_dropout_follows_model_kernels(cls, extra, draws):
             return model.apply({"params": p}, *args, deterministic=False, rngs=rngs).sum()
 
         counts = _primitives(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)
-        found[kernels] = counts["optimization_barrier"], counts["random_bits"]
+        found[name] = counts["optimization_barrier"], counts["random_bits"]
     assert found["generic"] == (0, draws)
     assert found["cpu"][0] > 0 and found["cpu"][1] == 0
-    assert found["auto"] == found["cpu"]
+    assert found["resolved"] == found["cpu"]
 
 
 def _has_barrier(kernels: str) -> bool:
@@ -125,22 +130,12 @@ def _has_barrier(kernels: str) -> bool:
     return "optimization_barrier" in str(jax.make_jaxpr(grad)(x, w))
 
 
-def test_auto_selects_the_cpu_kernels_on_cpu_only(monkeypatch):
-    assert jax.default_backend() == "cpu"
-    assert K.resolve("auto") == "cpu"
-    assert _has_barrier("auto") and _has_barrier("cpu") and not _has_barrier("generic")
-    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    assert K.resolve("auto") == "generic" and K.resolve("cpu") == "cpu"
-    assert not _has_barrier("auto")
-
-
-def test_bad_kernels_value_names_the_config_key():
+def test_cpu_kernels_alone_hold_optimisation_barriers_and_bad_values_name_the_key():
+    assert _has_barrier("cpu") and not _has_barrier("generic")
     with pytest.raises(ValueError, match="model.kernels='gpu'"):
         ModelConfig(kernels="gpu")
     with pytest.raises(ValueError, match="model.kernels='fast'"):
         ModelConfig.from_config({"kernels": "fast"})
-    with pytest.raises(ValueError, match="model.kernels"):
-        K.dense(jnp.ones((2, 3)), jnp.ones((3, 4)), kernels="xla")
 
 
 def test_kernels_is_one_of_restores_harmless_model_keys():
@@ -153,14 +148,14 @@ def test_kernels_is_one_of_restores_harmless_model_keys():
 @pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
 def test_generic_dropout_keeps_the_rate_and_scale(impl):
     rate, shape = 0.1, (64, 1000)
-    out = K.dropout(jnp.ones(shape), rate, jax.random.key(3, impl=impl), "generic", "bernoulli")
+    out = K.dropout(jnp.ones(shape), rate, jax.random.key(3, impl=impl), "bernoulli")
     values = np.unique(np.asarray(out))
     np.testing.assert_allclose(values, [0.0, 1 / (1 - rate)], rtol=1e-6)
     n = out.size
     dropped = float((out == 0).mean())
     assert abs(dropped - rate) < 4 * np.sqrt(rate * (1 - rate) / n), dropped
     # not rounded to 2^-16 like the CPU masks
-    assert K.effective_rate(rate, "generic", "bernoulli") == rate
+    assert K.effective_rate(rate, "bernoulli") == rate
 
 
 def test_generic_dropout_differs_between_steps_of_the_train_step():
@@ -181,9 +176,8 @@ def test_generic_masks_across_pmap_devices_and_a_sharded_jit():
     """8 forced devices: under pmap (the key folded with axis_index, as train_step does) the
     8 masks differ pairwise and each keeps the rate; under a jit over a mesh, the mask of an
     array sharded 8 ways equals the unsharded mask and is drawn shard by shard without
-    collectives (jax.random.bernoulli with jax_threefry_partitionable, and the hashed bits);
-    and the pmap train step with the same batch on
-    every device sees 8 different masks."""
+    collectives (jax.random.bernoulli with jax_threefry_partitionable); and the pmap train
+    step with the same batch on every device sees 8 different masks."""
     out = run_python(_EIGHT_DEVICES)
     result = json.loads(out.strip().splitlines()[-1])
     assert result["devices"] == 8
@@ -191,7 +185,6 @@ def test_generic_masks_across_pmap_devices_and_a_sharded_jit():
     assert all(abs(r - 0.25) < 4 * np.sqrt(0.25 * 0.75 / (16 * 512)) for r in result["rates"])
     assert result["sharded_equals_unsharded"]
     assert result["collectives"] == []  # each device draws only its shard of the mask
-    assert result["hash_sharded_equals_unsharded"] and result["hash_collectives"] == []
     # Same batch everywhere: different masks per device make the mean loss differ from one
     # device's; without dropout they agree.
     assert abs(result["pmap_loss"] - result["single_loss"]) > 1e-4, result
@@ -215,7 +208,7 @@ x = jnp.ones((n, 16, 512))
 @functools.partial(jax.pmap, axis_name="batch")
 def masks(x):
     rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(0), 7), jax.lax.axis_index("batch"))
-    return K.dropout(x, 0.25, rng, "generic", "bernoulli") != 0
+    return K.dropout(x, 0.25, rng, "bernoulli") != 0
 
 m = np.asarray(masks(x))
 pairs = sum(int((m[i] == m[j]).all()) for i in range(n) for j in range(i + 1, n))
@@ -223,21 +216,13 @@ rates = [float(1 - m[i].mean()) for i in range(n)]
 
 mesh = Mesh(np.array(jax.devices()), ("data",))
 y = jnp.ones((n * 16, 512))
-f = jax.jit(lambda y: K.dropout(y, 0.25, jax.random.key(1), "generic", "bernoulli"))
+f = jax.jit(lambda y: K.dropout(y, 0.25, jax.random.key(1), "bernoulli"))
 sharded = f(jax.device_put(y, NamedSharding(mesh, P("data"))))
 unsharded = f(jax.device_put(y, jax.devices()[0]))
 assert len(sharded.sharding.device_set) == n
 hlo = f.lower(jax.device_put(y, NamedSharding(mesh, P("data")))).compile().as_text()
 collectives = [op for op in ("all-gather", "all-reduce", "collective-permute", "all-to-all")
                if op in hlo]
-# the hashed masks: element i's bits come from (key, i) through iotas, sharded like y
-h = jax.jit(lambda y: K.dropout(y, 0.25, jax.random.key(1), "generic", "hash"))
-hash_sharded = h(jax.device_put(y, NamedSharding(mesh, P("data"))))
-hash_hlo = h.lower(jax.device_put(y, NamedSharding(mesh, P("data")))).compile().as_text()
-hash_collectives = [op for op in ("all-gather", "all-reduce", "collective-permute", "all-to-all")
-                    if op in hash_hlo]
-hash_unsharded = h(jax.device_put(y, jax.devices()[0]))
-hash_equal = bool((np.asarray(hash_sharded) == np.asarray(hash_unsharded)).all())
 
 def losses(rate):
     cfg = T._tiny(kernels="generic", dropout_rate=rate, ffn_dropout_rate=rate)
@@ -254,8 +239,7 @@ pmap_loss, single_loss = losses(0.3)
 pmap_nodrop, single_nodrop = losses(0.0)
 print(json.dumps({
     "devices": n, "pairs_equal": pairs, "rates": rates,
-    "collectives": collectives, "hash_collectives": hash_collectives,
-    "hash_sharded_equals_unsharded": hash_equal,
+    "collectives": collectives,
     "sharded_equals_unsharded": bool((np.asarray(sharded) == np.asarray(unsharded)).all()),
     "pmap_loss": pmap_loss, "single_loss": single_loss,
     "pmap_loss_nodrop": pmap_nodrop, "single_loss_nodrop": single_nodrop,
@@ -313,76 +297,35 @@ def test_cpu_bfloat16_matmuls_accumulate_in_float32_and_round_once():
     np.testing.assert_allclose(db, f32(y).reshape(64, 48).sum(0), rtol=1e-6)
 
 
-@pytest.mark.parametrize("bits", ["bernoulli", "packed", "hash"])
+@pytest.mark.parametrize("bits", ["bernoulli", "packed"])
 def test_every_dropout_generator_keeps_the_rate_and_scale_and_is_a_function_of_the_key(bits):
     rate, shape = 0.1, (64, 1000)
     x = jnp.ones(shape)
-    out = K.dropout(x, rate, jax.random.key(3), "generic", bits)
-    used = K.effective_rate(rate, "generic", bits)
-    expected = {"bernoulli": rate, "hash": 429496730 / 2**32}.get(bits, 6554 / 65536)
+    out = K.dropout(x, rate, jax.random.key(3), bits)
+    used = K.effective_rate(rate, bits)
+    expected = {"bernoulli": rate, "packed": 6554 / 65536}[bits]
     assert used == expected
     np.testing.assert_allclose(np.unique(np.asarray(out)), [0.0, 1 / (1 - used)], rtol=1e-6)
     dropped = float((out == 0).mean())
     assert abs(dropped - used) < 4 * np.sqrt(used * (1 - used) / out.size), dropped
-    again = K.dropout(x, rate, jax.random.key(3), "generic", bits)
-    other = K.dropout(x, rate, jax.random.key(4), "generic", bits)
+    again = K.dropout(x, rate, jax.random.key(3), bits)
+    other = K.dropout(x, rate, jax.random.key(4), bits)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(again))  # resume: same key, same mask
     assert float((out != other).mean()) > 0.1  # another key, another mask
 
 
-def test_dropout_bits_choose_the_generator():
-    """'auto' follows the kernels ('packed' with the CPU kernels, jax.random.bernoulli with the
-    generic ones: the generators timed fastest on a CPU and on GPUs; 'hash' is asked for by
-    name); 'packed' are the CPU kernels' masks whatever the kernels; a bad value names the
-    config key."""
+def test_packed_bits_are_the_cpu_kernels_masks_and_bad_values_name_the_key():
     key, shape = jax.random.key(5), (8, 37)
-    assert K.resolve_bits("auto", "cpu") == "packed"
-    assert K.resolve_bits("auto", "generic") == "bernoulli"
-    packed = K.keep_mask(key, 0.2, shape, "generic", "packed")
     from tx_jax.ops import dropout as D
 
-    np.testing.assert_array_equal(np.asarray(packed), np.asarray(D.keep_mask(key, 0.2, shape)))
     np.testing.assert_array_equal(
-        np.asarray(K.keep_mask(key, 0.2, shape, "cpu", "auto")), np.asarray(packed)
+        np.asarray(K.keep_mask(key, 0.2, shape, "packed")), np.asarray(D.keep_mask(key, 0.2, shape))
     )
     with pytest.raises(ValueError, match="model.dropout_bits='philox'"):
         ModelConfig(dropout_bits="philox")
-    with pytest.raises(ValueError, match="model.dropout_bits"):
-        K.keep_mask(key, 0.2, shape, "generic", "fast")
 
 
-def test_hashed_dropout_keeps_no_mask_for_the_backward_pass_and_its_draws_are_independent():
-    """'hash': the gradient is the forward's mask times the scale, hashed again from the key
-    (the residuals hold no mask or bits of x's shape, where jax.random.bernoulli's keep a
-    bool mask); neighbouring elements, rows and keys are uncorrelated."""
-    from jax.ad_checkpoint import print_saved_residuals
-
-    x = jnp.asarray(np.random.default_rng(0).normal(size=(64, 1000)), jnp.float32)
-    key = jax.random.key(3)
-    out, vjp = jax.vjp(lambda x: K.dropout(x, 0.1, key, "generic", "hash"), x)
-    dy = jnp.asarray(np.random.default_rng(1).normal(size=x.shape), jnp.float32)
-    scale = 1 / (1 - K.effective_rate(0.1, "generic", "hash"))
-    keep = np.asarray(out) != 0
-    np.testing.assert_allclose(np.asarray(vjp(dy)[0]), np.where(keep, dy * scale, 0), rtol=1e-6)
-    np.testing.assert_array_equal(
-        keep, np.asarray(K.keep_mask(key, 0.1, x.shape, "generic", "hash"))
-    )
-
-    def residuals(bits):
-        buf = io.StringIO()
-        with contextlib.redirect_stdout(buf):
-            print_saved_residuals(lambda x: K.dropout(x, 0.1, key, "generic", bits).sum(), x)
-        return [line for line in buf.getvalue().splitlines() if "64,1000" in line]
-
-    assert residuals("hash") == []
-    assert any("bool[64,1000]" in line for line in residuals("bernoulli"))
-    drop = (~keep).astype(float)
-    other = (np.asarray(K.dropout(x, 0.1, jax.random.key(4), "generic", "hash")) == 0).astype(float)
-    for a, b in ((drop[:, :-1], drop[:, 1:]), (drop[:-1], drop[1:]), (drop, other)):
-        assert abs(np.corrcoef(a.ravel(), b.ravel())[0, 1]) < 0.02
-
-
-@pytest.mark.parametrize("bits", ["packed", "hash"])
+@pytest.mark.parametrize("bits", ["packed", "bernoulli"])
 def test_train_step_with_each_dropout_generator_is_repeatable_and_differs_between_steps(bits):
     cfg = _tiny(kernels="generic", dropout_rate=0.3, ffn_dropout_rate=0.3, dropout_bits=bits)
     state, step = _state_and_step(DecoderOnly, cfg)
@@ -400,7 +343,7 @@ def test_the_attention_weights_dropout_follows_the_models_dropout_bits():
     cfg = _tiny(kernels="generic", dropout_rate=0.0, ffn_dropout_rate=0.0)
     cfg = cfg.replace(attention_dropout_rate=0.3, attention_impl="xla")
     losses = {}
-    for bits in ("hash", "bernoulli"):
+    for bits in ("packed", "bernoulli"):
         state, step = _state_and_step(DecoderOnly, cfg.replace(dropout_bits=bits))
         losses[bits] = float(step(state, _batch())[1]["loss"])
-    assert abs(losses["hash"] - losses["bernoulli"]) > 1e-4, losses
+    assert abs(losses["packed"] - losses["bernoulli"]) > 1e-4, losses

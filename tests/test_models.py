@@ -15,6 +15,7 @@ from tx_jax.model.transformer import (
     EncoderDecoder,
     EncoderOnly,
     count_params,
+    make_model,
     shift_right,
 )
 
@@ -212,21 +213,29 @@ def test_model_config_validation_names_the_key():
     [
         ("attention_impl", "cudnn_native", "cudnn"),  # beaten on an H100 (BENCHMARKS.md)
         ("attention_impl", "cudnn_jax", "cudnn"),  # renamed: jax.nn's call is 'cudnn'
+        ("attention_impl", "cudnn_nodbias", "cudnn"),  # never ran on a GPU
         ("dropout_bits", "rbg", "bernoulli"),  # beaten on two H100s
+        ("dropout_bits", "hash", "auto"),  # never ran: the platform's timed value
+        ("loss_impl", "fused", "auto"),
     ],
 )
-def test_a_removed_value_in_an_old_config_loads_as_the_value_that_beat_it(key, old, new):
-    """An old checkpoint's config (every field as it was saved) naming a removed value loads,
-    with one warning naming the key; built directly, the value is refused."""
+def test_a_removed_value_in_an_old_config_loads_as_the_value_that_ran(key, old, new):
+    """An old checkpoint's config (every field as it was saved, with the fields since removed)
+    naming a removed value loads, with one warning naming the key; built directly, the value
+    is refused."""
     saved = {f.name: getattr(ModelConfig(), f.name) for f in dataclasses.fields(ModelConfig)}
-    saved[key] = old
+    del saved["platform"]  # not a config key: set by resolved()
+    saved.update({key: old, "residual_norm": "auto", "ffn_impl": "auto"})
     with pytest.warns(UserWarning, match=f"model.{key}={old!r} .*model.{key}={new!r}") as caught:
         cfg = ModelConfig.from_config(ml_collections.ConfigDict(saved))
-    assert len(caught) == 1
+    assert len(caught) == 1  # the removed fields at their one value are dropped silently
     assert getattr(cfg, key) == new
+    del saved["residual_norm"], saved["ffn_impl"]
     assert cfg == ModelConfig(**{**saved, key: new})
     with pytest.raises(ValueError, match=f"model.{key}={old!r}"):
         ModelConfig(**{key: old})
+    with pytest.warns(UserWarning, match="model.ffn_impl is no longer a field"):
+        assert ModelConfig.from_config({"ffn_impl": "pallas"}) == ModelConfig()
 
 
 # What 'auto' resolves to per platform: on an accelerator only values that passed their tests
@@ -236,32 +245,37 @@ AUTO = {
     "gpu": {"kernels": "generic", "dropout_bits": "bernoulli", "loss_impl": "dense"},
     "tpu": {"kernels": "generic", "dropout_bits": "bernoulli", "loss_impl": "dense"},
 }
-# attention 'auto' for: bf16 head dim 64 at 256 keys, float32 at 4,096 keys
+# attention 'auto' for: bf16 head dim 64 with 256-token sequences, float32 at 4,096
 AUTO_ATTENTION = {"cpu": ("xla", "chunked"), "gpu": ("cudnn", "xla"), "tpu": ("xla", "xla")}
 
 
 @pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
 def test_auto_resolves_per_platform_to_the_tested_and_timed_values(platform):
-    from tx_jax.ops import attention_kernels, backend, ffn, kernels, output_loss, residual_norm
-
-    assert set(AUTO) == set(AUTO_ATTENTION) == set(backend.PLATFORMS)
-    with backend.target(platform):
-        got = {
-            "kernels": kernels.resolve("auto"),
-            "dropout_bits": kernels.resolve_bits("auto"),
-            "loss_impl": output_loss.resolve("auto"),
-        }
-        assert got == AUTO[platform]
-        assert residual_norm.resolve("auto") == ffn.resolve("auto") == "xla"
-        short = jnp.zeros((2, 256, 8, 64), jnp.bfloat16)
-        long = jnp.zeros((1, 4096, 8, 64), jnp.float32)
-        mesh = jax.sharding.AbstractMesh((2,), ("data",))
-        with jax.sharding.use_abstract_mesh(mesh):  # where 'splash' would apply on a TPU
-            chosen = tuple(attention_kernels.choose("auto", x, x, x) for x in (short, long))
-        assert chosen == AUTO_ATTENTION[platform]
-        assert attention_kernels.choose("auto", short, short, short, dropout=True) == "xla"
-        assert attention_kernels.choose("auto", short, short, short, weights=True) == "xla"
-    assert attention_kernels.choose("auto", short, short, short, platform=platform) == chosen[0]
+    auto = dict.fromkeys(("attention_impl", "kernels", "dropout_bits", "loss_impl"), "auto")
+    short = ModelConfig(**auto, dtype="bfloat16").resolved(platform, longest=256)
+    long = ModelConfig(**auto).resolved(platform, longest=4096)
+    for cfg in (short, long):
+        assert cfg.is_resolved and cfg.platform == platform
+        assert {k: getattr(cfg, k) for k in AUTO[platform]} == AUTO[platform]
+    assert (short.attention_impl, long.attention_impl) == AUTO_ATTENTION[platform]
+    # cuDNN's call here takes no dropout; returned weights exist only in 'xla'
+    for changed in ({"attention_dropout_rate": 0.1}, {"sow_attention_weights": True}):
+        cfg = ModelConfig(**auto, dtype="bfloat16", **changed).resolved(platform, longest=256)
+        assert cfg.attention_impl == "xla"
+    weights = ModelConfig(**auto, sow_attention_weights=True).resolved(platform, longest=4096)
+    assert weights.attention_impl == "xla"
+    gpu = ModelConfig(**auto, dtype="bfloat16").resolved("cuda", deterministic=True)
+    assert (gpu.platform, gpu.attention_impl) == ("gpu", "xla")
+    explicit = ModelConfig(attention_impl="chunked", kernels="cpu").resolved(platform)
+    assert (explicit.attention_impl, explicit.kernels, explicit.dropout_bits) == (
+        "chunked",
+        "cpu",
+        "bernoulli",
+    )
+    with pytest.raises(ValueError, match="deterministic mode"):
+        ModelConfig(attention_impl="cudnn").resolved(platform, deterministic=True)
+    with pytest.raises(ValueError, match="'auto' implementation fields"):
+        make_model(ModelConfig(kernels="auto"))
 
 
 def test_encoder_only_classifier_shapes():

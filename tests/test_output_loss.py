@@ -1,5 +1,6 @@
-"""ops/output_loss.py: the blocked output loss against the dense path (losses.py over full
-logits), the reference: sums, gradients of every parameter, and whole train steps."""
+"""training/losses.py's blocked path (loss_impl='blocked': the output layer fused with the loss)
+against its dense path over full logits, the reference: sums, gradients of every parameter, and
+whole train steps."""
 
 import functools
 
@@ -11,10 +12,8 @@ import optax
 import pytest
 from helpers import state_and_step
 
-from tx_jax.model.config import LOSS_IMPLS, ModelConfig, variant
-from tx_jax.model.transformer import DecoderOnly, EncoderDecoder, output_projection
-from tx_jax.ops import backend
-from tx_jax.ops import output_loss as OL
+from tx_jax.model.config import ModelConfig, variant
+from tx_jax.model.transformer import DecoderOnly, EncoderDecoder
 from tx_jax.training import losses
 from tx_jax.training.step import _loss_sums
 
@@ -61,7 +60,7 @@ def test_function_matches_dense_sums_and_every_cotangent(eps, block):
     L = 11 is not a multiple of 4 (padded), and is below 64 (one block)."""
     h, table, bias, targets, weights = _arrays()
     dense = _dense_sums(h, table, bias, targets, weights, eps)
-    blocked = OL.output_loss(h, table, bias, targets, weights, eps, block)
+    blocked = losses.output_loss(h, table, bias, targets, weights, eps, block)
     _close([dense[k] for k in KEYS], [blocked[k] for k in KEYS], 1e-6)
     assert float(blocked["weight"]) == 24.0 and float(blocked["correct"]) >= 0
 
@@ -73,7 +72,7 @@ def test_function_matches_dense_sums_and_every_cotangent(eps, block):
         return jax.grad(f, argnums=(0, 1, 2, 3))
 
     g_dense = scalar(functools.partial(_dense_sums, eps=eps))(h, table, bias, weights)
-    g_blocked = scalar(lambda *a: OL.output_loss(*a, label_smoothing=eps, block=block))(
+    g_blocked = scalar(lambda *a: losses.output_loss(*a, label_smoothing=eps, block=block))(
         h, table, bias, weights
     )
     _close(g_dense, g_blocked, 1e-5)
@@ -86,14 +85,14 @@ def test_perfect_prediction_and_ties_count_as_the_dense_path_counts():
     table = jnp.zeros((V, M)).at[1, 0].set(1.0).at[2, 0].set(1.0)  # tokens 1, 2 tie
     h = jnp.array([[[40.0, 0.0], [40.0, 0.0], [40.0, 0.0]]])  # logits 40 on tokens 1 and 2
     targets = jnp.array([[1, 2, 3]])
-    out = OL.output_loss(h, table, None, targets, jnp.ones((1, 3)), 0.0, block=2)
+    out = losses.output_loss(h, table, None, targets, jnp.ones((1, 3)), 0.0, block=2)
     assert float(out["correct"]) == 2.0
     np.testing.assert_allclose(float(out["nll"]), 2 * np.log(2) + (40 + np.log(2)), rtol=1e-6)
     # one target alone at 40: smoothed loss -> 0 only with q's entropy removed
     h1, t1 = jnp.array([[[40.0, 0.0]]]), jnp.array([[4]])
     table1 = jnp.zeros((V, M)).at[4, 0].set(1.0)
     eps = 0.1
-    got = OL.output_loss(h1, table1, None, t1, jnp.ones((1, 1)), eps, block=8)
+    got = losses.output_loss(h1, table1, None, t1, jnp.ones((1, 1)), eps, block=8)
     want = _dense_sums(h1, table1, None, t1, jnp.ones((1, 1)), eps)
     np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-6)
 
@@ -102,28 +101,15 @@ def test_bad_block_shapes_and_names_error():
     h, table, bias, targets, weights = _arrays()
     for block in (0, -4, 2.5, True):
         with pytest.raises(ValueError, match="loss_block"):
-            OL.output_loss(h, table, bias, targets, weights, 0.0, block)
+            losses.output_loss(h, table, bias, targets, weights, 0.0, block)
     with pytest.raises(ValueError, match="table"):
-        OL.output_loss(h, table.T, bias, targets, weights, 0.0, 4)
+        losses.output_loss(h, table.T, bias, targets, weights, 0.0, 4)
     with pytest.raises(ValueError, match="bias"):
-        OL.output_loss(h, table, bias[:-1], targets, weights, 0.0, 4)
+        losses.output_loss(h, table, bias[:-1], targets, weights, 0.0, 4)
     with pytest.raises(ValueError, match="loss_block"):
         ModelConfig(loss_block=0)
     with pytest.raises(ValueError, match="loss_impl"):
-        OL.resolve("flash")
-
-
-def test_auto_resolves_to_dense_the_loss_every_timed_step_ran_with():
-    """'onepass' and 'fused' move less in the GPU and TPU plans but no chip has timed them:
-    candidates, asked for by name; 'auto' is 'dense' on every platform."""
-    assert OL.LOSS_IMPLS == LOSS_IMPLS
-    for impl in ("dense", "onepass", "blocked"):
-        assert OL.resolve(impl) == impl
-    expected = {"cpu": "dense", "gpu": "dense", "tpu": "dense"}
-    assert set(expected) == set(backend.PLATFORMS)
-    for platform in backend.PLATFORMS:
-        with backend.target(platform):
-            assert OL.resolve("auto") == expected[platform]
+        ModelConfig(loss_impl="onepass")
 
 
 MODELS = {
@@ -171,17 +157,10 @@ def test_hidden_states_project_to_the_models_logits(name):
     logits = model.apply({"params": params}, *args)
     hidden = model.apply({"params": params}, *args, return_hidden=True)
     assert hidden.shape == (4, 11, 64)
-    table, bias = output_projection(model, params)
+    table, bias = model.apply({"params": params}, method="output_weights")
     z = jnp.einsum("blm,vm->blv", hidden, table).astype(jnp.float32)
     z = z if bias is None else z + bias
     np.testing.assert_allclose(np.asarray(z), np.asarray(logits), rtol=1e-6, atol=1e-6)
-
-
-def test_output_projection_names_what_is_missing():
-    model, params = _model("untied_bias")
-    del params["decoder"]["logits_bias"]
-    with pytest.raises(KeyError, match="logits_bias"):
-        output_projection(model, params)
 
 
 # Each model once, each smoothing twice (the output layers differ by model; smoothing's terms
@@ -196,18 +175,17 @@ def test_output_projection_names_what_is_missing():
     ],
 )
 def test_loss_sums_and_gradients_of_every_param_match_dense(name, eps):
-    """The step's loss function with loss_impl='blocked' (block 4 over L = 11: padded) or
-    'onepass' equals 'dense' in float32: sums, and the gradient of every parameter within 1e-5
-    relative."""
+    """The step's loss function with loss_impl='blocked' (block 4 over L = 11: padded) equals
+    'dense' in float32: sums, and the gradient of every parameter within 1e-5 relative."""
     sums, grads = {}, {}
-    for impl in ("dense", "onepass", "blocked"):
+    for impl in ("dense", "blocked"):
         model, params = _model(name, loss_impl=impl, loss_block=4)
         fn = jax.grad(
             functools.partial(_loss_sums, model, label_smoothing=eps, deterministic=True),
             has_aux=True,
         )
         grads[impl], sums[impl] = jax.jit(fn)(params, _batch(), None)
-    for impl in ("onepass", "blocked"):
+    for impl in ("blocked",):
         _close([sums["dense"][k] for k in KEYS], [sums[impl][k] for k in KEYS], 1e-5)
         assert float(sums[impl]["weight"]) == 4 * 11 - 5
         assert jax.tree_util.tree_structure(grads["dense"]) == jax.tree_util.tree_structure(
@@ -217,15 +195,15 @@ def test_loss_sums_and_gradients_of_every_param_match_dense(name, eps):
 
 
 @pytest.mark.parametrize("name,accum", [("tied_shared", 1), ("lm_untied_bias", 2)])
-def test_train_steps_with_blocked_or_onepass_loss_equal_dense(name, accum):
+def test_train_steps_with_blocked_loss_equal_dense(name, accum):
     """Three train steps with dropout on (the same masks: the model is the same up to its
-    output layer): the metrics and the parameters' updates of 'blocked' and 'onepass' equal
-    'dense'. SGD with momentum, linear in the gradients, so the updates compare the steps'
-    gradients; Adam divides each entry by its own scale, which turns float-rounding
-    differences in near-zero gradients into visible updates (2e-4 of a leaf on a Zen 4 VM
-    with AVX-512), whatever the loss's implementation."""
+    output layer): the metrics and the parameters' updates of 'blocked' equal 'dense'. SGD
+    with momentum, linear in the gradients, so the updates compare the steps' gradients; Adam
+    divides each entry by its own scale, which turns float-rounding differences in near-zero
+    gradients into visible updates (2e-4 of a leaf on a Zen 4 VM with AVX-512), whatever the
+    loss's implementation."""
     out = {}
-    for impl in ("dense", "onepass", "blocked"):
+    for impl in ("dense", "blocked"):
         model, params = _model(name, loss_impl=impl, loss_block=4, dropout_rate=0.1)
         tx = optax.sgd(0.5, momentum=0.9)
         state, step = state_and_step(model, tx, 1e-2, params, grad_accum_steps=accum)
@@ -234,7 +212,7 @@ def test_train_steps_with_blocked_or_onepass_loss_equal_dense(name, accum):
             state, metrics = step(state, _batch(seed=i))
             history.append(metrics)
         out[impl] = (history, jax.tree_util.tree_map(lambda a, b: a - b, state.params, params))
-    for impl in ("onepass", "blocked"):
+    for impl in ("blocked",):
         for m_dense, m_other in zip(out["dense"][0], out[impl][0], strict=True):
             for k in ("loss", "nll", "accuracy", "tokens", "grad_norm"):
                 np.testing.assert_allclose(float(m_other[k]), float(m_dense[k]), rtol=1e-5)

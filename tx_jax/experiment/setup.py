@@ -65,7 +65,8 @@ def build_run(config: ml_collections.ConfigDict, workdir: str | epath.Path) -> R
     sized = tuple(sizing.unset_keys(config))
     config, task = sized_task(config, workdir, source, batch_multiple=multiple)
     check_batch_divides(config, strategy)
-    parts = build_model(config, task.tokenizer.vocab_size, task.tokenizer.bos_id)
+    platform = jax.devices()[0].platform  # the run's devices: the strategy's are these
+    parts = build_model(config, task.tokenizer.vocab_size, task.tokenizer.bos_id, platform)
     return Run(config, workdir, strategy, task, *parts, source, sized=sized)
 
 
@@ -126,10 +127,11 @@ def task_tokenizer(source):
     return source.tokenizer if source is not None else None
 
 
-def build_model(config: ml_collections.ConfigDict, vocab_size: int, bos_id: int):
-    """(model_config, model, tx, schedule, init_fn) of `config` for a vocabulary: what a run
-    trains, also built without data by tx_jax.planning (vocabulary from data.vocab_size)."""
-    model_config = ModelConfig.from_config(config.model, vocab_size=vocab_size, bos_id=bos_id)
+def build_model(config: ml_collections.ConfigDict, vocab_size: int, bos_id: int, platform: str):
+    """(model_config, model, tx, schedule, init_fn) of `config` for a vocabulary, on
+    `platform`: what a run trains, also built without data by tx_jax.planning (vocabulary
+    from data.vocab_size, the target's platform)."""
+    model_config = ModelConfig.of_run(config, platform, vocab_size=vocab_size, bos_id=bos_id)
     model = make_model(model_config, task_of(config))
     return model_config, model, *build_optimizer(config, model_config, model)
 
@@ -142,10 +144,10 @@ def build_optimizer(config: ml_collections.ConfigDict, model_config: ModelConfig
     return tx, schedule, init_fn
 
 
-def state_shapes(config: ml_collections.ConfigDict, tokenizer) -> TrainState:
+def state_shapes(config: ml_collections.ConfigDict, tokenizer, platform: str) -> TrainState:
     """The unboxed train state of `config` for `tokenizer`'s vocabulary, as ShapeDtypeStructs
     (nothing allocated): what a checkpoint of that config holds."""
-    init_fn = build_model(config, tokenizer.vocab_size, tokenizer.bos_id)[-1]
+    init_fn = build_model(config, tokenizer.vocab_size, tokenizer.bos_id, platform)[-1]
     return nn.meta.unbox(jax.eval_shape(init_fn))
 
 
@@ -197,7 +199,9 @@ def restore_or_init(run: Run, checkpointer: ckpt_lib.Checkpointer) -> tuple[Trai
     if checkpointer.latest_step() is None:
         return run.strategy.init_state(run.init_fn), {}
     abstract = run.strategy.abstract_state(run.init_fn)
-    state_of = functools.partial(state_shapes, tokenizer=run.task.tokenizer)
+    state_of = functools.partial(
+        state_shapes, tokenizer=run.task.tokenizer, platform=run.model_config.platform
+    )
     resume.check_config(run.config, checkpointer, abstract, state_of)
     step, state, data_state, meta = checkpointer.restore_latest(abstract)
     resume.announce(step, meta["config"], run.config)

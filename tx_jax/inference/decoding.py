@@ -41,7 +41,6 @@ from tx_jax.inference.cache import Cache
 from tx_jax.inference.search import EOS_ID, LogitsFn, beam_search, greedy_decode, sample_decode
 from tx_jax.model.config import ModelConfig
 from tx_jax.model.transformer import DecoderOnly, EncoderDecoder
-from tx_jax.ops import backend
 
 Array = jax.Array
 # Section 6.1: "maximum output length to input length + 50". A source's own length, not its
@@ -216,11 +215,11 @@ FIRST_STAGE = 10
 COMPACT = 4
 
 
-def _compaction(compact: int | None, use_cache: bool) -> int:
+def _compaction(compact: int | None, use_cache: bool, config: ModelConfig) -> int:
     if not use_cache:  # the no-cache reference closes over its batch's source
         return 1
-    if compact is None:
-        return COMPACT if backend.current() == "cpu" else 1
+    if compact is None:  # by the platform the model config was resolved for
+        return COMPACT if config.platform == "cpu" else 1
     if compact < 1:
         raise ValueError(f"compact={compact}: expected >= 1 (1: off)")
     return compact
@@ -270,7 +269,8 @@ def translate_greedy(
     n + 50), capped by max_decode_len; T = decode_length(S, ...) holds every row's. An
     all-padding row decodes nothing. use_cache=False recomputes the whole prefix each step (the
     reference, for benchmarks). compact=c: once at most B // c rows are unfinished they go
-    on in batches of B // c (search.py; None: COMPACT on CPU, off elsewhere; 1: off).
+    on in batches of B // c (search.py; None: COMPACT where `config` was resolved for a CPU,
+    else off; 1: off).
     prompt [B, P] (0-padded on the right): each row's forced first output tokens, e.g. an
     M2M100/NLLB target-language token (search.sample_decode); the limit counts them.
     """
@@ -288,7 +288,7 @@ def translate_greedy(
         prompt=prompt,
         limits=limits,
         grow_at=grow_at,
-        compact=_compaction(compact, use_cache),
+        compact=_compaction(compact, use_cache, config),
     )
 
 
@@ -345,7 +345,7 @@ def translate_beam(
         prompt=prompt,
         limits=limits,
         grow_at=grow_at,
-        compact=_compaction(compact, use_cache),
+        compact=_compaction(compact, use_cache, config),
     )
 
 
@@ -418,5 +418,5 @@ def sample(
         top_p=top_p,
         limits=limits,
         grow_at=grow_at,
-        compact=_compaction(compact, use_cache),
+        compact=_compaction(compact, use_cache, config),
     )

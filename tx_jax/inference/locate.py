@@ -243,8 +243,11 @@ def open_step(
     differences = config_differences(meta["config"], config.to_dict())
     tokenizer = Tokenizer.from_bytes(meta["tokenizer"])
     try:
-        model_config = ModelConfig.from_config(
-            config.model, vocab_size=tokenizer.vocab_size, bos_id=tokenizer.bos_id
+        model_config = ModelConfig.of_run(
+            config,
+            (device or jax.local_devices()[0]).platform,
+            vocab_size=tokenizer.vocab_size,
+            bos_id=tokenizer.bos_id,
         )
     except ValueError as e:
         raise CheckpointError(

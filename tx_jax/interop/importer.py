@@ -31,13 +31,13 @@ from etils import epath
 
 from tx_jax.interop import hf_tokenizers, pretrained
 from tx_jax.interop.seq2seq_layout import PretrainedError
-from tx_jax.model.config import ModelConfig
+from tx_jax.model.config import IMPLEMENTATION_FIELDS, ModelConfig
 from tx_jax.training import logs
 from tx_jax.training.checkpoint import Checkpointer
 
 DTYPES = ("float32", "bfloat16")
 # ModelConfig fields a run sets itself (from its tokenizer, or for decoding and analysis).
-_SET_BY_THE_RUN = ("vocab_size", "bos_id", "decode", "sow_attention_weights")
+_SET_BY_THE_RUN = ("vocab_size", "bos_id", "decode", "sow_attention_weights", "platform")
 
 
 def read_config(source: epath.Path) -> dict[str, Any]:
@@ -107,6 +107,9 @@ def run_config(
         if f.name in _SET_BY_THE_RUN:
             continue
         value = getattr(cfg, f.name)
+        # resolved per platform when the imported model runs: --config's values ('auto') kept
+        if f.name in IMPLEMENTATION_FIELDS and f.name not in imported:
+            value = base.model.get(f.name, "auto")
         if value is None:  # typed like configs/default.py's optional fields
             value = ml_collections.FieldReference(None, field_type=int)
         c.model[f.name] = value

@@ -18,14 +18,14 @@ that blockwise kernels never materialise an L x S array:
 A query row that may attend to nothing returns zeros, never NaN.
 
 This module computes 'xla', eq. 1 as written: the reference. Every other implementation is a
-kernel behind the backend switch (ops/attention_kernels.py says which runs for 'auto' on each
-platform and calls it), so the model reads the same on every backend.
+kernel in ops/attention_kernels.py, named by a concrete `implementation` (ModelConfig.resolved
+picks it per platform when a run is built), so the model reads the same on every backend.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,9 +36,6 @@ from tx_jax.ops.kernels import dropout
 from tx_jax.ops.masks import dense_mask
 
 Array = jax.Array
-Implementation = Literal[
-    "auto", "xla", "chunked", "cudnn", "cudnn_broadcast", "cudnn_nodbias", "splash"
-]
 _NEG = -1e30  # finite "minus infinity": exp(_NEG - m) == 0 without inf - inf = NaN.
 
 
@@ -58,12 +55,11 @@ def dot_product_attention(
     dropout_rate: float = 0.0,
     dropout_rng: Array | None = None,
     deterministic: bool = True,
-    implementation: Implementation = "auto",
+    implementation: str = "xla",
     return_weights: bool = False,
     chunk_size: int = 512,
     precision: Any = None,
-    kernels: str = "auto",
-    dropout_bits: str = "auto",
+    dropout_bits: str = "bernoulli",
 ) -> Array | tuple[Array, Array]:
     """softmax(q k^T / sqrt(Dk) + bias) v over [B, L, H, Dk] queries, [B, S, K, Dk] keys and
     [B, S, K, Dv] values.
@@ -77,10 +73,9 @@ def dot_product_attention(
       is_causal, q_segment_ids, kv_segment_ids: structured masks (module docstring).
       dropout_rate, dropout_rng, deterministic: dropout on the attention weights.
       implementation: one of ops.attention_kernels.IMPLEMENTATIONS ('xla', 'chunked' with
-        blocks of `chunk_size`, 'cudnn', 'splash', ...; 'auto' by platform): what each
-        computes and what it refuses is in that module's docstring.
+        blocks of `chunk_size`, 'cudnn', 'splash'): what each computes and what it refuses
+        is in that module's docstring.
       return_weights: also return the [B, H, L, S] weights ('xla' only).
-      kernels: whose dropout masks, 'auto' | 'cpu' | 'generic' (tx_jax/ops/kernels.py).
       dropout_bits: where the weights' dropout bits come from (ModelConfig.dropout_bits).
     Returns:
       [B, L, H, Dv] in value's dtype, and the float32 weights if return_weights.
@@ -89,18 +84,15 @@ def dot_product_attention(
     dropping = dropout_rate > 0.0 and not deterministic
     if dropping and dropout_rng is None:
         raise ValueError("dropout_rate > 0 with deterministic=False needs a dropout_rng")
-    impl = attention_kernels.choose(
-        implementation,
-        query,
-        key,
-        value,
-        dropout=dropping,
-        weights=return_weights,
-        bias=bias is not None,
-    )
+    impl = implementation
+    if impl not in attention_kernels.IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation={impl!r}; expected one of {attention_kernels.IMPLEMENTATIONS} "
+            "('auto' is resolved when a run is built: ModelConfig.resolved)"
+        )
     if return_weights and impl != "xla":
         raise ValueError(f"return_weights=True needs implementation='xla', not {impl!r}")
-    drop = (dropout_rate, dropout_rng, kernels, dropout_bits) if dropping else None
+    drop = (dropout_rate, dropout_rng, dropout_bits) if dropping else None
     structure = {
         "is_causal": is_causal,
         "q_segment_ids": q_segment_ids,

@@ -4,11 +4,12 @@
 validates every key. Decode and eval variants come from `config.replace(decode=True, ...)`.
 `VARIANTS` holds the paper's Table 3 models (and CPU-sized ones); `variant(name)` builds one.
 
-The implementation fields (attention_impl, kernels, dropout_bits, loss_impl, residual_norm,
-ffn_impl, remat) follow one rule (docs/design.md, "Implementation choices: one rule"): 'auto'
-is per platform the value tested and timed fastest there; the others are memory levers, the
-generic references, or candidates asked for by name. A value that timed runs beat is gone, and
-`from_config` loads a config naming it as the value that beat it (REPLACED).
+The implementation fields (attention_impl, kernels, dropout_bits, loss_impl) may be 'auto' in a
+config; `resolved(platform)`, called once where a run, plan, export or lowering test is built,
+makes them concrete: per platform the value tested and timed fastest there (docs/design.md,
+"Implementation choices: one rule"). Modules receive only concrete values. A value that timed
+runs beat, or that never ran, is gone: `from_config` loads a config naming it as the value that
+ran (REPLACED, REMOVED_FIELDS), with a warning.
 """
 
 from __future__ import annotations
@@ -20,11 +21,9 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from tx_jax.ops import backend, cudnn
 from tx_jax.ops.attention_kernels import IMPLEMENTATIONS
-from tx_jax.ops.ffn import FFN_IMPLS
 from tx_jax.ops.kernels import DROPOUT_BITS, KERNELS
-from tx_jax.ops.output_loss import LOSS_IMPLS
-from tx_jax.ops.residual_norm import RESIDUAL_NORMS
 
 # gelu: flax's tanh approximation (Transformers' "gelu_new"); gelu_exact: the erf form
 # (Transformers' "gelu"); silu: x * sigmoid(x), not gated (Transformers' "swish", Marian's).
@@ -39,20 +38,25 @@ NORM_POSITIONS = ("post", "pre")
 POOLINGS = ("mean", "first")
 REMATS = ("none", "full", "dots")
 DTYPES = ("float32", "bfloat16", "float16")
+# dense: float32 logits [B, L, V], then the loss; blocked: the output layer and loss over blocks
+# of positions, logits recomputed in the backward pass (a memory lever; training/losses.py)
+LOSS_IMPLS = ("dense", "blocked")
+PLATFORMS = ("cpu", "gpu", "tpu")
+# 'auto' in a config; concrete after `ModelConfig.resolved` (what modules take)
+IMPLEMENTATION_FIELDS = ("attention_impl", "kernels", "dropout_bits", "loss_impl")
+CHUNKED_FROM = 2048  # CPU: from this many keys 'chunked' attention beats 'xla' (BENCHMARKS.md)
 _ENUMS = {
     "activation": ACTIVATIONS,
     "norm": NORMS,
     "norm_position": NORM_POSITIONS,
     "positional": POSITIONALS,
     "sinusoid_style": SINUSOID_STYLES,
-    "attention_impl": IMPLEMENTATIONS,
-    "kernels": KERNELS,
+    "attention_impl": ("auto", *IMPLEMENTATIONS),
+    "kernels": ("auto", *KERNELS),
     "pooling": POOLINGS,
     "remat": REMATS,
-    "dropout_bits": DROPOUT_BITS,
-    "loss_impl": LOSS_IMPLS,
-    "residual_norm": RESIDUAL_NORMS,
-    "ffn_impl": FFN_IMPLS,
+    "dropout_bits": ("auto", *DROPOUT_BITS),
+    "loss_impl": ("auto", *LOSS_IMPLS),
     "dtype": DTYPES,
     "param_dtype": DTYPES,
 }
@@ -61,8 +65,16 @@ _ENUMS = {
 REPLACED = {
     ("attention_impl", "cudnn_native"): "cudnn",  # cuDNN's packed masks: slower than the bias
     ("attention_impl", "cudnn_jax"): "cudnn",  # renamed: jax.nn's cuDNN call is 'cudnn'
+    ("attention_impl", "cudnn_broadcast"): "cudnn",  # never ran on a GPU
+    ("attention_impl", "cudnn_nodbias"): "cudnn",  # never ran on a GPU
     ("dropout_bits", "rbg"): "bernoulli",  # XLA's RngBitGenerator: slower than Threefry
+    ("dropout_bits", "hash"): "auto",  # never ran on a GPU or TPU
+    ("loss_impl", "onepass"): "auto",  # never ran on a GPU or TPU
+    ("loss_impl", "fused"): "auto",  # Pallas kernels that never ran on a GPU
 }
+# Fields that are gone, and the one value each computed with that is still the model's way: a
+# config naming another value loads without the field, with a warning (never ran on a GPU).
+REMOVED_FIELDS = {"residual_norm": ("auto", "xla"), "ffn_impl": ("auto", "xla")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,24 +109,13 @@ class ModelConfig:
     attention_bias: bool = False  # biases in the Q/K/V/O projections
     ffn_bias: bool = True  # biases in the FFN (eq. 2 has b1, b2)
     logits_bias: bool = False  # a [V] bias added to the output logits (Marian's final_logits_bias)
-    # auto | xla | chunked | cudnn | cudnn_broadcast | cudnn_nodbias | splash
-    # (ops/attention_kernels.py: what each is, and what 'auto' picks per platform)
-    attention_impl: str = "auto"
-    kernels: str = "auto"  # auto | cpu | generic: projections and dropout (tx_jax/ops/kernels.py)
-    # auto | bernoulli | packed | hash: how dropout's random bits are drawn (ops/kernels.py)
-    dropout_bits: str = "auto"
-    # auto | dense | onepass | blocked | fused: the training loss over full [B, L, V] logits
-    # (read four times, or once), over blocks of positions with the logits recomputed in the
-    # backward pass (ops/output_loss.py: a memory lever), or in Pallas kernels that never
-    # write them (ops/fused_loss.py)
-    loss_impl: str = "auto"
+    # The implementation fields: 'auto' (`resolved` picks per platform) or a concrete value;
+    # the defaults are the references. xla | chunked | cudnn | splash (ops/attention_kernels.py)
+    attention_impl: str = "xla"
+    kernels: str = "generic"  # cpu | generic: the projections (ops/kernels.py)
+    dropout_bits: str = "bernoulli"  # bernoulli | packed: dropout's random bits (ops/kernels.py)
+    loss_impl: str = "dense"  # dense | blocked (a memory lever): LOSS_IMPLS
     loss_block: int = 64  # 'blocked': target positions per block (of every batch row)
-    # auto | xla | pallas: the post-LN tail Norm(x + Dropout(y)) as XLA fuses it, or one Pallas
-    # kernel each way (ops/residual_norm.py)
-    residual_norm: str = "auto"
-    # auto | xla | pallas: the relu FFN's bias, ReLU and their gradients inside Pallas matmuls
-    # (ops/ffn.py)
-    ffn_impl: str = "auto"
     dtype: str = "float32"  # compute dtype (activations, matmuls)
     param_dtype: str = "float32"  # storage dtype of the parameters
     remat: str = (  # a memory lever
@@ -125,6 +126,7 @@ class ModelConfig:
     pooling: str = "mean"  # EncoderOnly: mean (over real tokens) | first
     decode: bool = False  # incremental decoding with a KV cache
     sow_attention_weights: bool = False  # store attention maps in 'intermediates'
+    platform: str | None = None  # what `resolved` chose the implementation fields for
 
     def __post_init__(self):
         self.validate()
@@ -135,10 +137,12 @@ class ModelConfig:
         value in REPLACED loads as its replacement, with a warning naming the key."""
         items = dict(config.items() if hasattr(config, "items") else config)
         items.update(overrides)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(items) - known)
-        if unknown:
-            raise ValueError(f"unknown model config key(s) {unknown}; valid keys: {sorted(known)}")
+        for key, kept in REMOVED_FIELDS.items():
+            if key in items and items.pop(key) not in kept:
+                warnings.warn(
+                    f"model.{key} is no longer a field; loading the model's {kept[-1]!r} way",
+                    stacklevel=2,
+                )
         for key, value in items.items():
             new = REPLACED.get((key, value)) if isinstance(value, str) else None
             if new is not None:
@@ -147,20 +151,88 @@ class ModelConfig:
                     stacklevel=2,
                 )
                 items[key] = new
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(items) - known)
+        if unknown:
+            raise ValueError(f"unknown model config key(s) {unknown}; valid keys: {sorted(known)}")
         return cls(**items)
+
+    @classmethod
+    def of_run(cls, config: Any, platform: str, **overrides: Any) -> ModelConfig:
+        """A run config's `model` section (plus `overrides`: the vocabulary) resolved for
+        `platform` with the run's longest sequence and determinism: the one resolution every
+        run, plan, restore and export goes through."""
+        data, train = config.get("data", {}), config.get("train", {})
+        longest = max(data.get("max_len", 0), data.get("max_eval_len", 0))
+        # train.deterministic sets XLA:GPU's flag (tx_jax.main); a flag set by hand counts too
+        deterministic = bool(train.get("deterministic", False)) or backend.deterministic_ops()
+        return cls.from_config(config.model, **overrides).resolved(
+            platform, longest=longest, deterministic=deterministic
+        )
+
+    def resolved(
+        self, platform: str, *, longest: int = 0, deterministic: bool = False
+    ) -> ModelConfig:
+        """This config with every implementation field concrete for `platform` ('cpu', 'gpu'
+        or 'tpu'; 'cuda' and 'rocm' mean 'gpu'): the one place 'auto' is resolved, to the
+        value tested and timed fastest there (BENCHMARKS.md, "Implementation choices").
+        `longest`: the run's longest sequence ('chunked' attention on a CPU from CHUNKED_FROM);
+        `deterministic`: XLA:GPU's deterministic mode (train.deterministic), where cuDNN's
+        attention fails at its first call."""
+        platform = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
+        if platform not in PLATFORMS:
+            raise ValueError(f"platform {platform!r}; expected one of {PLATFORMS}")
+        attention = self.attention_impl
+        if attention == "cudnn" and deterministic:
+            raise ValueError(
+                "model.attention_impl='cudnn': cuDNN's fused attention fails in XLA:GPU's "
+                "deterministic mode (train.deterministic); use 'auto' or 'xla'"
+            )
+        if attention == "auto":
+            D = self.head_dim or self.d_model // self.num_heads
+            cudnn_applies = (
+                platform == "gpu"
+                and not deterministic
+                and self.attention_dropout_rate == 0.0  # cuDNN's call here takes no dropout
+                and cudnn.applies(self.dtype, D, self.value_head_dim or D)
+            )
+            chunked = platform == "cpu" and longest >= CHUNKED_FROM
+            attention = "xla"  # the returned weights (sow_attention_weights) exist only here
+            if not self.sow_attention_weights:
+                attention = "cudnn" if cudnn_applies else "chunked" if chunked else "xla"
+        kernels = self.kernels
+        if kernels == "auto":
+            kernels = "cpu" if platform == "cpu" else "generic"
+        bits = self.dropout_bits
+        if bits == "auto":  # the CPU kernels' masks go with them
+            bits = "packed" if kernels == "cpu" else "bernoulli"
+        loss = "dense" if self.loss_impl == "auto" else self.loss_impl
+        return self.replace(
+            attention_impl=attention,
+            kernels=kernels,
+            dropout_bits=bits,
+            loss_impl=loss,
+            platform=platform,
+        )
+
+    @property
+    def is_resolved(self) -> bool:
+        """Whether every implementation field is concrete (what modules take)."""
+        return all(getattr(self, key) != "auto" for key in IMPLEMENTATION_FIELDS)
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field: values, then shapes and sizes, then
-        the architecture's options, then the implementation levers' requirements."""
+        the architecture's options."""
         for key, allowed in _ENUMS.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"model.{key}={getattr(self, key)!r}; expected one of {allowed}")
         self._check_sizes()
         self._check_options()
-        self._check_levers()
+        if self.platform is not None and self.platform not in PLATFORMS:
+            raise ValueError(f"model.platform={self.platform!r}; expected one of {PLATFORMS}")
 
     def _check_sizes(self) -> None:
         for key in ("vocab_size", "d_model", "num_heads", "d_ff", "max_len", "loss_block"):
@@ -208,38 +280,6 @@ class ModelConfig:
             raise ValueError("model.sinusoid_style='fairseq' needs d_model >= 4")
         if self.positional == "rope" and (self.head_dim or self.d_model // self.num_heads) % 2:
             raise ValueError("model.positional='rope' needs an even head dimension")
-
-    def _check_levers(self) -> None:
-        if self.loss_impl == "fused" and self.d_model % 64:
-            raise ValueError(
-                f"model.loss_impl='fused' needs d_model a multiple of 64; {self.d_model}"
-            )
-        if self.ffn_impl == "pallas":
-            wants = {"activation": "relu", "ffn_bias": True, "ffn_dropout_rate": 0.0}
-            for key, value in wants.items():
-                if getattr(self, key) != value:
-                    raise ValueError(
-                        f"model.ffn_impl='pallas' fuses the paper's FFN (relu, biases, no hidden "
-                        f"dropout); model.{key}={getattr(self, key)!r} needs ffn_impl='xla'"
-                    )
-            if self.d_model % 64 or self.d_ff % 128:
-                raise ValueError(
-                    "model.ffn_impl='pallas' needs d_model a multiple of 64 and d_ff of 128; "
-                    f"{self.d_model}, {self.d_ff}"
-                )
-        if self.residual_norm == "pallas":
-            wants = {"norm": "layernorm", "norm_position": "post", "dropout_bits": "hash"}
-            for key, value in wants.items():
-                if getattr(self, key) != value:
-                    raise ValueError(
-                        f"model.residual_norm='pallas' fuses the post-LN LayerNorm and hashes its "
-                        f"dropout masks (dropout_bits='hash'); model.{key}="
-                        f"{getattr(self, key)!r} needs residual_norm='xla'"
-                    )
-            if self.d_model & (self.d_model - 1):
-                raise ValueError(
-                    f"model.residual_norm='pallas' needs a power-of-two d_model; {self.d_model}"
-                )
 
     @property
     def compute_dtype(self) -> Any:

@@ -7,8 +7,6 @@ two orders (`ModelConfig.norm_position`):
     'post' (the paper):  x = Norm(x + Dropout(Sublayer(x)))
     'pre' (Xiong et al. 2020, most descendants):  x = x + Dropout(Sublayer(Norm(x)))
 Pre-LN stacks end with one more Norm (Encoder/Decoder in transformer.py add it).
-With `ModelConfig.residual_norm='pallas'` the post-LN tail is one Pallas kernel each way
-(ops/residual_norm.py), under the same parameter names.
 """
 
 from __future__ import annotations
@@ -22,8 +20,6 @@ import jax.numpy as jnp
 
 from tx_jax.model.config import ACTIVATIONS, NORMS, ModelConfig
 from tx_jax.model.multihead import MultiHeadAttention
-from tx_jax.ops import ffn as ffn_ops
-from tx_jax.ops import residual_norm
 from tx_jax.ops.kernels import Dropout, bias_add, dense
 
 Array = jax.Array
@@ -42,9 +38,8 @@ class FeedForward(nn.Module):
     activation: str = "relu"
     dropout_rate: float = 0.0
     use_bias: bool = True
-    kernels: str = "auto"  # ModelConfig.kernels
-    dropout_bits: str = "auto"  # ModelConfig.dropout_bits
-    impl: str = "auto"  # ModelConfig.ffn_impl
+    kernels: str = "generic"  # ModelConfig.kernels
+    dropout_bits: str = "bernoulli"  # ModelConfig.dropout_bits
     dtype: Any = None
     param_dtype: Any = jnp.float32
 
@@ -79,10 +74,6 @@ class FeedForward(nn.Module):
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation={self.activation!r}; expected one of {ACTIVATIONS}")
         M = x.shape[-1]
-        if ffn_ops.resolve(self.impl) == "pallas":  # relu, biases, no hidden dropout (validated)
-            w1, b1 = self._params("wi", (M, self.d_ff), ("embed", "mlp"))
-            w2, b2 = self._params("wo", (self.d_ff, M), ("mlp", "embed"))
-            return ffn_ops.relu_ffn(x.astype(self.dtype or x.dtype), w1, b1, w2, b2)
         h = self._dense(x, self.d_ff, ("embed", "mlp"), "wi")  # [B, L, F]
         if self.activation == "relu":
             h = nn.relu(h)
@@ -95,9 +86,7 @@ class FeedForward(nn.Module):
         else:  # swiglu
             h = nn.silu(h) * self._dense(x, self.d_ff, ("embed", "mlp"), "wi_gate")
         h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))
-        h = Dropout(self.dropout_rate, self.kernels, self.dropout_bits)(
-            h, deterministic=deterministic
-        )
+        h = Dropout(self.dropout_rate, self.dropout_bits)(h, deterministic=deterministic)
         return self._dense(h, M, ("mlp", "embed"), "wo")
 
 
@@ -121,26 +110,6 @@ def make_norm(kind: str, epsilon: float, dtype: Any, param_dtype: Any, name: str
     raise ValueError(f"norm={kind!r}; expected one of {NORMS}")
 
 
-class _NormParams(nn.Module):
-    """LayerNorm's parameters alone, under the same names as make_norm's (a checkpoint reads
-    the same whichever `residual_norm` computes with them)."""
-
-    param_dtype: Any
-
-    @nn.compact
-    def __call__(self, width: int) -> tuple[Array, Array]:
-        init = {
-            "scale": nn.initializers.ones_init(),
-            "bias": nn.initializers.zeros_init(),
-        }
-        return tuple(
-            self.param(
-                key, nn.with_logical_partitioning(fn, ("embed",)), (width,), self.param_dtype
-            )
-            for key, fn in init.items()
-        )
-
-
 class _ResidualLayer(nn.Module):
     """Shared plumbing: one residual sub-layer in the configured LN order."""
 
@@ -148,18 +117,7 @@ class _ResidualLayer(nn.Module):
 
     def residual(self, x: Array, fn: Callable[[Array], Array], name: str, det: bool) -> Array:
         cfg = self.config
-        drop = Dropout(cfg.dropout_rate, cfg.kernels, cfg.dropout_bits, name=f"{name}_dropout")
-        if residual_norm.resolve(cfg.residual_norm) == "pallas":  # post-LN (config.validate)
-            scale, bias = _NormParams(cfg.parameter_dtype, name=f"{name}_norm")(x.shape[-1])
-            y = fn(x)
-            dtype = jnp.result_type(x, y)
-            rng = None if det or cfg.dropout_rate == 0.0 else drop.key()
-            x, y = x.astype(dtype), y.astype(dtype)
-            out = residual_norm.post_norm(
-                x, y, scale, bias, cfg.dropout_rate, rng, eps=cfg.norm_epsilon
-            )
-            x = out.astype(cfg.compute_dtype)
-            return nn.with_logical_constraint(x, ("batch", "length", "embed"))
+        drop = Dropout(cfg.dropout_rate, cfg.dropout_bits, name=f"{name}_dropout")
         norm = make_norm(
             cfg.norm, cfg.norm_epsilon, cfg.compute_dtype, cfg.parameter_dtype, f"{name}_norm"
         )
@@ -223,7 +181,6 @@ class _ResidualLayer(nn.Module):
             use_bias=cfg.ffn_bias,
             kernels=cfg.kernels,
             dropout_bits=cfg.dropout_bits,
-            impl=cfg.ffn_impl,
             dtype=cfg.compute_dtype,
             param_dtype=cfg.parameter_dtype,
             name="ffn",

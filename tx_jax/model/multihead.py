@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tx_jax.model.attention import Implementation, beam_cache_attention, dot_product_attention
+from tx_jax.model.attention import beam_cache_attention, dot_product_attention
 from tx_jax.model.positional import apply_rope
 from tx_jax.ops.kernels import dense
 from tx_jax.ops.masks import causal_mask, combine_masks
@@ -59,12 +59,12 @@ class MultiHeadAttention(nn.Module):
     out_features: int | None = None
     use_bias: bool = False
     dropout_rate: float = 0.0
-    implementation: Implementation = "auto"
+    implementation: str = "xla"  # ModelConfig.attention_impl, concrete
     rope_base: float | None = None
     decode: bool = False
     sow_weights: bool = False
-    kernels: str = "auto"  # ModelConfig.kernels: projections' and dropout's implementations
-    dropout_bits: str = "auto"  # ModelConfig.dropout_bits: the weights' dropout bits
+    kernels: str = "generic"  # ModelConfig.kernels: the projections' implementation
+    dropout_bits: str = "bernoulli"  # ModelConfig.dropout_bits: the weights' dropout bits
     dtype: Any = None
     param_dtype: Any = jnp.float32
     precision: Any = None
@@ -171,7 +171,6 @@ class MultiHeadAttention(nn.Module):
             implementation=self.implementation,
             return_weights=self.sow_weights,
             precision=self.precision,
-            kernels=self.kernels,
             dropout_bits=self.dropout_bits,
         )
         if self.sow_weights:
@@ -246,7 +245,6 @@ class MultiHeadAttention(nn.Module):
             kv_segment_ids=kv_segment_ids,
             implementation=self.implementation,
             precision=self.precision,
-            kernels=self.kernels,
         )
         return self._output(out.reshape(BN, L, H, -1), self.out_features or M)
 

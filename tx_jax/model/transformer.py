@@ -14,8 +14,8 @@ every key. Decode and eval variants come from `config.replace(decode=True, ...)`
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -61,7 +61,7 @@ class Embedding(nn.Module):
     features: int
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
-    kernels: str = "auto"  # ModelConfig.kernels (the tied logits' product)
+    kernels: str = "generic"  # ModelConfig.kernels (the tied logits' product)
 
     def setup(self):
         # With sqrt(M) scaling, std M^-0.5 gives unit-variance scaled embeddings.
@@ -90,16 +90,16 @@ def _embedding(cfg: ModelConfig, vocab: int, name: str) -> Embedding:
 
 
 def _layer_cls(cls: type[nn.Module], cfg: ModelConfig) -> type[nn.Module]:
-    # Argument 0 is the module itself, so `deterministic` (the last one) is static.
     if cfg.remat == "none":
         return cls
-    n_args = {EncoderLayer: 4, DecoderLayer: 6}[cls]
+    # `deterministic` is static; argument 0 is the module itself, as in the signature
+    static = tuple(inspect.signature(cls.__call__).parameters).index("deterministic")
     # 'dots': keep the outputs of matmuls without batch dimensions (the projections and the
     # FFN), recompute the rest (norms, softmax, dropout, activations) in the backward pass.
     policy = (
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable if cfg.remat == "dots" else None
     )
-    return nn.remat(cls, static_argnums=(n_args,), policy=policy)
+    return nn.remat(cls, static_argnums=(static,), policy=policy)
 
 
 class _Stack(nn.Module):
@@ -126,7 +126,7 @@ class _Stack(nn.Module):
                 cfg.parameter_dtype,
                 name="pos_embedding",
             )(positions)
-        x = Dropout(cfg.dropout_rate, cfg.kernels, cfg.dropout_bits)(x, deterministic=deterministic)
+        x = Dropout(cfg.dropout_rate, cfg.dropout_bits)(x, deterministic=deterministic)
         return nn.with_logical_constraint(x, ("batch", "length", "embed"))
 
     def final_norm(self, x: Array) -> Array:
@@ -166,8 +166,8 @@ class Encoder(_Stack):
 class Decoder(_Stack):
     """Decoder inputs [B, L] (already shifted) -> logits [B, L, V] in float32, or with
     return_hidden=True the final hidden states [B, L, M] (compute dtype) that the output
-    layer would project (the training loss's blocked path projects them itself:
-    ops/output_loss.py, with the weights `output_projection` finds).
+    layer would project (the training loss's blocked path projects them itself, with the
+    weights `output_weights` gives).
 
     With `encoded` [B, S, M] it cross-attends (EncoderDecoder); with encoded=None and
     cross_attention=False it is a language model. In decode mode, positions come from a
@@ -227,6 +227,14 @@ class Decoder(_Stack):
             )
             logits = logits + bias.astype(jnp.float32)
         return logits
+
+    def output_weights(self) -> tuple[Array, Array | None]:
+        """(table [V, M], bias [V] or None) with logits = h table^T + bias: the tied embedding
+        E, or the untied kernel's transpose W^T."""
+        cfg = self.config
+        params = nn.meta.unbox(self.variables["params"])
+        table = self.embed.embedding if cfg.tie_output else params["logits_kernel"].T
+        return table, params["logits_bias"] if cfg.logits_bias else None
 
     def _decode_positions(self, tokens: Array, positions: Array | None) -> Array:
         initialised = self.has_variable("cache", "position")
@@ -331,6 +339,11 @@ class EncoderDecoder(nn.Module):
             return_hidden=return_hidden,
         )
 
+    def output_weights(self) -> tuple[Array, Array | None]:
+        """The output layer's (table [V, M], bias [V] or None), logits = h table^T + bias:
+        `model.apply({'params': params}, method='output_weights')`."""
+        return self.decoder.output_weights()
+
 
 class DecoderOnly(nn.Module):
     """Causal language model. targets [B, L] -> logits [B, L, V] (shifted internally), or
@@ -368,6 +381,10 @@ class DecoderOnly(nn.Module):
             deterministic=deterministic,
             return_hidden=return_hidden,
         )
+
+    def output_weights(self) -> tuple[Array, Array | None]:
+        """As EncoderDecoder.output_weights."""
+        return self.decoder.output_weights()
 
 
 class EncoderOnly(nn.Module):
@@ -415,40 +432,6 @@ class EncoderOnly(nn.Module):
         return pooled
 
 
-def output_projection(
-    model: EncoderDecoder | DecoderOnly, params: Any
-) -> tuple[Array, Array | None]:
-    """The output layer's weights in `params`: (table [V, M], bias [V] or None), the table
-    being the tied target embedding E or the untied decoder kernel's transpose W^T, so that
-    logits = h table^T + bias as Decoder computes them from its hidden states h."""
-    cfg = model.config
-    params = nn.meta.unbox(params)
-    if cfg.tie_output:
-        name = "embed" if isinstance(model, DecoderOnly) else "target_embed"
-        if isinstance(model, EncoderDecoder) and cfg.share_embeddings:
-            name = "source_embed"  # one module, registered under the source's name
-        path = (name, "embedding")
-    else:
-        path = ("decoder", "logits_kernel")
-    table = _find(params, path)
-    if not cfg.tie_output:
-        table = table.T  # W [M, V] -> [V, M]
-    bias = _find(params, ("decoder", "logits_bias")) if cfg.logits_bias else None
-    return table, bias
-
-
-def _find(params: Any, path: tuple[str, ...]) -> Array:
-    node = params
-    for key in path:
-        if not isinstance(node, Mapping) or key not in node:
-            raise KeyError(
-                f"output_projection: no params[{']['.join(map(repr, path))}] (top-level keys: "
-                f"{sorted(params)}); the model config does not match these parameters"
-            )
-        node = node[key]
-    return node
-
-
 def count_params(params: Any) -> int:
     """Number of scalars in a (possibly boxed) parameter tree."""
     return sum(x.size for x in jax.tree_util.tree_leaves(nn.meta.unbox(params)))
@@ -458,9 +441,15 @@ TASKS = ("translation", "lm")  # config.task: which model class a run trains
 
 
 def make_model(cfg: ModelConfig, task: str = "translation") -> EncoderDecoder | DecoderOnly:
-    """The model a task trains: EncoderDecoder for 'translation', DecoderOnly for 'lm'."""
+    """The model a task trains: EncoderDecoder for 'translation', DecoderOnly for 'lm'. `cfg`
+    has concrete implementation fields (ModelConfig.resolved, where the run is built)."""
     if task not in TASKS:
         raise ValueError(f"task={task!r}; expected one of {TASKS}")
+    if not cfg.is_resolved:
+        raise ValueError(
+            "the model config has 'auto' implementation fields: resolve them for the platform "
+            "the model runs on, ModelConfig.resolved(platform), when the run is built"
+        )
     return DecoderOnly(cfg) if task == "lm" else EncoderDecoder(cfg)
 
 

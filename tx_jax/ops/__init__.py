@@ -1,5 +1,4 @@
 """Backend-specific kernels behind the model's attention, projections, dropout and loss, each
-chosen by a ModelConfig field whose 'auto' resolves per platform (backend.py): kernels.py picks
+named by a concrete ModelConfig field (ModelConfig.resolved picks them per platform): kernels.py
 the XLA:CPU-tuned projections and masks (matmul.py, dropout.py) or plain JAX;
-attention_kernels.py the attention kernel (flash.py, cudnn.py, splash.py); output_loss.py,
-fused_loss.py, residual_norm.py and ffn.py the loss, post-LN and FFN levers."""
+attention_kernels.py the attention kernels (flash.py, cudnn.py, splash.py)."""

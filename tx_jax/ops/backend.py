@@ -1,91 +1,16 @@
-"""The platform that 'auto' choices are made for: the host's default backend, or the target
-a step is being compiled for.
-
-    backend.current()                 'cpu' | 'gpu' | 'tpu': what 'auto' picks for
-    with backend.target('tpu'): ...   trace for a TPU from any host (tx_jax.planning compiles for
-                                      a TPU slice on a CPU host; 'auto' must pick the TPU's kernels)
-
-Only the *choice* reads this; the model code reads the same on every platform.
+"""Process-wide settings of JAX's backends, made before a run starts: XLA:GPU's deterministic
+mode, and keeping JAX from starting libtpu on a host without TPU chips. Which kernels a model
+runs is not decided here: ModelConfig.resolved(platform) makes those choices once, when a
+run is built.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import glob
 import importlib.util
 import os
 
 import jax
-
-PLATFORMS = ("cpu", "gpu", "tpu")
-_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("tx_jax_target", default=None)
-
-
-def current() -> str:
-    """The target set by `target(...)`, else jax.default_backend() ('cuda'/'rocm' -> 'gpu')."""
-    platform = _TARGET.get() or jax.default_backend()
-    return "gpu" if platform in ("cuda", "rocm") else platform
-
-
-@contextlib.contextmanager
-def target(platform: str):
-    """Make 'auto' choices for `platform` ('cpu', 'gpu', 'tpu'; 'cuda' means 'gpu') while
-    tracing inside this block."""
-    platform = "gpu" if platform in ("cuda", "rocm") else platform
-    if platform not in PLATFORMS:
-        raise ValueError(f"platform {platform!r}; expected one of {PLATFORMS}")
-    token = _TARGET.set(platform)
-    try:
-        yield platform
-    finally:
-        _TARGET.reset(token)
-
-
-_INTERPRET: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "tx_jax_pallas_interpret", default=False
-)
-
-
-@contextlib.contextmanager
-def pallas_interpreter():
-    """Trace the Pallas levers (model.residual_norm='pallas', loss_impl='fused',
-    ffn_impl='pallas') as their kernels in Pallas' interpreter on a CPU or TPU, where they
-    otherwise resolve to their XLA references: for tests and debugging (slow)."""
-    token = _INTERPRET.set(True)
-    try:
-        yield
-    finally:
-        _INTERPRET.reset(token)
-
-
-def pallas_kernels() -> bool:
-    """Whether a Pallas lever runs as its kernels here: compiled by Triton for a GPU, or in the
-    interpreter inside `pallas_interpreter()` (or with TX_JAX_PALLAS_INTERPRET=1). Elsewhere
-    (a CPU, a TPU) the model computes the same function the XLA way, so a GPU run's config
-    trains, evaluates and decodes anywhere at that platform's speed."""
-    if current() == "gpu":
-        return True
-    return _INTERPRET.get() or os.environ.get("TX_JAX_PALLAS_INTERPRET") == "1"
-
-
-def pallas_interpret(interpret: bool | None, lever: str, instead: str) -> bool:
-    """A Pallas op called directly: `interpret` as given, else the interpreter unless
-    compiling for a GPU; a ValueError naming `lever` and what to use `instead` for a TPU,
-    where the interpreter would be the whole step."""
-    if interpret is not None:
-        return bool(interpret)
-    if current() == "tpu":
-        raise ValueError(f"{lever} has Triton (GPU) kernels only; on TPU use {instead}")
-    return current() != "gpu"
-
-
-def shard_map_kernels(fn, mesh, in_specs, out_specs):
-    """jax.shard_map for Pallas kernels run per shard (see batch_split), without the
-    varying-axes check: pallas_call's outputs carry no such type (jax 0.10); replicated
-    inputs' cotangents are then summed across the mesh by the transpose."""
-    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-
 
 DETERMINISTIC_FLAG = "--xla_gpu_deterministic_ops=true"
 
@@ -126,24 +51,3 @@ def skip_absent_tpu() -> str | None:
     platforms = "cuda,cpu" if os.path.exists("/dev/nvidiactl") else "cpu"
     jax.config.update("jax_platforms", platforms)
     return platforms
-
-
-def batch_split(ndim: int):
-    """For a Pallas kernel that runs per shard (its custom call is not partitioned by XLA):
-    (mesh, spec, batch axes) where the jit being traced has a mesh of several devices and
-    flax's logical rules split the [B, L, M] activations' batch axis alone; else None (one
-    device, or a layout whose rows are not whole on each device: XLA then gathers the
-    operands)."""
-    import flax.linen as nn
-
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1 or ndim != 3:
-        return None
-    spec = nn.logical_to_mesh_axes(("batch", "length", "embed"))
-    if spec is None or len(spec) == 0 or any(e is not None for e in tuple(spec)[1:]):
-        return None
-    axes = spec[0]
-    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-    if not axes or all(mesh.shape[a] == 1 for a in axes):
-        return None
-    return mesh, jax.sharding.PartitionSpec(spec[0], None, None), axes

@@ -55,8 +55,7 @@ def flash_attention(
     dropout_rng: Array | None = None,
     chunk_size: int = 512,
     precision: Any = None,
-    kernels: str = "auto",
-    dropout_bits: str = "auto",
+    dropout_bits: str = "bernoulli",
 ) -> Array:
     """[B, L, H, Dk] queries, [B, S, K, Dk] keys, [B, S, K, Dv] values -> [B, L, H, Dv] in
     value's dtype.
@@ -74,7 +73,6 @@ def flash_attention(
         k_block=min(chunk_size, S),
         rate=float(dropout_rate) if dropout_rng is not None else 0.0,
         precision=precision,
-        kernels=kernels,
         bits=dropout_bits,
     )
     extras = (mask, q_segment_ids, kv_segment_ids, dropout_rng)
@@ -90,8 +88,7 @@ class _Spec:
     k_block: int
     rate: float
     precision: Any
-    kernels: str = "auto"  # whose dropout masks (tx_jax/ops/kernels.py)
-    bits: str = "auto"  # and where their bits come from (ModelConfig.dropout_bits)
+    bits: str = "bernoulli"  # the dropout masks' bits (ModelConfig.dropout_bits)
 
 
 # ------------------------------------------------------------------------- block layout
@@ -184,8 +181,8 @@ class _Problem:
             return p
         rng = jax.random.fold_in(jax.random.fold_in(self.rng, i), j)
         spec = self.spec
-        keep = keep_mask(rng, spec.rate, p.shape, spec.kernels, spec.bits)
-        return jnp.where(keep, p / (1.0 - effective_rate(spec.rate, spec.kernels, spec.bits)), 0.0)
+        keep = keep_mask(rng, spec.rate, p.shape, spec.bits)
+        return jnp.where(keep, p / (1.0 - effective_rate(spec.rate, spec.bits)), 0.0)
 
     def unblock(self, x: Array, n: int, length: int) -> Array:
         """[n, B, block, ...] -> [B, length, ...] (padding dropped)."""

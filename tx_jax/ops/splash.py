@@ -1,6 +1,6 @@
 """JAX's splash attention kernel (Pallas, TPU: block-sparse flash attention) as
-`model.attention_impl='splash'`: a TPU candidate, asked for by name until a TPU has run its
-tests and timed it.
+`model.attention_impl='splash'`: a kernel JAX ships and tests on TPUs, wrapped thinly for long
+context there; asked for by name ('auto' keeps to 'xla' until a TPU has timed it here).
 
 Shape letters (model/attention.py's): B batch, L query length, S key/value length, H query
 heads, K key/value heads, Dk/Dv head dims; Lp, Sp the lengths padded to whole blocks.

@@ -148,11 +148,10 @@ def _model_summary(mc: ModelConfig) -> dict[str, Any]:
         "dtype": mc.dtype,
         "attention_impl": mc.attention_impl,
         "remat": mc.remat,
-        # the step-speed levers, as the config names them ('auto' resolves per platform)
+        # the implementation fields, as resolved for the target's platform
+        "kernels": mc.kernels,
         "loss_impl": mc.loss_impl,
         "dropout_bits": mc.dropout_bits,
-        "residual_norm": mc.residual_norm,
-        "ffn_impl": mc.ffn_impl,
         "d_model": mc.d_model,
         "layers": [mc.num_encoder_layers, mc.num_decoder_layers],
     }

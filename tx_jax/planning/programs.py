@@ -4,8 +4,8 @@ compiler: the train step (one per batch shape), the eval step, greedy and beam d
 The run is built by the code that trains it (experiment/setup.py: the model, the optimizer, the
 jitted step; training/parallel.py: the mesh and the rules; data/train_input.py: the batch shapes),
 given the target's devices instead of jax.devices() and the vocabulary size from
-`data.vocab_size` instead of a tokenizer; nothing reads data. 'auto' kernels and attention are
-chosen for the target (ops/backend.py), not for this host.
+`data.vocab_size` instead of a tokenizer; nothing reads data. The model's implementation fields
+are resolved for the target's platform (ModelConfig.resolved), not for this host.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from tx_jax.data.tokenizer import BOS_ID, EOS_ID
 from tx_jax.experiment.setup import build_model, train_step_fn
 from tx_jax.experiment.validation import check_batch_divides, validate_config
 from tx_jax.inference import decoding
-from tx_jax.ops import backend
 from tx_jax.planning import hlo
 from tx_jax.planning.targets import Target
 from tx_jax.training import parallel
@@ -104,9 +103,10 @@ def build(config: ml_collections.ConfigDict, target: Target, devices: list) -> B
     validate_config(config)
     strategy = parallel.make_strategy(config.parallel, devices)
     check_batch_divides(config, strategy)
-    model_config, model, tx, schedule, init_fn = build_model(config, config.data.vocab_size, BOS_ID)
-    with backend.target(target.platform):
-        boxed = jax.eval_shape(init_fn)
+    model_config, model, tx, schedule, init_fn = build_model(
+        config, config.data.vocab_size, BOS_ID, target.platform
+    )
+    boxed = jax.eval_shape(init_fn)
     shardings = strategy.state_shardings(boxed)
     state = jax.tree_util.tree_map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -197,7 +197,7 @@ _OOM = re.compile(r"Ran out of memory.*?\(([\d.]+)G\) exceeds available \w+ \(([
 
 def _compile(built: Built, name: str, kind: str, lower, shapes, extra_bytes: int) -> Program:
     start = time.perf_counter()
-    with _optimized(), backend.target(built.target.platform):
+    with _optimized():
         lowered = lower()
         try:
             compiled = lowered.compile()

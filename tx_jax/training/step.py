@@ -22,8 +22,6 @@ import optax
 from jax import lax
 
 from tx_jax.model import DecoderOnly
-from tx_jax.model.transformer import output_projection
-from tx_jax.ops import backend, fused_loss, output_loss
 from tx_jax.training import losses
 from tx_jax.training.state import TrainState
 
@@ -62,32 +60,18 @@ def _loss_sums(model, params, batch, rng, label_smoothing, deterministic):
         args, kwargs = (batch["inputs"], batch["targets"]), model_kwargs(batch)
     targets = batch["targets"]
     weights = (targets > 0).astype(jnp.float32)
-    loss_impl = output_loss.resolve(model.config.loss_impl)
-    if loss_impl in ("blocked", "fused"):  # no [B, L, V] logits
+    variables = {"params": params}
+    if model.config.loss_impl == "blocked":  # no [B, L, V] logits: the loss projects blocks
         hidden = model.apply(
-            {"params": params},
-            *args,
-            **kwargs,
-            deterministic=deterministic,
-            rngs=rngs,
-            return_hidden=True,
+            variables, *args, **kwargs, deterministic=deterministic, rngs=rngs, return_hidden=True
         )
-        table, bias = output_projection(model, params)
-        if loss_impl == "fused":
-            sums = fused_loss.fused_output_loss(
-                hidden, table, bias, targets, weights, label_smoothing
-            )
-        else:
-            sums = output_loss.output_loss(
-                hidden, table, bias, targets, weights, label_smoothing, model.config.loss_block
-            )
-        return sums["loss"], sums
-    logits = model.apply(
-        {"params": params}, *args, **kwargs, deterministic=deterministic, rngs=rngs
-    )
-    sums = losses.loss_sums(
-        logits, targets, weights, label_smoothing, one_pass=loss_impl == "onepass"
-    )
+        table, bias = model.apply(variables, method="output_weights")
+        sums = losses.output_loss(
+            hidden, table, bias, targets, weights, label_smoothing, model.config.loss_block
+        )
+    else:
+        logits = model.apply(variables, *args, **kwargs, deterministic=deterministic, rngs=rngs)
+        sums = losses.loss_sums(logits, targets, weights, label_smoothing)
     return sums["loss"], sums
 
 
@@ -105,7 +89,8 @@ def train_step(
     """One optimizer update from one global batch (split into `grad_accum_steps` parts).
 
     A non-finite loss or gradient leaves params and optimizer state unchanged and is
-    counted in `nonfinite_total` / `nonfinite_run` (the loop stops after too many).
+    counted in `nonfinite_total` / `nonfinite_run` (the loop stops after too many); how it is
+    skipped follows the platform the model config was resolved for.
     """
     rng = jax.random.fold_in(state.rng, state.step)
     if axis_name is not None:  # each device's slice of the batch gets its own dropout
@@ -122,7 +107,8 @@ def train_step(
     grad_norm = optax.global_norm(grads)
     finite = jnp.isfinite(grad_norm) & jnp.isfinite(sums["loss"])
     update = functools.partial(_optimizer_update, tx, grads, state)
-    params, opt_state = _update_if(finite, update, (state.params, state.opt_state))
+    skip = _update_if_cond if model.config.platform == "cpu" else _update_if_select
+    params, opt_state = skip(finite, update, (state.params, state.opt_state))
     skipped = 1 - finite.astype(jnp.int32)
     new_state = state.replace(
         step=state.step + 1,
@@ -185,12 +171,14 @@ def _optimizer_update(tx: optax.GradientTransformation, grads, state: TrainState
     return params, opt_state
 
 
-def _update_if(finite: Array, update, old):
-    """update() where `finite`, else `old` (the params and optimizer state), as each backend
-    compiles best (benchmarks/HISTORY.md, "The skipped update without a conditional")."""
-    if backend.current() == "cpu":
-        # XLA:CPU copies every Adam moment to write a select's result into the donated buffers
-        return lax.cond(finite, update, lambda: old)
+# update() where `finite`, else `old` (the params and optimizer state), as each backend
+# compiles best (benchmarks/HISTORY.md, "The skipped update without a conditional").
+def _update_if_cond(finite: Array, update, old):
+    # XLA:CPU copies every Adam moment to write a select's result into the donated buffers
+    return lax.cond(finite, update, lambda: old)
+
+
+def _update_if_select(finite: Array, update, old):
     # XLA:GPU and XLA:TPU copy every leaf out of a conditional's result into the donated
     # buffers; a select writes them in place, and discards a non-finite update whatever it holds
     return jax.tree_util.tree_map(functools.partial(jnp.where, finite), update(), old)
