@@ -98,25 +98,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Sentences per eval/decode batch: on a 2-core CPU small batches decode fastest (sorted by
     # length, they finish together; BENCHMARKS.md "Evaluation speed"); accelerators want more.
     c.data.eval_batch_size = 16
-    c.data.lm_side = "target"  # task='lm': the side of the pairs modelled (target|source|both)
-    # Multilingual (tx_jax/data/directions.py; configs/multilingual.py): one model, several
-    # directions, a '<2xx>' target-language tag before each source, one shared vocabulary.
-    # 'en-de,de-en,en-fr' (or a list); '' = one pair, source_lang -> target_lang, untagged.
-    c.data.directions = ml_collections.FieldReference("", field_type=object)
-    # Also decoded for BLEU (e.g. zero-shot 'de-fr'; bleu/de-fr), not trained, not in the mean.
-    c.data.extra_eval_directions = ml_collections.FieldReference("", field_type=object)
-    c.data.mixture = "uniform"  # direction sampling: uniform | temperature (p_i ~ n_i^(1/T))
-    c.data.temperature = 5.0  # T of mixture='temperature' (1: proportional to size)
-    # Train on the first N pairs (of each direction) only, 0: all; or per direction
-    # 'en-fr=3000,fr-en=3000' (the directions not named keep every pair).
-    c.data.max_train_pairs = ml_collections.FieldReference(0, field_type=object)
-    # Back-translation (tx_jax/data/backtranslation.py): synthetic parallel corpora mixed into
-    # the train split, e.g. [{"source": "bt/mono.de.en-*.txt.gz", "target": "bt/mono.de-*.txt.gz",
-    # "ratio": 1.0, "tag": True}]: aligned plain-text lines (paths, globs or lists; local or
-    # gs://); ratio = synthetic examples drawn per real one on average; tag: synthetic_tag
-    # before each of its sources; optional "name". Evaluation reads only the real dataset.
-    c.data.synthetic_corpora = ml_collections.FieldReference([], field_type=object)
-    c.data.synthetic_tag = "<BT>"  # the tagged corpora's source tag, one piece of the tokenizer
+    # Study keys live in the configs of their study (tx_jax/config.py STUDY_KEYS: a config
+    # without one reads its neutral value): data.lm_side (configs/lm.py); data.directions,
+    # extra_eval_directions, mixture, temperature, max_train_pairs (configs/multilingual.py);
+    # data.backtranslation, backtranslation_tag (experiments/backtranslation.py).
     # An existing tokenizer.model (or a run directory holding one) instead of training one here.
     c.data.tokenizer_path = ml_collections.FieldReference(None, field_type=str)
 

@@ -69,7 +69,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.data.max_len = 48
         c.data.tokens_per_batch = 512
         c.data.bucket_boundaries = [48]
-        c.data.max_train_pairs = 64
+        c.data.max_train_pairs = 64  # the first 64 train pairs (a key configs/default.py lacks)
         c.train.update(num_steps=6, warmup_steps=2, log_every=2, peak_lr=1e-3)
         c.eval.update(every=6, bleu_examples=8, test_beam_size=1, test_split="")
         c.checkpoint.every = 6

@@ -41,7 +41,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     # Data: the synthetic pair corpus; the model reads its target side only.
     c.data.dataset = "synthetic"
-    c.data.lm_side = "target"  # target | source | both (both: 2 texts per pair)
+    c.data.lm_side = "target"  # this task's key: target | source | both (2 texts per pair)
     c.data.vocab_size = 512  # SentencePiece trained on the modelled side only
     c.data.max_len = 64  # longer texts (in tokens, EOS included) are dropped
     c.data.max_eval_len = 64  # eval texts are truncated to this (one padded shape)

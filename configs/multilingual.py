@@ -83,11 +83,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     # Data: Multi30k read in every direction (tags, shared vocabulary: tx_jax/data/directions.py).
     c.data.dataset = "multi30k"
-    c.data.directions = ",".join(trained)  # the trained directions, in sampling-state order
-    c.data.extra_eval_directions = ",".join(extra)  # decoded for BLEU only (zero-shot)
-    c.data.mixture = args.mixture  # uniform | temperature
-    c.data.temperature = args.temperature  # T: p_i ~ n_i^(1/T)
-    c.data.max_train_pairs = 0  # first N train pairs per direction, or 'en-fr=3000,...'; 0: all
+    # The keys of this study (configs/default.py has none; tx_jax/data/directions.py): the
+    # trained directions, in sampling-state order, 'en-de,de-en' or a list, each source
+    # tagged '<2xx>' with its target language; '' would be one untagged pair.
+    c.data.directions = ml_collections.FieldReference(",".join(trained), field_type=object)
+    # Also decoded for BLEU (zero-shot 'de-fr': bleu/de-fr), not trained, not in the mean.
+    c.data.extra_eval_directions = ml_collections.FieldReference(",".join(extra), field_type=object)
+    c.data.mixture = args.mixture  # direction sampling: uniform | temperature
+    c.data.temperature = args.temperature  # T: p_i ~ n_i^(1/T) (1: proportional)
+    # The first N train pairs of each direction, or per direction 'en-fr=3000,fr-en=3000'
+    # (the directions not named keep every pair); 0: all.
+    c.data.max_train_pairs = ml_collections.FieldReference(0, field_type=object)
     c.data.tokenizer_path = None  # None: train the shared tokenizer here
     c.data.source_lang, c.data.target_lang = trained[0].split("-")  # unused with directions
     c.data.manual_dir = repo_path(__file__, "..", "shared", "data", "multi30k")  # raw files

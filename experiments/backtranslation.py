@@ -20,7 +20,7 @@ all runs.
                 (bt/beam/B.de) and top-10 sampling with seed SAMPLE_SEED (bt/topk10/B.de);
                 each output is named after its input but holds the English
     a_only      en->de on A alone
-    bt_beam     A + BT(B) by beam:        data.synthetic_corpora = [{source: bt/beam/B.de,
+    bt_beam     A + BT(B) by beam:        data.backtranslation = [{source: bt/beam/B.de,
                                            target: data/B.de, ratio: 1.0, tag: False}]
     bt_sample   A + BT(B) by sampling:    the same with bt/topk10/B.de
     bt_tagged   A + BT(B) by beam, tagged (Caswell et al., 2019): tag True, <BT> before
@@ -88,10 +88,17 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `python experiments/backtranslation.py` from anywhere
     sys.path.insert(0, str(REPO))
 
+import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 
 from tx_jax.analysis import visualize  # noqa: E402
-from tx_jax.config import apply_overrides, parse_assignments, sibling_config  # noqa: E402
+from tx_jax.config import (  # noqa: E402
+    apply_overrides,
+    parse_assignments,
+    sibling_config,
+    upgrade_stored,
+    with_study_defaults,
+)
 from tx_jax.data.tokenizer import iter_pair_texts, train_tokenizer  # noqa: E402
 from tx_jax.experiment.loop import train_and_evaluate  # noqa: E402
 from tx_jax.inference import evaluation, locate  # noqa: E402
@@ -293,7 +300,7 @@ def bt_stats(path: pathlib.Path) -> dict[str, Any]:
 
 
 def synthetic_corpora(root: pathlib.Path, setting: str) -> list[dict[str, Any]]:
-    """data.synthetic_corpora of an en->de setting (module docstring)."""
+    """data.backtranslation of an en->de setting (module docstring)."""
     how = SETTINGS[setting][1]
     if how is None:
         return []
@@ -315,7 +322,9 @@ def make_config(size: Size, root: pathlib.Path, pair: str, seed: int, synthetic,
     c.data.tokenizer_path = str(root / "tokenizer.model")
     c.data.vocab_size = size.vocab_size
     c.data.tokens_per_batch = size.tokens_per_batch
-    c.data.synthetic_corpora = synthetic
+    # The study's keys (configs/default.py has none): the corpora mixed in, and their tag.
+    c.data.backtranslation = ml_collections.FieldReference(synthetic, field_type=object)
+    c.data.backtranslation_tag = TAG  # one piece of the shared tokenizer
     c.train.num_steps = size.steps
     c.train.warmup_steps = size.warmup
     c.train.cooldown_steps = size.cooldown
@@ -342,7 +351,8 @@ def config_changes(stored: str, config, root: pathlib.Path | None = None) -> lis
     """The dotted keys whose value differs between a stored fingerprint and `config`. Keys
     the stored run did not have are left out: options added to the code since, at defaults
     that keep the old behaviour, must not orphan a finished or half-trained run."""
-    now = json.loads(_fingerprint(config, root))
+    now = with_study_defaults(json.loads(_fingerprint(config, root)))
+    old = with_study_defaults(upgrade_stored(json.loads(stored)))  # under today's key names
 
     def walk(old, new, prefix):
         if isinstance(old, dict) and isinstance(new, dict):
@@ -354,7 +364,7 @@ def config_changes(stored: str, config, root: pathlib.Path | None = None) -> lis
         elif old != new:
             yield prefix.rstrip(".")
 
-    return list(walk(json.loads(stored), now, ""))
+    return list(walk(old, now, ""))
 
 
 def _last_step(workdir: pathlib.Path) -> int:

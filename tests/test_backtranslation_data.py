@@ -68,8 +68,8 @@ def _data(entries, **kw) -> ml_collections.ConfigDict:
         packing=False,
         input_shards=1,
         max_train_pairs=0,
-        synthetic_corpora=entries,
-        synthetic_tag="<BT>",
+        backtranslation=entries,
+        backtranslation_tag="<BT>",
         eval_split="validation",
         test_split="test",
     )
@@ -78,7 +78,7 @@ def _data(entries, **kw) -> ml_collections.ConfigDict:
 
 def _task(data, tok, seed=3) -> bt.BacktranslationTask:
     """The task prepare_backtranslation_task builds, over an in-memory real split."""
-    corpora = bt.parse_synthetic_corpora(data)
+    corpora = bt.parse_corpora(data)
     tag_id = bt.check_tag(tok, "<BT>", "test") if any(c.tag for c in corpora) else None
     return bt.BacktranslationTask(
         data,
@@ -100,7 +100,7 @@ def _entries(files, ratio_a=0.5, ratio_b=1.0):
 
 
 def test_files_read_in_order_gz_and_globs(files):
-    (a,) = [c for c in bt.parse_synthetic_corpora(_data(_entries(files)))][:1]
+    (a,) = [c for c in bt.parse_corpora(_data(_entries(files)))][:1]
     pairs = bt.load_corpus(a)
     assert pairs == _numbered(80, 1000, seed=21)  # 3 .gz parts, in sorted order
     assert a.name == "synthetic0" and a.tag and a.ratio == 0.5
@@ -164,54 +164,59 @@ def test_state_round_trips_and_resumes_the_identical_batches(files, tagged_tok, 
 def test_misaligned_files_name_both_sides(tmp_path):
     src = _write(tmp_path / "bt.en", ["a", "b", "c"])
     tgt = _write(tmp_path / "bt.de", ["x", "y"])
-    (c,) = bt.parse_synthetic_corpora(_data([{"source": src, "target": tgt, "ratio": 1}]))
+    (c,) = bt.parse_corpora(_data([{"source": src, "target": tgt, "ratio": 1}]))
     with pytest.raises(ValueError, match=r"not aligned.*bt\.en \(3 lines\).*bt\.de \(2 lines\)"):
         bt.load_corpus(c)
-    (missing,) = bt.parse_synthetic_corpora(
+    (missing,) = bt.parse_corpora(
         _data([{"source": str(tmp_path / "none-*.en"), "target": tgt, "ratio": 1}])
     )
-    with pytest.raises(FileNotFoundError, match=r"synthetic_corpora.source: no file matches"):
+    with pytest.raises(FileNotFoundError, match=r"backtranslation.source: no file matches"):
         bt.load_corpus(missing)
 
 
 @pytest.mark.parametrize(
     "entries,match",
     [
-        ([{"source": "s", "target": "t"}], r"synthetic_corpora\[0\] has no 'ratio'"),
+        ([{"source": "s", "target": "t"}], r"backtranslation\[0\] has no 'ratio'"),
         ([{"source": "s", "target": "t", "ratio": 0}], r"\[0\]\.ratio=0 must be a positive"),
         ([{"source": "s", "target": "t", "ratio": 1, "tags": True}], r"unknown keys \['tags'\]"),
         ([{"source": "s", "target": "t", "ratio": 1, "tag": "yes"}], r"\.tag='yes'"),
         ([{"source": "", "target": "t", "ratio": 1}], r"\[0\]\.source=''"),
-        ({"source": "s"}, r"synthetic_corpora=.*a list"),
+        ({"source": "s"}, r"backtranslation=.*a list"),
     ],
 )
 def test_bad_entries_name_the_key(entries, match):
     with pytest.raises(ValueError, match=match):
-        bt.parse_synthetic_corpora(_data(entries))
+        bt.parse_corpora(_data(entries))
+
+
+def bt_config(tfds_dir, corpora, **overrides) -> ml_collections.ConfigDict:
+    """tiny_config with data.backtranslation set, a key only the study's config defines."""
+    c = tiny_config(tfds_dir, **overrides)
+    c.data.backtranslation = corpora
+    return c
 
 
 def test_config_checks(tfds_dir):
     entry = {"source": "s", "target": "t", "ratio": 1.0}
-    with pytest.raises(ValueError, match="synthetic_corpora with data.directions"):
-        validate_config(
-            tiny_config(tfds_dir, **{"data.synthetic_corpora": [entry], "data.directions": "en-de"})
-        )
-    with pytest.raises(ValueError, match=r"synthetic_corpora\[0\]\.ratio"):
-        validate_config(
-            tiny_config(tfds_dir, **{"data.synthetic_corpora": [entry | {"ratio": -1}]})
-        )
+    multilingual = bt_config(tfds_dir, [entry])
+    multilingual.data.directions = "en-de"
+    with pytest.raises(ValueError, match="backtranslation with data.directions"):
+        validate_config(multilingual)
+    with pytest.raises(ValueError, match=r"backtranslation\[0\]\.ratio"):
+        validate_config(bt_config(tfds_dir, [entry | {"ratio": -1}]))
+    tagged = bt_config(tfds_dir, [entry | {"tag": True}])
+    tagged.data.backtranslation_tag = "<B T>"
+    with pytest.raises(ValueError, match=r"data.backtranslation_tag='<B T>' must be one word"):
+        validate_config(tagged)
 
 
 def test_tokenizer_without_the_tag_is_an_error(tmp_path, tfds_dir, files):
     plain = make_tokenizer(tmp_path)
     with pytest.raises(ValueError, match="has no piece '<BT>'.*tagged back-translation"):
         bt.check_tag(plain, "<BT>", "x")
-    config = tiny_config(
-        tfds_dir,
-        **{
-            "data.synthetic_corpora": _entries(files),
-            "data.tokenizer_path": str(tmp_path / "spm.model"),
-        },
+    config = bt_config(
+        tfds_dir, _entries(files), **{"data.tokenizer_path": str(tmp_path / "spm.model")}
     )
     with pytest.raises(ValueError, match=r"tokenizer.model \(.*spm.model\) has no piece '<BT>'"):
         bt.prepare_backtranslation_task(config.data, tmp_path / "run", seed=0)
@@ -223,14 +228,10 @@ def test_tiny_run_with_a_synthetic_corpus_resumes_bit_exactly(tmp_path, tfds_dir
     src = _write(tmp_path / "bt.src", [s for s, _ in synthetic])
     tgt = _write(tmp_path / "bt.tgt.gz", [t for _, t in synthetic], gz=True)
     n = 3
-    cfg = lambda steps: tiny_config(  # noqa: E731
+    cfg = lambda steps: bt_config(  # noqa: E731
         tfds_dir,
-        **{
-            "train.num_steps": steps,
-            "checkpoint.every": n,
-            "model.dropout_rate": 0.1,
-            "data.synthetic_corpora": [{"source": src, "target": tgt, "ratio": 1.0, "tag": True}],
-        },
+        [{"source": src, "target": tgt, "ratio": 1.0, "tag": True}],
+        **{"train.num_steps": steps, "checkpoint.every": n, "model.dropout_rate": 0.1},
     )
     train_and_evaluate(cfg(2 * n), tmp_path / "straight")
     train_and_evaluate(cfg(n), tmp_path / "resumed")

@@ -62,7 +62,7 @@ def test_configs_hold_the_design(tmp_path):
     assert base.model.dropout_rate == 0.1 and base.data.tokens_per_batch == 4096
     peak = base.train.lr_scale * (base.model.d_model * base.train.warmup_steps) ** -0.5
     assert math.isclose(peak, 2e-3)
-    assert list(base.data.synthetic_corpora) == []
+    assert list(base.data.backtranslation) == [] and base.data.backtranslation_tag == "<BT>"
     german = str(tmp_path / "data" / "B.de")
     english = {
         "bt_beam": (str(tmp_path / "bt" / "beam" / "B.de"), False),
@@ -71,7 +71,7 @@ def test_configs_hold_the_design(tmp_path):
         "a_plus_b": (str(tmp_path / "data" / "B.en"), False),
     }
     for name, (source, tag) in english.items():
-        (corpus,) = configs[name].data.synthetic_corpora
+        (corpus,) = configs[name].data.backtranslation
         assert corpus == {"source": source, "target": german, "ratio": 1.0, "tag": tag}
 
 
@@ -134,7 +134,7 @@ def test_a_recorded_run_is_reused_under_another_root(tmp_path):
     assert "| A + BT(B), beam 4 | 12.50 | 40.00 |" in table
     assert "| A alone | not run |  |" in table and len(table) == 2 + 1 + len(study.SETTINGS)
     other = study.make_config(size, two, "en-de", 1, [], {})
-    with pytest.raises(SystemExit, match=r"another config \(data.synthetic_corpora, seed"):
+    with pytest.raises(SystemExit, match=r"another config \(data.backtranslation, seed"):
         study.train_and_score(other, workdir, "x", root=two, record=record)
 
 

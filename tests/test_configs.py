@@ -3,12 +3,14 @@
 import importlib.util
 import os
 import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from tx_jax.config import apply_overrides, parse_arg
+from tx_jax.config import STUDY_KEYS, apply_overrides, parse_arg, study_value
 from tx_jax.experiment import sizing
 from tx_jax.experiment.validation import validate_config
 from tx_jax.inference import restore
@@ -177,3 +179,58 @@ def test_apply_overrides():
     assert (config.model.d_model, config.seed) == (64, 3)
     with pytest.raises(KeyError, match="model.d_modle"):
         apply_overrides(config, {"model.d_modle": 1})
+
+
+def test_study_keys_live_in_their_study_s_config():
+    """configs/default.py holds what every run needs: a study's key is defined by the config
+    STUDY_KEYS names (the back-translation study's: tests/test_backtranslation_study.py), and
+    a config without it reads its neutral value."""
+    default = load(CONFIG_DIR / "default.py").get_config(None)
+    for dotted, key in STUDY_KEYS.items():
+        section, name = dotted.split(".")
+        assert name not in default[section], dotted
+        assert study_value(default[section], name) == key.neutral, dotted
+        if key.home.startswith("configs/"):
+            assert name in load(CONFIG_DIR.parent / key.home).get_config(None)[section], dotted
+    assert study_value({"directions": "en-de"}, "directions") == "en-de"
+
+
+def test_a_moved_or_renamed_key_is_refused_naming_where_it_is():
+    default = load(CONFIG_DIR / "default.py").get_config(None)
+    with pytest.raises(KeyError, match=r"no key 'data.lm_side'; configs/lm.py defines it"):
+        apply_overrides(default, {"data.lm_side": "both"})
+    renamed = r"no key 'data.synthetic_corpora': it is 'data.backtranslation' now; "
+    with pytest.raises(KeyError, match=renamed + "experiments/backtranslation.py defines"):
+        apply_overrides(default, {"data.synthetic_corpora": "[]"}, from_text=True)
+    multilingual = load(CONFIG_DIR / "multilingual.py").get_config("debug")
+    overrides = {"data.directions": "en-de,fr-en", "data.temperature": "2"}
+    apply_overrides(multilingual, overrides, from_text=True)
+    apply_overrides(multilingual, {"data.max_train_pairs": "en-de=30"})
+    data = multilingual.data
+    assert (data.directions, data.temperature, data.max_train_pairs) == (
+        "en-de,fr-en",
+        2.0,
+        "en-de=30",
+    )
+
+
+def test_the_command_line_names_the_config_that_has_a_moved_key(tmp_path):
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tx_jax.main",
+            "--config=configs/default.py:debug",
+            f"--workdir={tmp_path / 'run'}",
+            "--config.data.directions=en-de,de-en",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=CONFIG_DIR.parent,
+        timeout=300,
+    )
+    assert cli.returncode == 1 and "Traceback" not in cli.stderr, cli.stderr
+    assert cli.stderr.strip().splitlines()[-1] == (
+        "error: configs/default.py has no key 'data.directions'; configs/multilingual.py defines it"
+    )
+    assert not (tmp_path / "run").exists()

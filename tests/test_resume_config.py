@@ -11,6 +11,8 @@ import sys
 import pytest
 from helpers import ROOT, tiny_config, train_losses
 
+from tx_jax import paths
+from tx_jax.config import upgrade_stored
 from tx_jax.data.run_tokenizer import read_tokenizer
 from tx_jax.experiment import resume
 from tx_jax.experiment.loop import train_and_evaluate
@@ -188,3 +190,71 @@ def test_data_tokenizer_decides_the_vocabulary_and_an_old_config_reads_as_its_de
         "data.tokenizer.model_type ('unigram' in the checkpoint, 'bpe' now) decides the "
         "vocabulary, which a resumed run keeps"
     ) in message
+
+
+# Key names a stored config may hold from before they were renamed (config.RENAMED_KEYS), new
+# name -> old; and the study keys configs/default.py held then, at its values.
+OLD_NAMES = {
+    "data.backtranslation": "data.synthetic_corpora",
+    "data.backtranslation_tag": "data.synthetic_tag",
+}
+OLD_DEFAULTS = {
+    "directions": "",
+    "extra_eval_directions": "",
+    "mixture": "uniform",
+    "temperature": 5.0,
+    "lm_side": "target",
+    "max_train_pairs": 0,
+    "backtranslation": [],
+    "backtranslation_tag": "<BT>",
+}
+
+
+def _with_old_names(config: dict) -> dict:
+    """A config as saved (a dict) as a run of before the renames would have saved it."""
+    old = json.loads(json.dumps(config))
+    old["data"].update(OLD_DEFAULTS)
+    for new, was in OLD_NAMES.items():
+        (section, name), (_, old_name) = new.split("."), was.split(".")
+        old[section][old_name] = old[section].pop(name)
+    return old
+
+
+def _store_config(workdir, config: dict) -> None:
+    """Write `config` into WORKDIR/config.json and every checkpoint's meta (checksums kept
+    valid), as a run stored with it holds it."""
+    (workdir / "config.json").write_text(json.dumps(config))
+    for meta in (workdir / "checkpoints").glob("*/meta/metadata"):
+        stored = json.loads(meta.read_text())
+        meta.write_text(json.dumps({**stored, "config": config}))
+        step_dir = meta.parent.parent
+        sums = json.loads((step_dir / "checksums.json").read_text())
+        sums["meta/metadata"] = paths.sha256(meta, meta.stat().st_size)
+        (step_dir / "checksums.json").write_text(json.dumps(sums))
+
+
+def test_a_config_stored_with_old_key_names_loads_under_the_new(trained, tfds_dir, tmp_path):
+    """A run stored under old key names (config.json, the checkpoints' meta) reads under
+    today's, with its values, in one warning; it resumes under today's config, whose default
+    lacks the study keys it held, as no change."""
+    stored = json.loads((trained / "config.json").read_text())
+    old = _with_old_names(stored)
+    renamed = ", ".join(f"{was} -> {new}" for new, was in OLD_NAMES.items())
+    with pytest.warns(UserWarning, match=f"old key names, read as the new: {renamed}"):
+        upgraded = upgrade_stored(old)
+    for new, was in OLD_NAMES.items():  # the stored values, under the new names only
+        (section, name), (_, old_name) = new.split("."), was.split(".")
+        assert old_name in old[section] and old_name not in upgraded[section], was
+        assert upgraded[section][name] == stored[section].get(name, OLD_DEFAULTS.get(name)), new
+    assert upgraded["data"]["backtranslation_tag"] == "<BT>"
+    assert resume.differences(old, tiny_config(tfds_dir, **{"train.num_steps": STEPS})) == {}
+
+    copy = tmp_path / "run"
+    shutil.copytree(trained, copy)
+    _store_config(copy, old)
+    with pytest.warns(UserWarning, match="old key names"):
+        loaded = restore.stored_config(copy)
+    assert loaded.data.backtranslation_tag == "<BT>" and "synthetic_tag" not in loaded.data
+    train_and_evaluate(tiny_config(tfds_dir, **{"train.num_steps": 2 * STEPS}), copy)
+    assert max(train_losses(copy)) == 2 * STEPS  # resumed: the stored run went on
+    assert "synthetic_tag" not in json.loads((copy / "config.json").read_text())["data"]

@@ -2,16 +2,25 @@
 
 `--config=configs/multi30k.py:pair=en-fr,variant=small` hands "pair=en-fr,variant=small" to
 `get_config`; `parse_arg` turns it into typed values, naming any unknown key.
+
+Two tables keep configs/default.py to what every run needs and old runs readable: STUDY_KEYS,
+the keys only a study's configs define, each with the neutral value a config without it reads
+(`study_value`), and RENAMED_KEYS, old key names that a stored config (config.json, a
+checkpoint's meta) is read under the new ones (`upgrade_stored`). An override of a key either
+table names gets an error saying where the key is now (`unknown_key_message`).
 """
 
 from __future__ import annotations
 
 import ast
+import copy
+import dataclasses
 import importlib.util
 import os
 import pathlib
 import types
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import ml_collections
@@ -85,10 +94,13 @@ def apply_overrides(
         *parents, leaf = dotted.split(".")
         for i, part in enumerate(parents):
             if not isinstance(node, ml_collections.ConfigDict) or part not in node:
-                raise KeyError(f"config override {dotted!r}: no key {'.'.join(parents[: i + 1])!r}")
+                raise KeyError(
+                    f"config override {dotted!r}: "
+                    + unknown_key_message(".".join(parents[: i + 1]))
+                )
             node = node[part]
         if not isinstance(node, ml_collections.ConfigDict) or leaf not in node:
-            raise KeyError(f"config override {dotted!r}: no key {dotted!r}")
+            raise KeyError(f"config override {dotted!r}: {unknown_key_message(dotted)}")
         if from_text and isinstance(value, str):
             try:
                 value = convert_text(value, node[leaf])
@@ -135,3 +147,103 @@ def repo_path(here: str, *parts: str) -> str:
 def task_of(config: Any) -> str:
     """config.task: 'translation' (EncoderDecoder; also when the key is absent) or 'lm'."""
     return config.get("task", "translation") or "translation"
+
+
+# ---------------------------------------------------------------------- study keys and renames
+
+
+@dataclasses.dataclass(frozen=True)
+class StudyKey:
+    neutral: Any  # what a config without the key means: the run does without the study
+    home: str  # a config that defines it, named when a config without it is given it
+
+
+# Keys only a study's configs define (configs/default.py holds what every run needs): code reads
+# an absent one as its neutral value through `study_value`, so the neutral values live here only.
+STUDY_KEYS = {
+    "data.lm_side": StudyKey("target", "configs/lm.py"),
+    "data.directions": StudyKey("", "configs/multilingual.py"),
+    "data.extra_eval_directions": StudyKey("", "configs/multilingual.py"),
+    "data.mixture": StudyKey("uniform", "configs/multilingual.py"),
+    "data.temperature": StudyKey(5.0, "configs/multilingual.py"),
+    "data.max_train_pairs": StudyKey(0, "configs/multilingual.py"),
+    "data.backtranslation": StudyKey([], "experiments/backtranslation.py"),
+    "data.backtranslation_tag": StudyKey("<BT>", "experiments/backtranslation.py"),
+}
+
+# Old key -> (new key, the old value as the new one's): names a run may have stored in its
+# config (config.json, a checkpoint's meta), read under the new names by `upgrade_stored`.
+RENAMED_KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "data.synthetic_corpora": ("data.backtranslation", lambda v: v),
+    "data.synthetic_tag": ("data.backtranslation_tag", lambda v: v),
+}
+
+
+def study_value(data: Any, name: str) -> Any:
+    """config.data's study key `name` ('directions'; a ConfigDict or a stored dict), its
+    neutral value (STUDY_KEYS) when the config does not define it."""
+    return data.get(name, STUDY_KEYS[f"data.{name}"].neutral)
+
+
+def with_study_defaults(config: Mapping) -> dict:
+    """A plain-dict config with every absent study key at its neutral value: how a run that
+    lacks one reads it, so that configs with and without it compare equal."""
+    out = copy.deepcopy(dict(config))
+    for dotted, key in STUDY_KEYS.items():
+        section, name = dotted.split(".")
+        if isinstance(out.get(section), Mapping) and name not in out[section]:
+            out[section] = {**out[section], name: copy.deepcopy(key.neutral)}
+    return out
+
+
+def upgrade_stored(config: Mapping) -> dict:
+    """A stored config (plain dict) with the old names of RENAMED_KEYS read as the new ones,
+    said in one warning; a copy of it unchanged when it has none."""
+    out = copy.deepcopy(dict(config))
+    renamed = []
+    for old, (new, convert) in RENAMED_KEYS.items():
+        (old_section, old_name), (new_section, new_name) = old.split("."), new.split(".")
+        section = out.get(old_section)
+        if not isinstance(section, Mapping) or old_name not in section:
+            continue
+        section = dict(section)
+        value = section.pop(old_name)
+        out[old_section] = section
+        out.setdefault(new_section, {})
+        if new_name not in out[new_section]:
+            out[new_section] = {**out[new_section], new_name: convert(value)}
+        renamed.append(f"{old} -> {new}")
+    if renamed:
+        warnings.warn(
+            f"a config stored with old key names, read as the new: {', '.join(renamed)}",
+            stacklevel=2,
+        )
+    return out
+
+
+def unknown_key_message(dotted: str, where: str = "this config") -> str:
+    """Why `dotted` is not a key of a config: renamed (RENAMED_KEYS), one a study's config
+    defines (STUDY_KEYS), or neither."""
+    out, key = f"{where} has no key {dotted!r}", dotted
+    if dotted in RENAMED_KEYS:
+        key = RENAMED_KEYS[dotted][0]
+        out += f": it is {key!r} now"
+    if key in STUDY_KEYS:
+        out += f"; {STUDY_KEYS[key].home} defines " + ("it" if key == dotted else repr(key))
+    return out
+
+
+def missing_keys(config: ml_collections.ConfigDict, dotted_keys: Iterable[str]) -> list[str]:
+    """The keys of `dotted_keys` that `config` lacks (a key under a plain dict value counts as
+    present: such a dict is free-form)."""
+    out = []
+    for dotted in dotted_keys:
+        node = config
+        for part in dotted.split("."):
+            if isinstance(node, dict) and not isinstance(node, ml_collections.ConfigDict):
+                break
+            if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+                out.append(dotted)
+                break
+            node = node[part]
+    return out

@@ -7,7 +7,7 @@ import sys
 
 from absl import app, flags, logging
 
-from tx_jax.config import parse_assignments
+from tx_jax.config import load_config, missing_keys, parse_assignments, unknown_key_message
 from tx_jax.inference import compilation, restore
 from tx_jax.ops import backend
 
@@ -37,6 +37,23 @@ def split_config_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     rest = [a for a in argv if not a.startswith("--config.")]
     items = [a for a in argv if a.startswith("--config.")]
     return rest, parse_assignments(items, what="config override", prefix="--config.")
+
+
+def parse_config_flags(argv: list[str]) -> list[str]:
+    """app.run's flag parsing for the commands with --config=FILE (train, prepare): an
+    override of a key that FILE's config lacks stops in one line saying why (a renamed key,
+    or one a study's config defines), where ml_collections raises a bare AttributeError."""
+    try:
+        return app.parse_flags_with_usage(argv)
+    except (AttributeError, KeyError):
+        spec = next((a.partition("=")[2] for a in argv if a.startswith("--config=")), None)
+        keys = [a.partition("=")[0].removeprefix("--config.") for a in argv]
+        keys = [k for k, a in zip(keys, argv) if a.startswith("--config.")]
+        missing = missing_keys(load_config(spec), keys) if spec else []
+        if not missing:
+            raise
+        where = spec.partition(":")[0]
+        sys.exit("error: " + "; ".join(unknown_key_message(k, where) for k in missing))
 
 
 def run_cli(main, argv: list[str] | None = None) -> None:

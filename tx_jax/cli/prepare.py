@@ -19,6 +19,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from tx_jax.cli import common
 from tx_jax.data import datasets
 from tx_jax.experiment import setup, sizing
 from tx_jax.experiment.validation import validate_config
@@ -81,4 +82,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=common.parse_config_flags)

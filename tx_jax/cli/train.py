@@ -11,6 +11,7 @@ import traceback
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from tx_jax.cli import common
 from tx_jax.experiment.loop import train_and_evaluate
 from tx_jax.ops import backend
 
@@ -45,4 +46,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=common.parse_config_flags)

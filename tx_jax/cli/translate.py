@@ -39,6 +39,7 @@ from typing import BinaryIO
 from absl import app, flags
 
 from tx_jax.cli import common
+from tx_jax.data import directions
 from tx_jax.inference import corpus, languages, restore, scoring, translation
 from tx_jax.inference.search import LENGTH_PENALTIES
 from tx_jax.inference.translation import translate_lines
@@ -84,7 +85,7 @@ def _decoder(f, loaded: restore.Loaded, sampling: scoring.Sampling | None):
         )
     if sampling is not None and f.temperature < 0:
         raise app.UsageError(f"--temperature={f.temperature}: expected >= 0 (0: greedy)")
-    if f.pivot and not loaded.config.data.get("directions"):
+    if f.pivot and not directions.is_multilingual(loaded.config.data):
         raise app.UsageError("--pivot is for tx_jax's multilingual runs")
     if f.pivot and not f.target_lang:
         raise app.UsageError("--pivot needs --target_lang (a multilingual checkpoint)")
@@ -219,7 +220,7 @@ def _main(argv: list[str], overrides: dict[str, str]) -> None:
         out = multilingual.translate_to(loaded, lines, f.target_lang, pivot=f.pivot, **kwargs)
     elif f.pivot:
         raise app.UsageError("--pivot needs --target_lang (a multilingual checkpoint)")
-    elif loaded.config.data.get("directions"):
+    elif directions.is_multilingual(loaded.config.data):
         raise app.UsageError(
             f"{loaded.path} is multilingual: give --target_lang (e.g. "
             f"{loaded.config.data.target_lang})"

@@ -1,10 +1,10 @@
 """Synthetic parallel corpora mixed with the real train split: back-translation's data side.
 
-    data.synthetic_corpora = [
+    data.backtranslation = [
         {"source": "gs://b/bt/mono.de.en-*.txt", "target": "gs://b/bt/mono.de-*.txt",
          "ratio": 1.0, "tag": True},
     ]
-    data.synthetic_tag = "<BT>"
+    data.backtranslation_tag = "<BT>"
 
     task = prepare_backtranslation_task(config.data, workdir, seed=config.seed)
     task.train_iterator(n)               real and synthetic pairs in one stream (mixture.py)
@@ -28,11 +28,11 @@ example j of the stream is drawn from corpus i with probability
 so ratio 1.0 is half of every batch synthetic on average, 0.25 one synthetic pair in five.
 Each corpus is read without replacement epoch by epoch, whatever its share (mixture.py).
 
-Tagged back-translation (Caswell et al., 2019): with "tag": True the id of `data.synthetic_tag`
-goes before every source of that corpus (after the task's own source prefix, an imported
-model's language token, if any), and never before a real source. The tag must be one piece of
-the tokenizer: a tokenizer trained by the run gets it as a user-defined symbol; a given one
-(`data.tokenizer_path`, `train.init_from`) without it is an error.
+Tagged back-translation (Caswell et al., 2019): with "tag": True the id of
+`data.backtranslation_tag` goes before every source of that corpus (after the task's own source
+prefix, an imported model's language token, if any), and never before a real source. The tag
+must be one piece of the tokenizer: a tokenizer trained by the run gets it as a user-defined
+symbol; a given one (`data.tokenizer_path`, `train.init_from`) without it is an error.
 
 The iterator state is the mixture's: the stream position and every corpus's own position,
 so a checkpoint resumes the identical batches; its fingerprint holds each corpus's size, so a
@@ -51,20 +51,20 @@ from typing import Any
 from etils import epath
 
 from tx_jax import paths
+from tx_jax.config import study_value
 from tx_jax.data import mixture, tasks
 from tx_jax.data.input_shards import ShardedTrainIterator, Span
 from tx_jax.data.tokenizer import Tokenizer
 from tx_jax.data.train_input import sharded_train_iterator
 
-KEY = "data.synthetic_corpora"
-DEFAULT_TAG = "<BT>"
+KEY = "data.backtranslation"
 REAL = "train"  # the real train split's name in the mixture (its 'kept/train' count)
 _FIELDS = {"source", "target", "ratio", "tag", "name"}
 
 
 @dataclasses.dataclass(frozen=True)
 class SyntheticCorpus:
-    """One entry of data.synthetic_corpora, checked (module docstring)."""
+    """One entry of data.backtranslation, checked (module docstring)."""
 
     name: str  # in the mixture's state and its 'kept/<name>' count: 'synthetic0' unless named
     source: tuple[str, ...]  # paths or globs, read in order
@@ -80,10 +80,10 @@ def _files(spec: Any, key: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in items)
 
 
-def parse_synthetic_corpora(data: Any) -> list[SyntheticCorpus]:
+def parse_corpora(data: Any) -> list[SyntheticCorpus]:
     """config.data's synthetic corpora, checked without reading them; [] when unset.
-    ValueError names the entry and key (`data.synthetic_corpora[1].ratio`)."""
-    spec = data.get("synthetic_corpora") or []
+    ValueError names the entry and key (`data.backtranslation[1].ratio`)."""
+    spec = study_value(data, "backtranslation") or []
     spec = spec.to_dict() if hasattr(spec, "to_dict") else spec  # a ConfigDict of one dict
     if isinstance(spec, Mapping) or not isinstance(spec, Sequence) or isinstance(spec, str):
         raise ValueError(f"{KEY}={spec!r}: a list of {{'source', 'target', 'ratio', 'tag'}}")
@@ -121,25 +121,27 @@ def parse_synthetic_corpora(data: Any) -> list[SyntheticCorpus]:
     return out
 
 
-def synthetic_tag(data: Any) -> str:
-    return data.get("synthetic_tag") or DEFAULT_TAG
+def backtranslation_tag(data: Any) -> str:
+    return study_value(data, "backtranslation_tag")
 
 
 def validate_config(data: Any, task: str = "translation") -> None:
     """The back-translation keys of config.data, before anything is read."""
-    corpora = parse_synthetic_corpora(data)
+    corpora = parse_corpora(data)
     if not corpora:
         return
     if task == "lm":
         raise ValueError(f"{KEY} is for translation; task='lm' reads one side of the pairs")
-    if data.get("directions"):
+    if study_value(data, "directions"):
         raise ValueError(
             f"{KEY} with data.directions: synthetic corpora mix into one direction's train "
             "split; a multilingual run has no single one (not supported yet)"
         )
-    tag = synthetic_tag(data)
-    if any(c.tag for c in corpora) and (not isinstance(tag, str) or " " in tag.strip()):
-        raise ValueError(f"data.synthetic_tag={tag!r} must be one word, e.g. '<BT>'")
+    tag = backtranslation_tag(data)
+    if any(c.tag for c in corpora) and (
+        not isinstance(tag, str) or not tag.strip() or " " in tag.strip()
+    ):
+        raise ValueError(f"data.backtranslation_tag={tag!r} must be one word, e.g. '<BT>'")
 
 
 def proportions(ratios: Sequence[float]) -> list[float]:
@@ -228,7 +230,7 @@ class BacktranslationTask(tasks.TranslationTask):
     synthetic: dict[str, Sequence[tuple[str, str]]] = dataclasses.field(default_factory=dict)
     ratios: dict[str, float] = dataclasses.field(default_factory=dict)
     tagged: dict[str, bool] = dataclasses.field(default_factory=dict)
-    tag_id: int | None = None  # the id of data.synthetic_tag (None when no corpus is tagged)
+    tag_id: int | None = None  # the id of data.backtranslation_tag (None when none is tagged)
 
     @property
     def probabilities(self) -> dict[str, float]:
@@ -256,7 +258,7 @@ class BacktranslationTask(tasks.TranslationTask):
 
 def has_synthetic(data: Any) -> bool:
     """Whether config.data mixes synthetic corpora into the train split."""
-    return bool(data.get("synthetic_corpora"))
+    return bool(study_value(data, "backtranslation"))
 
 
 def prepare_backtranslation_task(
@@ -264,8 +266,8 @@ def prepare_backtranslation_task(
 ) -> BacktranslationTask:
     """The real task (tasks.prepare_translation_task; a tokenizer trained here gets the tag
     as a piece when a corpus is tagged), the tag checked, and every synthetic corpus read."""
-    corpora = parse_synthetic_corpora(data)
-    tag = synthetic_tag(data)
+    corpora = parse_corpora(data)
+    tag = backtranslation_tag(data)
     tagged = any(c.tag for c in corpora)
     task = tasks.prepare_translation_task(
         data, workdir, seed=seed, tokenizer=tokenizer, symbols=[tag] if tagged else []

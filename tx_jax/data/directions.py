@@ -40,6 +40,7 @@ from typing import Any
 import ml_collections
 from etils import epath
 
+from tx_jax.config import study_value
 from tx_jax.data import mixture, preparation, run_tokenizer, tasks
 from tx_jax.data.eval_pipeline import EvalBatches
 from tx_jax.data.input_shards import ShardedTrainIterator, Span
@@ -82,17 +83,19 @@ def parse_directions(spec: str | Sequence[str] | None, key: str = "data.directio
 
 def is_multilingual(data: Any) -> bool:
     """Whether `data` (config.data) asks for tagged directions (`data.directions` is set)."""
-    return bool(data.get("directions"))
+    return bool(study_value(data, "directions"))
 
 
 def train_directions(data: Any) -> list[Direction]:
-    return parse_directions(data.get("directions"))
+    return parse_directions(study_value(data, "directions"))
 
 
 def extra_directions(data: Any) -> list[Direction]:
     """`data.extra_eval_directions` that are not training directions."""
     trained = train_directions(data)
-    extra = parse_directions(data.get("extra_eval_directions"), "data.extra_eval_directions")
+    extra = parse_directions(
+        study_value(data, "extra_eval_directions"), "data.extra_eval_directions"
+    )
     return [d for d in extra if d not in trained]
 
 
@@ -104,22 +107,25 @@ def tag_languages(data: Any) -> list[str]:
 
 def validate_config(data: Any, task: str = "translation") -> None:
     """The multilingual and transfer keys of config.data, before anything is read (absent
-    in older configs: nothing to check). ValueError names the key."""
+    from a config: their neutral values, nothing to check). ValueError names the key."""
     trained = train_directions(data)
-    parse_directions(data.get("extra_eval_directions"), "data.extra_eval_directions")
-    if data.get("extra_eval_directions") and not trained:
+    extra = study_value(data, "extra_eval_directions")
+    parse_directions(extra, "data.extra_eval_directions")
+    if extra and not trained:
         raise ValueError("data.extra_eval_directions needs data.directions (a multilingual run)")
     if trained and task == "lm":
         raise ValueError("data.directions is for translation; task='lm' reads data.lm_side")
-    if data.get("mixture", "uniform") not in mixture.MIXTURES:
-        raise ValueError(f"data.mixture={data.mixture!r}; expected one of {mixture.MIXTURES}")
-    if data.get("temperature", 1.0) <= 0:
-        raise ValueError(f"data.temperature={data.temperature} must be positive")
-    cut = parse_max_train_pairs(data.get("max_train_pairs"))
+    kind, temperature = study_value(data, "mixture"), study_value(data, "temperature")
+    if kind not in mixture.MIXTURES:
+        raise ValueError(f"data.mixture={kind!r}; expected one of {mixture.MIXTURES}")
+    if temperature <= 0:
+        raise ValueError(f"data.temperature={temperature} must be positive")
+    spec = study_value(data, "max_train_pairs")
+    cut = parse_max_train_pairs(spec)
     names = [direction_name(d) for d in trained] or [f"{data.source_lang}-{data.target_lang}"]
     if isinstance(cut, dict) and set(cut) - set(names):
         raise ValueError(
-            f"data.max_train_pairs={data.max_train_pairs!r} names {sorted(set(cut) - set(names))}"
+            f"data.max_train_pairs={spec!r} names {sorted(set(cut) - set(names))}"
             f", not a trained direction ({', '.join(names)})"
         )
 
@@ -271,7 +277,7 @@ def prepare_multilingual_task(
     extra_tasks = {direction_name(d): make(d) for d in extra}
     sizes = [len(t.train_pairs()) for t in train_tasks.values()]
     probs = mixture.mixture_probabilities(
-        sizes, data.get("mixture", "uniform"), data.get("temperature", 1.0)
+        sizes, study_value(data, "mixture"), study_value(data, "temperature")
     )
     return MultilingualTask(
         data, tok, seed, train_tasks, dict(zip(train_tasks, probs)), extra_tasks

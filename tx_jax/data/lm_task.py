@@ -20,6 +20,7 @@ from typing import Any
 
 from etils import epath
 
+from tx_jax.config import study_value
 from tx_jax.data import eval_pipeline, input_shards, pipeline, preparation, run_tokenizer
 from tx_jax.data.tasks import TranslationTask
 from tx_jax.data.tokenizer import Tokenizer
@@ -59,7 +60,7 @@ class LMTask:
     shard_eval: bool = True
 
     def texts(self, split: str, limit: int | None = None) -> Sequence[str]:
-        return SideTexts(self.pair_task.pairs(split, limit), self.data.get("lm_side", "target"))
+        return SideTexts(self.pair_task.pairs(split, limit), study_value(self.data, "lm_side"))
 
     def train_iterator(
         self, batch_multiple: int, spans: Sequence[input_shards.Span] | None = None
@@ -94,7 +95,7 @@ def prepare_lm_task(
     only (`data.lm_side`) of `data.tokenizer_pairs` train pairs drawn uniformly with `seed`
     (all of them when the split has no more) unless `tokenizer` (another run's, for
     `train.init_from`) is given, and saved as WORKDIR/tokenizer.model like a translation one."""
-    side = data.get("lm_side", "target")
+    side = study_value(data, "lm_side")
     if side not in LM_SIDES:
         raise ValueError(f"data.lm_side={side!r}; expected one of {LM_SIDES}")
     run_tokenizer.tokenizer_options(data)  # a bad option fails before the data is prepared

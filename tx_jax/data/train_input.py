@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from tx_jax.config import study_value
 from tx_jax.data import input_shards, pipeline
 from tx_jax.data.views import Prefix
 
@@ -53,7 +54,7 @@ def parse_max_train_pairs(spec: Any) -> int | dict[str, int] | None:
 def max_train_pairs(data: Any, direction: str | None = None) -> int | None:
     """How many train pairs `direction` keeps (default: source_lang-target_lang of `data`):
     `data.max_train_pairs` read by `parse_max_train_pairs`; None: all of them."""
-    spec = parse_max_train_pairs(data.get("max_train_pairs"))
+    spec = parse_max_train_pairs(study_value(data, "max_train_pairs"))
     if isinstance(spec, dict):
         direction = direction or f"{data.source_lang}-{data.target_lang}"
         return spec.get(direction) or None

@@ -22,6 +22,7 @@ from typing import Any
 import ml_collections
 from etils import epath
 
+from tx_jax.config import upgrade_stored, with_study_defaults
 from tx_jax.data.run_tokenizer import TOKENIZER_DEFAULTS, TOKENIZER_FILE
 from tx_jax.experiment import console
 from tx_jax.inference.locate import (
@@ -51,7 +52,7 @@ VOCABULARY_KEYS = (
     "data.extra_eval_directions",
     "data.lm_side",
     "data.max_train_pairs",
-    "data.synthetic_tag",
+    "data.backtranslation_tag",
 )
 # What the train state is built from (setup.build_model: the task's model, its optimizer):
 # when the state's shapes differ, each differing key of these is tried alone to name the cause.
@@ -132,24 +133,27 @@ def newest_readable(checkpointer: Checkpointer) -> Stored | None:
         except Exception as e:  # noqa: BLE001 - damage reads as Orbax's, JSON's or OS errors
             logging.warning("checkpoint step %d unreadable, not compared: %s", step, e)
             continue
-        return Stored(checkpointer.directory / str(step), config, state)
+        return Stored(checkpointer.directory / str(step), upgrade_stored(config), state)
     return None
 
 
 def differences(stored: Mapping, config: ml_collections.ConfigDict) -> dict[str, tuple[Any, Any]]:
     """Dotted key -> (stored, new) for the keys of `config` that differ from `stored` (a saved
-    config). `config` is compared as a checkpoint stores it (JSON: tuples are lists); a key
-    unset on both sides (None, '', 0, [] or absent: one added since the checkpoint) is no
-    change. A config without data.tokenizer (one stored before it existed) reads as the
-    options its tokenizer was trained with."""
-    current = _tokenizer_defaults(json.loads(json.dumps(config.to_dict())))
-    changed = config_differences(_tokenizer_defaults(stored), current)
+    config). `config` is compared as a checkpoint stores it (JSON: tuples are lists), `stored`
+    under today's key names (config.upgrade_stored); a key unset on both sides (None, '', 0, []
+    or absent: one added since the checkpoint) is no change, nor is a study key one side lacks
+    that the other holds at its neutral value. A config without data.tokenizer (one stored
+    before it existed) reads as the options its tokenizer was trained with."""
+    current = json.loads(json.dumps(config.to_dict()))
+    stored = upgrade_stored(stored)
+    changed = config_differences(_complete(stored), _complete(current))
     return {k: (a, b) for k, (a, b) in changed.items() if a or b}
 
 
-def _tokenizer_defaults(config: Mapping) -> Mapping:
-    """`config` (a saved one) with run_tokenizer.TOKENIZER_DEFAULTS where data.tokenizer
-    lacks a key."""
+def _complete(config: Mapping) -> Mapping:
+    """`config` (as saved) with its absent study keys at their neutral values and
+    run_tokenizer.TOKENIZER_DEFAULTS where data.tokenizer lacks a key."""
+    config = with_study_defaults(config)
     data = config.get("data")
     if not isinstance(data, Mapping):
         return config

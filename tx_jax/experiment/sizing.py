@@ -48,6 +48,7 @@ import ml_collections
 import numpy as np
 from etils import epath
 
+from tx_jax.config import upgrade_stored
 from tx_jax.data import lengths as lengths_lib
 from tx_jax.model.config import VARIANTS
 from tx_jax.training import logs
@@ -193,7 +194,7 @@ def stored_values(workdir: epath.Path, keys: Iterable[str]) -> dict[str, Any]:
     path = workdir / "config.json"
     if not (ckpts.exists() and any(p.name.isdigit() for p in ckpts.iterdir()) and path.exists()):
         return {}
-    stored = json.loads(path.read_text())
+    stored = upgrade_stored(json.loads(path.read_text()))
     out = {}
     for key in keys:
         section, name = key.split(".")

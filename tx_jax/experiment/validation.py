@@ -8,7 +8,7 @@ import math
 
 import ml_collections
 
-from tx_jax.config import task_of
+from tx_jax.config import study_value, task_of
 from tx_jax.data import backtranslation, directions, input_shards, lm_task
 from tx_jax.experiment import sizing
 from tx_jax.experiment.profiling import profile_window
@@ -27,10 +27,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     if task_of(config) not in TASKS:
         raise ValueError(f"task={config.task!r}; expected one of {TASKS}")
     if task_of(config) == "lm":
-        if config.data.get("lm_side", "target") not in lm_task.LM_SIDES:
-            raise ValueError(
-                f"data.lm_side={config.data.lm_side!r}; expected one of {lm_task.LM_SIDES}"
-            )
+        side = study_value(config.data, "lm_side")
+        if side not in lm_task.LM_SIDES:
+            raise ValueError(f"data.lm_side={side!r}; expected one of {lm_task.LM_SIDES}")
         if config.checkpoint.best_metric in ("bleu", "chrf"):
             raise ValueError(
                 f"checkpoint.best_metric={config.checkpoint.best_metric!r}: a language model "

@@ -28,7 +28,7 @@ def prefixes(
     tok = loaded.tokenizer
     if is_imported(tok):
         return tok.source_prefix(source_lang, target_lang), tok.target_prefix(target_lang)
-    if loaded.config.data.get("directions"):  # a multilingual run: the target's tag
+    if directions.is_multilingual(loaded.config.data):  # a multilingual run: the target's tag
         if not target_lang:
             raise ValueError(
                 f"{loaded.path} is multilingual: give --target_lang (e.g. "

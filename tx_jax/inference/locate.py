@@ -228,6 +228,12 @@ def check_params_fit(
     )
 
 
+def read_meta(ckpt: Checkpointer, step: int) -> dict:
+    """One checkpoint's meta, its config under today's key names (config.upgrade_stored)."""
+    meta = ckpt.restore_meta(step)
+    return {**meta, "config": config_lib.upgrade_stored(meta["config"])}
+
+
 def open_step(
     ckpt: Checkpointer,
     step: int | None = None,
@@ -237,7 +243,7 @@ def open_step(
     """Read one checkpoint's meta, apply `overrides`, build the model and check that the
     stored parameters fit it (shapes from the checkpoint's metadata; no array is read)."""
     step = select_step(ckpt, step)
-    meta = ckpt.restore_meta(step)
+    meta = read_meta(ckpt, step)
     config = ml_collections.ConfigDict(meta["config"])
     apply_overrides(config, overrides or {})
     differences = config_differences(meta["config"], config.to_dict())

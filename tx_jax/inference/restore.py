@@ -41,6 +41,7 @@ from tx_jax.inference.locate import (
     locate,
     open_checkpoints,
     open_step,
+    read_meta,
     select_step,
 )
 from tx_jax.model import DecoderOnly, EncoderDecoder, ModelConfig, make_model
@@ -78,7 +79,7 @@ def stored_config(workdir: str | epath.Path) -> ml_collections.ConfigDict:
     directory, _, _ = locate(workdir)
     ckpt = open_checkpoints(directory)
     try:
-        return ml_collections.ConfigDict(ckpt.restore_meta(ckpt.all_steps()[-1])["config"])
+        return ml_collections.ConfigDict(read_meta(ckpt, ckpt.all_steps()[-1])["config"])
     finally:
         ckpt.close()
 
@@ -200,5 +201,5 @@ def open_init_source(path: str | epath.Path) -> InitSource:
     except CheckpointError as e:
         raise CheckpointError(f"train.init_from={str(path)!r}: {e}") from None
     step = latest_verified(ckpt) if step is None else select_step(ckpt, step)
-    meta = ckpt.restore_meta(step)
+    meta = read_meta(ckpt, step)
     return InitSource(ckpt, step, meta["config"], Tokenizer.from_bytes(meta["tokenizer"]))
