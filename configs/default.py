@@ -43,20 +43,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.tie_output = True  # logits = x E^T
     c.model.dtype = "float32"  # compute dtype; 'bfloat16' on accelerators
     c.model.param_dtype = "float32"  # storage dtype of parameters and Adam moments
-    # auto (per platform: the fastest tested and timed there) | xla | chunked (memory lever) |
-    # cudnn (GPU) | cudnn_broadcast, cudnn_nodbias (GPU candidates) | splash (TPU candidate)
-    c.model.attention_impl = "auto"
-    c.model.kernels = "auto"  # auto (XLA:CPU-tuned kernels on CPU only) | cpu | generic
+    # The implementation fields: 'auto' is resolved once per run for its platform
+    # (ModelConfig.resolved: the value tested and timed fastest there; docs/design.md).
+    c.model.attention_impl = "auto"  # auto | xla | chunked (memory lever) | cudnn (GPU) | splash
+    c.model.kernels = "auto"  # auto (XLA:CPU-tuned kernels on CPU) | cpu | generic
     c.model.remat = "none"  # memory lever: none | full (recompute each layer) | dots (keep matmuls)
-    c.model.dropout_bits = "auto"  # auto (CPU packed, else bernoulli) | bernoulli | packed | hash
-    # auto (dense) | dense | onepass (logits read once) | blocked (per block: memory lever) |
-    # fused (Pallas, no logits); onepass and fused are GPU candidates
-    c.model.loss_impl = "auto"
+    c.model.dropout_bits = "auto"  # auto (CPU packed, else bernoulli) | bernoulli | packed
+    c.model.loss_impl = "auto"  # auto (dense) | dense | blocked (memory lever: logits per block)
     c.model.loss_block = 64  # 'blocked': target positions per block
-    c.model.residual_norm = "auto"  # auto (xla) | xla | pallas (GPU candidate, dropout_bits=hash)
-    c.model.ffn_impl = (
-        "auto"  # auto (xla) | xla | pallas (GPU candidate): FFN bias/ReLU in Pallas matmuls
-    )
 
     # Data: TFDS dataset, SentencePiece vocabulary, token-budget batches.
     c.data = ml_collections.ConfigDict()
@@ -81,15 +75,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.tokenizer.model_type = "unigram"  # unigram | bpe
     c.data.tokenizer.character_coverage = 1.0  # (0, 1]: share of the sample's characters kept
     c.data.tokenizer.byte_fallback = False  # an unknown character as UTF-8 byte pieces, not <unk>
-    c.data.max_len = 64  # train pairs with a longer side (in tokens, EOS included) are dropped
+    c.data.max_train_len = 64  # train pairs with a longer side (in tokens, EOS included) are dropped
     c.data.max_eval_len = 96  # eval sources/references are truncated to this
     # Eval/decode batches are sorted by length and padded to these ([]: x1.5 steps up to
     # max_eval_len, 16, 24, 40, 64, 96; [max_eval_len]: one shape).
     c.data.eval_bucket_boundaries = []
     c.data.tokens_per_batch = 2048  # global token budget per batch (padded, per side)
-    # Static shapes: one compilation per bucket (None: every 8 tokens up to max_len).
+    # Static shapes: one compilation per bucket (None: every 8 tokens up to max_train_len).
     c.data.bucket_boundaries = [16, 32, 48, 64]
-    c.data.packing = True  # pack pairs into max_len rows with segment ids (one shape)
+    c.data.packing = True  # pack pairs into max_train_len rows with segment ids (one shape)
     # Train stream shards (fixed for a run, whatever the process count); a pod sets a multiple
     # of its processes so each reads only its share (docs/training.md "Multi-host input").
     c.data.input_shards = 1
