@@ -75,7 +75,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.tokenizer.model_type = "unigram"  # unigram | bpe
     c.data.tokenizer.character_coverage = 1.0  # (0, 1]: share of the sample's characters kept
     c.data.tokenizer.byte_fallback = False  # an unknown character as UTF-8 byte pieces, not <unk>
-    c.data.max_train_len = 64  # train pairs with a longer side (in tokens, EOS included) are dropped
+    # Train pairs with a longer side (in tokens, EOS included) are dropped; packed rows are this
+    # long. Not model.max_len, the learned position table's size.
+    c.data.max_train_len = 64
     c.data.max_eval_len = 96  # eval sources/references are truncated to this
     # Eval/decode batches are sorted by length and padded to these ([]: x1.5 steps up to
     # max_eval_len, 16, 24, 40, 64, 96; [max_eval_len]: one shape).

@@ -66,7 +66,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # optimizer state with --config.parallel.mesh.fsdp=N (tx_jax.plan --search finds N).
     c.parallel.strategy = "mesh"
     if args.variant == "debug":
-        c.data.max_len = 48
+        c.data.max_train_len = 48
         c.data.tokens_per_batch = 512
         c.data.bucket_boundaries = [48]
         c.data.max_train_pairs = 64  # the first 64 train pairs (a key configs/default.py lacks)

@@ -43,10 +43,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.dataset = "synthetic"
     c.data.lm_side = "target"  # this task's key: target | source | both (2 texts per pair)
     c.data.vocab_size = 512  # SentencePiece trained on the modelled side only
-    c.data.max_len = 64  # longer texts (in tokens, EOS included) are dropped
+    c.data.max_train_len = 64  # longer texts (in tokens, EOS included) are dropped
     c.data.max_eval_len = 64  # eval texts are truncated to this (one padded shape)
     c.data.tokens_per_batch = 2048  # padded tokens per batch (32 packed rows of 64)
-    c.data.bucket_boundaries = [64]  # packed rows of max_len: one shape
+    c.data.bucket_boundaries = [64]  # packed rows of max_train_len: one shape
     c.data.packing = True  # several texts per row, separated by segment ids
 
     # Training: linear warmup then 1/sqrt decay from a fixed peak.
@@ -94,7 +94,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.model.attention_impl = "chunked"
         c.model.dtype = "bfloat16"
         c.data.vocab_size = 32_000
-        c.data.max_len = c.data.max_eval_len = int(args.length)
+        c.data.max_train_len = c.data.max_eval_len = int(args.length)
         c.data.bucket_boundaries = [int(args.length)]
         c.data.tokens_per_batch = 16 * int(args.length)  # 16 rows
         c.data.eval_batch_size = 4  # rows per host per eval batch
@@ -104,7 +104,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.data.synthetic.update(num_train=400, num_validation=40, num_test=40)
         c.data.vocab_size = 160
         c.data.tokenizer_pairs = 400
-        c.data.max_len = 32
+        c.data.max_train_len = 32
         c.data.max_eval_len = 32
         c.data.bucket_boundaries = [32]
         c.data.tokens_per_batch = 512  # 16 rows of 32: divisible by 8 devices

@@ -171,7 +171,7 @@ SIZES = {
         peak_lr=1e-2,
         # real captions in a 1,000-piece vocabulary: ~30 pieces each (the variant's 32 would
         # drop most pairs)
-        data=dict(max_len=64, max_eval_len=64, bucket_boundaries=[64]),
+        data=dict(max_train_len=64, max_eval_len=64, bucket_boundaries=[64]),
         train_pairs=400,
         eval_lines=40,
         debug_variant=True,

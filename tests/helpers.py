@@ -24,7 +24,7 @@ def tiny_config(data_dir: str | os.PathLike, **overrides) -> ml_collections.Conf
     c.data.data_dir = str(data_dir)
     c.data.bucket_boundaries = [32]  # one static shape: one compilation
     c.data.tokens_per_batch = 512  # 16 rows of 32: divisible by 8 devices
-    c.data.max_len = 32
+    c.data.max_train_len = 32
     c.data.max_eval_len = 32
     c.data.packing = False  # the bucketed path; tests that want packing say so
     c.eval.bleu_examples = 0

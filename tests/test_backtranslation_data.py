@@ -62,7 +62,7 @@ def _data(entries, **kw) -> ml_collections.ConfigDict:
     d = dict(
         source_lang="src",
         target_lang="tgt",
-        max_len=16,
+        max_train_len=16,
         tokens_per_batch=128,
         bucket_boundaries=[16],
         packing=False,

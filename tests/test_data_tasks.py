@@ -69,7 +69,7 @@ def test_gs_workdir_tokenizer_trained_in_a_temporary_directory(tmp_path, monkeyp
 
 def test_train_options_from_config():
     data = ml_collections.ConfigDict(
-        {"max_len": 32, "tokens_per_batch": 256, "bucket_boundaries": None, "packing": True}
+        {"max_train_len": 32, "tokens_per_batch": 256, "bucket_boundaries": None, "packing": True}
     )
     options = train_input.train_options(data, seed=4, batch_multiple=2)
     assert (options.max_len, options.tokens_per_batch, options.packing) == (32, 256, True)

@@ -507,7 +507,7 @@ def test_every_config_key_exists_in_its_config():
     assert not bad, "\n".join(bad)
 
 
-# A backtick span of a page's prose that starts with a section's key (`data.max_len`,
+# A backtick span of a page's prose that starts with a section's key (`data.max_train_len`,
 # `config.data.dataset`, `model.loss_impl=onepass`, `data.tokenizer.*`,
 # `parallel.coordinator_address/num_processes/process_id`) names a config key. Spans that read
 # like one and name something else, each with what it is:

@@ -339,7 +339,9 @@ def test_clear_errors(workdir, tmp_path):
     with pytest.raises(restore.CheckpointError, match=r"average the last 5 .*only 3"):
         evaluation.evaluate(workdir, average_last=5)
     # the command line says it in one line, without a traceback
-    proc = _cli("tx_jax.evaluate", f"--workdir={workdir}", "--step=7", "--config.data.max_len=9")
+    proc = _cli(
+        "tx_jax.evaluate", f"--workdir={workdir}", "--step=7", "--config.data.max_train_len=9"
+    )
     err = proc.stderr.decode()
     assert proc.returncode == 1 and "Traceback" not in err
     assert (

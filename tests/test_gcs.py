@@ -364,7 +364,7 @@ def test_sweep_with_a_gs_root_writes_its_logs_and_tables_there(gcs, tfds_dir):
     tiny = {
         "data.data_dir": str(tfds_dir),
         "data.bucket_boundaries": [32],
-        "data.max_len": 32,
+        "data.max_train_len": 32,
         "data.max_eval_len": 32,
         "data.packing": False,
         "train.num_steps": 2,

@@ -129,7 +129,7 @@ def _task(tok, source_lang, target_lang):
     from tx_jax.data import tasks
 
     data = load_config("configs/multi30k.py:pair=en-de").data
-    data.update(source_lang=source_lang, target_lang=target_lang, max_len=48)
+    data.update(source_lang=source_lang, target_lang=target_lang, max_train_len=48)
     data.update(tokens_per_batch=2048, bucket_boundaries=[48], max_eval_len=48)
     pairs = list(zip(pf.EN, pf.DE, strict=True))
     return tasks.TranslationTask(data, tok, 0, splits={"train": pairs, data.eval_split: pairs})

@@ -77,7 +77,7 @@ def config(tfds_dir, raw_dir, **overrides):
     c.train.update(schedule="constant", peak_lr=3e-3, warmup_steps=10, num_steps=8, log_every=1)
     c.data.vocab_size = 100  # 48 words, 3 tags, 4 reserved ids, the characters
     c.data.tokenizer_pairs = 600
-    c.data.max_len = c.data.max_eval_len = 16
+    c.data.max_train_len = c.data.max_eval_len = 16
     c.data.bucket_boundaries = [16]
     c.data.tokens_per_batch = 512  # 32 packed rows of 16
     c.eval.update(every=1000, bleu_examples=8, test_split="")

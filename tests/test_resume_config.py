@@ -106,7 +106,7 @@ def test_changes_that_keep_the_state_pass_the_check(trained, tfds_dir):
         **{
             "model.dropout_rate": 0.1,
             "train.schedule": "cosine",
-            "data.max_len": 24,
+            "data.max_train_len": 24,
             "checkpoint.keep": 5,
             "train.num_steps": STEPS,
         },
@@ -114,7 +114,7 @@ def test_changes_that_keep_the_state_pass_the_check(trained, tfds_dir):
     stored = resume.newest_readable(_check(config, trained))  # no error
     assert list(resume.differences(stored.config, config)) == [
         "checkpoint.keep",
-        "data.max_len",
+        "data.max_train_len",
         "model.dropout_rate",
         "train.schedule",
     ]
@@ -195,6 +195,7 @@ def test_data_tokenizer_decides_the_vocabulary_and_an_old_config_reads_as_its_de
 # Key names a stored config may hold from before they were renamed (config.RENAMED_KEYS), new
 # name -> old; and the study keys configs/default.py held then, at its values.
 OLD_NAMES = {
+    "data.max_train_len": "data.max_len",
     "data.backtranslation": "data.synthetic_corpora",
     "data.backtranslation_tag": "data.synthetic_tag",
 }

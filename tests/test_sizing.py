@@ -1,7 +1,7 @@
 """Defaults sized by the corpus (tx_jax/experiment/sizing.py, configs/text.py): each size class
 gets its model at config time without training; lengths, steps and the vocabulary follow the
 data; every value the user sets wins; a run records what it chose, and a resumed run keeps it;
-the printed counts of what data.max_len drops and data.max_eval_len truncates."""
+the printed counts of what data.max_train_len drops and data.max_eval_len truncates."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def test_each_size_class_gets_its_model_at_config_time(
     # lengths: the 99th percentile of the longer side, rounded up to 8 (at least 64 for packed
     # rows); evaluation: the longest
     assert sizing.round_up(train.percentile(99), 8) == 48
-    assert config.data.max_len == 64 and config.data.bucket_boundaries == [64]
+    assert config.data.max_train_len == 64 and config.data.bucket_boundaries == [64]
     assert config.data.max_eval_len == 72
     # steps: the class's epochs of the packed train split, within the bounds
     cls = sizing.size_class(total)
@@ -98,31 +98,31 @@ def test_the_rule_at_the_small_end_is_the_measured_recipe():
 
 
 def test_values_the_user_sets_win_and_are_named():
-    config, choices, _ = sized(29_000, **{"model.d_model": 512, "data.max_len": 48})
-    assert (config.model.d_model, config.data.max_len) == (512, 48)
+    config, choices, _ = sized(29_000, **{"model.d_model": 512, "data.max_train_len": 48})
+    assert (config.model.d_model, config.data.max_train_len) == (512, 48)
     assert config.model.num_heads == 4  # the rest from the class
-    assert "model.d_model" not in choices.values and "data.max_len" not in choices.values
-    assert "set in the config, kept: model.d_model, data.max_len" in choices.line
+    assert "model.d_model" not in choices.values and "data.max_train_len" not in choices.values
+    assert "set in the config, kept: model.d_model, data.max_train_len" in choices.line
     assert config.data.bucket_boundaries == [48]
     # unpacked batches: the percentile itself, and geometric buckets up to it
     config, _, _ = sized(29_000, **{"data.packing": False})
-    assert config.data.max_len == 48 and config.data.bucket_boundaries[-1] == 48
+    assert config.data.max_train_len == 48 and config.data.bucket_boundaries[-1] == 48
 
 
 def test_packing_simulation_counts_pairs_per_batch():
     # pairs of 10 + 10 ids in rows of 32: 3 a row; 4 rows a batch -> 12 a batch
     s = np.full(120, 10)
     assert sizing.packed_pairs_per_batch(s, s, 32, 4) == pytest.approx(12.0)
-    # pairs over max_len are dropped as the pipeline drops them
+    # pairs over max_train_len are dropped as the pipeline drops them
     long = np.concatenate([s, np.full(10, 40)])
     assert sizing.packed_pairs_per_batch(long, long, 32, 4) == pytest.approx(12.0)
 
 
-def test_counts_of_what_max_len_drops_and_max_eval_len_truncates():
+def test_counts_of_what_max_train_len_drops_and_max_eval_len_truncates():
     train = lengths_lib.Lengths(np.array([5, 9, 30, 12]), np.array([6, 8, 10, 40]), 4)
     assert train.dropped(16) == (2, 0.5)
     assert lengths_lib.describe_train(train, 16) == (
-        "train: data.max_len=16 drops 2 of 4 pairs (50.00%)"
+        "train: data.max_train_len=16 drops 2 of 4 pairs (50.00%)"
     )
     estimated = lengths_lib.Lengths(train.source, train.target, 4_000)
     assert estimated.dropped(16) == (2_000, 0.5)
@@ -161,7 +161,7 @@ def corpus(tmp_path):
         )
         for i in range(300)
     ]
-    pairs[7] = (" ".join(words * 12), " ".join(german * 12))  # one pair over max_len
+    pairs[7] = (" ".join(words * 12), " ".join(german * 12))  # one pair over max_train_len
     root = tmp_path / "corpus"
     write_prefix(root / "train", pairs)
     write(root / "dev.tsv", [f"{a}\t{b}" for a, b in pairs[:20]])
@@ -192,10 +192,10 @@ def test_prepare_prints_the_choices_and_a_run_records_and_keeps_them(tmp_path, c
     assert code == 0, err
     assert "sized from the data: 300 train pairs, 99th percentile" in out
     assert "-> small model (d_model 256, 3+3 layers" in out
-    assert "train: data.max_len=64 drops 1 of 300 pairs (0.33%)" in out
+    assert "train: data.max_train_len=64 drops 1 of 300 pairs (0.33%)" in out
     assert "evaluation: data.max_eval_len=" in out and "0 of 20 validation sources" in out
     flags = next(line for line in out.splitlines() if line.startswith("as flags: "))
-    assert "--config.model.d_model=256" in flags and "--config.data.max_len=64" in flags
+    assert "--config.model.d_model=256" in flags and "--config.data.max_train_len=64" in flags
 
     config = load_config("configs/text.py")
     tiny = {"model.d_model": 32, "model.num_heads": 2, "model.d_ff": 64}
@@ -210,9 +210,9 @@ def test_prepare_prints_the_choices_and_a_run_records_and_keeps_them(tmp_path, c
     out = capsys.readouterr().out
     assert sizing.unset_keys(config)  # the caller's config is left as it was
     assert "set in the config, kept: model.d_model, model.num_heads, model.d_ff" in out
-    assert "train: data.max_len=64 drops 1 of 300 pairs" in out
+    assert "train: data.max_train_len=64 drops 1 of 300 pairs" in out
     recorded = json.loads((workdir / "config.json").read_text())
-    assert recorded["data"]["max_len"] == 64 and recorded["model"]["dropout_rate"] == 0.3
+    assert recorded["data"]["max_train_len"] == 64 and recorded["model"]["dropout_rate"] == 0.3
     assert recorded["data"]["vocab_size"] == 300
     steps = recorded["train"]["num_steps"]
     every = recorded["eval"]["every"]
@@ -232,4 +232,4 @@ def test_prepare_prints_the_choices_and_a_run_records_and_keeps_them(tmp_path, c
     (workdir / "config.json").write_text(json.dumps(recorded))
     again = sizing.begin(config, epath.Path(workdir))
     assert again.data.max_eval_len == 40 and again.model.dropout_rate == 0.3
-    assert again.data.max_len == 64 and sizing.unset_keys(again) == []
+    assert again.data.max_train_len == 64 and sizing.unset_keys(again) == []

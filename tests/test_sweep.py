@@ -116,7 +116,7 @@ def test_runner_trains_both_points_tabulates_and_skips_them_on_rerun(tmp_path, t
     tiny = {
         "data.data_dir": str(tfds_dir),
         "data.bucket_boundaries": [32],
-        "data.max_len": 32,
+        "data.max_train_len": 32,
         "data.max_eval_len": 32,
         "data.packing": False,
         "train.num_steps": 2,

@@ -36,7 +36,7 @@ CONFIG = "configs/default.py:debug"
 NAME = "seeds"
 BASE = {
     "data.packing": True,
-    "data.max_len": 32,
+    "data.max_train_len": 32,
     "data.max_eval_len": 32,
     "train.log_every": 1,
     "checkpoint.every": 2,

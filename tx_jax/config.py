@@ -174,6 +174,7 @@ STUDY_KEYS = {
 # Old key -> (new key, the old value as the new one's): names a run may have stored in its
 # config (config.json, a checkpoint's meta), read under the new names by `upgrade_stored`.
 RENAMED_KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "data.max_len": ("data.max_train_len", lambda v: v),  # not model.max_len, the table's size
     "data.synthetic_corpora": ("data.backtranslation", lambda v: v),
     "data.synthetic_tag": ("data.backtranslation_tag", lambda v: v),
 }

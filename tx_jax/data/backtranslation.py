@@ -19,8 +19,8 @@ translation and the target its input.
 Local or gs:// paths (paths.py); the line counts must match, and an error names both files.
 
 Ratio: the expected number of examples drawn from a synthetic corpus per real example, over
-the kept examples of the stream (pairs too long for data.max_len are skipped inside their own
-corpus, so the ratio holds for what trains). With real corpus 0 and synthetic ratios r_1..r_k,
+the kept examples of the stream (pairs too long for data.max_train_len are skipped inside their
+own corpus, so the ratio holds for what trains). With real corpus 0 and synthetic ratios r_1..r_k,
 example j of the stream is drawn from corpus i with probability
 
     p_0 = 1 / (1 + sum_i r_i),    p_i = r_i / (1 + sum_i r_i)

@@ -23,7 +23,7 @@ shards that others need too reads those whole shards (S = 1: every process reads
 stream, the behaviour before input shards; a warning names data.input_shards).
 
 Batches of several shards must share one shape to form one array: with S > 1 the run
-must pack (`data.packing=True`) or have a single bucket (`data.bucket_boundaries=[max_len]`).
+must pack (`data.packing=True`) or have a single bucket (`data.bucket_boundaries=[max_train_len]`).
 Rows per shard are floor(tokens_per_batch / S / L) rounded down to a multiple of
 m / gcd(m, S), m = devices x grad_accum_steps, so the global rows divide over the devices.
 
@@ -84,7 +84,7 @@ def check_shape_rule(input_shards: int, packing: bool, boundaries: Sequence[int]
     if input_shards > 1 and not packing and len(boundaries or [0, 0]) > 1:
         raise ValueError(
             f"{KEY}={input_shards} needs one batch shape for all shards: set data.packing=True "
-            "or a single bucket (data.bucket_boundaries=[data.max_len])"
+            "or a single bucket (data.bucket_boundaries=[data.max_train_len])"
         )
 
 

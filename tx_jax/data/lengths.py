@@ -1,4 +1,4 @@
-"""Token lengths of a task's splits: what `data.max_len` drops and `data.max_eval_len` truncates.
+"""Token lengths of a task's splits: what `data.max_train_len` drops, `data.max_eval_len` cuts.
 
     stats = train_lengths(task)              a uniform sample of the train pairs, tokenized
     stats.dropped(max_len)                   (pairs over max_len, share) of that sample
@@ -102,12 +102,12 @@ def eval_lengths(task, splits: Sequence[str]) -> dict[str, Lengths]:
 
 
 def describe_train(lengths: Lengths, max_len: int) -> str:
-    """'train: max_len 48 drops 21 of 29,000 pairs (0.07%)', '~' when estimated."""
+    """'train: data.max_train_len=48 drops 21 of 29,000 pairs (0.07%)', '~' when estimated."""
     n, share = lengths.dropped(max_len)
     how = "" if lengths.exact else f", estimated from {lengths.sampled:,} sampled"
     approx = "" if lengths.exact else "~"
     return (
-        f"train: data.max_len={max_len} drops {approx}{n:,} of {lengths.total:,} pairs "
+        f"train: data.max_train_len={max_len} drops {approx}{n:,} of {lengths.total:,} pairs "
         f"({share:.2%}{how})"
     )
 

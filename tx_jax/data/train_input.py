@@ -72,7 +72,7 @@ def train_options(data: Any, *, seed: int, batch_multiple: int) -> pipeline.Trai
     """The train batching of config.data for the whole global batch (process 0 of 1; each
     input shard takes its part, input_shards.py), rows a multiple of `batch_multiple`."""
     return pipeline.TrainOptions(
-        max_len=data.max_len,
+        max_len=data.max_train_len,
         tokens_per_batch=data.tokens_per_batch,
         batch_multiple=batch_multiple,
         bucket_boundaries=data.bucket_boundaries,

@@ -76,7 +76,7 @@ def sized_task(
     """(config, task): the task prepared (prepare_task) with the keys `config` leaves to the
     data chosen from it first (experiment/sizing.py: the vocabulary before the tokenizer is
     trained, the rest from the tokenized lengths), announced in one line, then what
-    data.max_len drops of the train split and data.max_eval_len truncates of the evaluation
+    data.max_train_len drops of the train split and data.max_eval_len truncates of the evaluation
     splits. Returns a sized copy; a config with nothing unset is returned as it is."""
     unset = sizing.unset_keys(config)
     if unset and "data.vocab_size" in unset:
@@ -97,7 +97,7 @@ def sized_task(
         )
         lines.append(choices.line)
         validate_config(config)
-    lines.append(lengths.describe_train(train, config.data.max_len))
+    lines.append(lengths.describe_train(train, config.data.max_train_len))
     lines.append(lengths.describe_eval(evals, config.data.max_eval_len))
     if jax.process_index() == 0:
         for line in filter(None, lines):

@@ -22,7 +22,7 @@ The rule (docs/data.md "Your own corpus" has it as a table, with its evidence):
   ~20 epochs); big: the paper's big on WMT14 en-fr (36M pairs, 32k word pieces, 300k updates:
   ~7 epochs; dropout 0.1 as there).
 
-Lengths: data.max_len is the 99th percentile of a train pair's longer side in ids (EOS
+Lengths: data.max_train_len is the 99th percentile of a train pair's longer side in ids (EOS
 included) rounded up to a multiple of 8, within [16, 256], and at least 64 for packed rows
 (shorter rows hold too few pairs and waste their ends); data.max_eval_len holds the longest
 evaluation source and reference (no test source truncated), within [16, 1024]. Steps: the
@@ -67,7 +67,7 @@ SIZED_KEYS = (
     *(f"model.{k}" for k in MODEL_KEYS),
     "model.dtype",
     "data.vocab_size",
-    "data.max_len",
+    "data.max_train_len",
     "data.max_eval_len",
     "data.tokens_per_batch",
     "data.bucket_boundaries",
@@ -92,7 +92,7 @@ SIZED_TYPES = {
 MAX_LEN_RANGE = (16, 256)
 # Packed rows shorter than this hold too few pairs and waste their ends: on Multi30k rows of
 # 40 carry ~229 pairs an update, rows of 64 ~238 (BENCHMARKS.md "Your corpus at a 60-minute
-# budget"); a packed row's length is data.max_len, so a packed run's is at least this.
+# budget"); a packed row's length is data.max_train_len, so a packed run's is at least this.
 MIN_PACKED_LEN = 64
 MAX_EVAL_LEN_RANGE = (16, 1024)
 STEPS_RANGE = (1_000, 300_000)
@@ -307,7 +307,7 @@ def size_run(
         chosen["model.dtype"] = (chosen["model.dtype"], why)
     p = train.percentile(PERCENTILE)
     floor = MIN_PACKED_LEN if config.data.get("packing", True) else MAX_LEN_RANGE[0]
-    max_len = choose("data.max_len", clamp(max(round_up(p, 8), floor), MAX_LEN_RANGE))
+    max_len = choose("data.max_train_len", clamp(max(round_up(p, 8), floor), MAX_LEN_RANGE))
     longest = max(
         (int(max(e.source.max(), e.target.max())) for e in evals.values() if e.sampled), default=0
     )
@@ -340,7 +340,7 @@ def describe(config, cls: SizeClass, train, p: int, per_epoch: float, chosen, un
         f"layers, {m.num_heads} heads, d_ff {m.d_ff}, dropout {m.dropout_rate:g}; "
         f"{cls.evidence})",
         f"vocabulary {d.vocab_size:,}",
-        f"max_len {d.max_len}",
+        f"max_train_len {d.max_train_len}",
         f"max_eval_len {d.max_eval_len}",
         f"{d.tokens_per_batch:,} tokens a batch",
         f"{t.num_steps:,} steps (~{t.num_steps / per_epoch:.0f} epochs; warmup "
@@ -367,7 +367,7 @@ def with_placeholders(config: ml_collections.ConfigDict) -> ml_collections.Confi
         {
             "model.dtype": "float32",
             "data.vocab_size": small.vocab_size,
-            "data.max_len": MAX_LEN_RANGE[0],
+            "data.max_train_len": MAX_LEN_RANGE[0],
             "data.max_eval_len": MAX_EVAL_LEN_RANGE[0],
             "data.tokens_per_batch": small.tokens_per_batch,
             "data.bucket_boundaries": [MAX_LEN_RANGE[0]],

@@ -57,7 +57,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         "eval.beam_size",
         "checkpoint.every",
         "checkpoint.keep",
-        "data.max_len",
+        "data.max_train_len",
         "data.tokens_per_batch",
         "data.vocab_size",
         "data.eval_batch_size",
@@ -85,10 +85,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
             f"eval.average_last={k} must be in [0, checkpoint.keep={config.checkpoint.keep}] "
             "(the checkpoints it averages must be kept)"
         )
-    if config.data.max_len > config.data.tokens_per_batch:
+    if config.data.max_train_len > config.data.tokens_per_batch:
         raise ValueError(
             f"data.tokens_per_batch={config.data.tokens_per_batch} is smaller than one row of "
-            f"data.max_len={config.data.max_len} tokens"
+            f"data.max_train_len={config.data.max_train_len} tokens"
         )
     if config.checkpoint.best_metric and config.checkpoint.best_metric not in (
         "bleu",
@@ -106,7 +106,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
 def check_batch_divides(config: ml_collections.ConfigDict, strategy: parallel.Strategy) -> None:
     """The smallest batch (rows at the longest bucket) must split over devices and micro-batches."""
     d = config.data
-    longest = max(d.bucket_boundaries or [d.max_len]) if not d.packing else d.max_len
+    longest = max(d.bucket_boundaries or [d.max_train_len]) if not d.packing else d.max_train_len
     shards = d.get("input_shards", 1)
     need = strategy.global_batch_multiple * config.train.grad_accum_steps
     # each input shard's rows are a multiple of this, so that the global batch divides
