@@ -264,6 +264,10 @@ def test_auto_resolves_per_platform_to_the_tested_and_timed_values(platform):
         assert cfg.attention_impl == "xla"
     weights = ModelConfig(**auto, sow_attention_weights=True).resolved(platform, longest=4096)
     assert weights.attention_impl == "xla"
+    # a run config's longest train or eval sequence decides 'chunked' on a CPU
+    run = {"model": auto, "data": {"max_train_len": 64, "max_eval_len": 4096}, "train": {}}
+    got = ModelConfig.of_run(ml_collections.ConfigDict(run), platform).attention_impl
+    assert got == AUTO_ATTENTION[platform][1]
     gpu = ModelConfig(**auto, dtype="bfloat16").resolved("cuda", deterministic=True)
     assert (gpu.platform, gpu.attention_impl) == ("gpu", "xla")
     explicit = ModelConfig(attention_impl="chunked", kernels="cpu").resolved(platform)

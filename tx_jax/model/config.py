@@ -163,7 +163,7 @@ class ModelConfig:
         `platform` with the run's longest sequence and determinism: the one resolution every
         run, plan, restore and export goes through."""
         data, train = config.get("data", {}), config.get("train", {})
-        longest = max(data.get("max_len", 0), data.get("max_eval_len", 0))
+        longest = max(data.get("max_train_len", 0), data.get("max_eval_len", 0))
         # train.deterministic sets XLA:GPU's flag (tx_jax.main); a flag set by hand counts too
         deterministic = bool(train.get("deterministic", False)) or backend.deterministic_ops()
         return cls.from_config(config.model, **overrides).resolved(
