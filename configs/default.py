@@ -90,7 +90,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # of its processes so each reads only its share (docs/training.md "Multi-host input").
     c.data.input_shards = 1
     c.data.eval_split = "validation"
-    c.data.test_split = "test"
+    c.data.test_split = "test"  # the dataset's test split ('test' in evaluate --split=test)
     # Sentences per eval/decode batch: on a 2-core CPU small batches decode fastest (sorted by
     # length, they finish together; BENCHMARKS.md "Evaluation speed"); accelerators want more.
     c.data.eval_batch_size = 16
@@ -142,7 +142,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.beam_size = 1  # 1: greedy during training
     c.eval.alpha = 0.6  # GNMT length penalty for beam search
     c.eval.test_beam_size = 0  # beam for the final test-split score; 0: eval.beam_size
-    c.eval.test_split = "test"  # scored at the end of training ('' to skip)
+    c.eval.score_test = True  # the end of training scores data.test_split
     c.eval.average_last = 0  # > 0: the test score (and `evaluate`) use the last K checkpoints' mean
 
     # Checkpoints (Orbax).

@@ -71,6 +71,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.data.bucket_boundaries = [48]
         c.data.max_train_pairs = 64  # the first 64 train pairs (a key configs/default.py lacks)
         c.train.update(num_steps=6, warmup_steps=2, log_every=2, peak_lr=1e-3)
-        c.eval.update(every=6, bleu_examples=8, test_beam_size=1, test_split="")
+        c.eval.update(every=6, bleu_examples=8, test_beam_size=1, score_test=False)
         c.checkpoint.every = 6
     return c

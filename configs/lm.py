@@ -60,7 +60,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Evaluation: loss / accuracy / perplexity on validation, then on the test split.
     c.eval.every = 300
     c.eval.bleu_examples = 0  # no BLEU for a language model (ignored anyway)
-    c.eval.test_split = "test"  # its perplexity is logged at the end ('' to skip)
+    c.eval.score_test = True  # data.test_split's perplexity is logged at the end
 
     # Checkpoints: the best by validation perplexity is kept too.
     c.checkpoint.every = 300
@@ -83,7 +83,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.data.eval_split = "validation"
         c.data.test_split = "test_2016_flickr"
         c.train.update(num_steps=6000, warmup_steps=500, peak_lr=1e-3, log_every=100)
-        c.eval.update(every=1000, test_split="test_2016_flickr")
+        c.eval.every = 1000
         c.checkpoint.every = 1000
     elif args.variant == "long":
         # Long context: the paper's base width, 6 decoder layers, bf16, one packed row of

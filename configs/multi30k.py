@@ -92,7 +92,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.beam_size = 1  # greedy during training (fast)
     c.eval.alpha = 0.6  # GNMT length penalty (beam search only)
     c.eval.test_beam_size = 4  # the final test_2016_flickr score uses beam 4
-    c.eval.test_split = "test_2016_flickr"  # scored at the end of training
+    c.eval.score_test = True  # test_2016_flickr scored at the end of training
 
     # Checkpoints: every ~8 minutes, all kept (averaging candidates, and the choice within a
     # time budget: experiments/multi30k_ende.py --budgets), plus the best validation BLEU.

@@ -126,7 +126,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.beam_size = 1  # greedy during training
     c.eval.alpha = 0.6  # GNMT length penalty (beam search only)
     c.eval.test_beam_size = 4  # the final test_2016_flickr score per direction
-    c.eval.test_split = "test_2016_flickr"  # scored at the end of training
+    c.eval.score_test = True  # test_2016_flickr scored at the end of training
 
     # Checkpoints: the best by mean validation BLEU over the trained directions.
     c.checkpoint.every = 1000

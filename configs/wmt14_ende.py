@@ -84,7 +84,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.beam_size = 4
     c.eval.alpha = 0.6
     c.eval.test_beam_size = 4  # the final newstest2014 score
-    c.eval.test_split = "test"  # newstest2014, scored at the end of training
+    c.eval.score_test = True  # newstest2014 scored at the end of training
     # Section 6.1 averages the last 5 (base) / 20 (big) checkpoints, written every 10
     # minutes; for the averaged score run:
     #   python -m tx_jax.evaluate --workdir=DIR --average_last=5 --split=test
@@ -125,6 +125,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.data.eval_batch_size = 16
         c.train.update(num_steps=8, warmup_steps=4, lr_scale=0.5, log_every=2)
         c.eval.update(every=4, bleu_examples=16, beam_size=1, test_beam_size=1, average_last=2)
-        c.eval.test_split = ""  # skip the 3,003-sentence newstest2014 decode
+        c.eval.score_test = False  # skip the 3,003-sentence newstest2014 decode
         c.checkpoint.update(every=4, keep=2)
     return c

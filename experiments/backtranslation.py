@@ -333,7 +333,7 @@ def make_config(size: Size, root: pathlib.Path, pair: str, seed: int, synthetic,
     c.train.log_every = min(c.train.log_every, size.eval_every)
     c.eval.every = size.eval_every
     c.eval.bleu_examples = size.bleu_examples
-    c.eval.test_split = ""  # the study decodes the test split itself
+    c.eval.score_test = False  # the study decodes the test split itself
     c.checkpoint.every = size.eval_every
     c.checkpoint.keep = 2
     apply_overrides(c, overrides, from_text=True)

@@ -137,7 +137,7 @@ def run_configs(size: Size, root: pathlib.Path, data_overrides: dict) -> dict[st
         c.train.warmup_steps = max(1, min(200, steps // 4))
         c.train.lr_scale = size.peak_lr * (c.model.d_model * c.train.warmup_steps) ** 0.5
         c.eval.every = steps  # validation once, at the end (the study reads test scores)
-        c.eval.test_split = ""  # the study decodes the test split itself
+        c.eval.score_test = False  # the study decodes the test split itself
         c.checkpoint.every = steps
         apply_overrides(c, overrides)
         return c

@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     for seed in [int(s) for s in args.seeds.split(",") if s.strip()]:
         config = load_config(spec)
         config.seed = seed
-        config.eval.test_split = ""  # the test split is decoded once, after the choice
+        config.eval.score_test = False  # the test split is decoded once, after the choice
         paths = {"data.manual_dir": args.manual_dir, "data.data_dir": args.data_dir}
         apply_overrides(config, {k: v for k, v in paths.items() if v})
         apply_overrides(config, parse_assignments(args.override, "--override"), from_text=True)

@@ -35,7 +35,7 @@ BASE = {
     "train.lr_scale": 0.5,  # peak 0.5 * 128^-0.5 * 300^-0.5 = 2.6e-3
     "train.log_every": 50,
     "eval.every": 600,
-    "eval.test_split": "",  # validation only: the test set chooses nothing
+    "eval.score_test": False,  # validation only: the test set chooses nothing
     "checkpoint.every": 600,
     # as the 12 points run on 2026-11-23 trained, before configs/multi30k.py's 2026-11-26
     # recipe (bfloat16 compute, a cooldown): every point of the table has the same base

@@ -28,7 +28,7 @@ def tiny_config(data_dir: str | os.PathLike, **overrides) -> ml_collections.Conf
     c.data.max_eval_len = 32
     c.data.packing = False  # the bucketed path; tests that want packing say so
     c.eval.bleu_examples = 0
-    c.eval.test_split = ""
+    c.eval.score_test = False
     c.eval.every = 1000
     c.checkpoint.async_save = False
     c.train.log_every = 1

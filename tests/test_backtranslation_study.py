@@ -55,7 +55,7 @@ def test_configs_hold_the_design(tmp_path):
         assert c.data.tokenizer_path == str(tmp_path / "tokenizer.model")
         assert c.data.manual_dir == str(tmp_path / "data" / "A")
         assert c.data.data_dir == str(tmp_path / "tfds")  # never the full dataset's
-        assert (c.data.eval_split, c.eval.test_split) == ("validation", "")
+        assert (c.data.eval_split, c.eval.score_test) == ("validation", False)
     assert (base.data.source_lang, base.data.target_lang) == ("en", "de")
     assert (configs["de_en"].data.source_lang, configs["de_en"].data.target_lang) == ("de", "en")
     assert base.train.num_steps == 600 and base.model.d_model == 256

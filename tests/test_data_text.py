@@ -349,7 +349,7 @@ def test_prepare_then_train_evaluate_a_changed_test_set_and_fine_tune(tmp_path, 
         "data.data_dir": str(tmp_path / "tfds"),
         "data.vocab_size": 40,
         "eval.bleu_examples": 16,
-        "eval.test_split": "test",
+        "eval.score_test": True,
         "train.num_steps": 4,
         "eval.every": 4,
     }

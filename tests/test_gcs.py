@@ -394,7 +394,7 @@ def test_gs_data_dir_is_staged_to_a_verified_local_cache(gcs, tfds_dir, tmp_path
     from tx_jax.data import datasets, staging
 
     cfg = lambda data_dir, **kw: tiny_config(  # noqa: E731
-        data_dir, **{"train.num_steps": 3, "eval.every": 3, "eval.test_split": "test", **kw}
+        data_dir, **{"train.num_steps": 3, "eval.every": 3, "eval.score_test": True, **kw}
     )
     datasets.load_split(cfg(tfds_dir).data, "train")  # prepared locally (once per pytest session)
     remote = f"{BUCKET}/tfds"

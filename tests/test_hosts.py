@@ -45,7 +45,7 @@ def _overrides(corpus: str) -> dict:
         "checkpoint.async_save": False,
         "eval.every": 1000,
         "eval.bleu_examples": 0,
-        "eval.test_split": "",
+        "eval.score_test": False,
         "train.log_every": 1,
     }
 

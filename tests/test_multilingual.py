@@ -80,7 +80,7 @@ def config(tfds_dir, raw_dir, **overrides):
     c.data.max_train_len = c.data.max_eval_len = 16
     c.data.bucket_boundaries = [16]
     c.data.tokens_per_batch = 512  # 32 packed rows of 16
-    c.eval.update(every=1000, bleu_examples=8, test_split="")
+    c.eval.update(every=1000, bleu_examples=8, score_test=False)
     c.checkpoint.update(every=1000, async_save=False)
     for key, value in overrides.items():
         section, name = key.split(".")
@@ -326,7 +326,7 @@ def test_debug_config_trains_and_resumes_exactly(data_dir, raw_dir, tmp_path):
         "data.mixture": "temperature",
         "data.temperature": 2.0,
         "data.max_train_pairs": 200,
-        "eval.test_split": "test",
+        "eval.score_test": True,
     }
     c = debug_config(data_dir, raw_dir)
     for key, value in base.items():
@@ -338,7 +338,7 @@ def test_debug_config_trains_and_resumes_exactly(data_dir, raw_dir, tmp_path):
     assert final["test_bleu"] == pytest.approx(
         (final["test_bleu/en-de"] + final["test_bleu/fr-en"]) / 2
     )
-    c.eval.update(test_split="", bleu_examples=0)  # the same batches and losses, no decoding
+    c.eval.update(score_test=False, bleu_examples=0)  # the same batches and losses, no decoding
     half = c.copy_and_resolve_references()
     half.train.num_steps = 4
     train_and_evaluate(half, tmp_path / "resumed")

@@ -198,6 +198,7 @@ OLD_NAMES = {
     "data.max_train_len": "data.max_len",
     "data.backtranslation": "data.synthetic_corpora",
     "data.backtranslation_tag": "data.synthetic_tag",
+    "eval.score_test": "eval.test_split",
 }
 OLD_DEFAULTS = {
     "directions": "",
@@ -217,7 +218,10 @@ def _with_old_names(config: dict) -> dict:
     old["data"].update(OLD_DEFAULTS)
     for new, was in OLD_NAMES.items():
         (section, name), (_, old_name) = new.split("."), was.split(".")
-        old[section][old_name] = old[section].pop(name)
+        value = old[section].pop(name)
+        if new == "eval.score_test":  # then the split's name, '' for none
+            value = old["data"]["test_split"] if value else ""
+        old[section][old_name] = value
     return old
 
 
@@ -248,6 +252,10 @@ def test_a_config_stored_with_old_key_names_loads_under_the_new(trained, tfds_di
         assert old_name in old[section] and old_name not in upgraded[section], was
         assert upgraded[section][name] == stored[section].get(name, OLD_DEFAULTS.get(name)), new
     assert upgraded["data"]["backtranslation_tag"] == "<BT>"
+    assert (old["eval"]["test_split"], upgraded["eval"]["score_test"]) == ("", False)
+    scored = {**old, "eval": {**old["eval"], "test_split": "test_2016_flickr"}}
+    with pytest.warns(UserWarning, match="eval.test_split -> eval.score_test"):
+        assert upgrade_stored(scored)["eval"]["score_test"] is True
     assert resume.differences(old, tiny_config(tfds_dir, **{"train.num_steps": STEPS})) == {}
 
     copy = tmp_path / "run"

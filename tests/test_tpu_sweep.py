@@ -43,7 +43,7 @@ BASE = {
     "checkpoint.async_save": False,
     "eval.every": 1000,
     "eval.bleu_examples": 0,
-    "eval.test_split": "",
+    "eval.score_test": False,
 }
 EXTRA = []
 

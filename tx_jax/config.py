@@ -177,6 +177,8 @@ RENAMED_KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "data.max_len": ("data.max_train_len", lambda v: v),  # not model.max_len, the table's size
     "data.synthetic_corpora": ("data.backtranslation", lambda v: v),
     "data.synthetic_tag": ("data.backtranslation_tag", lambda v: v),
+    # a split to score at the end, '' for none: every config named data.test_split's
+    "eval.test_split": ("eval.score_test", bool),
 }
 
 

@@ -65,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.parallel != 1 or args.test_split_eval:
                 raise ValueError(
                     "--tpu runs one point per VM (no --parallel) and scores the test split "
-                    "in training (eval.test_split), not with --test_split_eval"
+                    "in training (eval.score_test), not with --test_split_eval"
                 )
             rows = tpu_sweep.run_tpu_sweep(
                 args.sweep_file,

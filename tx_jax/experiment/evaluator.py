@@ -68,7 +68,7 @@ class Evaluator:
         """BLEU on the test split, or for a language model its loss and perplexity."""
         if task_of(self.run.config) != "lm":
             return self.test_bleu(state, step, logger)
-        split, multiple = self.run.config.eval.test_split, self.run.strategy.local_batch_multiple
+        split, multiple = self.run.config.data.test_split, self.run.strategy.local_batch_multiple
         result = self._loss_metrics(
             state, self.run.task.eval_batches(split, multiple, one_shape=True)
         )
@@ -77,7 +77,7 @@ class Evaluator:
         return {f"test_{k}": v for k, v in result.items()}
 
     def test_bleu(self, state, step: int, logger) -> dict[str, Any]:
-        split = self.run.config.eval.test_split
+        split = self.run.config.data.test_split
         result = self._bleu(state, split, None, self.run.config.eval.get("test_beam_size"))
         out = {f"test_{k}": v for k, v in result.items()}
         logger.write(step, split, {k: v for k, v in result.items() if _is_num(v)})

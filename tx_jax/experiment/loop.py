@@ -133,7 +133,7 @@ def _loop(run: Run, config, checkpointer, state, train_iter, p_train, evaluator,
     stop.restore()
     checkpointer.wait()
     checkpointer.close()
-    test_split = config.eval.test_split
+    test_split = config.data.test_split if config.eval.score_test else ""
     if test_split and not datasets.has_split(config.data, test_split):
         console.no_test_split(test_split)
     elif test_split and step == cfg.num_steps:  # every process decodes (SPMD)

@@ -107,7 +107,7 @@ def sized_task(
 
 def _eval_splits(config: ml_collections.ConfigDict) -> list[str]:
     """The evaluation splits a run decodes: validation, and the test split when scored."""
-    return ["validation", *(["test"] if config.eval.get("test_split") else [])]
+    return ["validation", *(["test"] if config.eval.score_test else [])]
 
 
 def prepare_task(config: ml_collections.ConfigDict, workdir: epath.Path, source=None):

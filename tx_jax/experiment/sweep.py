@@ -25,7 +25,7 @@ rerun skips the points that have it, and resumes the others from their checkpoin
     ROOT/curves.png                     loss and BLEU curves of every run, labelled by name
 
 val_* are the last validation record of WORKDIR/metrics.jsonl; test_bleu the last record of
-the test split (written at the end of training when eval.test_split is set) or, with
+the test split (written at the end of training when eval.score_test is set) or, with
 --test_split_eval, `python -m tx_jax.evaluate --split=test --beam_size=B` on the final
 checkpoint. A failed point is reported (status 'failed (rc N)') and the others go on; the
 exit status is 1 if any point failed (2 for a bad sweep file or override). ROOT may be a
@@ -62,6 +62,7 @@ from tx_jax.config import (
     load_config,
     load_module,
     parse_assignments,
+    upgrade_stored,
 )
 
 DONE_FILE = "sweep_done.json"
@@ -293,7 +294,8 @@ def summarize(point: Point, outcome: Mapping[str, Any]) -> dict[str, Any]:
         last[r.get("split", "train")] = r
     test_split = "test"
     if (point.workdir / "config.json").exists():
-        test_split = json.loads((point.workdir / "config.json").read_text())["eval"]["test_split"]
+        stored = upgrade_stored(json.loads((point.workdir / "config.json").read_text()))
+        test_split = stored["data"]["test_split"] if stored["eval"]["score_test"] else ""
     validation, test = last.get("validation", {}), last.get(test_split, {}) if test_split else {}
     test_bleu = (outcome.get("test_eval") or {}).get("bleu", test.get("bleu"))
     return {
