@@ -549,6 +549,9 @@ def test_kv_cache_equals_full_causal_attention(rope):
 
 
 def test_cross_attention_cache_projects_once():
+    """The call that creates the cache with the real parameters projects the encoder output;
+    later steps read it (zeros in place of the encoder output give the same result); a cache
+    made by init, with other parameters, is refused."""
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.normal(size=(2, 3, 16)), jnp.float32)
     enc = jnp.asarray(rng.normal(size=(2, 5, 16)), jnp.float32)
@@ -556,19 +559,21 @@ def test_cross_attention_cache_projects_once():
     params = full.init(jax.random.key(0), x, enc)["params"]
     want = full.apply({"params": params}, x, enc)
     step = MultiHeadAttention(num_heads=4, decode=True)
-    cache = step.init(jax.random.key(0), x[:, :1], enc)["cache"]
-    assert not bool(cache["cross_filled"])
-    outs = []
-    for t in range(3):
-        # after the first step the encoder output is no longer read: zeros give the same result
-        src = enc if t == 0 else jnp.zeros_like(enc)
+    o, upd = step.apply({"params": params}, x[:, :1], enc, mutable="cache")
+    cache, outs = upd["cache"], [o]
+    assert set(cache) == {"cross_key", "cross_value"}
+    for t in (1, 2):
         o, upd = step.apply(
-            {"params": params, "cache": cache}, x[:, t : t + 1], src, mutable="cache"
+            {"params": params, "cache": cache},
+            x[:, t : t + 1],
+            jnp.zeros_like(enc),
+            mutable="cache",
         )
         cache = upd["cache"]
         outs.append(o)
-    assert bool(cache["cross_filled"])
     np.testing.assert_allclose(jnp.concatenate(outs, 1), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="not init"):
+        step.init(jax.random.key(0), x[:, :1], enc)
 
 
 def _encoder_decoder(impl="xla", **kw):

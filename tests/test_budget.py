@@ -114,7 +114,7 @@ def test_the_optimizer_state_does_not_depend_on_the_schedule(weight_decay):
     """The timed state is built with the config's schedule, the run's with the fitted one:
     Adam's (and AdamW's) state has the same structure and shapes whatever the steps."""
     config = tiny_config("unused", **{"train.weight_decay": weight_decay})
-    model_config = ModelConfig.from_config(config.model, vocab_size=64, bos_id=1)
+    model_config = ModelConfig.of_run(config, "cpu", vocab_size=64, bos_id=1)
     model = make_model(model_config, "translation")
     shapes = []
     for steps in [(8, 4, 2), (3905, 100, 781)]:

@@ -65,7 +65,7 @@ def test_config_builds_and_model_eval_shapes(path, arg):
     validate_config(config)
     task = restore.task_of(config)
     assert task in TASKS
-    cfg = ModelConfig.from_config(config.model)
+    cfg = ModelConfig.of_run(config, "cpu")
     model = restore.make_model(cfg, task)
     assert isinstance(model, DecoderOnly if task == "lm" else EncoderDecoder)
     tokens = jnp.ones((2, 8), jnp.int32)

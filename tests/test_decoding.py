@@ -119,7 +119,6 @@ def test_cached_logits_equal_full_forward_encoder_decoder(translation, variant):
                     c = layer[f"{name}_attention"]
                     assert c[f"{kv}_key"].shape[1::2] == (2, 8), name
                     assert c[f"{kv}_value"].shape[1:3] == (2, 12), name
-            assert "cross_filled" not in layer["cross_attention"]  # projected when created
             assert int(layer["self_attention"]["cache_index"]) == TGT.shape[1]
 
 
@@ -163,7 +162,7 @@ def test_gather_cache_reorders_beams_but_not_cross_attention():
     rows = jnp.arange(B * N, dtype=jnp.float32)
     cache = {
         "self_attention": {"cached_key": rows[:, None] * 10, "cache_index": jnp.array(4)},
-        "cross_attention": {"cross_key": rows[:, None], "cross_filled": jnp.array(True)},
+        "cross_attention": {"cross_key": rows[:, None]},
     }
     out = cache_lib.gather_beams(cache, jnp.array([[2, 2, 0], [1, 0, 0]]))
     np.testing.assert_array_equal(

@@ -42,8 +42,8 @@ def lm(tmp_path_factory):
     tokenizer = train_tokenizer(texts, 160, workdir / "tokenizer.model")
     config = helpers.default_config.get_config("debug")
     config.task = "lm"
-    model_config = ModelConfig.from_config(
-        config.model, vocab_size=tokenizer.vocab_size, bos_id=tokenizer.bos_id
+    model_config = ModelConfig.of_run(
+        config, "cpu", vocab_size=tokenizer.vocab_size, bos_id=tokenizer.bos_id
     )
     tx, _ = optim.make_optimizer(config.train, model_config.d_model)
     model = DecoderOnly(model_config)

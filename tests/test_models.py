@@ -200,6 +200,8 @@ def test_model_config_validation_names_the_key():
         ModelConfig(position_offset=2, positional="rope")
     with pytest.raises(ValueError, match="activation='swish'"):
         ModelConfig(activation="swish")
+    with pytest.raises(ValueError, match="model.decode_beams=2 needs decode=True"):
+        ModelConfig(decode_beams=2)
     with pytest.raises(ValueError, match="model.value_head_dim=0 must be positive"):
         ModelConfig(value_head_dim=0)
     with pytest.raises(ValueError, match="variant"):

@@ -54,7 +54,7 @@ _LAYOUT = {
 # A beam-shared cache keeps self-attention keys [B, N, K, T, Dk] and values [B, N, K, Dv, T]
 # in the slot that wrote them and reorders only 'beam_origin' [B, N, T], which slot wrote
 # each position of each hypothesis (attention.beam_cache_attention); cross-attention keys
-# and values are kept once per example (MultiHeadAttention._grouped_cross).
+# and values are kept once per example (model/kv_cache.grouped_cross_attention).
 _SHARED = {
     "cached_key": _Layout("example", "", -2),
     "cached_value": _Layout("example", "", -1),

@@ -94,7 +94,13 @@ def output_limits(
 
 
 def _cached_logits_fn(
-    model: nn.Module, params: Any, batch: int, length: int, *args: Array, method: str | None = None
+    model: nn.Module,
+    params: Any,
+    batch: int,
+    length: int,
+    *args: Array,
+    method: str | None = None,
+    beams: int = 1,
 ) -> tuple[LogitsFn, Cache]:
     """A decode-mode `model.apply(variables, *args, tokens)` as a logits function.
 
@@ -102,19 +108,25 @@ def _cached_logits_fn(
     cache length. Inside jit only the cache survives, the rest is dead code. The per-row
     `args` (encoder output, source tokens) travel in the cache (cache.of_model), not in the
     function's closure: a search may then move rows between batches (search.py's compaction).
+    With beams N > 1 (row b * N + n: beam n of example b) the cache becomes the beam-shared
+    one (cache.share_beams) and the steps run the model made for it (config.decode_beams).
     """
 
-    def run(variables, inputs, tokens):
+    def run(model, variables, inputs, tokens):
         return model.apply(variables, *inputs, tokens, method=method, mutable=["cache"])
 
-    _, init = run({"params": params}, args, jnp.zeros((batch, length), jnp.int32))
+    _, init = run(model, {"params": params}, args, jnp.zeros((batch, length), jnp.int32))
+    cache = init["cache"]
+    if beams > 1:
+        cache = cache_lib.share_beams(cache, batch // beams, beams, length)
+        model = type(model)(model.config.replace(decode_beams=beams))
 
     def tokens_to_logits(tokens: Array, cache: Cache) -> tuple[Array, Cache]:
         model_cache, inputs = cache_lib.model_parts(cache)
-        logits, updated = run({"params": params, "cache": model_cache}, inputs, tokens)
+        logits, updated = run(model, {"params": params, "cache": model_cache}, inputs, tokens)
         return logits[:, -1], cache_lib.of_model(updated["cache"], inputs)
 
-    return tokens_to_logits, cache_lib.of_model(init["cache"], args)
+    return tokens_to_logits, cache_lib.of_model(cache, args)
 
 
 def _prefix_logits_fn(
@@ -156,12 +168,16 @@ def encoder_decoder_logits_fn(
     batch = inputs.shape[0]
     if use_cache:
         decoder = EncoderDecoder(config.replace(decode=True))
-        fn, cache = _cached_logits_fn(
-            decoder, params, batch, max_decode_len, encoded, inputs, method="decode"
+        return _cached_logits_fn(
+            decoder,
+            params,
+            batch,
+            max_decode_len,
+            encoded,
+            inputs,
+            method="decode",
+            beams=num_beams,
         )
-        if num_beams > 1:
-            cache = cache_lib.share_beams(cache, batch // num_beams, num_beams, max_decode_len)
-        return fn, cache
 
     def full_logits(prefix: Array) -> Array:
         return model.apply(

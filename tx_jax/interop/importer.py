@@ -37,7 +37,9 @@ from tx_jax.training.checkpoint import Checkpointer
 
 DTYPES = ("float32", "bfloat16")
 # ModelConfig fields a run sets itself (from its tokenizer, or for decoding and analysis).
-_SET_BY_THE_RUN = ("vocab_size", "bos_id", "decode", "sow_attention_weights", "platform")
+_SET_BY_THE_RUN = (
+    "vocab_size", "bos_id", "decode", "decode_beams", "sow_attention_weights", "platform"
+)  # fmt: skip
 
 
 def read_config(source: epath.Path) -> dict[str, Any]:

@@ -125,6 +125,7 @@ class ModelConfig:
     num_classes: int = 0  # EncoderOnly: > 0 adds a classification head
     pooling: str = "mean"  # EncoderOnly: mean (over real tokens) | first
     decode: bool = False  # incremental decoding with a KV cache
+    decode_beams: int = 0  # > 0: decoding over a beam-shared cache of N hypotheses an example
     sow_attention_weights: bool = False  # store attention maps in 'intermediates'
     platform: str | None = None  # what `resolved` chose the implementation fields for
 
@@ -231,6 +232,8 @@ class ModelConfig:
                 raise ValueError(f"model.{key}={getattr(self, key)!r}; expected one of {allowed}")
         self._check_sizes()
         self._check_options()
+        if self.decode_beams < 0 or (self.decode_beams and not self.decode):
+            raise ValueError(f"model.decode_beams={self.decode_beams} needs decode=True, >= 0")
         if self.platform is not None and self.platform not in PLATFORMS:
             raise ValueError(f"model.platform={self.platform!r}; expected one of {PLATFORMS}")
 

@@ -139,6 +139,7 @@ class _ResidualLayer(nn.Module):
             implementation=cfg.attention_impl,
             rope_base=cfg.rope_base if (cfg.positional == "rope" and not cross) else None,
             decode=cfg.decode,
+            beams=cfg.decode_beams,
             sow_weights=cfg.sow_attention_weights,
             kernels=cfg.kernels,
             dropout_bits=cfg.dropout_bits,
