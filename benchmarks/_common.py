@@ -130,7 +130,7 @@ def write_json(name: str, payload: dict[str, Any], path: str | None = None) -> s
 
 
 def config_train_step(config, vocab_size: int, bos_id: int):
-    """(strategy, compiled step, initial state) for `config` exactly as tx_jax.experiment.loop
+    """(strategy, compiled step, initial state) for `config` exactly as tx_jax.runner.loop
     builds them: tx_jax.training.parallel's strategy (config.parallel), the real train_step,
     state donated."""
     import functools

@@ -26,9 +26,9 @@ import gpu_step  # noqa: E402
 def run_case(case: str, steps: int, device) -> dict:
 
     from tx_jax.data.tokenizer import BOS_ID
-    from tx_jax.experiment.setup import build_model
     from tx_jax.planning import programs
     from tx_jax.planning.targets import Target
+    from tx_jax.runner.setup import build_model
 
     config = gpu_step.case_config(case)
     row: dict = {"case": case, "xla_flags": os.environ.get("XLA_FLAGS", "")}

@@ -125,10 +125,10 @@ def prepare_case(case: str, device, chip_name):
     state and a random packed batch: (row of static figures, step executable, state, batch,
     strategy)."""
     from tx_jax.data.tokenizer import BOS_ID
-    from tx_jax.experiment.setup import build_model
     from tx_jax.planning import plan as plan_lib
     from tx_jax.planning import programs
     from tx_jax.planning.targets import Target
+    from tx_jax.runner.setup import build_model
 
     config = case_config(case)
     platform = device.platform

@@ -34,7 +34,7 @@ def launch(workdir: pathlib.Path, tfds_dir: pathlib.Path, steps: int) -> subproc
     overrides = {"train.num_steps": steps, "checkpoint.every": 2, "checkpoint.async_save": True}
     code = (
         "import sys; sys.path.insert(0, 'tests');"
-        "from helpers import tiny_config; from tx_jax.experiment.loop import train_and_evaluate;"
+        "from helpers import tiny_config; from tx_jax.runner.loop import train_and_evaluate;"
         f"train_and_evaluate(tiny_config({str(tfds_dir)!r}, **{overrides!r}), "
         f"{str(workdir)!r})"
     )

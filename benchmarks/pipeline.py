@@ -12,7 +12,7 @@ tokens/s (real, non-padding target tokens):
   train step       the jitted step alone on one placed batch (tx_jax.training.parallel, the config's
                    strategy, state donated), i.e. what the model can consume
   train loop       next(iterator) + placement + step with at most one step in flight, as in
-                   experiment.loop.train_and_evaluate (the pipeline and the step share
+                   runner.loop.train_and_evaluate (the pipeline and the step share
                    the CPU cores)
 
 The data (TFDS synthetic builder) and tokenizer are prepared once in --workdir.

@@ -113,7 +113,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # > 0: minutes of training, the schedule fitted to them: a new run times its update and
     # fixes num_steps (warmup kept, capped at half; cooldown keeps its share of num_steps) so
     # that set-up, compilation, updates and saves fill it (periodic evaluations not counted;
-    # the final evaluation and test score come after). 0: off (experiment/budget.py)
+    # the final evaluation and test score come after). 0: off (runner/budget.py)
     c.train.time_budget_minutes = 0.0
     c.train.beta1 = 0.9
     c.train.beta2 = 0.98

@@ -11,7 +11,7 @@ P.<target_lang> (each plain or .gz; a wildcard in P's file name matches shards, 
 name), or a path ending .tsv or .tsv.gz (source TAB target). Each split is prepared once into
 data_dir, keyed by its files' content (tx_jax/data/text_corpus.py; docs/data.md "Your own
 corpus"). The model, vocabulary, lengths and schedule are left to the data (None): the run
-chooses them from the prepared train split and says so in one line (tx_jax/experiment/
+chooses them from the prepared train split and says so in one line (tx_jax/runner/
 sizing.py's rule; `python -m tx_jax.prepare` prints the same choices); any of them set on the
 command line wins. The rest is configs/default.py's; every key set here is commented.
 """
@@ -19,7 +19,7 @@ command line wins. The rest is configs/default.py's; every key set here is comme
 import ml_collections
 
 from tx_jax.config import parse_arg, sibling_config
-from tx_jax.experiment.sizing import SIZED_KEYS, SIZED_TYPES
+from tx_jax.runner.sizing import SIZED_KEYS, SIZED_TYPES
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -53,7 +53,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
 def leave_to_data(c: ml_collections.ConfigDict) -> None:
     """The model, vocabulary, lengths and schedule are chosen from the corpus when the run
-    reads it (tx_jax/experiment/sizing.py; docs/data.md "Your own corpus"): each is None here,
+    reads it (tx_jax/runner/sizing.py; docs/data.md "Your own corpus"): each is None here,
     and any of them set on the command line is kept as set."""
     for key in SIZED_KEYS:
         section, name = key.split(".")

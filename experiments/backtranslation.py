@@ -100,8 +100,8 @@ from tx_jax.config import (  # noqa: E402
     with_study_defaults,
 )
 from tx_jax.data.tokenizer import iter_pair_texts, train_tokenizer  # noqa: E402
-from tx_jax.experiment.loop import train_and_evaluate  # noqa: E402
 from tx_jax.inference import evaluation, locate  # noqa: E402
+from tx_jax.runner.loop import train_and_evaluate  # noqa: E402
 
 CONFIG = str(REPO / "configs" / "multi30k.py")
 DEFAULT_MANUAL_DIR = REPO.parent / "shared" / "data" / "multi30k"

@@ -9,7 +9,7 @@ is that transfer follows similarity (English and German: both Germanic); here Ge
 the high-resource language, French (Romance, many English loanwords) and Czech (Slavic) are
 the low-resource ones, and the question is which of them gains more from German.
 
-Runs (every one through tx_jax.experiment.loop.train_and_evaluate, configs/multilingual.py, the same
+Runs (every one through tx_jax.runner.loop.train_and_evaluate, configs/multilingual.py, the same
 model size and one shared SentencePiece vocabulary with the tags <2cs> <2de> <2en> <2fr>):
 
     multi     one model for en<->de (all 29k pairs) and en<->fr, en<->cs (LOW_PAIRS pairs
@@ -49,8 +49,8 @@ if str(REPO) not in sys.path:  # `python experiments/language_similarity.py` fro
 from tx_jax.analysis import similarity, visualize  # noqa: E402
 from tx_jax.config import apply_overrides, sibling_config  # noqa: E402
 from tx_jax.data import directions as directions_lib  # noqa: E402
-from tx_jax.experiment.loop import train_and_evaluate  # noqa: E402
 from tx_jax.inference import multilingual, restore  # noqa: E402
+from tx_jax.runner.loop import train_and_evaluate  # noqa: E402
 
 LANGS = ("en", "de", "fr", "cs")
 HIGH = "de"  # the high-resource language

@@ -43,8 +43,8 @@ if str(REPO) not in sys.path:  # `python experiments/multi30k_ende.py` from anyw
 import jax  # noqa: E402
 
 from tx_jax.config import apply_overrides, load_config, parse_assignments  # noqa: E402
-from tx_jax.experiment.loop import train_and_evaluate  # noqa: E402
 from tx_jax.inference import evaluation, locate  # noqa: E402
+from tx_jax.runner.loop import train_and_evaluate  # noqa: E402
 from tx_jax.training import logs  # noqa: E402
 
 TEST_SPLIT = "test_2016_flickr"

@@ -18,7 +18,7 @@ import pathlib
 import sys
 
 from tx_jax.config import sibling_module
-from tx_jax.experiment import sweep as sweep_lib
+from tx_jax.runner import sweep as sweep_lib
 
 table3 = sibling_module(__file__, "table3")
 

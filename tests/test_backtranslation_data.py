@@ -14,8 +14,8 @@ from test_data_pipeline import make_pairs, make_tokenizer
 
 from tx_jax.data import backtranslation as bt
 from tx_jax.data import tokenizer as tk
-from tx_jax.experiment.loop import train_and_evaluate
-from tx_jax.experiment.validation import validate_config
+from tx_jax.runner.loop import train_and_evaluate
+from tx_jax.runner.validation import validate_config
 
 REAL = 300  # real pairs: sources numbered 0..299; synthetic ones 1000.. and 2000..
 

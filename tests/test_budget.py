@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from helpers import tiny_config, train_losses
 
-from tx_jax.experiment import budget
-from tx_jax.experiment.loop import train_and_evaluate
-from tx_jax.experiment.setup import build_run
-from tx_jax.experiment.validation import validate_config
 from tx_jax.model import ModelConfig, make_model
+from tx_jax.runner import budget
+from tx_jax.runner.loop import train_and_evaluate
+from tx_jax.runner.setup import build_run
+from tx_jax.runner.validation import validate_config
 from tx_jax.training import logs, optim
 from tx_jax.training.checkpoint import Checkpointer
 from tx_jax.training.state import init_state

@@ -11,12 +11,12 @@ import jax.numpy as jnp
 import pytest
 
 from tx_jax.config import STUDY_KEYS, apply_overrides, parse_arg, study_value
-from tx_jax.experiment import sizing
-from tx_jax.experiment.validation import validate_config
 from tx_jax.inference import restore
 from tx_jax.model import TASKS
 from tx_jax.model.config import ModelConfig
 from tx_jax.model.transformer import DecoderOnly, EncoderDecoder, count_params
+from tx_jax.runner import sizing
+from tx_jax.runner.validation import validate_config
 
 CONFIG_DIR = pathlib.Path(__file__).parent.parent / "configs"
 CONFIGS = sorted(CONFIG_DIR.glob("*.py"))

@@ -57,7 +57,7 @@ import jax
 jax.config.update("jax_disable_most_optimizations", True)
 from helpers import tiny_config
 from tx_jax.data import tasks
-from tx_jax.experiment.loop import train_and_evaluate
+from tx_jax.runner.loop import train_and_evaluate
 from tx_jax.inference import compilation, data_parallel, restore, scoring
 # two eval shapes (each one program per search and device count); 40 steps: varied outputs
 config = tiny_config({str(tfds_dir)!r}, **{{"train.num_steps": 40, "train.warmup_steps": 10,

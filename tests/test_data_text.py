@@ -20,9 +20,9 @@ from helpers import ROOT
 from tx_jax.config import apply_overrides, load_config
 from tx_jax.data import datasets, tasks, text_corpus, views
 from tx_jax.data import tokenizer as tk
-from tx_jax.experiment.loop import train_and_evaluate
 from tx_jax.inference import evaluation, restore, translation
 from tx_jax.interop import huggingface
+from tx_jax.runner.loop import train_and_evaluate
 
 PAIRS = [(f"s{i} ü “{i % 7}”", f"t{i} ß {i % 5}") for i in range(12)]
 

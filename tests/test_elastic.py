@@ -25,7 +25,7 @@ import portpicker
 import pytest
 from helpers import ROOT, process_env, run_python, tiny_config, train_losses
 
-from tx_jax.experiment.loop import train_and_evaluate
+from tx_jax.runner.loop import train_and_evaluate
 from tx_jax.training.checkpoint import Checkpointer
 
 # the fixture's processes are shared by this file's tests: one xdist worker runs them all
@@ -54,7 +54,7 @@ def _code(tfds_dir, runs: list[tuple[str, object, int | None, dict]]) -> str:
         "import os, signal, time",
         "import jax",
         "from helpers import tiny_config",
-        "from tx_jax.experiment.loop import train_and_evaluate",
+        "from tx_jax.runner.loop import train_and_evaluate",
         "from tx_jax.training import logs",
         "stop_at = None",
         "write = logs.MetricLogger.write",

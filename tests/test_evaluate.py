@@ -18,9 +18,9 @@ import sacrebleu
 from helpers import ROOT, run_python, tiny_config
 
 from tx_jax.data import datasets
-from tx_jax.experiment.loop import train_and_evaluate
-from tx_jax.experiment.validation import validate_config
 from tx_jax.inference import averaging, evaluation, restore, translation
+from tx_jax.runner.loop import train_and_evaluate
+from tx_jax.runner.validation import validate_config
 from tx_jax.training.checkpoint import Checkpointer
 
 STEPS, EVERY = 90, 30  # checkpoints at 30, 60, 90: enough to translate lines differently
@@ -303,7 +303,7 @@ def test_eight_device_checkpoint_evaluates_on_one_device(tmp_path, tfds_dir):
 import json, jax
 jax.config.update("jax_disable_most_optimizations", True)  # as conftest.py: same numerics
 from helpers import tiny_config
-from tx_jax.experiment.loop import train_and_evaluate
+from tx_jax.runner.loop import train_and_evaluate
 from tx_jax.inference import evaluation
 assert jax.device_count() == 8
 train_and_evaluate(tiny_config({str(tfds_dir)!r}, **{overrides!r}), {str(workdir)!r})

@@ -16,13 +16,13 @@ from helpers import tiny_config
 
 from tx_jax.data import datasets
 from tx_jax.data.tokenizer import EOS_ID
-from tx_jax.experiment.loop import train_and_evaluate
 from tx_jax.inference import restore
 from tx_jax.inference.translation import translate_lines
 from tx_jax.interop import ctranslate2 as ct2_export
 from tx_jax.interop import huggingface, weights
 from tx_jax.model.config import ModelConfig
 from tx_jax.model.positional import sinusoidal_table
+from tx_jax.runner.loop import train_and_evaluate
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

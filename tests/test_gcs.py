@@ -25,9 +25,9 @@ from etils import epath
 from helpers import ROOT, tiny_config, train_losses
 
 from tx_jax import paths
-from tx_jax.experiment.loop import train_and_evaluate
 from tx_jax.inference import evaluation, restore, translation
 from tx_jax.interop import huggingface
+from tx_jax.runner.loop import train_and_evaluate
 from tx_jax.training.checkpoint import Checkpointer
 
 STEPS = 12
@@ -358,7 +358,7 @@ def test_backoff_setting_scales_the_retry_waits_of_both_clients(gcs, monkeypatch
 def test_sweep_with_a_gs_root_writes_its_logs_and_tables_there(gcs, tfds_dir):
     """A sweep point trains in ROOT/<point> on gs:// (a list override goes through a generated
     config, loaded from a local copy); its log, results tables and curves land in ROOT."""
-    from tx_jax.experiment import sweep
+    from tx_jax.runner import sweep
 
     root = f"{BUCKET}/sweep"
     tiny = {

@@ -24,7 +24,7 @@ from helpers import ROOT, process_env
 
 from tx_jax.config import apply_overrides, load_config
 from tx_jax.data import datasets
-from tx_jax.experiment.loop import train_and_evaluate
+from tx_jax.runner.loop import train_and_evaluate
 
 pytestmark = [pytest.mark.slow]
 
@@ -74,7 +74,7 @@ def _code(overrides: dict, workdir: str, refusals: bool) -> str:
             "import os, signal, sys, time",
             "from tx_jax.config import apply_overrides, load_config",
             "from tx_jax.data import preparation",
-            "from tx_jax.experiment.loop import train_and_evaluate",
+            "from tx_jax.runner.loop import train_and_evaluate",
             "from tx_jax.training import logs",
             f"config = load_config({str(ROOT / 'configs' / 'text.py')!r} + ':debug')",
             f"apply_overrides(config, {overrides!r})",

@@ -215,7 +215,7 @@ def test_refusals_write_nothing(tmp_path, marian):
 
 
 def test_finetuning_an_imported_model_lowers_the_loss(marian, multi30k, tmp_path):
-    from tx_jax.experiment.loop import train_and_evaluate
+    from tx_jax.runner.loop import train_and_evaluate
 
     _, _, root = marian
     spec = f"configs/finetune.py:init_from={root / 'w'},debug"
@@ -352,8 +352,8 @@ def test_finetuning_m2m_100_trains_the_language_tokens_and_lowers_the_loss(
     m2m_100, multi30k, tmp_path
 ):
     from tx_jax.data import tasks
-    from tx_jax.experiment.loop import train_and_evaluate
     from tx_jax.interop import pretrained
+    from tx_jax.runner.loop import train_and_evaluate
 
     _, tok, root = m2m_100
     config = load_config(f"configs/finetune.py:init_from={root / 'w'},debug")
@@ -373,7 +373,7 @@ def test_finetuning_m2m_100_trains_the_language_tokens_and_lowers_the_loss(
     )
     # Teacher forcing feeds [EOS, __de__, pieces] for [__de__, pieces, EOS], as transformers
     # shifts its labels right from decoder_start_token_id; decoding starts at the same EOS
-    # (the run's model.bos_id is its tokenizer's: experiment/setup.py).
+    # (the run's model.bos_id is its tokenizer's: runner/setup.py).
     assert task.tokenizer.bos_id == loaded.tokenizer.eos_id == loaded.model_config.bos_id
     batch = next(task.train_iterator(1))
     got = []

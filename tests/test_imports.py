@@ -1,6 +1,6 @@
 """The package's layers: imports go one way (down, or sideways into data/ and ops/), no cycles.
 
-    config, paths, ops <- data, model <- training <- inference <- analysis, interop <- experiment
+    config, paths, ops <- data, model <- training <- inference <- analysis, interop <- runner
         <- planning <- cli
 
 A module may import its own layer and any layer to its left, never one to its right; only the
@@ -22,7 +22,7 @@ RANK = {
     "training": 2,
     "inference": 3,
     "analysis": 4, "interop": 4,
-    "experiment": 5,
+    "runner": 5,
     "planning": 6,
     "cli": 7,
     "entry": 8, "api": 8,
@@ -214,7 +214,7 @@ def test_checker_names_both_files_of_an_upward_import():
         ("tx_jax.data.tasks", "tx_jax.model.transformer"),  # sideways between layers
         ("tx_jax.inference.restore", "tx_jax.cli.common"),  # a library module into cli/
         ("tx_jax", "tx_jax.cli.train"),  # the public API into cli/
-        ("tx_jax.training.step", "tx_jax.experiment.loop"),  # up
+        ("tx_jax.training.step", "tx_jax.runner.loop"),  # up
     ],
 )
 def test_checker_rejects(source, target):
@@ -237,5 +237,5 @@ def test_checker_finds_a_cycle_and_its_path():
 def test_lazy_imports_count(tmp_path):
     """An import inside a function is still an import (it would hide a cycle otherwise)."""
     path = tmp_path / "m.py"
-    path.write_text("def f():\n    from tx_jax.experiment import loop\n")
-    assert imports_of(path, "tx_jax.inference.m") == {"tx_jax.experiment.loop"}
+    path.write_text("def f():\n    from tx_jax.runner import loop\n")
+    assert imports_of(path, "tx_jax.inference.m") == {"tx_jax.runner.loop"}

@@ -128,7 +128,7 @@ def test_errors_name_the_keys(pairs, tok):
 def test_bucketed_shards_are_refused_by_the_config_check(tmp_path):
     from helpers import tiny_config
 
-    from tx_jax.experiment.loop import train_and_evaluate
+    from tx_jax.runner.loop import train_and_evaluate
 
     config = tiny_config(tmp_path, **{"data.input_shards": 2})
     config.data.bucket_boundaries = [16, 32]

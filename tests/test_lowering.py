@@ -58,7 +58,7 @@ def _skip_without_cudnn():
 def _setup(platform: str, **model_overrides):
     """The debug config's model (dropout on: its random bits are lowered too) resolved for
     `platform` as a run there resolves it, its optimizer, and the state's init function, as
-    experiment/setup.py builds them."""
+    runner/setup.py builds them."""
     c = default_config.get_config("debug")
     c.model.update({"dropout_rate": 0.1, **model_overrides})
     mc = ModelConfig.of_run(c, platform, vocab_size=64, max_len=64)

@@ -21,10 +21,10 @@ from helpers import ROOT, train_losses
 
 from tx_jax.data import directions
 from tx_jax.data.tokenizer import Tokenizer, train_tokenizer
-from tx_jax.experiment.loop import train_and_evaluate
-from tx_jax.experiment.setup import build_run, restore_or_init
-from tx_jax.experiment.validation import validate_config
 from tx_jax.inference import evaluation, multilingual, restore
+from tx_jax.runner.loop import train_and_evaluate
+from tx_jax.runner.setup import build_run, restore_or_init
+from tx_jax.runner.validation import validate_config
 from tx_jax.training.checkpoint import Checkpointer
 
 sys.path.insert(0, str(ROOT / "configs"))

@@ -24,9 +24,9 @@ import portpicker
 import pytest
 from helpers import ROOT, process_env, run_python, tiny_config, train_losses
 
-from tx_jax.experiment.evaluator import Evaluator
-from tx_jax.experiment.loop import train_and_evaluate
-from tx_jax.experiment.setup import build_run
+from tx_jax.runner.evaluator import Evaluator
+from tx_jax.runner.loop import train_and_evaluate
+from tx_jax.runner.setup import build_run
 from tx_jax.training.checkpoint import Checkpointer
 
 # the fixture's launches are shared by this file's tests: one xdist worker runs them all
@@ -54,7 +54,7 @@ def _code(tfds_dir, runs: list[tuple[str, object, dict]]) -> str:
     (`ShardedTrainIterator.local_stats`)."""
     lines = [
         "import json; from helpers import tiny_config",
-        "from tx_jax.experiment.loop import train_and_evaluate",
+        "from tx_jax.runner.loop import train_and_evaluate",
         "from tx_jax.data import input_shards as m; made = []; init = m.ShardedTrainIterator"
         ".__init__; m.ShardedTrainIterator.__init__ = lambda self, *a, **k: (init(self, *a, **k),"
         " made.append(self))[0]",
@@ -216,7 +216,7 @@ def test_two_processes_train_resume_and_match_one_process(tmp_path, tfds_dir, la
     # the same steps in 1 process with 8 devices and the same mesh: the same losses
     reference = tmp_path / "reference"
     run_python(
-        "from helpers import tiny_config; from tx_jax.experiment.loop import train_and_evaluate;"
+        "from helpers import tiny_config; from tx_jax.runner.loop import train_and_evaluate;"
         f"train_and_evaluate(tiny_config({str(tfds_dir)!r}, "
         f"**{ {**OVERRIDES, 'train.num_steps': target}!r}), {str(reference)!r})",
         devices=NUM_PROCESSES * LOCAL_DEVICES,

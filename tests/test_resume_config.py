@@ -14,11 +14,11 @@ from helpers import ROOT, tiny_config, train_losses
 from tx_jax import paths
 from tx_jax.config import upgrade_stored
 from tx_jax.data.run_tokenizer import read_tokenizer
-from tx_jax.experiment import resume
-from tx_jax.experiment.loop import train_and_evaluate
-from tx_jax.experiment.setup import state_shapes
 from tx_jax.inference import restore
 from tx_jax.inference.locate import CheckpointError
+from tx_jax.runner import resume
+from tx_jax.runner.loop import train_and_evaluate
+from tx_jax.runner.setup import state_shapes
 from tx_jax.training.checkpoint import Checkpointer
 
 STEPS = 2

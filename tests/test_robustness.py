@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from helpers import ROOT, tiny_config, train_losses
 
-from tx_jax.experiment.loop import train_and_evaluate
-from tx_jax.experiment.setup import build_run
+from tx_jax.runner.loop import train_and_evaluate
+from tx_jax.runner.setup import build_run
 from tx_jax.training.checkpoint import Checkpointer
 
 
@@ -78,7 +78,7 @@ def _launch(workdir, tfds_dir, steps):
     overrides = _overrides(steps)
     code = (
         "import sys; sys.path.insert(0, 'tests');"
-        "from helpers import tiny_config; from tx_jax.experiment.loop import train_and_evaluate;"
+        "from helpers import tiny_config; from tx_jax.runner.loop import train_and_evaluate;"
         f"train_and_evaluate(tiny_config({str(tfds_dir)!r}, **{overrides!r}), "
         f"{str(workdir)!r})"
     )

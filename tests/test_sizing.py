@@ -1,4 +1,4 @@
-"""Defaults sized by the corpus (tx_jax/experiment/sizing.py, configs/text.py): each size class
+"""Defaults sized by the corpus (tx_jax/runner/sizing.py, configs/text.py): each size class
 gets its model at config time without training; lengths, steps and the vocabulary follow the
 data; every value the user sets wins; a run records what it chose, and a resumed run keeps it;
 the printed counts of what data.max_train_len drops and data.max_eval_len truncates."""
@@ -16,9 +16,9 @@ from test_data_text import write, write_prefix
 
 from tx_jax.config import apply_overrides, load_config
 from tx_jax.data import lengths as lengths_lib
-from tx_jax.experiment import sizing
-from tx_jax.experiment.loop import train_and_evaluate
-from tx_jax.experiment.validation import validate_config
+from tx_jax.runner import sizing
+from tx_jax.runner.loop import train_and_evaluate
+from tx_jax.runner.validation import validate_config
 
 
 def corpus_lengths(total: int, seed: int = 0, sample: int = 5_000) -> lengths_lib.Lengths:

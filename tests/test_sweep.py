@@ -1,4 +1,4 @@
-"""tx_jax.experiment.sweep: sweep files expand to the expected overrides, typos fail before anything
+"""tx_jax.runner.sweep: sweep files expand to the expected overrides, typos fail before anything
 runs, and the runner trains every point, tabulates them and skips finished points on rerun."""
 
 import copy
@@ -11,8 +11,8 @@ from helpers import ROOT
 
 from tx_jax.cli import sweep as sweep_cli
 from tx_jax.config import apply_overrides, load_config, load_module
-from tx_jax.experiment import sweep
 from tx_jax.model.config import ModelConfig
+from tx_jax.runner import sweep
 
 TABLE3 = ROOT / "experiments" / "table3.py"
 SMOKE = ROOT / "experiments" / "default_smoke.py"

@@ -1,4 +1,4 @@
-"""A sweep on TPU VMs (experiment/tpu_sweep.py), without Google Cloud: a stand-in `gcloud` on
+"""A sweep on TPU VMs (runner/tpu_sweep.py), without Google Cloud: a stand-in `gcloud` on
 PATH (tests/gcloud_standin/gcloud) whose VMs' workers are local processes, each with its own
 home directory (its disk), and tests/gcs_server.py as the bucket. The sweep's code, tpu.sh
 and the training runs are the real ones.
@@ -25,7 +25,7 @@ from etils import epath
 from helpers import ROOT, forced_devices
 
 from tx_jax.cli import sweep as sweep_cli
-from tx_jax.experiment import tpu_sweep
+from tx_jax.runner import tpu_sweep
 
 pytestmark = [pytest.mark.slow]
 

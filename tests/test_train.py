@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from helpers import run_python, tiny_config, train_losses
 
-from tx_jax.experiment.loop import train_and_evaluate
-from tx_jax.experiment.setup import build_run
-from tx_jax.experiment.validation import validate_config
+from tx_jax.runner.loop import train_and_evaluate
+from tx_jax.runner.setup import build_run
+from tx_jax.runner.validation import validate_config
 from tx_jax.training import logs
 from tx_jax.training.checkpoint import Checkpointer
 
@@ -215,9 +215,9 @@ def test_pmap_and_mesh_on_8_devices_match_one_device(tmp_path, tfds_dir, one_dev
     code = f"""
 import jax, numpy as np
 from helpers import tiny_config
-from tx_jax.experiment.loop import train_and_evaluate
-from tx_jax.experiment.setup import build_run
-from tx_jax.experiment.validation import validate_config
+from tx_jax.runner.loop import train_and_evaluate
+from tx_jax.runner.setup import build_run
+from tx_jax.runner.validation import validate_config
 assert jax.device_count() == 8
 base = {base!r}
 layouts = {{

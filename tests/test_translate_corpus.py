@@ -22,8 +22,8 @@ from helpers import ROOT, forced_devices, tiny_config
 from tx_jax import paths
 from tx_jax.cli import translate as cli
 from tx_jax.data import datasets
-from tx_jax.experiment.loop import train_and_evaluate
 from tx_jax.inference import corpus, restore, translation
+from tx_jax.runner.loop import train_and_evaluate
 
 # the module's trained run is shared by its tests: one xdist worker runs them all (launch.sh's
 # --dist loadfile; this mark does the same under --dist loadgroup), so it is trained once

@@ -18,11 +18,11 @@ from tx_jax.analysis import visualize
 from tx_jax.cli import visualize as visualize_cli
 from tx_jax.data import synthetic
 from tx_jax.data.tokenizer import train_tokenizer
-from tx_jax.experiment.loop import train_and_evaluate
 from tx_jax.inference import decoding
 from tx_jax.model.config import variant
 from tx_jax.model.positional import sinusoid
 from tx_jax.model.transformer import EncoderDecoder
+from tx_jax.runner.loop import train_and_evaluate
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SOURCE, TARGET = synthetic.generate_corpus(1, seed=5, split="validation")[0]

@@ -4,7 +4,7 @@ The package is layered (docs/design.md "Architecture"); this module re-exports t
 gives short names to the modules researchers use most:
 
     tx_jax.EncoderDecoder, tx_jax.variant("base"), ...       the model (tx_jax.model)
-    tx_jax.train_and_evaluate(config, workdir)               a run (tx_jax.experiment.loop)
+    tx_jax.train_and_evaluate(config, workdir)               a run (tx_jax.runner.loop)
     tx_jax.restore.load(workdir), tx_jax.averaging, tx_jax.evaluation, tx_jax.multilingual,
     tx_jax.decoding, tx_jax.translation, tx_jax.generation   (tx_jax.inference.*)
     tx_jax.similarity, tx_jax.flops                           (tx_jax.analysis.*)
@@ -65,7 +65,7 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return importlib.import_module(_LAZY[name])
     if name == "train_and_evaluate":
-        return importlib.import_module("tx_jax.experiment.loop").train_and_evaluate
+        return importlib.import_module("tx_jax.runner.loop").train_and_evaluate
     raise AttributeError(f"module 'tx_jax' has no attribute {name!r}")
 
 

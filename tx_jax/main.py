@@ -1,4 +1,4 @@
-"""`python -m tx_jax.main`: training: flags -> experiment.loop.train_and_evaluate.
+"""`python -m tx_jax.main`: training: flags -> runner.loop.train_and_evaluate.
 
 The short command for tx_jax.cli.train, which holds the flags and the code.
 """

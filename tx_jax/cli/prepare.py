@@ -21,9 +21,9 @@ from ml_collections import config_flags
 
 from tx_jax.cli import common
 from tx_jax.data import datasets
-from tx_jax.experiment import setup, sizing
-from tx_jax.experiment.validation import validate_config
 from tx_jax.ops import backend
+from tx_jax.runner import setup, sizing
+from tx_jax.runner.validation import validate_config
 from tx_jax.training import checkpoint as ckpt_lib
 
 FLAGS = flags.FLAGS

@@ -14,8 +14,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from tx_jax.experiment import sweep, tpu_sweep
-from tx_jax.experiment.sweep import LOG_FILE, parse_overrides, run_sweep
+from tx_jax.runner import sweep, tpu_sweep
+from tx_jax.runner.sweep import LOG_FILE, parse_overrides, run_sweep
 
 
 def main(argv: Sequence[str] | None = None) -> int:

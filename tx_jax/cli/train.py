@@ -1,4 +1,4 @@
-r"""Command line: flags -> experiment.loop.train_and_evaluate(config, workdir). Nothing else.
+r"""Command line: flags -> runner.loop.train_and_evaluate(config, workdir). Nothing else.
 
     python -m tx_jax.main --config=configs/default.py --workdir=runs/default \
         --config.train.num_steps=2000 --config.model.d_model=256
@@ -12,8 +12,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from tx_jax.cli import common
-from tx_jax.experiment.loop import train_and_evaluate
 from tx_jax.ops import backend
+from tx_jax.runner.loop import train_and_evaluate
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and the tokenizer.")

@@ -6,7 +6,7 @@ path every BLEU of tx_jax takes.
     result.bleu, result.chrf, result.signature, result.hypotheses, result.decode_seconds
 
 `score_split` is what evaluation.py (the evaluate CLI, sweeps), training's validation and test
-BLEU (`bleu_metrics`, experiment/evaluator.py) and multilingual.score_direction (the
+BLEU (`bleu_metrics`, runner/evaluator.py) and multilingual.score_direction (the
 language-similarity study) call: the split's eval batches decoded by `translate_batches`
 (or, through a pivot language, the sources translated by a given text-to-text function),
 then scored against its references. `translate_batches` also serves translation.py.

@@ -1,7 +1,7 @@
 """A run built for a target's devices, and its programs compiled there by the target's own
 compiler: the train step (one per batch shape), the eval step, greedy and beam decoding.
 
-The run is built by the code that trains it (experiment/setup.py: the model, the optimizer, the
+The run is built by the code that trains it (runner/setup.py: the model, the optimizer, the
 jitted step; training/parallel.py: the mesh and the rules; data/train_input.py: the batch shapes),
 given the target's devices instead of jax.devices() and the vocabulary size from
 `data.vocab_size` instead of a tokenizer; nothing reads data. The model's implementation fields
@@ -28,11 +28,11 @@ from jax.sharding import PartitionSpec as P
 from tx_jax.config import task_of
 from tx_jax.data import train_input
 from tx_jax.data.tokenizer import BOS_ID, EOS_ID
-from tx_jax.experiment.setup import build_model, train_step_fn
-from tx_jax.experiment.validation import check_batch_divides, validate_config
 from tx_jax.inference import decoding
 from tx_jax.planning import hlo
 from tx_jax.planning.targets import Target
+from tx_jax.runner.setup import build_model, train_step_fn
+from tx_jax.runner.validation import check_batch_divides, validate_config
 from tx_jax.training import parallel
 from tx_jax.training.step import eval_step
 

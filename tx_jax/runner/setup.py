@@ -19,10 +19,10 @@ from etils import epath
 from tx_jax.config import task_of
 from tx_jax.data import backtranslation, directions, lengths, lm_task, preparation, tasks
 from tx_jax.data.train_input import kept_train_pairs
-from tx_jax.experiment import resume, sizing
-from tx_jax.experiment.validation import check_batch_divides, validate_config
 from tx_jax.inference import restore
 from tx_jax.model import ModelConfig, make_model
+from tx_jax.runner import resume, sizing
+from tx_jax.runner.validation import check_batch_divides, validate_config
 from tx_jax.training import checkpoint as ckpt_lib
 from tx_jax.training import optim, parallel
 from tx_jax.training.state import TrainState, init_state
@@ -44,9 +44,9 @@ class Run:
     init_fn: Callable[[], TrainState]
     # train.init_from's checkpoint when this run starts from it (None when resuming)
     init_source: restore.InitSource | None = None
-    # train.time_budget_minutes' measurement and the steps it fixed (experiment/budget.py)
+    # train.time_budget_minutes' measurement and the steps it fixed (runner/budget.py)
     budget: dict | None = None
-    # the keys the data chose (experiment/sizing.py): a budget refits the cadence among them
+    # the keys the data chose (runner/sizing.py): a budget refits the cadence among them
     sized: tuple[str, ...] = ()
 
 
@@ -74,7 +74,7 @@ def sized_task(
     config: ml_collections.ConfigDict, workdir: epath.Path, source=None, *, batch_multiple: int
 ):
     """(config, task): the task prepared (prepare_task) with the keys `config` leaves to the
-    data chosen from it first (experiment/sizing.py: the vocabulary before the tokenizer is
+    data chosen from it first (runner/sizing.py: the vocabulary before the tokenizer is
     trained, the rest from the tokenized lengths), announced in one line, then what
     data.max_train_len drops of the train split and data.max_eval_len truncates of the evaluation
     splits. Returns a sized copy; a config with nothing unset is returned as it is."""
@@ -138,7 +138,7 @@ def build_model(config: ml_collections.ConfigDict, vocab_size: int, bos_id: int,
 
 def build_optimizer(config: ml_collections.ConfigDict, model_config: ModelConfig, model):
     """(tx, schedule, init_fn) of `config`'s train section for `model`: what a run rebuilds
-    when its schedule's steps change (experiment/budget.py); the state's structure stays."""
+    when its schedule's steps change (runner/budget.py); the state's structure stays."""
     tx, schedule = optim.make_optimizer(config.train, model_config.d_model)
     init_fn = functools.partial(init_state, model, tx, config.seed)
     return tx, schedule, init_fn
@@ -193,7 +193,7 @@ def check_writable(workdir: epath.Path) -> None:
 def restore_or_init(run: Run, checkpointer: ckpt_lib.Checkpointer) -> tuple[TrainState, dict]:
     """The newest good checkpoint placed for this run's devices (damaged ones are reported
     and skipped), or a fresh state. A CheckpointError refuses a config the checkpoint cannot be
-    resumed under; the changes it can are listed (experiment/resume.py)."""
+    resumed under; the changes it can are listed (runner/resume.py)."""
     if checkpointer.latest_step() is None and run.init_source is not None:
         return _init_from(run), {}
     if checkpointer.latest_step() is None:

@@ -10,9 +10,9 @@ import ml_collections
 
 from tx_jax.config import study_value, task_of
 from tx_jax.data import backtranslation, directions, input_shards, lm_task
-from tx_jax.experiment import sizing
-from tx_jax.experiment.profiling import profile_window
 from tx_jax.model import TASKS, ModelConfig
+from tx_jax.runner import sizing
+from tx_jax.runner.profiling import profile_window
 from tx_jax.training import optim, parallel
 
 

@@ -43,7 +43,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tx_jax import paths
-from tx_jax.experiment import sweep as local
+from tx_jax.runner import sweep as local
 
 TPU_SH = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "tpu.sh"
 REMOTE_PYTHON = ".venv/bin/python"  # on each worker, relative to tpu.sh's REMOTE_DIR

@@ -12,9 +12,9 @@ from typing import Any
 import jax
 
 from tx_jax.config import task_of
-from tx_jax.experiment import console
-from tx_jax.experiment.setup import Run
 from tx_jax.inference import scoring
+from tx_jax.runner import console
+from tx_jax.runner.setup import Run
 from tx_jax.training.step import eval_step, loss_metrics, model_inputs
 
 

@@ -45,7 +45,7 @@ def stopped(signal_name: str, step: int, directory: epath.Path) -> None:
 
 
 def resumed(step: int, changes: str) -> None:
-    """The config keys a resumed run changes (experiment/resume.py decides which may)."""
+    """The config keys a resumed run changes (runner/resume.py decides which may)."""
     if jax.process_index() == 0:
         print(f"resuming from step {step} with config changes: {changes}", flush=True)
 

@@ -7,7 +7,7 @@ and at the end the test split is scored (with the average of the last `eval.aver
 checkpoints when that is set). SIGTERM / SIGINT save and stop at the next step boundary.
 With data.directions set, BLEU is logged per direction (bleu/en-de, ...) and 'bleu' is their
 mean, so checkpoint.best_metric='bleu' works unchanged. With train.time_budget_minutes a new
-run first times its update and fits train.num_steps to the budget (experiment/budget.py).
+run first times its update and fits train.num_steps to the budget (runner/budget.py).
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ import ml_collections
 import numpy as np
 
 from tx_jax.data import datasets
-from tx_jax.experiment import budget, console
-from tx_jax.experiment.evaluator import Evaluator
-from tx_jax.experiment.profiling import StepProfiler, profile_window
-from tx_jax.experiment.setup import Run, build_run, restore_or_init, train_step_fn
-from tx_jax.experiment.signals import StopSignal
 from tx_jax.inference import averaging, restore
 from tx_jax.ops import backend
+from tx_jax.runner import budget, console
+from tx_jax.runner.evaluator import Evaluator
+from tx_jax.runner.profiling import StepProfiler, profile_window
+from tx_jax.runner.setup import Run, build_run, restore_or_init, train_step_fn
+from tx_jax.runner.signals import StopSignal
 from tx_jax.training import checkpoint as ckpt_lib
 from tx_jax.training import logs, parallel
 
@@ -38,7 +38,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     if config.train.get("deterministic"):
         backend.require_deterministic_ops()
     run = build_run(config, workdir)
-    config = run.config  # with what the run chose from its data (experiment/sizing.py)
+    config = run.config  # with what the run chose from its data (runner/sizing.py)
     cfg = config.train
     checkpointer = _open_checkpointer(run)
     new = checkpointer.latest_step() is None
@@ -80,7 +80,7 @@ def _loop(run: Run, config, checkpointer, state, train_iter, p_train, evaluator,
     save = functools.partial(_save, run, checkpointer, train_iter, logger)
     pending: list[dict] = []
     last_log, final = time.time(), {}
-    clock = None  # the budget clock after the last update (experiment/budget.py)
+    clock = None  # the budget clock after the last update (runner/budget.py)
     paused = 0.0  # evaluation and its save since the last log: not in the tokens/s window
     stop = StopSignal(checkpointer)
     window = profile_window(cfg.get("profile_steps"), cfg.num_steps)

@@ -30,7 +30,7 @@ the updates (each is a collective program) and process 0's figures are everyone'
 The schedule under a budget: train.warmup_steps is kept (it is about stability, counted in
 updates) but at most num_steps // 2; train.cooldown_steps keeps its share of the config's
 train.num_steps; cosine and linear decays run to the fitted num_steps. An eval.every and
-checkpoint.every that the data chose (configs/text.py's, experiment/sizing.py) are chosen again
+checkpoint.every that the data chose (configs/text.py's, runner/sizing.py) are chosen again
 for the fitted num_steps (~10 evaluations); values a config sets are kept. The fitted values
 replace the config's before WORKDIR/config.json and the first checkpoint are written, and the
 timing goes into every checkpoint's meta ('budget').
@@ -62,8 +62,8 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from tx_jax.experiment import sizing
-from tx_jax.experiment.setup import Run, build_optimizer, train_step_fn
+from tx_jax.runner import sizing
+from tx_jax.runner.setup import Run, build_optimizer, train_step_fn
 
 KEY = "train.time_budget_minutes"
 # The schedule's keys a budget fixes (and a resumed run takes from its checkpoint).

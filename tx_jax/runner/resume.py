@@ -24,7 +24,6 @@ from etils import epath
 
 from tx_jax.config import upgrade_stored, with_study_defaults
 from tx_jax.data.run_tokenizer import TOKENIZER_DEFAULTS, TOKENIZER_FILE
-from tx_jax.experiment import console
 from tx_jax.inference.locate import (
     CheckpointError,
     config_differences,
@@ -32,6 +31,7 @@ from tx_jax.inference.locate import (
     leaf_shapes,
     shape_mismatches,
 )
+from tx_jax.runner import console
 from tx_jax.training.checkpoint import Checkpointer
 
 # The keys that decide WORKDIR/tokenizer.model: its size, its given file, its single-piece

@@ -18,7 +18,7 @@ class StopSignal:
     Orbax's `reached_preemption` makes all of them agree on the step to save at; installing
     a Python handler there would replace that watcher. A second SIGINT interrupts at once.
     The loop keeps at most one step in flight, so a stop is answered within about one step
-    (experiment/loop.py).
+    (runner/loop.py).
     """
 
     def __init__(self, checkpointer: ckpt_lib.Checkpointer):
