@@ -36,7 +36,9 @@ def trained(tmp_path_factory, tfds_dir):
 def _check(config, workdir):
     """resume.check_config as restore_or_init calls it, without preparing the data."""
     state_of = functools.partial(
-        state_shapes, tokenizer=read_tokenizer((workdir / "tokenizer.model").read_bytes())
+        state_shapes,
+        tokenizer=read_tokenizer((workdir / "tokenizer.model").read_bytes()),
+        platform="cpu",
     )
     ckpt = Checkpointer(workdir / "checkpoints", read_only=True)
     resume.check_config(config, ckpt, state_of(config), state_of)
@@ -244,6 +246,8 @@ def test_a_config_stored_with_old_key_names_loads_under_the_new(trained, tfds_di
     lacks the study keys it held, as no change."""
     stored = json.loads((trained / "config.json").read_text())
     old = _with_old_names(stored)
+    # model fields since removed, at the value every config held: dropped without a word
+    old["model"] = {**old["model"], "residual_norm": "auto", "ffn_impl": "auto"}
     renamed = ", ".join(f"{was} -> {new}" for new, was in OLD_NAMES.items())
     with pytest.warns(UserWarning, match=f"old key names, read as the new: {renamed}"):
         upgraded = upgrade_stored(old)
@@ -252,6 +256,10 @@ def test_a_config_stored_with_old_key_names_loads_under_the_new(trained, tfds_di
         assert old_name in old[section] and old_name not in upgraded[section], was
         assert upgraded[section][name] == stored[section].get(name, OLD_DEFAULTS.get(name)), new
     assert upgraded["data"]["backtranslation_tag"] == "<BT>"
+    assert not {"residual_norm", "ffn_impl"} & set(upgraded["model"])
+    pallas = {**old, "model": {**old["model"], "ffn_impl": "pallas"}}
+    with pytest.warns(UserWarning, match="model.ffn_impl is no longer a key"):
+        assert "ffn_impl" not in upgrade_stored(pallas)["model"]
     assert (old["eval"]["test_split"], upgraded["eval"]["score_test"]) == ("", False)
     scored = {**old, "eval": {**old["eval"], "test_split": "test_2016_flickr"}}
     with pytest.warns(UserWarning, match="eval.test_split -> eval.score_test"):

@@ -180,6 +180,10 @@ RENAMED_KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     # a split to score at the end, '' for none: every config named data.test_split's
     "eval.test_split": ("eval.score_test", bool),
 }
+# Keys that are gone -> the values that meant what the code now does (the model's one way):
+# `upgrade_stored` drops them from a stored config, ModelConfig.from_config from a model
+# section; another value is dropped with a warning.
+REMOVED_KEYS = {"model.residual_norm": ("auto", "xla"), "model.ffn_impl": ("auto", "xla")}
 
 
 def study_value(data: Any, name: str) -> Any:
@@ -201,8 +205,18 @@ def with_study_defaults(config: Mapping) -> dict:
 
 def upgrade_stored(config: Mapping) -> dict:
     """A stored config (plain dict) with the old names of RENAMED_KEYS read as the new ones,
-    said in one warning; a copy of it unchanged when it has none."""
+    said in one warning, and the REMOVED_KEYS dropped; a copy of it unchanged when it has
+    none. The warnings name this function's line, so that a process says each once (resume
+    reads a checkpoint's config twice)."""
     out = copy.deepcopy(dict(config))
+    for dotted, kept in REMOVED_KEYS.items():
+        section, name = dotted.split(".")
+        if isinstance(out.get(section), Mapping) and name in out[section]:
+            out[section] = dict(out[section])
+            if out[section].pop(name) not in kept:
+                warnings.warn(
+                    f"{dotted} is no longer a key; loading the {kept[-1]!r} way", stacklevel=1
+                )
     renamed = []
     for old, (new, convert) in RENAMED_KEYS.items():
         (old_section, old_name), (new_section, new_name) = old.split("."), new.split(".")
@@ -219,7 +233,7 @@ def upgrade_stored(config: Mapping) -> dict:
     if renamed:
         warnings.warn(
             f"a config stored with old key names, read as the new: {', '.join(renamed)}",
-            stacklevel=2,
+            stacklevel=1,
         )
     return out
 

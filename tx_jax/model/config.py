@@ -21,6 +21,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from tx_jax.config import REMOVED_KEYS
 from tx_jax.ops import backend, cudnn
 from tx_jax.ops.attention_kernels import IMPLEMENTATIONS
 from tx_jax.ops.kernels import DROPOUT_BITS, KERNELS
@@ -72,9 +73,11 @@ REPLACED = {
     ("loss_impl", "onepass"): "auto",  # never ran on a GPU or TPU
     ("loss_impl", "fused"): "auto",  # Pallas kernels that never ran on a GPU
 }
-# Fields that are gone, and the one value each computed with that is still the model's way: a
-# config naming another value loads without the field, with a warning (never ran on a GPU).
-REMOVED_FIELDS = {"residual_norm": ("auto", "xla"), "ffn_impl": ("auto", "xla")}
+# Fields that are gone, and the values that meant the model's one way now: a config naming
+# another value (a Pallas kernel that never ran on a GPU) loads without it, with a warning.
+REMOVED_FIELDS = {
+    key.removeprefix("model."): kept for key, kept in REMOVED_KEYS.items() if key[:6] == "model."
+}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -197,7 +197,7 @@ class MetricLogger:
 
     def budget_clock(self) -> float:
         """train_seconds minus eval_seconds: what train.time_budget_minutes counts
-        (experiment/budget.py)."""
+        (runner/budget.py)."""
         return self.train_seconds() - self._eval_seconds
 
     def _sync(self) -> None:
