@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import subprocess
 import sys
 
 import ml_collections
+import zygote
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "configs"))
@@ -82,7 +82,7 @@ def run_python(code: str, *, devices: int = 8, timeout: int = 600, env=None) -> 
     # A hang prints every thread's stack and exits before the timeout: the failure says where.
     limit = max(timeout - 30, 1)
     dump = f"import faulthandler\nfaulthandler.dump_traceback_later({limit}, exit=True)\n"
-    proc = subprocess.run(
+    proc = zygote.run(  # a fresh process, forked from tests/zygote.py's
         [sys.executable, "-c", dump + code],
         capture_output=True,
         text=True,

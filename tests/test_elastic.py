@@ -23,6 +23,7 @@ import types
 import numpy as np
 import portpicker
 import pytest
+import zygote
 from helpers import ROOT, process_env, run_python, tiny_config, train_losses
 
 from tx_jax.runner.loop import train_and_evaluate
@@ -97,7 +98,7 @@ def _two_processes(tfds_dir, workdir) -> list[str]:
             env = process_env(i, 2, port, 4)
             code = _code(tfds_dir, [("two", workdir, STOP_AT - 1, {})])
             procs.append(
-                subprocess.Popen(
+                zygote.Popen(
                     [sys.executable, "-c", code],
                     cwd=ROOT,
                     env=env,

@@ -19,6 +19,7 @@ import sys
 import numpy as np
 import portpicker
 import pytest
+import zygote
 from etils import epath
 from helpers import ROOT, process_env
 
@@ -121,7 +122,7 @@ def _launch(base, overrides: dict, workdir: str, refusals: bool, name: str) -> l
             )
             with open(base / f"{name}_process{i}.log", "w") as log:
                 procs.append(
-                    subprocess.Popen(
+                    zygote.Popen(
                         [sys.executable, "-c", _code(overrides, workdir, refusals)],
                         cwd=host,
                         env=env,

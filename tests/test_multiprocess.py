@@ -22,6 +22,7 @@ import jax
 import numpy as np
 import portpicker
 import pytest
+import zygote
 from helpers import ROOT, process_env, run_python, tiny_config, train_losses
 
 from tx_jax.runner.evaluator import Evaluator
@@ -86,7 +87,7 @@ def _launch(tfds_dir, runs, logs, name: str) -> list[subprocess.Popen]:
             env = process_env(i, NUM_PROCESSES, port, LOCAL_DEVICES)
             with open(logs / f"{name}_process{i}.log", "w") as log:  # the child keeps a copy
                 procs.append(
-                    subprocess.Popen(
+                    zygote.Popen(
                         [sys.executable, "-c", _code(tfds_dir, runs)],
                         cwd=ROOT,
                         env=env,

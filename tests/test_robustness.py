@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import zygote
 from helpers import ROOT, tiny_config, train_losses
 
 from tx_jax.runner.loop import train_and_evaluate
@@ -46,7 +47,7 @@ def test_unknown_config_key_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"unknown model config key\(s\) \['d_modle'\]"):
         train_and_evaluate(config, tmp_path / "run")
     # the CLI locks the config: an unknown override is refused by name
-    cli = subprocess.run(
+    cli = zygote.run(
         [
             sys.executable,
             "-m",
@@ -74,8 +75,9 @@ def _overrides(steps: int) -> dict:
     return {"train.num_steps": steps, "checkpoint.every": 1000}
 
 
-def _launch(workdir, tfds_dir, steps):
-    overrides = _overrides(steps)
+def _launch(workdir, tfds_dir, overrides: dict):
+    """A training process (forked from tests/zygote.py's) on the tiny config with `overrides`;
+    its output (stdout and stderr) in `.stdout`."""
     code = (
         "import sys; sys.path.insert(0, 'tests');"
         "from helpers import tiny_config; from tx_jax.runner.loop import train_and_evaluate;"
@@ -83,7 +85,7 @@ def _launch(workdir, tfds_dir, steps):
         f"{str(workdir)!r})"
     )
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-    return subprocess.Popen(
+    return zygote.Popen(
         [sys.executable, "-c", code],
         cwd=ROOT,
         env=env,
@@ -112,7 +114,7 @@ def test_signals_save_a_checkpoint_and_exit_zero(tmp_path, tfds_dir):
     for sig in (signal.SIGTERM, signal.SIGINT):
         resumed_at = stops[-1] if stops else 0
         logged = len(_train_records(workdir))
-        proc = _launch(workdir, tfds_dir, 10_000)
+        proc = _launch(workdir, tfds_dir, _overrides(10_000))
         _wait_for_step(workdir, resumed_at + 3, proc)
         sent = time.time()
         proc.send_signal(sig)
@@ -196,7 +198,7 @@ def _kill_at(proc, moment, what: str, state, timeout: float = 300) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
-            err = proc.stderr.read()[-4000:]
+            err = proc.stdout.read()[-4000:]
             raise AssertionError(f"the run ended before {what} ({state()}): {err}")
         if moment():
             proc.send_signal(signal.SIGSTOP)
@@ -257,7 +259,7 @@ def test_kill_9_in_a_save_and_between_saves_loses_nothing_before_the_last_save(t
     segments = []  # each launch's train records: (step, loss) as logged
     for what, moment in (("a save in flight", in_a_save), ("a step between saves", between_saves)):
         lines = len(_train_records(workdir))
-        _kill_at(kill_trials.launch(workdir, tfds_dir, KILL_STEPS), moment, what, state)
+        _kill_at(_launch(workdir, tfds_dir, overrides), moment, what, state)
         lost = logged() - newest()
         left = kill_trials.tmp_dirs(workdir)
         print(f"killed in {what}: logged {logged()}, newest complete {newest()}, tmp dirs {left}")
