@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 import sacrebleu
+import zygote
 from helpers import ROOT, run_python, tiny_config
 
 from tx_jax.data import datasets
@@ -48,7 +49,7 @@ def greedy_validation(workdir):
 
 def _cli(module: str, *args: str, stdin: bytes = b"") -> subprocess.CompletedProcess:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    return subprocess.run(
+    return zygote.run(
         [sys.executable, "-m", module, *args],
         input=stdin,
         capture_output=True,

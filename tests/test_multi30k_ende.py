@@ -2,9 +2,12 @@
 validation BLEU, the test split is decoded once per seed, and seeds are summarised."""
 
 import json
+import shutil
 import statistics
 import sys
+import types
 
+import pytest
 from helpers import ROOT
 from test_language_similarity import write_fixture
 
@@ -14,20 +17,31 @@ sys.path.insert(0, str(ROOT / "experiments"))
 import multi30k_ende  # noqa: E402
 
 
-def test_two_seeds_choose_on_validation_and_score_test_once(tmp_path):
-    raw = write_fixture(tmp_path / "raw")
-    root = tmp_path / "study"
-    argv = [
+def _common(root, data) -> list[str]:
+    """The study's arguments shared by the tests: 12 steps, a checkpoint every 4 (all kept)."""
+    return [
         "--debug",
-        "--seeds=0,1",
         f"--root={root}",
-        f"--manual_dir={raw}",
-        f"--data_dir={tmp_path / 'tfds'}",
+        f"--manual_dir={data.raw}",
+        f"--data_dir={data.tfds}",
         "--override=train.num_steps=12",
+        "--override=checkpoint.keep=10",
         "--average_last=2",
         "--beam_size=2",
     ]
-    assert multi30k_ende.main(argv) == 0
+
+
+@pytest.fixture(scope="module")
+def two_seeds(tmp_path_factory):
+    """The study with seeds 0 and 1 -> (its root, the fixture's files and TFDS dir)."""
+    base = tmp_path_factory.mktemp("multi30k_ende")
+    data = types.SimpleNamespace(raw=write_fixture(base / "raw"), tfds=base / "tfds")
+    assert multi30k_ende.main([*_common(base / "study", data), "--seeds=0,1"]) == 0
+    return base / "study", data
+
+
+def test_two_seeds_choose_on_validation_and_score_test_once(two_seeds):
+    root, _ = two_seeds
     result = json.loads((root / "results.json").read_text())
     assert [r["seed"] for r in result["seeds"]] == [0, 1]
     for row in result["seeds"]:
@@ -63,22 +77,15 @@ def test_two_seeds_choose_on_validation_and_score_test_once(tmp_path):
     assert json.loads(losses[0])["loss"] != json.loads(losses[1])["loss"]
 
 
-def test_budgets_choose_among_the_checkpoints_saved_in_time(tmp_path):
+def test_budgets_choose_among_the_checkpoints_saved_in_time(two_seeds, tmp_path):
     """--budgets: one choice and one test decode per budget, each over the checkpoints whose
-    training minutes (kept in their meta) fit in it."""
-    raw = write_fixture(tmp_path / "raw")
+    training minutes (kept in their meta) fit in it. Seed 0 is the two-seed study's (a copy:
+    its run, its checkpoints 4, 8 and 12, its one test decode)."""
+    study, data = two_seeds
     root = tmp_path / "study"
-    common = [
-        "--debug",
-        f"--root={root}",
-        f"--manual_dir={raw}",
-        f"--data_dir={tmp_path / 'tfds'}",
-        "--override=train.num_steps=12",
-        "--override=checkpoint.keep=10",
-        "--average_last=2",
-        "--beam_size=2",
-    ]
-    assert multi30k_ende.main(common) == 0  # trains; checkpoints every 4 steps
+    shutil.copytree(study / "seed0", root / "seed0")
+    common = _common(root, data)
+    assert multi30k_ende.main(common) == 0  # seed 0's result, reused: the same protocol
     minutes = multi30k_ende.kept_minutes(root / "seed0")
     assert sorted(minutes) == [4, 8, 12]
     assert minutes[4] < minutes[8] < minutes[12]

@@ -14,6 +14,7 @@ import sys
 import jax
 import ml_collections
 import pytest
+import zygote
 from helpers import ROOT, default_config
 
 from tx_jax.config import apply_overrides, load_config
@@ -319,7 +320,7 @@ def test_two_slices_plan_as_one_mesh():
 def _plan_cli(*args, cache_dir) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "tx_jax.plan", "--config=configs/default.py:debug"]
     cmd += [f"--target={TARGET}", f"--cache_dir={cache_dir}", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    return zygote.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
 
 
 def test_absurd_batch_does_not_fit_and_exits_2(tmp_path):
@@ -343,7 +344,7 @@ def test_absurd_batch_does_not_fit_and_exits_2(tmp_path):
 def test_bad_target_and_key_are_named(tmp_path):
     out = _plan_cli("--config.model.no_such=1", cache_dir=tmp_path)
     assert out.returncode == 2 and "model.no_such" in out.stderr
-    out = subprocess.run(
+    out = zygote.run(
         [
             sys.executable,
             "-m",

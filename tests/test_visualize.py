@@ -3,7 +3,6 @@
 import functools
 import json
 import math
-import subprocess
 import sys
 
 import flax.linen as nn
@@ -12,6 +11,7 @@ import jax.numpy as jnp
 import matplotlib.image
 import numpy as np
 import pytest
+import zygote
 from helpers import ROOT, tiny_config
 
 from tx_jax.analysis import visualize
@@ -285,7 +285,7 @@ def test_cli_on_a_trained_checkpoint(tmp_path, tfds_dir, capsys):
     assert visualize_cli.main(["visualize", "plot", f"--out={out}"]) == 2  # unknown command
     # curves, through the module's entry point
     png = tmp_path / "curves.png"
-    proc = subprocess.run(
+    proc = zygote.run(
         [
             sys.executable,
             "-m",
