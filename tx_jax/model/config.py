@@ -76,7 +76,9 @@ REPLACED = {
 # Fields that are gone, and the values that meant the model's one way now: a config naming
 # another value (a Pallas kernel that never ran on a GPU) loads without it, with a warning.
 REMOVED_FIELDS = {
-    key.removeprefix("model."): kept for key, kept in REMOVED_KEYS.items() if key[:6] == "model."
+    key.removeprefix("model."): kept
+    for key, kept in REMOVED_KEYS.items()
+    if key.startswith("model.")
 }
 
 
