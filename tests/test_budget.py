@@ -24,9 +24,10 @@ from tx_jax.training import logs, optim
 from tx_jax.training.checkpoint import Checkpointer
 from tx_jax.training.state import init_state
 
-# 24 s: set-up and compilation of the debug model take about 5 s on 2 busy cores (cached
-# compilations), which leaves several hundred updates; a cold compilation cache still fits.
-MINUTES = 0.4
+# 12 s: set-up and compilation of the debug model take 2-5 s on 2 busy cores, which leaves
+# several hundred updates of about 10 ms (over a thousand on an idle VM); a cold compilation
+# cache still fits.
+MINUTES = 0.2
 EVERY = 100  # log, evaluate and save: the windows of the loss records and the resume points
 OVERRIDES = {
     "train.time_budget_minutes": MINUTES,

@@ -199,7 +199,9 @@ def _kill_at(proc, moment, what: str, state, timeout: float = 300) -> None:
     while time.time() < deadline:
         if proc.poll() is not None:
             err = proc.stdout.read()[-4000:]
-            raise AssertionError(f"the run ended before {what} ({state()}): {err}")
+            raise AssertionError(
+                f"the run ended (exit {proc.returncode}) before {what} ({state()}): {err}"
+            )
         if moment():
             proc.send_signal(signal.SIGSTOP)
             _frozen(proc)

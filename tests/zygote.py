@@ -40,7 +40,8 @@ from collections.abc import Sequence
 PIPE, DEVNULL, STDOUT = subprocess.PIPE, subprocess.DEVNULL, subprocess.STDOUT
 
 _SERVER = r"""
-import atexit, io, json, os, runpy, signal, socket, sys, tempfile, threading, traceback, types
+import atexit, faulthandler, io, json, os, runpy, signal, socket, sys, tempfile, threading
+import traceback, types
 
 import flax.linen, jax, jax.numpy, ml_collections, numpy, optax  # noqa: F401 (shared imports)
 import etils.epath, grain, orbax.checkpoint, sacrebleu, sentencepiece, tensorstore  # noqa: F401
@@ -63,9 +64,13 @@ def send(message):
 
 
 def reap(pid):
-    _, status = os.waitpid(pid, 0)
+    # the exit is reported before the pid is freed (WNOWAIT): a new child cannot take the pid
+    # of one whose exit the test process has yet to hear of
+    info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+    code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+    send({"exit": pid, "code": code})
+    os.waitpid(pid, 0)
     live.discard(pid)
-    send({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
 def stream(fd, mode, unbuffered):
@@ -101,6 +106,7 @@ def child(request, fds):
         sys.stdin = stream(0, "r", False)
         sys.stdout = stream(1, "w", unbuffered)
         sys.stderr = stream(2, "w", unbuffered)
+        faulthandler.enable()  # a crash in native code leaves its Python stack in the output
         extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         if request["module"]:
             sys.path[:] = [os.getcwd(), *extra, *base_path]
