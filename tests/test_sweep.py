@@ -7,6 +7,7 @@ import json
 import pathlib
 
 import pytest
+import zygote
 from helpers import ROOT
 
 from tx_jax.cli import sweep as sweep_cli
@@ -111,7 +112,10 @@ def test_command_quotes_values_and_routes_lists_through_a_config_file(tmp_path):
     }
 
 
-def test_runner_trains_both_points_tabulates_and_skips_them_on_rerun(tmp_path, tfds_dir):
+def test_runner_trains_both_points_tabulates_and_skips_them_on_rerun(
+    tmp_path, tfds_dir, monkeypatch
+):
+    monkeypatch.setattr(sweep, "run_process", zygote.run)  # real processes, started by a fork
     root = tmp_path / "sweep"
     tiny = {
         "data.data_dir": str(tfds_dir),

@@ -243,6 +243,10 @@ def run_point(
     return {**record, "status": "ok"}
 
 
+# how a point's processes run (subprocess.run's interface): the tests fork them from a zygote
+run_process = subprocess.run
+
+
 def _run_logged(argv: list[str], point: Point, parallel: int) -> int:
     """Run `argv` with its output appended to the point's log (command line first); a gs://
     workdir's log gets the output when the process ends (it is written locally meanwhile)."""
@@ -251,7 +255,7 @@ def _run_logged(argv: list[str], point: Point, parallel: int) -> int:
     with tempfile.TemporaryFile("w+") if remote else open(log_path, "a") as log:
         log.write(f"$ {shlex.join(argv)}\n")
         log.flush()
-        rc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=_env(parallel))
+        rc = run_process(argv, stdout=log, stderr=subprocess.STDOUT, env=_env(parallel))
         if remote:
             log.seek(0)
             paths.append_text(log_path, log.read())
