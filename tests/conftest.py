@@ -13,10 +13,8 @@ _CACHE = os.environ.get(
 )
 # XLA:CPU's newer fusion emitters take a third more compile time on these tiny programs than
 # the elemental emitters they replace (BENCHMARKS.md "Test suite"); what a test checks does not
-# depend on which emitter wrote a fusion's loop. One codegen part per program: on 2 cores that
-# two test workers share, splitting a tiny module for parallel LLVM threads costs more than it
-# saves (6% of a cold test_models + test_decoding). helpers.forced_devices keeps the flags.
-TEST_XLA_FLAGS = "--xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1"
+# depend on which emitter wrote a fusion's loop. helpers.forced_devices keeps the flag.
+TEST_XLA_FLAGS = "--xla_cpu_use_fusion_emitters=false"
 if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + TEST_XLA_FLAGS).strip()
 for _key, _value in {

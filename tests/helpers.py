@@ -53,8 +53,7 @@ def forced_devices(devices: int) -> str:
     return (
         f"--xla_force_host_platform_device_count={devices} "
         "--xla_cpu_collective_call_terminate_timeout_seconds=600 "
-        # conftest.TEST_XLA_FLAGS: faster compiles
-        "--xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1"
+        "--xla_cpu_use_fusion_emitters=false"  # conftest.TEST_XLA_FLAGS: faster compiles
     )
 
 
