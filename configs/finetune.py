@@ -4,12 +4,25 @@
     python -m tx_jax.main --workdir=runs/opus-mt-en-de-multi30k \
         --config=configs/finetune.py:init_from=runs/opus-mt-en-de,pair=en-de
     --config=configs/finetune.py:init_from=WORKDIR,debug     a few steps (tests, smoke runs)
+    --config=configs/finetune.py:init_from=WORKDIR,data=text \
+        --config.data.train='corpus/train-*' --config.data.validation=corpus/dev.tsv
+                                                             your own corpus (configs/text.py)
+    --config.train.lora.rank=16                              LoRA: only adapters train
+    --config.train.trainable='^decoder/'                     these train, the rest is frozen
 
 The model section and the tokenizer come from `init_from` (its latest checkpoint's config and
 WORKDIR/tokenizer.model, the parameters through train.init_from); the data section is
-configs/multi30k.py's for `pair` (override data.* for another corpus). Training: a short
+configs/multi30k.py's for `pair`, or with data=text configs/text.py's: a plain-text corpus
+whose lengths and batch the run chooses from it (tx_jax/runner/sizing.py). Training: a short
 warmup to a small rate, then cosine decay, the usual recipe for adapting a converged model
 (a rate near pretraining's would undo it); dropout as the checkpoint has it.
+
+Parameter-efficient: train.lora.rank > 0 adds low-rank adapters (tx_jax/model/lora.py) to the
+projections train.lora.targets names, and only they train; train.trainable (a pattern over
+parameter paths) trains those parameters, with or without LoRA, and freezes the rest
+(tx_jax/training/freezing.py); train.frozen_dtype='bfloat16' keeps the frozen weights in
+bfloat16. Checkpoints then hold the trainable part and a digest of the base, which evaluate,
+translate and export read again from train.init_from.
 
 An imported M2M100/NLLB model trains in `pair`'s languages as transformers fine-tunes it
 (data/tasks.py): sources [__en__] + pieces + EOS, targets [__fr__] + pieces + EOS fed from
@@ -20,6 +33,7 @@ the decoder start (EOS), so decoding's forced first token is what it learned; NL
 import ml_collections
 
 from tx_jax.config import parse_arg, sibling_config
+from tx_jax.model.lora import DEFAULT_TARGETS
 
 
 def _stored_config(init_from: str) -> ml_collections.ConfigDict:
@@ -29,7 +43,7 @@ def _stored_config(init_from: str) -> ml_collections.ConfigDict:
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    args = parse_arg(arg, init_from="", pair="en-de", variant="default")
+    args = parse_arg(arg, init_from="", pair="en-de", data="multi30k", variant="default")
     if not args.init_from:
         raise ValueError(
             "configs/finetune.py needs the model to start from: "
@@ -37,7 +51,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         )
     if args.variant not in ("default", "debug"):
         raise ValueError(f"configs/finetune.py: unknown variant {args.variant!r} (default, debug)")
+    if args.data not in ("multi30k", "text"):
+        raise ValueError(f"configs/finetune.py: data={args.data!r}; expected multi30k or text")
     c = sibling_config(__file__, "multi30k", f"pair={args.pair}")
+    if args.data == "text":  # its data section, lengths and batch left to the corpus
+        c.data = sibling_config(__file__, "text", "default").data
     stored = _stored_config(args.init_from)
     c.model = ml_collections.ConfigDict(stored.model.to_dict())  # the architecture as stored
     # float32 master weights and optimizer state (a bfloat16 import is upcast on restore);
@@ -46,8 +64,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.task = stored.get("task", "translation")
     c.data.tokenizer_path = args.init_from  # its WORKDIR/tokenizer.model: the same vocabulary
     c.data.vocab_size = stored.data.vocab_size
-    c.data.max_eval_len = max(c.data.max_eval_len, 128)  # pretrained models' pieces are short
+    if c.data.max_eval_len is not None:  # pretrained models' pieces are short
+        c.data.max_eval_len = max(c.data.max_eval_len, 128)
     c.train.init_from = args.init_from  # parameters from there, optimizer fresh, step 0
+    c.train.lora = ml_collections.ConfigDict()
+    c.train.lora.rank = 0  # > 0: low-rank adapters, and only they train
+    c.train.lora.alpha = 32.0  # the adapters' update is scaled by alpha / rank
+    c.train.lora.dropout = 0.0  # on the adapters' input
+    c.train.lora.targets = DEFAULT_TARGETS  # the projections adapted, by path
+    c.train.trainable = ""  # a pattern over parameter paths: those train, the rest is frozen
+    c.train.frozen_dtype = ""  # e.g. 'bfloat16': the frozen weights' storage
 
     c.train.schedule = "cosine"  # linear warmup, then cosine decay to 0.1 x peak_lr
     c.train.warmup_steps = 100

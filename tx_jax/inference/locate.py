@@ -21,6 +21,7 @@ from tx_jax.config import task_of
 from tx_jax.data.tokenizer import Tokenizer
 from tx_jax.model import ModelConfig, init_params, make_model
 from tx_jax.training.checkpoint import Checkpointer, CorruptCheckpointError, absolute
+from tx_jax.training.freezing import Trainable
 
 CHECKPOINTS_DIR = "checkpoints"  # WORKDIR/checkpoints/N: training's checkpoints
 AVERAGED_DIR = "averaged"  # WORKDIR/averaged/<name>/N: averaged checkpoints (averaging.py)
@@ -262,7 +263,8 @@ def open_step(
     sharding = jax.sharding.SingleDeviceSharding(device or jax.local_devices()[0])
     abstract = abstract_params(model_config, sharding, task_of(config))
     stored = ckpt.state_metadata(step)["params"]
-    check_params_fit(abstract, stored, differences, ckpt.directory / str(step))
+    own = Trainable.of(config.train).split(abstract)[0]  # what it stores: freezing.py
+    check_params_fit(own, stored, differences, ckpt.directory / str(step))
     risky = [
         k
         for k in differences

@@ -22,12 +22,16 @@ is a `CheckpointError` naming the config keys that differ from the checkpoint's.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import ml_collections
+import numpy as np
 from etils import epath
+from flax import traverse_util
+from jax.experimental import multihost_utils
 
 from tx_jax.config import task_of
 from tx_jax.data.tokenizer import Tokenizer
@@ -46,6 +50,7 @@ from tx_jax.inference.locate import (
 )
 from tx_jax.model import DecoderOnly, EncoderDecoder, ModelConfig, make_model
 from tx_jax.training.checkpoint import Checkpointer, CorruptCheckpointError, absolute
+from tx_jax.training.freezing import Trainable
 
 
 @dataclasses.dataclass
@@ -127,11 +132,11 @@ def load(
             f"not {task!r}"
         )
     try:
-        params = ckpt.restore_params(opened.step, opened.abstract_params)
+        params = restore_params(ckpt, opened)
     except CorruptCheckpointError as e:
-        ckpt.close()
         raise CheckpointError(str(e)) from None
-    ckpt.close()
+    finally:
+        ckpt.close()
     averaged_steps = (opened.meta.get("averaged") or {}).get("steps")
     return Loaded(
         opened.config,
@@ -143,6 +148,18 @@ def load(
         workdir,
         averaged_steps,
     )
+
+
+def restore_params(ckpt: Checkpointer, opened) -> Any:
+    """The parameters of an opened checkpoint: as stored, or, for a run that froze part of
+    them (training/freezing.py), its trainable part merged with its base's frozen part."""
+    trainable = Trainable.of(opened.config.train)
+    if trainable.everything:
+        return ckpt.restore_params(opened.step, opened.abstract_params)
+    own, frozen = trainable.split(opened.abstract_params)
+    where = str(ckpt.directory / str(opened.step))
+    frozen = load_base(opened.meta.get("base"), trainable.in_frozen_dtype(frozen), where)
+    return trainable.merge(ckpt.restore_params(opened.step, own), frozen)
 
 
 # ---------------------------------------------------------------------- init_from
@@ -203,3 +220,59 @@ def open_init_source(path: str | epath.Path) -> InitSource:
     step = latest_verified(ckpt) if step is None else select_step(ckpt, step)
     meta = read_meta(ckpt, step)
     return InitSource(ckpt, step, meta["config"], Tokenizer.from_bytes(meta["tokenizer"]))
+
+
+# ---------------------------------------------------------------------- a frozen base
+
+
+def params_digest(params: Any) -> str:
+    """SHA-256 of a parameter tree's values (path, dtype, shape and bytes of every leaf, in
+    path order), however it is stored or sharded: the content a frozen base is checked by."""
+    digest = hashlib.sha256()
+    for path, leaf in sorted(traverse_util.flatten_dict(params, sep="/").items()):
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            leaf = multihost_utils.process_allgather(leaf, tiled=True)
+        array = np.asarray(jax.device_get(leaf))
+        digest.update(f"{path} {array.dtype} {array.shape}\n".encode())
+        digest.update(np.ascontiguousarray(array).tobytes())
+    return digest.hexdigest()
+
+
+def base_reference(source: InitSource, frozen: Any) -> dict:
+    """What an adapted run's checkpoints record of its base (train.init_from): the step it
+    read and the digest of the frozen parameters, as the run holds them."""
+    return {"path": str(source.path), "step": source.step, "digest": params_digest(frozen)}
+
+
+def load_base(reference: dict | None, abstract: Any, where: str) -> Any:
+    """The frozen parameters of an adapted run's checkpoint `where` from the base its meta
+    records (`base_reference`), restored into `abstract` and checked against the digest. A
+    missing or changed base is a CheckpointError in one line."""
+    if not reference:
+        raise CheckpointError(
+            f"{where} holds only the trainable parameters but records no base (train.init_from)"
+        )
+    path = reference["path"]
+    try:
+        ckpt = open_checkpoints(absolute(path).parent)
+    except CheckpointError:
+        ckpt = None
+    if ckpt is None or reference["step"] not in ckpt.all_steps():
+        raise CheckpointError(
+            f"the base of {where} is missing: {path} (train.init_from, step "
+            f"{reference['step']}) holds no checkpoint; its frozen parameters were read there"
+        )
+    try:
+        frozen = ckpt.restore_params(reference["step"], abstract)
+    except CorruptCheckpointError as e:
+        raise CheckpointError(f"the base of {where}: {e}") from None
+    finally:
+        ckpt.close()
+    digest = params_digest(frozen)
+    if digest != reference["digest"]:
+        raise CheckpointError(
+            f"the base of {where} changed: {path} now holds other parameters (digest "
+            f"{digest[:12]}, trained on {reference['digest'][:12]}); its adapters fit only the "
+            "base they were trained on"
+        )
+    return frozen

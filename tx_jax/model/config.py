@@ -22,6 +22,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from tx_jax.config import REMOVED_KEYS
+from tx_jax.model.lora import DEFAULT_TARGETS, LoRA
 from tx_jax.ops import backend, cudnn
 from tx_jax.ops.attention_kernels import IMPLEMENTATIONS
 from tx_jax.ops.kernels import DROPOUT_BITS, KERNELS
@@ -132,6 +133,11 @@ class ModelConfig:
     decode: bool = False  # incremental decoding with a KV cache
     decode_beams: int = 0  # > 0: decoding over a beam-shared cache of N hypotheses an example
     sow_attention_weights: bool = False  # store attention maps in 'intermediates'
+    # low-rank adapters (lora.py): rank 0 is none; a run sets them from train.lora (of_run)
+    lora_rank: int = 0
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    lora_targets: str = DEFAULT_TARGETS
     platform: str | None = None  # what `resolved` chose the implementation fields for
 
     def __post_init__(self):
@@ -170,6 +176,10 @@ class ModelConfig:
         run, plan, restore and export goes through."""
         data, train = config.get("data", {}), config.get("train", {})
         longest = max(data.get("max_train_len", 0), data.get("max_eval_len", 0))
+        lora = train.get("lora") or {}  # a run's adapters (configs/finetune.py has the keys)
+        overrides = {
+            f"lora_{k}": lora[k] for k in ("rank", "alpha", "dropout", "targets") if k in lora
+        } | overrides
         # train.deterministic sets XLA:GPU's flag (tx_jax.main); a flag set by hand counts too
         deterministic = bool(train.get("deterministic", False)) or backend.deterministic_ops()
         return cls.from_config(config.model, **overrides).resolved(
@@ -239,6 +249,7 @@ class ModelConfig:
         self._check_options()
         if self.decode_beams < 0 or (self.decode_beams and not self.decode):
             raise ValueError(f"model.decode_beams={self.decode_beams} needs decode=True, >= 0")
+        self.lora.validate()
         if self.platform is not None and self.platform not in PLATFORMS:
             raise ValueError(f"model.platform={self.platform!r}; expected one of {PLATFORMS}")
 
@@ -296,6 +307,10 @@ class ModelConfig:
     @property
     def parameter_dtype(self) -> Any:
         return jnp.dtype(self.param_dtype)
+
+    @property
+    def lora(self) -> LoRA:
+        return LoRA(self.lora_rank, self.lora_alpha, self.lora_dropout, self.lora_targets)
 
     @property
     def output_vocab_size(self) -> int:

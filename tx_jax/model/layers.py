@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from tx_jax.model.config import ACTIVATIONS, NORMS, ModelConfig
+from tx_jax.model.lora import LoRA, adapt
 from tx_jax.model.multihead import MultiHeadAttention
 from tx_jax.ops.kernels import Dropout, bias_add, dense
 
@@ -42,6 +43,7 @@ class FeedForward(nn.Module):
     dropout_bits: str = "bernoulli"  # ModelConfig.dropout_bits
     dtype: Any = None
     param_dtype: Any = jnp.float32
+    lora: LoRA = LoRA()  # low-rank adapters on wi, wi_gate, wo (lora.py)
 
     def _params(self, name: str, shape: tuple[int, int], axes: tuple[str, str]):
         """`name`_kernel [K, N] and, with use_bias, `name`_bias [N] (else None)."""
@@ -61,10 +63,15 @@ class FeedForward(nn.Module):
         )
         return kernel, bias
 
-    def _dense(self, x: Array, features: int, axes: tuple[str, str], name: str) -> Array:
+    def _dense(self, x: Array, features: int, axes: tuple[str, str], name: str, det: bool):
         kernel, b = self._params(name, (x.shape[-1], features), axes)
         dtype = self.dtype or x.dtype
-        y = dense(x.astype(dtype), kernel.astype(dtype), kernels=self.kernels)  # [B, L, M] @ [M, F]
+        x = x.astype(dtype)
+        y = dense(x, kernel.astype(dtype), kernels=self.kernels)  # [B, L, M] @ [M, F]
+        y = adapt(
+            self, name, x, y, self.lora, deterministic=det, kernels=self.kernels,
+            dropout_bits=self.dropout_bits,
+        )  # fmt: skip
         if b is not None:
             y = bias_add(y, b.astype(dtype), kernels=self.kernels)
         return y
@@ -74,7 +81,7 @@ class FeedForward(nn.Module):
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation={self.activation!r}; expected one of {ACTIVATIONS}")
         M = x.shape[-1]
-        h = self._dense(x, self.d_ff, ("embed", "mlp"), "wi")  # [B, L, F]
+        h = self._dense(x, self.d_ff, ("embed", "mlp"), "wi", deterministic)  # [B, L, F]
         if self.activation == "relu":
             h = nn.relu(h)
         elif self.activation == "gelu":
@@ -84,10 +91,10 @@ class FeedForward(nn.Module):
         elif self.activation == "silu":
             h = nn.silu(h)
         else:  # swiglu
-            h = nn.silu(h) * self._dense(x, self.d_ff, ("embed", "mlp"), "wi_gate")
+            h = nn.silu(h) * self._dense(x, self.d_ff, ("embed", "mlp"), "wi_gate", deterministic)
         h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))
         h = Dropout(self.dropout_rate, self.dropout_bits)(h, deterministic=deterministic)
-        return self._dense(h, M, ("mlp", "embed"), "wo")
+        return self._dense(h, M, ("mlp", "embed"), "wo", deterministic)
 
 
 def make_norm(kind: str, epsilon: float, dtype: Any, param_dtype: Any, name: str) -> nn.Module:
@@ -145,6 +152,7 @@ class _ResidualLayer(nn.Module):
             dropout_bits=cfg.dropout_bits,
             dtype=cfg.compute_dtype,
             param_dtype=cfg.parameter_dtype,
+            lora=cfg.lora,
             name=name,
         )
 
@@ -184,6 +192,7 @@ class _ResidualLayer(nn.Module):
             dropout_bits=cfg.dropout_bits,
             dtype=cfg.compute_dtype,
             param_dtype=cfg.parameter_dtype,
+            lora=cfg.lora,
             name="ffn",
         )
 

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from tx_jax.model import kv_cache
+from tx_jax.model import lora as lora_lib
 from tx_jax.model.attention import dot_product_attention
 from tx_jax.model.positional import apply_rope
 from tx_jax.ops.kernels import dense
@@ -70,9 +71,11 @@ class MultiHeadAttention(nn.Module):
     dtype: Any = None
     param_dtype: Any = jnp.float32
     precision: Any = None
+    lora: lora_lib.LoRA = lora_lib.LoRA()  # low-rank adapters on the projections (lora.py)
 
-    def _projection(self, name: str, M: int, heads: int, head_dim: int, axis: str):
-        """The [M, heads, D] kernel (and [heads, D] bias) of one projection, and its apply fn."""
+    def _projection(self, name: str, M: int, heads: int, head_dim: int, axis: str, det: bool):
+        """The [M, heads, D] kernel (and [heads, D] bias) of one projection (its adapter with
+        LoRA), and its apply fn."""
         kernel = self.param(
             f"{name}_kernel",
             nn.with_logical_partitioning(_proj_init((0,), (1, 2)), ("embed", axis, "kv")),
@@ -92,13 +95,20 @@ class MultiHeadAttention(nn.Module):
             dtype = self.dtype or x.dtype
             w = kernel.astype(dtype).reshape(M, heads * head_dim)
             y = dense(x.astype(dtype), w, self.precision, self.kernels)
+            y = self._adapt(name, x.astype(dtype), y, det)
             y = y.reshape(*x.shape[:-1], heads, head_dim)
             return y if bias is None else y + bias.astype(dtype)
 
         return apply
 
-    def _project(self, name: str, x: Array, heads: int, head_dim: int, axis: str) -> Array:
-        return self._projection(name, x.shape[-1], heads, head_dim, axis)(x)
+    def _project(self, name: str, x: Array, heads: int, head_dim: int, axis: str, det: bool):
+        return self._projection(name, x.shape[-1], heads, head_dim, axis, det)(x)
+
+    def _adapt(self, name: str, x: Array, y: Array, det: bool) -> Array:
+        return lora_lib.adapt(
+            self, name, x, y, self.lora, deterministic=det, kernels=self.kernels,
+            dropout_bits=self.dropout_bits, precision=self.precision,
+        )  # fmt: skip
 
     @nn.compact
     def __call__(
@@ -127,10 +137,12 @@ class MultiHeadAttention(nn.Module):
         Dv = self.value_head_dim or D
         features = self.out_features or M
         cross = inputs_kv is not None
-        query = self._project("query", inputs_q, H, D, "heads")
+        query = self._project("query", inputs_q, H, D, "heads", deterministic)
         if cross:  # the encoder output's keys and values: no RoPE, no causal cache
-            to_key = self._projection("key", inputs_kv.shape[-1], K, D, "kv_heads")
-            to_value = self._projection("value", inputs_kv.shape[-1], K, Dv, "kv_heads")
+            to_key = self._projection("key", inputs_kv.shape[-1], K, D, "kv_heads", deterministic)
+            to_value = self._projection(
+                "value", inputs_kv.shape[-1], K, Dv, "kv_heads", deterministic
+            )
             if self.decode:
                 key, value = kv_cache.cross_cache(self, inputs_kv, to_key, to_value)
             else:
@@ -139,18 +151,18 @@ class MultiHeadAttention(nn.Module):
                 out = kv_cache.grouped_cross_attention(
                     query, key, value, q_segment_ids, kv_segment_ids, self.beams, **self._attend()
                 )
-                return self._output(out, features)
+                return self._output(out, features, deterministic)
             return self._attention(
                 query, key, value, features, deterministic, mask=mask, bias=bias,
                 is_causal=is_causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
             )  # fmt: skip
-        key = self._project("key", inputs_q, K, D, "kv_heads")
-        value = self._project("value", inputs_q, K, Dv, "kv_heads")
+        key = self._project("key", inputs_q, K, D, "kv_heads", deterministic)
+        value = self._project("value", inputs_q, K, Dv, "kv_heads", deterministic)
         if self.beams:  # one step of beam search over the beam-shared cache
             if mask is not None or self.sow_weights:
                 raise ValueError("a beam-shared KV cache supports neither a mask nor sow_weights")
             out = kv_cache.beam_self_attention(self, query, key, value, q_positions)
-            return self._output(out, features)
+            return self._output(out, features, deterministic)
         cache_index = None
         if self.decode:
             key, value, cache_index = kv_cache.self_cache(self, key, value)
@@ -196,9 +208,9 @@ class MultiHeadAttention(nn.Module):
         if self.sow_weights:
             result, weights = result
             self.sow("intermediates", "attention_weights", weights)
-        return self._output(result, features)
+        return self._output(result, features, deterministic)
 
-    def _output(self, x: Array, features: int) -> Array:
+    def _output(self, x: Array, features: int, det: bool) -> Array:
         """W^O: [B, L, H, Dv] -> [B, L, features]; concatenating heads is folded into the einsum."""
         _, _, H, D = x.shape  # D = Dv
         kernel = self.param(
@@ -210,6 +222,7 @@ class MultiHeadAttention(nn.Module):
         B, L = x.shape[:2]  # 'blhd,hdm->blm' as one [B, L, H*D] @ [H*D, features] matmul
         w = kernel.astype(x.dtype).reshape(H * D, features)
         y = dense(x.reshape(B, L, H * D), w, self.precision, self.kernels)
+        y = self._adapt("out", x.reshape(B, L, H * D), y, det)
         if self.use_bias:
             b = self.param(
                 "out_bias",

@@ -197,7 +197,7 @@ def _save(run: Run, checkpointer, train_iter, logger, step: int, state, *, metri
     metrics = {k: v for k, v in (metrics or {}).items() if k == run.config.checkpoint.best_metric}
     checkpointer.save(
         step,
-        run.strategy.for_checkpoint(state),
+        run.trainable.saved(run.strategy.for_checkpoint(state)),
         data_state=train_iter.get_state(),
         config=run.config.to_dict(),
         tokenizer_bytes=run.task.tokenizer.to_bytes(),
@@ -207,6 +207,7 @@ def _save(run: Run, checkpointer, train_iter, logger, step: int, state, *, metri
             "train_seconds": round(logger.train_seconds(), 3),
             "eval_seconds": round(logger.eval_seconds(), 3),
             **({"budget": run.budget} if run.budget else {}),
+            **({"base": run.base} if run.base else {}),
         },
     )
 

@@ -25,6 +25,7 @@ from tx_jax.runner import resume, sizing
 from tx_jax.runner.validation import check_batch_divides, validate_config
 from tx_jax.training import checkpoint as ckpt_lib
 from tx_jax.training import optim, parallel
+from tx_jax.training.freezing import EVERYTHING, Trainable
 from tx_jax.training.state import TrainState, init_state
 from tx_jax.training.step import train_step
 
@@ -48,6 +49,10 @@ class Run:
     budget: dict | None = None
     # the keys the data chose (runner/sizing.py): a budget refits the cadence among them
     sized: tuple[str, ...] = ()
+    # the part of the parameters that trains (training/freezing.py), and, when that is not
+    # all of them, the base its checkpoints record (restore.base_reference)
+    trainable: Trainable = EVERYTHING
+    base: dict | None = None
 
 
 def build_run(config: ml_collections.ConfigDict, workdir: str | epath.Path) -> Run:
@@ -67,7 +72,8 @@ def build_run(config: ml_collections.ConfigDict, workdir: str | epath.Path) -> R
     check_batch_divides(config, strategy)
     platform = jax.devices()[0].platform  # the run's devices: the strategy's are these
     parts = build_model(config, task.tokenizer.vocab_size, task.tokenizer.bos_id, platform)
-    return Run(config, workdir, strategy, task, *parts, source, sized=sized)
+    trainable = Trainable.of(config.train)
+    return Run(config, workdir, strategy, task, *parts, source, sized=sized, trainable=trainable)
 
 
 def sized_task(
@@ -140,15 +146,16 @@ def build_optimizer(config: ml_collections.ConfigDict, model_config: ModelConfig
     """(tx, schedule, init_fn) of `config`'s train section for `model`: what a run rebuilds
     when its schedule's steps change (runner/budget.py); the state's structure stays."""
     tx, schedule = optim.make_optimizer(config.train, model_config.d_model)
-    init_fn = functools.partial(init_state, model, tx, config.seed)
+    trainable = Trainable.of(config.train)
+    init_fn = functools.partial(init_state, model, tx, config.seed, trainable)
     return tx, schedule, init_fn
 
 
 def state_shapes(config: ml_collections.ConfigDict, tokenizer, platform: str) -> TrainState:
-    """The unboxed train state of `config` for `tokenizer`'s vocabulary, as ShapeDtypeStructs
-    (nothing allocated): what a checkpoint of that config holds."""
+    """What a checkpoint of `config` holds of its train state (its trainable parameters:
+    freezing.py), for `tokenizer`'s vocabulary, as ShapeDtypeStructs (nothing allocated)."""
     init_fn = build_model(config, tokenizer.vocab_size, tokenizer.bos_id, platform)[-1]
-    return nn.meta.unbox(jax.eval_shape(init_fn))
+    return Trainable.of(config.train).saved(nn.meta.unbox(jax.eval_shape(init_fn)))
 
 
 def train_step_fn(config: ml_collections.ConfigDict, model: nn.Module, tx, schedule) -> Callable:
@@ -162,6 +169,7 @@ def train_step_fn(config: ml_collections.ConfigDict, model: nn.Module, tx, sched
         schedule=schedule,
         label_smoothing=cfg.label_smoothing,
         grad_accum_steps=cfg.grad_accum_steps,
+        trainable=Trainable.of(cfg),
     )
 
 
@@ -198,13 +206,20 @@ def restore_or_init(run: Run, checkpointer: ckpt_lib.Checkpointer) -> tuple[Trai
         return _init_from(run), {}
     if checkpointer.latest_step() is None:
         return run.strategy.init_state(run.init_fn), {}
-    abstract = run.strategy.abstract_state(run.init_fn)
+    full = run.strategy.abstract_state(run.init_fn)
+    abstract = run.trainable.saved(full)
     state_of = functools.partial(
         state_shapes, tokenizer=run.task.tokenizer, platform=run.model_config.platform
     )
     resume.check_config(run.config, checkpointer, abstract, state_of)
     step, state, data_state, meta = checkpointer.restore_latest(abstract)
     resume.announce(step, meta["config"], run.config)
+    if not run.trainable.everything:  # the frozen part: the base's, as the run started
+        where = str(checkpointer.directory / str(step))
+        frozen = run.trainable.split(full.params)[1]
+        frozen = restore.load_base(meta.get("base"), frozen, where)
+        state = state.replace(params=run.trainable.merge(state.params, frozen))
+        run.base = meta["base"]
     return run.strategy.place_restored(state), data_state
 
 
@@ -212,11 +227,33 @@ def _init_from(run: Run) -> TrainState:
     """A fresh state (step 0, new optimizer moments, the config's dropout key) holding the
     parameters of train.init_from's checkpoint, placed for this run's devices."""
     source = run.init_source
-    abstract = run.strategy.abstract_state(run.init_fn).params
+    trainable = run.trainable
+    abstract, _ = trainable.from_base(run.strategy.abstract_state(run.init_fn).params)
     params = source.load_params(abstract, run.config, run.task.tokenizer.vocab_size)
     source.checkpointer.close()
     logging.info("parameters from %s (train.init_from)", source.path)
     if jax.process_index() == 0:
         print(f"init_from: parameters of {source.path} (step {source.step})", flush=True)
     state = run.strategy.init_state(run.init_fn)
-    return state.replace(params=run.strategy.place_restored(params))
+    _, adapters = trainable.from_base(state.params)  # new ones: B = 0, the base's outputs
+    params = trainable.merge(run.strategy.place_restored(params), adapters)
+    state = state.replace(params=trainable.cast_frozen(params))
+    if not trainable.everything:
+        frozen = trainable.split(run.strategy.for_checkpoint(state).params)[1]
+        run.base = restore.base_reference(source, frozen)
+        _announce_trainable(run, run.strategy.for_checkpoint(state).params)
+    return state
+
+
+def _announce_trainable(run: Run, params) -> None:
+    """One line: how many parameters train, and which."""
+    n, total = run.trainable.count(params)
+    lora = run.model_config.lora
+    what = [f"LoRA rank {lora.rank} (alpha {lora.alpha:g})"] if lora.rank else []
+    what += [f"train.trainable={run.trainable.pattern!r}"] if run.trainable.pattern else []
+    if jax.process_index() == 0:
+        print(
+            f"trainable: {n:,} of {total:,} parameters ({100 * n / total:.2f}%): "
+            f"{', '.join(what)}; the rest frozen",
+            flush=True,
+        )

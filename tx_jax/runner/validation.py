@@ -11,9 +11,11 @@ import ml_collections
 from tx_jax.config import study_value, task_of
 from tx_jax.data import backtranslation, directions, input_shards, lm_task
 from tx_jax.model import TASKS, ModelConfig
+from tx_jax.model.lora import LoRA
 from tx_jax.runner import sizing
 from tx_jax.runner.profiling import profile_window
 from tx_jax.training import optim, parallel
+from tx_jax.training.freezing import Trainable
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
@@ -85,6 +87,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
             f"eval.average_last={k} must be in [0, checkpoint.keep={config.checkpoint.keep}] "
             "(the checkpoints it averages must be kept)"
         )
+    _check_freezing(config)
     if config.data.max_train_len > config.data.tokens_per_batch:
         raise ValueError(
             f"data.tokens_per_batch={config.data.tokens_per_batch} is smaller than one row of "
@@ -100,6 +103,27 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         raise ValueError(
             f"checkpoint.best_metric={config.checkpoint.best_metric!r}; expected a validation "
             "metric: bleu, chrf, loss, accuracy or perplexity"
+        )
+
+
+def _check_freezing(config: ml_collections.ConfigDict) -> None:
+    """train.lora and train.trainable: what they need (training/freezing.py)."""
+    trainable = Trainable.of(config.train)
+    lora = config.train.get("lora")
+    if lora is not None:
+        LoRA(**lora.to_dict()).validate()
+    if trainable.everything:
+        return
+    which = "train.lora.rank" if trainable.adapters else "train.trainable"
+    if not config.train.get("init_from"):
+        raise ValueError(
+            f"{which} freezes parameters, which come from train.init_from: set it to the "
+            "pretrained run or imported model (configs/finetune.py)"
+        )
+    if config.eval.get("average_last", 0):
+        raise ValueError(
+            f"eval.average_last={config.eval.average_last} with {which}: averaging a run's "
+            "checkpoints is for full training; set it to 0"
         )
 
 

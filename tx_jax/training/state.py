@@ -11,6 +11,7 @@ import optax
 from flax import struct
 
 from tx_jax.model import init_params
+from tx_jax.training.freezing import EVERYTHING, Trainable
 
 Array = jax.Array
 
@@ -20,16 +21,23 @@ class TrainState:
     """Everything that changes during training; all arrays, so Orbax saves it whole."""
 
     step: Array  # int32 scalar: number of train steps taken (skipped ones included)
-    params: Any
-    opt_state: Any
+    params: Any  # all of them, frozen ones included (freezing.py)
+    opt_state: Any  # of the trainable parameters
     rng: Array  # uint32[2] base dropout key; step s uses fold_in(rng, s)
     nonfinite_total: Array  # int32: updates skipped for a non-finite loss or gradient
     nonfinite_run: Array  # int32: consecutive skipped updates
 
 
-def init_state(model: nn.Module, tx: optax.GradientTransformation, seed: int) -> TrainState:
-    """A fresh state with parameters boxed by logical axis names (parallel.py unboxes)."""
+def init_state(
+    model: nn.Module,
+    tx: optax.GradientTransformation,
+    seed: int,
+    trainable: Trainable = EVERYTHING,
+) -> TrainState:
+    """A fresh state with parameters boxed by logical axis names (parallel.py unboxes); the
+    optimizer's state covers the trainable parameters only (freezing.py)."""
     init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(seed))
-    params = init_params(model, init_rng)
+    params = trainable.cast_frozen(init_params(model, init_rng))
     zero = jnp.zeros((), jnp.int32)
-    return TrainState(zero, params, tx.init(params), dropout_rng, zero, zero)
+    opt_state = tx.init(trainable.split(params)[0])
+    return TrainState(zero, params, opt_state, dropout_rng, zero, zero)

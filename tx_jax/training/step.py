@@ -23,6 +23,7 @@ from jax import lax
 
 from tx_jax.model import DecoderOnly
 from tx_jax.training import losses
+from tx_jax.training.freezing import EVERYTHING, Trainable
 from tx_jax.training.state import TrainState
 
 Array = jax.Array
@@ -85,8 +86,10 @@ def train_step(
     label_smoothing: float,
     grad_accum_steps: int = 1,
     axis_name: str | None = None,
+    trainable: Trainable = EVERYTHING,
 ) -> tuple[TrainState, dict[str, Array]]:
-    """One optimizer update from one global batch (split into `grad_accum_steps` parts).
+    """One optimizer update from one global batch (split into `grad_accum_steps` parts), of
+    the `trainable` parameters (the others pass through: no gradient, no moments).
 
     A non-finite loss or gradient leaves params and optimizer state unchanged and is
     counted in `nonfinite_total` / `nonfinite_run` (the loop stops after too many); how it is
@@ -95,24 +98,27 @@ def train_step(
     rng = jax.random.fold_in(state.rng, state.step)
     if axis_name is not None:  # each device's slice of the batch gets its own dropout
         rng = jax.random.fold_in(rng, lax.axis_index(axis_name))
-    grad_fn = jax.grad(
-        functools.partial(_loss_sums, model, label_smoothing=label_smoothing, deterministic=False),
-        has_aux=True,
-    )
-    grads, sums = _gradient_sums(grad_fn, state.params, batch, rng, grad_accum_steps)
+    params, frozen = trainable.split(state.params)
+
+    def loss_fn(params, batch, rng):
+        merged = trainable.merge(params, frozen)
+        return _loss_sums(model, merged, batch, rng, label_smoothing, deterministic=False)
+
+    grad_fn = jax.grad(loss_fn, has_aux=True)
+    grads, sums = _gradient_sums(grad_fn, params, batch, rng, grad_accum_steps)
     if axis_name is not None:  # averaging sums with pmean leaves their ratio exact
         grads, sums = lax.pmean((grads, sums), axis_name)
     denom = jnp.maximum(sums["weight"], 1.0)
     grads = jax.tree_util.tree_map(lambda g: g / denom, grads)
     grad_norm = optax.global_norm(grads)
     finite = jnp.isfinite(grad_norm) & jnp.isfinite(sums["loss"])
-    update = functools.partial(_optimizer_update, tx, grads, state)
+    update = functools.partial(_optimizer_update, tx, grads, params, state.opt_state)
     skip = _update_if_cond if model.config.platform == "cpu" else _update_if_select
-    params, opt_state = skip(finite, update, (state.params, state.opt_state))
+    params, opt_state = skip(finite, update, (params, state.opt_state))
     skipped = 1 - finite.astype(jnp.int32)
     new_state = state.replace(
         step=state.step + 1,
-        params=params,
+        params=trainable.merge(params, frozen),
         opt_state=opt_state,
         nonfinite_total=state.nonfinite_total + skipped,
         nonfinite_run=jnp.where(finite, 0, state.nonfinite_run + 1),
@@ -152,21 +158,18 @@ def _gradient_sums(grad_fn, params, batch: dict[str, Array], rng: Array, steps: 
     return grads, sums
 
 
-def _optimizer_update(tx: optax.GradientTransformation, grads, state: TrainState):
+def _optimizer_update(tx: optax.GradientTransformation, grads, params, opt_state):
     """The optimizer's step from `grads` -> (new params, new optimizer state), each leaf in
     the dtype it is stored in."""
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    old_state = opt_state
+    updates, opt_state = tx.update(grads, opt_state, params)
     # Optax computes in the gradients' float32 (the division by the float32 token count
     # promotes bfloat16 ones); every state entry keeps its stored dtype, or the cond's
     # two branches (the select's two sides) differ for param_dtype=bfloat16. No-ops for
     # float32.
-    opt_state = jax.tree_util.tree_map(
-        lambda new, old: new.astype(old.dtype), opt_state, state.opt_state
-    )
+    opt_state = jax.tree_util.tree_map(lambda new, old: new.astype(old.dtype), opt_state, old_state)
     params = jax.tree_util.tree_map(
-        lambda new, old: new.astype(old.dtype),
-        optax.apply_updates(state.params, updates),
-        state.params,
+        lambda new, old: new.astype(old.dtype), optax.apply_updates(params, updates), params
     )
     return params, opt_state
 

@@ -1,0 +1,182 @@
+"""Adapting a trained model: LoRA adapters and frozen layers (tx_jax/model/lora.py,
+tx_jax/training/freezing.py), their checkpoints (the trainable part and a digest of the base),
+resume, inference and the merged export.
+
+One base run (the module fixture) is adapted twice: with LoRA, and with the decoder alone
+trainable."""
+
+import shutil
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from flax import traverse_util
+from helpers import tiny_config, train_losses
+
+from tx_jax.inference import restore
+from tx_jax.inference.locate import CheckpointError
+from tx_jax.model import lora as lora_lib
+from tx_jax.model import make_model
+from tx_jax.runner.loop import train_and_evaluate
+from tx_jax.runner.validation import validate_config
+from tx_jax.training.checkpoint import Checkpointer
+
+LORA = {"rank": 4, "alpha": 8.0, "dropout": 0.1, "targets": lora_lib.DEFAULT_TARGETS}
+STEPS = 6
+
+
+def adapted_config(tfds_dir, base, *, lora=None, trainable="", **overrides):
+    """tiny_config with train.init_from=`base` and the adaptation keys configs/finetune.py has."""
+    c = tiny_config(tfds_dir, **{"train.num_steps": STEPS, "checkpoint.every": 3, **overrides})
+    c.train.init_from = str(base)
+    c.train.lora = ml_collections.ConfigDict({**LORA, "rank": 0, **(lora or {})})
+    c.train.trainable = trainable
+    c.train.frozen_dtype = ""
+    return c
+
+
+def flat(params) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v) for k, v in traverse_util.flatten_dict(params, sep="/").items()}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tfds_dir):
+    root = tmp_path_factory.mktemp("adapt")
+    train_and_evaluate(tiny_config(tfds_dir, **{"train.num_steps": 4}), root / "base")
+    train_and_evaluate(adapted_config(tfds_dir, root / "base", lora=LORA), root / "lora")
+    decoder = adapted_config(tfds_dir, root / "base", trainable="^decoder/")
+    train_and_evaluate(decoder, root / "decoder")
+    return root
+
+
+def test_adapters_change_the_outputs_and_nothing_else_trains(runs, capsys):
+    base, adapted = restore.load(runs / "base"), restore.load(runs / "lora")
+    before, after = flat(base.params), flat(adapted.params)
+    adapters = {k for k in after if lora_lib.ADAPTER.search(k)}
+    # every projection of attention and FFN got A and B: (4 + 2) an encoder layer, (8 + 2) a
+    # decoder layer
+    cfg = adapted.model_config
+    assert len(adapters) == 2 * (6 * cfg.num_encoder_layers + 10 * cfg.num_decoder_layers)
+    assert set(after) - adapters == set(before)
+    for key in before:  # the base's parameters, bit for bit
+        np.testing.assert_array_equal(after[key], before[key], err_msg=key)
+    assert all(np.abs(after[k]).max() > 0 for k in adapters if k.endswith("_lora_b"))
+    # the checkpoint holds the adapters and their moments alone, and the base's digest
+    ckpt = Checkpointer(runs / "lora" / "checkpoints", read_only=True)
+    stored = ckpt.state_metadata(STEPS)
+    assert set(traverse_util.flatten_dict(stored["params"], sep="/")) == adapters
+    moments = [
+        "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+        for path, _ in jax.tree_util.tree_leaves_with_path(stored["opt_state"])
+    ]
+    assert moments and all(lora_lib.ADAPTER.search(m) or "count" in m for m in moments)
+    meta = ckpt.restore_meta(STEPS)["base"]
+    assert meta["path"] == str(runs / "base" / "checkpoints" / "4") and meta["step"] == 4
+    assert meta["digest"] == restore.params_digest(base.params)
+    # the adapted model's outputs differ from the base's
+    src = jnp.array([[5, 6, 7, 8, 9, 3]], jnp.int32)
+    logits = [
+        make_model(x.model_config).apply({"params": x.params}, src, src) for x in (base, adapted)
+    ]
+    assert np.abs(np.asarray(logits[0]) - np.asarray(logits[1])).max() > 1e-3
+
+
+def test_trainable_pattern_trains_the_decoder_alone(runs):
+    base, adapted = (
+        flat(restore.load(runs / "base").params),
+        flat(restore.load(runs / "decoder").params),
+    )
+    assert set(adapted) == set(base)
+    for key in base:
+        if key.startswith("decoder/"):
+            assert not np.array_equal(adapted[key], base[key]), key
+        else:  # the encoder and the shared embedding
+            np.testing.assert_array_equal(adapted[key], base[key], err_msg=key)
+    stored = Checkpointer(runs / "decoder" / "checkpoints", read_only=True).state_metadata(STEPS)
+    assert set(stored["params"]) == {"decoder"}
+
+
+def test_resume_is_exact(runs, tfds_dir, tmp_path):
+    """The LoRA run restarted from its step-3 checkpoint (a copy): the same losses and the same
+    adapters at the end, the base read again from train.init_from."""
+    copy = tmp_path / "lora"
+    shutil.copytree(runs / "lora", copy)
+    shutil.rmtree(copy / "checkpoints" / str(STEPS))
+    train_and_evaluate(adapted_config(tfds_dir, runs / "base", lora=LORA), copy)
+    ours, theirs = train_losses(copy), train_losses(runs / "lora")
+    assert [ours[s] for s in range(4, STEPS + 1)] == [theirs[s] for s in range(4, STEPS + 1)]
+    a, b = flat(restore.load(copy).params), flat(restore.load(runs / "lora").params)
+    assert set(a) == set(b)
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def test_a_changed_or_missing_base_is_one_line(runs, tfds_dir, tmp_path):
+    other = tmp_path / "other"
+    train_and_evaluate(tiny_config(tfds_dir, **{"train.num_steps": 4, "seed": 1}), other)
+    step4 = runs / "base" / "checkpoints" / "4"
+    saved = tmp_path / "saved"
+    shutil.move(step4, saved)
+    try:
+        with pytest.raises(CheckpointError, match="the base of .* is missing: ") as missing:
+            restore.load(runs / "lora")
+        shutil.copytree(other / "checkpoints" / "4", step4)
+        with pytest.raises(
+            CheckpointError, match=r"the base of .* changed: .* now holds other parameters \(digest"
+        ) as changed:
+            restore.load(runs / "lora")
+        with pytest.raises(CheckpointError, match=r"changed"):  # a resume refuses it too
+            train_and_evaluate(
+                adapted_config(tfds_dir, runs / "base", lora=LORA, **{"train.num_steps": 8}),
+                runs / "lora",
+            )
+    finally:
+        shutil.rmtree(step4, ignore_errors=True)
+        shutil.move(saved, step4)
+    for e in (missing, changed):
+        assert "\n" not in str(e.value)
+
+
+def test_merged_adapters_compute_what_base_and_adapters_compute(runs):
+    adapted = restore.load(runs / "lora")
+    lora = adapted.model_config.lora
+    merged = lora_lib.merge(adapted.params, lora)
+    assert not lora_lib.adapters(merged)
+    plain = adapted.model_config.replace(lora_rank=0)
+    src = jnp.array([[5, 6, 7, 8, 9, 3], [4, 9, 10, 3, 0, 0]], jnp.int32)
+    want = make_model(adapted.model_config).apply({"params": adapted.params}, src, src)
+    got = make_model(plain).apply({"params": merged}, src, src)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+    # the merged tree is exactly the base's structure
+    base = restore.load(runs / "base").params
+    assert jax.tree_util.tree_structure(nn.meta.unbox(base)) == jax.tree_util.tree_structure(merged)
+
+
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        ({"train.init_from": ""}, r"train.lora.rank freezes parameters, which come from"),
+        ({"eval.average_last": 2}, r"eval.average_last=2 with train.lora.rank"),
+        ({"train.lora.dropout": 1.0}, r"train.lora.dropout=1.0 must be in \[0, 1\)"),
+        ({"train.trainable": "(("}, r"train.trainable='\(\(' is not a pattern"),
+    ],
+)
+def test_bad_adaptation_keys_are_named(tfds_dir, changes, message):
+    c = adapted_config(tfds_dir, "base", lora=LORA)
+    for key, value in changes.items():
+        section, *rest = key.split(".")
+        target = c[section]
+        for name in rest[:-1]:
+            target = target[name]
+        target[rest[-1]] = value
+    with pytest.raises(ValueError, match=message):
+        validate_config(c)
+
+
+def test_targets_that_match_nothing_are_refused(runs, tfds_dir, tmp_path):
+    config = adapted_config(tfds_dir, runs / "base", lora={**LORA, "targets": "nothing_here$"})
+    with pytest.raises(ValueError, match="train.lora.targets matches no projection"):
+        train_and_evaluate(config, tmp_path / "run")
