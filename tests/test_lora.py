@@ -5,6 +5,7 @@ resume, inference and the merged export.
 One base run (the module fixture) is adapted twice: with LoRA, and with the decoder alone
 trainable."""
 
+import json
 import shutil
 
 import flax.linen as nn
@@ -180,3 +181,60 @@ def test_targets_that_match_nothing_are_refused(runs, tfds_dir, tmp_path):
     config = adapted_config(tfds_dir, runs / "base", lora={**LORA, "targets": "nothing_here$"})
     with pytest.raises(ValueError, match="train.lora.targets matches no projection"):
         train_and_evaluate(config, tmp_path / "run")
+
+
+def test_the_merged_export_translates_as_the_adapted_run(runs, tmp_path):
+    """Transformers' greedy translations of the merged export equal tx_jax's of base +
+    adapters; --adapters_only writes the adapters and their base."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from safetensors.numpy import load_file
+
+    from tx_jax.data import datasets
+    from tx_jax.inference.translation import translate_lines
+    from tx_jax.interop import adapters, huggingface
+
+    loaded = restore.load(runs / "lora")
+    tok = loaded.tokenizer
+    sources = [s for s, _ in datasets.load_split(loaded.config.data, "test")]
+    sources = [s for s in sources if len(tok.encode(s)) + 1 <= loaded.config.data.max_eval_len]
+    ours = translate_lines(loaded, sources, beam_size=1)
+    out = huggingface.export(restore.merged(loaded), tmp_path / "hf")
+    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(str(out)).eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    batch = hf_tok(sources, return_tensors="pt", padding=True)
+    # the logits of a padded batch, teacher-forced: base + adapters' to float32 noise
+    src, tgt = sources[:6], sources[6:12]
+    pair = hf_tok(src, text_target=tgt, return_tensors="pt", padding=True)
+    labels = np.where(pair["labels"].numpy() == -100, 0, pair["labels"].numpy())
+    starts = np.pad(labels, ((0, 0), (1, 0)), constant_values=loaded.model_config.bos_id)
+    with torch.no_grad():
+        hf_logits = model(
+            input_ids=pair["input_ids"],
+            attention_mask=pair["attention_mask"],
+            decoder_input_ids=torch.from_numpy(starts[:, :-1]),
+        ).logits.numpy()
+    inputs = (jnp.asarray(pair["input_ids"].numpy()), jnp.asarray(labels))
+    ours_logits, base_logits = (
+        np.asarray(jax.jit(x.model.apply)({"params": x.params}, *inputs))
+        for x in (loaded, restore.load(runs / "base"))
+    )
+    valid = labels != 0
+    assert np.abs(ours_logits - hf_logits)[valid].max() < 1e-4
+    assert np.abs(base_logits - hf_logits)[valid].max() > 1e-2  # the adapters are in it
+    with torch.no_grad():
+        ids = model.generate(**batch, num_beams=1, do_sample=False)
+    theirs = [tok.decode(x[1:].tolist()) for x in ids]
+    # the two cut an unfinished sentence at different lengths (tx_jax at its source's n + 50
+    # tokens, the export at the longest source's): greedy search makes the shorter of the two
+    # a prefix of the longer
+    assert len(set(ours)) > 1 and max(len(tok.encode(h)) for h in ours) > 20
+    for a, b in zip(ours, theirs):
+        short, long = sorted((a, b), key=len)
+        assert long.startswith(short.rstrip()), (a, b)
+    # the adapters alone, with what they were trained on
+    written = adapters.write(loaded, tmp_path / "adapters")
+    tensors = load_file(str(written / "adapters.safetensors"))
+    assert set(tensors) == set(lora_lib.adapters(loaded.params))
+    config = json.loads((written / "adapter_config.json").read_text())
+    assert (config["rank"], config["alpha"]) == (4, 8.0) and config["base"]["step"] == 4

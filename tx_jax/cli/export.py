@@ -10,7 +10,10 @@ alpha) that `transformers` loads with AutoModelForSeq2SeqLM / AutoTokenizer and
 pipeline("translation"); --format=ct2 writes a CTranslate2 model (weights as --quantization)
 with the SentencePiece model beside it. A model the formats cannot represent exactly
 (pre-LN, RoPE, grouped-query attention, SwiGLU, RMSNorm, untied output, ...) is refused with
-the fields named. Needs the export extra: pip install -e '.[export]'.
+the fields named. A run with LoRA adapters (configs/finetune.py) is exported with them merged
+into the weights (W + alpha / r A B); --adapters_only writes the adapters alone instead
+(adapters.safetensors and adapter_config.json, interop/adapters.py). Needs the export extra:
+pip install -e '.[export]'.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from absl import flags
 from tx_jax import paths
 from tx_jax.cli import common
 from tx_jax.inference import restore
+from tx_jax.interop import adapters, huggingface
 from tx_jax.interop import ctranslate2 as ct2_export
-from tx_jax.interop import huggingface
 
 FORMATS = ("hf", "ct2")
 
@@ -35,6 +38,11 @@ def _main(argv: list[str], overrides: dict[str, str]) -> None:
         raise ValueError("give --out (the directory to write)")
     loaded = restore.load(f.workdir, **where, overrides=overrides)
     with paths.staged_dir(f.out) as local:  # --out may be gs://: written here, copied there
+        if f.adapters_only:
+            adapters.write(loaded, local)
+            print(f"export: the adapters of {loaded.path} -> {f.out}", file=sys.stderr)
+            return
+        loaded = restore.merged(loaded)
         if f.format == "hf":  # an imported model (or one tuned from it) goes back as it came
             hf_config = getattr(loaded.tokenizer, "hf_config", None)
             huggingface.export(
@@ -59,6 +67,9 @@ def main() -> None:
     )
     flags.DEFINE_enum(
         "quantization", "float32", ct2_export.QUANTIZATIONS, "ct2: how weights are stored."
+    )
+    flags.DEFINE_bool(
+        "adapters_only", False, "A LoRA run's adapters alone, as safetensors with their config."
     )
     common.run_cli(_main)
 

@@ -49,6 +49,7 @@ from tx_jax.inference.locate import (
     select_step,
 )
 from tx_jax.model import DecoderOnly, EncoderDecoder, ModelConfig, make_model
+from tx_jax.model import lora as lora_lib
 from tx_jax.training.checkpoint import Checkpointer, CorruptCheckpointError, absolute
 from tx_jax.training.freezing import Trainable
 
@@ -147,6 +148,18 @@ def load(
         directory,
         workdir,
         averaged_steps,
+    )
+
+
+def merged(loaded: Loaded) -> Loaded:
+    """`loaded` with its LoRA adapters folded into the weights (model/lora.py's merge) and a
+    model config without them: what export writes. A checkpoint without adapters as it is."""
+    lora = loaded.model_config.lora
+    if not lora.rank:
+        return loaded
+    params = lora_lib.merge(jax.device_get(loaded.params), lora)
+    return dataclasses.replace(
+        loaded, params=params, model_config=loaded.model_config.replace(lora_rank=0)
     )
 
 
