@@ -177,6 +177,11 @@ def test_bad_adaptation_keys_are_named(tfds_dir, changes, message):
         validate_config(c)
 
 
+def test_averaging_an_adapted_run_is_refused(runs):
+    with pytest.raises(CheckpointError, match="trained a part of its model"):
+        restore.load(runs / "lora", average_last=2)
+
+
 def test_targets_that_match_nothing_are_refused(runs, tfds_dir, tmp_path):
     config = adapted_config(tfds_dir, runs / "base", lora={**LORA, "targets": "nothing_here$"})
     with pytest.raises(ValueError, match="train.lora.targets matches no projection"):
@@ -238,3 +243,36 @@ def test_the_merged_export_translates_as_the_adapted_run(runs, tmp_path):
     assert set(tensors) == set(lora_lib.adapters(loaded.params))
     config = json.loads((written / "adapter_config.json").read_text())
     assert (config["rank"], config["alpha"]) == (4, 8.0) and config["base"]["step"] == 4
+
+
+def test_finetune_config_adapts_on_a_text_corpus(runs, tmp_path, capsys):
+    """configs/finetune.py with data=text: a plain-text corpus of one's own, LoRA on."""
+    from tx_jax.config import apply_overrides, load_config
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    pairs = [
+        ("the red house", "das rote Haus"),
+        ("a cat sees the dog", "eine Katze sieht den Hund"),
+    ]
+    (corpus / "train.en").write_text("".join(f"{a}\n" for a, _ in pairs * 20))
+    (corpus / "train.de").write_text("".join(f"{b}\n" for _, b in pairs * 20))
+    (corpus / "dev.tsv").write_text("".join(f"{a}\t{b}\n" for a, b in pairs))
+    config = load_config(f"configs/finetune.py:init_from={runs / 'base'},data=text,variant=debug")
+    apply_overrides(
+        config,
+        {
+            "data.train": str(corpus / "train"),
+            "data.validation": str(corpus / "dev.tsv"),
+            "data.data_dir": str(tmp_path / "tfds"),
+            "train.lora.rank": 2,
+        },
+    )
+    train_and_evaluate(config, tmp_path / "run")
+    out = capsys.readouterr().out
+    assert "text corpus data.train (1 shard(s)): 40 pairs read" in out
+    assert "trainable: " in out and "LoRA rank 2 (alpha 32); the rest frozen" in out
+    assert max(train_losses(tmp_path / "run")) == config.train.num_steps
+    stored = Checkpointer(tmp_path / "run" / "checkpoints", read_only=True)
+    params = stored.state_metadata(config.train.num_steps)["params"]
+    assert all(lora_lib.ADAPTER.search(k) for k in traverse_util.flatten_dict(params, sep="/"))

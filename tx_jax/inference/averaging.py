@@ -37,6 +37,7 @@ from tx_jax.inference import locate
 from tx_jax.model import make_model
 from tx_jax.training import optim
 from tx_jax.training.checkpoint import Checkpointer, absolute
+from tx_jax.training.freezing import Trainable
 from tx_jax.training.state import init_state
 
 
@@ -138,6 +139,12 @@ def average_checkpoints(
     if reuse and _reusable(out_dir, last, chosen):
         return Averaged(out_dir / str(last), last, chosen)
     opened = locate.open_step(ckpt, last)
+    if not Trainable.of(opened.config.train).everything:
+        ckpt.close()
+        raise locate.CheckpointError(
+            f"{workdir} trained a part of its model (train.lora / train.trainable): its "
+            "checkpoints are not averaged; evaluate one step"
+        )
     params = average_params(ckpt, chosen, opened.abstract_params)
     state, data_state, meta = ckpt.restore(last, _abstract_state(opened))
     ckpt.close()
