@@ -15,7 +15,9 @@ SentencePiece, sacreBLEU: what every tx_jax process imports) reads from the envi
 import only JAX_PLATFORMS, TMPDIR (tempfile's directory, read again in the child) and
 telemetry switches; a child whose JAX_*, TF_*, PYTHON* or thread-count variables differ from
 the zygote's is started as a fresh process instead. No JAX backend exists before the fork:
-XLA reads XLA_FLAGS (the forced device count) when the child creates its backend. Libraries
+XLA reads XLA_FLAGS (the forced device count) when the child creates its backend, and no
+native thread either (OpenBLAS's pool is one thread, the zygote's own): a fork copies only the
+forking thread, and a lock another one held would stay locked in the child. Libraries
 that read HOME, TFDS_DATA_DIR or the GCS settings at import (TFDS, gcsfs) are imported by the
 child, after its environment is set.
 
@@ -43,10 +45,14 @@ _SERVER = r"""
 import atexit, faulthandler, io, json, os, runpy, signal, socket, sys, tempfile, threading
 import traceback, types
 
+# no native thread alive when a child is forked (only this one is copied into it): NumPy's
+# OpenBLAS would start a pool of them at import
+os.environ["OPENBLAS_NUM_THREADS"] = "1"
 import flax.linen, jax, jax.numpy, ml_collections, numpy, optax  # noqa: F401 (shared imports)
 import etils.epath, grain, orbax.checkpoint, sacrebleu, sentencepiece, tensorstore  # noqa: F401
 
 assert not jax._src.xla_bridge.backends_are_initialized(), "a backend before the fork"
+assert len(os.listdir("/proc/self/task")) == 1, "a thread started at import: forks are unsafe"
 
 sock = socket.socket(fileno=int(sys.argv[1]))
 ours = ("", *os.environ.get("PYTHONPATH", "").split(os.pathsep))
