@@ -49,6 +49,7 @@ def test_targets_parse_cloud_names():
     h100 = targets.parse("gpu:h100-16")
     assert (h100.topology, h100.num_devices, h100.chip.usable) == ("1x2x8", 16, 0.75)
     assert len(targets.parse("tpu:v4-16").devices()) == 8
+    assert len(targets.parse("tpu:v5e-1").devices()) == 1  # one chip: a host of one
     with pytest.raises(ValueError, match="no v5e slice of 12"):
         targets.parse("tpu:v5e-12")
     with pytest.raises(ValueError, match="TPU 'v9' unknown"):

@@ -75,6 +75,12 @@ class Target:
         hosts = max(1, self.chips_per_slice // GPUS_PER_HOST)
         return f"1x{hosts}x{min(self.chips_per_slice, GPUS_PER_HOST)}"
 
+    def _host_bounds(self) -> tuple[int, int, int]:
+        """Chips per host: 2x2x1, or the whole topology when it is smaller (a one-chip v5e)."""
+        dims = [int(x) for x in self.topology.split(":")[-1].split("x")]
+        dims += [1] * (3 - len(dims))
+        return tuple(min(b, d) for b, d in zip((2, 2, 1), dims, strict=True))
+
     def devices(self) -> list:
         """The devices of this topology (compile-only: they cannot run anything)."""
         from jax.experimental import topologies
@@ -85,7 +91,7 @@ class Target:
                 topology_name=self.topology,
                 platform="tpu",
                 chip_config_name="megacore" if self.generation in ("v4", "v5p") else "default",
-                chips_per_host_bounds=(2, 2, 1),
+                chips_per_host_bounds=self._host_bounds(),
                 num_slices=self.num_slices,
             )
             return list(desc.devices)
