@@ -10,6 +10,7 @@ Sections: model (-> tx_jax.model.ModelConfig), data, train, eval, checkpoint, pa
 import ml_collections
 
 from tx_jax.config import parse_arg
+from tx_jax.model import lora
 from tx_jax.training.parallel import DEFAULT_RULES
 
 # The debug variants' model (here and in the configs built on this one): one layer each side,
@@ -134,6 +135,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Start from another run's parameters and tokenizer (its workdir, checkpoints dir or one
     # step dir) with a fresh optimizer at step 0; read only when this workdir has no checkpoint.
     c.train.init_from = ml_collections.FieldReference(None, field_type=str)
+    # Adapting init_from's model (docs/models.md "Adapting a pretrained translator"): rank > 0
+    # adds LoRA adapters and only they train; trainable, a pattern over parameter paths, trains
+    # those (the rest frozen, stored as frozen_dtype when set)
+    c.train.lora = ml_collections.ConfigDict(
+        dict(rank=0, alpha=32.0, dropout=0.0, targets=lora.DEFAULT_TARGETS)
+    )
+    c.train.trainable = ""
+    c.train.frozen_dtype = ""
 
     # Evaluation during training (and the final test-split score).
     c.eval = ml_collections.ConfigDict()

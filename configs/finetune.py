@@ -33,7 +33,6 @@ the decoder start (EOS), so decoding's forced first token is what it learned; NL
 import ml_collections
 
 from tx_jax.config import parse_arg, sibling_config
-from tx_jax.model.lora import DEFAULT_TARGETS
 
 
 def _stored_config(init_from: str) -> ml_collections.ConfigDict:
@@ -67,13 +66,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     if c.data.max_eval_len is not None:  # pretrained models' pieces are short
         c.data.max_eval_len = max(c.data.max_eval_len, 128)
     c.train.init_from = args.init_from  # parameters from there, optimizer fresh, step 0
-    c.train.lora = ml_collections.ConfigDict()
-    c.train.lora.rank = 0  # > 0: low-rank adapters, and only they train
-    c.train.lora.alpha = 32.0  # the adapters' update is scaled by alpha / rank
-    c.train.lora.dropout = 0.0  # on the adapters' input
-    c.train.lora.targets = DEFAULT_TARGETS  # the projections adapted, by path
-    c.train.trainable = ""  # a pattern over parameter paths: those train, the rest is frozen
-    c.train.frozen_dtype = ""  # e.g. 'bfloat16': the frozen weights' storage
 
     c.train.schedule = "cosine"  # linear warmup, then cosine decay to 0.1 x peak_lr
     c.train.warmup_steps = 100

@@ -210,7 +210,11 @@ def config_of(spec: str):
     from tx_jax.config import load_config
 
     path, _, arg = spec.partition(":")
-    for candidate in (spec, path, "configs/default.py"):
+    # configs/finetune.py reads its model from a workdir; its data section is that of the
+    # config its `data=` argument names
+    data = re.search(r"(?:^|,)data=(\w+)", arg) if path.endswith("finetune.py") else None
+    sibling = [f"configs/{data.group(1)}.py"] if data else []
+    for candidate in (spec, path, *sibling, "configs/default.py"):
         try:
             return load_config(str(ROOT / candidate))
         except Exception:  # noqa: BLE001 -- a placeholder argument or a missing workdir

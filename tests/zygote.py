@@ -101,8 +101,10 @@ def child(request, fds):
         for fd in set(fds):
             os.close(fd)
         sock.close()
-        for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
+        for sig in (signal.SIGTERM, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
+        # as CPython starts: a write to a closed pipe or socket is an OSError, not a kill
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         os.chdir(request["cwd"])
         os.environ.clear()
