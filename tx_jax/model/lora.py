@@ -78,8 +78,8 @@ def adapt(
 ) -> Array:
     """y [..., N] (projection `name` of `module` applied to x [..., K]) plus its adapter's
     update, when `lora` targets it; y itself otherwise. Called inside `module`'s compact call."""
-    if not lora.applies("/".join((*module.path, name))):
-        return y
+    if not lora.rank or not lora.applies("/".join((*module.path, name))):
+        return y  # the path is built only for a model with adapters: tracing pays nothing
     K, N = x.shape[-1], y.shape[-1]
     a = module.param(
         f"{name}_lora_a",

@@ -94,8 +94,8 @@ class MultiHeadAttention(nn.Module):
         def apply(x: Array) -> Array:  # [B, T, M] -> [B, T, heads, D]: 'btm,mhd->bthd'
             dtype = self.dtype or x.dtype
             w = kernel.astype(dtype).reshape(M, heads * head_dim)
-            y = dense(x.astype(dtype), w, self.precision, self.kernels)
-            y = self._adapt(name, x.astype(dtype), y, det)
+            x = x.astype(dtype)
+            y = self._adapt(name, x, dense(x, w, self.precision, self.kernels), det)
             y = y.reshape(*x.shape[:-1], heads, head_dim)
             return y if bias is None else y + bias.astype(dtype)
 
