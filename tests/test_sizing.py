@@ -203,7 +203,7 @@ def test_prepare_prints_the_choices_and_a_run_records_and_keeps_them(tmp_path, c
     tiny.update({"eval.bleu_examples": 4, "data.vocab_size": 300})
     # a time budget (as test_budget.py's): the budget line and config.json carry the cadence
     # chosen for the fitted steps (test_budget.py checks the rule)
-    tiny.update({"train.time_budget_minutes": 0.2, "train.log_every": 1000})
+    tiny.update({"train.time_budget_minutes": 0.4, "train.log_every": 1000})
     apply_overrides(config, {**files, **tiny})
     workdir = tmp_path / "run"
     train_and_evaluate(config, workdir)
