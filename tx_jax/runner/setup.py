@@ -239,9 +239,9 @@ def _init_from(run: Run) -> TrainState:
     params = trainable.merge(run.strategy.place_restored(params), adapters)
     state = state.replace(params=trainable.cast_frozen(params))
     if not trainable.everything:
-        frozen = trainable.split(run.strategy.for_checkpoint(state).params)[1]
-        run.base = restore.base_reference(source, frozen)
-        _announce_trainable(run, run.strategy.for_checkpoint(state).params)
+        one = run.strategy.for_checkpoint(state).params  # one replica under pmap
+        run.base = restore.base_reference(source, trainable.split(one)[1])
+        _announce_trainable(run, one)
     return state
 
 
