@@ -230,6 +230,44 @@ def test_finetuning_an_imported_model_lowers_the_loss(marian, multi30k, tmp_path
     assert len(nll) == 4 and nll[-1] < nll[0]  # steps 2, 4, 6, 8
 
 
+def test_lora_on_an_imported_model_exports_a_merged_marian(marian, multi30k, tmp_path):
+    """LoRA on an imported Marian: the adapters alone train, and the merged export is a Marian
+    directory whose transformers scores are the adapted run's, only its projections changed."""
+    from safetensors.numpy import load_file
+
+    from tx_jax.interop import huggingface
+    from tx_jax.runner.loop import train_and_evaluate
+
+    model, tok, root = marian
+    config = load_config(f"configs/finetune.py:init_from={root / 'w'},debug")
+    config.data.manual_dir, config.data.data_dir = map(str, multi30k)
+    config.train.num_steps = 4
+    config.train.peak_lr = 3e-2  # 4 updates of B from 0 must move the scores
+    config.train.lora.rank = 4
+    train_and_evaluate(config, str(tmp_path / "ft"))
+    adapted = restore.load(tmp_path / "ft")
+    scores = likelihood.score_pairs(adapted, pf.EN, pf.DE, batch_size=3)
+    got = np.array([s.logprob for s in scores])
+    out = huggingface.export(
+        restore.merged(adapted), tmp_path / "hf", hf_config=adapted.tokenizer.hf_config
+    )
+    exported = transformers.AutoModelForSeq2SeqLM.from_pretrained(str(out)).eval()
+    want, count = _hf_logprobs(exported, tok, pf.EN, pf.DE)
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+    assert [s.tokens for s in scores] == count.tolist()
+    before, _ = _hf_logprobs(model, tok, pf.EN, pf.DE)
+    assert np.abs(got - before).max() > 1e-2  # the adapters are in the export
+    source, merged = (
+        load_file(root / "hf" / "model.safetensors"),
+        load_file(out / "model.safetensors"),
+    )
+    assert sorted(merged) == sorted(source)
+    changed = {k for k in source if not np.array_equal(source[k], merged[k])}
+    projections = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "out_proj.weight")
+    assert changed and all(k.endswith((*projections, "fc1.weight", "fc2.weight")) for k in changed)
+    assert all(merged[k].dtype == source[k].dtype for k in source)
+
+
 def test_export_of_the_import_gives_back_the_source(marian, cli):
     from safetensors.numpy import load_file
 
