@@ -9,6 +9,9 @@ trains two runs one after the other, one per parallel strategy:
   checkpoint in the first launch, resumed in the second; the train and validation losses
   are those of 1 process with 8 devices, the same mesh and the same input shards, and the
   checkpoint then restores and evaluates in this (1-device) process.
+- LoRA on mesh's last checkpoint (second launch): the digest of the frozen base, taken from
+  parameters spread over both processes, is the one this process computes, so the adapted
+  run restores here.
 """
 
 import json
@@ -23,6 +26,7 @@ import numpy as np
 import portpicker
 import pytest
 import zygote
+from flax import traverse_util
 from helpers import ROOT, process_env, run_python, tiny_config, train_losses
 
 from tx_jax.runner.evaluator import Evaluator
@@ -45,6 +49,10 @@ OVERRIDES = {  # the mesh run
     "data.input_shards": 2,  # one shard per process
 }
 PMAP = {"parallel.strategy": "pmap", "data.packing": True, "checkpoint.every": 2}
+# LoRA on the mesh run's last checkpoint, in the second launch: the frozen base's digest
+# gathers parameters that span both processes
+LORA = {**OVERRIDES, "train.num_steps": 3, "checkpoint.every": 3, "eval.bleu_examples": 0}
+LORA.update({"train.lora.rank": 4, "train.lora.alpha": 8.0})
 PMAP_STEPS = (2, 4)  # the pmap run's num_steps in the first and in the second launch
 TIMEOUT = 300  # seconds for any one launch; a hung collective fails the test, not CI
 
@@ -162,9 +170,9 @@ def launches(tmp_path_factory, tfds_dir):
     """The two launches of the pair. 1: pmap trains PMAP_STEPS[0] steps, then mesh trains
     (far more steps than we let it run) and both processes are SIGKILLed after mesh's
     checkpoint 4. 2: pmap resumes to PMAP_STEPS[1], mesh resumes to a target beyond
-    anything done; both exit 0."""
+    anything done, then LoRA adapts mesh's last checkpoint; both exit 0."""
     base = tmp_path_factory.mktemp("two_processes")
-    mesh, pmap, logs = base / "mesh", base / "pmap", base / "logs"
+    mesh, pmap, lora, logs = base / "mesh", base / "pmap", base / "lora", base / "logs"
     logs.mkdir()
     procs: list[subprocess.Popen] = []
     try:
@@ -186,6 +194,7 @@ def launches(tmp_path_factory, tfds_dir):
         second = [
             ("pmap", pmap, {**PMAP, "train.num_steps": PMAP_STEPS[1]}),
             ("mesh", mesh, {**OVERRIDES, "train.num_steps": target}),
+            ("lora", lora, {**LORA, "train.init_from": str(mesh)}),
         ]
         procs = _launch(tfds_dir, second, logs, "2_resumed")
         _wait(procs, logs)
@@ -195,6 +204,7 @@ def launches(tmp_path_factory, tfds_dir):
     return types.SimpleNamespace(
         mesh=mesh,
         pmap=pmap,
+        lora=lora,
         logs=logs,
         pmap_before=pmap_before,
         before=before,
@@ -283,3 +293,26 @@ def test_two_processes_with_pmap_save_resume_and_match_one_device(tmp_path, tfds
     )
     got, want = train_losses(workdir), train_losses(tmp_path / "one_device")
     np.testing.assert_allclose([got[s] for s in steps], [want[s] for s in steps], rtol=1e-5)
+
+
+def test_two_processes_adapt_with_lora_and_record_the_base_one_process_reads(launches):
+    from tx_jax.inference import restore
+    from tx_jax.model import lora as lora_lib
+
+    steps = LORA["train.num_steps"]
+    assert [r["step"] for r in _records(launches.lora) if r["split"] == "train"] == [1, 2, 3]
+    meta = Checkpointer(launches.lora / "checkpoints", read_only=True).restore_meta(steps)
+    base = restore.load(launches.mesh)
+    assert meta["base"]["step"] == launches.target == base.step
+    assert meta["base"]["digest"] == restore.params_digest(base.params)
+    adapted = restore.load(launches.lora)  # reads the base again and checks that digest
+    assert adapted.step == steps
+    got, want = (
+        {k: np.asarray(v) for k, v in traverse_util.flatten_dict(x.params, sep="/").items()}
+        for x in (adapted, base)
+    )
+    adapters = {k for k in got if lora_lib.ADAPTER.search(k)}
+    assert adapters and set(got) - adapters == set(want)
+    for key, value in want.items():  # the base, bit for bit
+        np.testing.assert_array_equal(got[key], value, err_msg=key)
+    assert any(np.abs(got[k]).max() > 0 for k in adapters if k.endswith("_lora_b"))
