@@ -85,6 +85,37 @@ def test_adapters_change_the_outputs_and_nothing_else_trains(runs, capsys):
     assert np.abs(np.asarray(logits[0]) - np.asarray(logits[1])).max() > 1e-3
 
 
+def test_a_run_starts_from_its_base_holding_the_model_once(runs):
+    """The state an adapted run starts from is built around the base's buffers (donated and
+    aliased); only the adapters and their moments are made, and the initialisers of the
+    weights the base holds are dead code: XLA's temporaries stay below one model's bytes."""
+    from tx_jax.training import optim, state
+    from tx_jax.training.freezing import Trainable
+
+    adapted = restore.load(runs / "lora")
+    model = make_model(adapted.model_config)
+    tx, _ = optim.make_optimizer(adapted.config.train, adapted.model_config.d_model)
+    base = restore.load(runs / "base").params
+    want = flat(base)
+    init = jax.jit(
+        lambda b: nn.meta.unbox(state.init_state(model, tx, 0, Trainable(adapters=True), b)),
+        donate_argnums=0,
+    )
+    memory = init.lower(base).compile().memory_analysis()
+    got = init(base)
+    size = lambda tree: sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))  # noqa: E731
+    assert memory.alias_size_in_bytes == size(want)  # every base buffer is the state's
+    made = size(got) - size(want)  # the adapters, their moments, the step and the key
+    # new buffers: those, padded for alignment (1 KB here), nothing model-sized
+    assert made <= memory.output_size_in_bytes - memory.alias_size_in_bytes < made + 4096
+    assert memory.temp_size_in_bytes < size(want)
+    params = flat(got.params)
+    for key, value in want.items():
+        np.testing.assert_array_equal(params[key], value, err_msg=key)
+    adapters = {k: v for k, v in params.items() if lora_lib.ADAPTER.search(k)}
+    assert adapters and all(not v.any() for k, v in adapters.items() if k.endswith("_lora_b"))
+
+
 def test_trainable_pattern_trains_the_decoder_alone(runs):
     base, adapted = (
         flat(restore.load(runs / "base").params),

@@ -234,10 +234,9 @@ def _init_from(run: Run) -> TrainState:
     logging.info("parameters from %s (train.init_from)", source.path)
     if jax.process_index() == 0:
         print(f"init_from: parameters of {source.path} (step {source.step})", flush=True)
-    state = run.strategy.init_state(run.init_fn)
-    _, adapters = trainable.from_base(state.params)  # new ones: B = 0, the base's outputs
-    params = trainable.merge(run.strategy.place_restored(params), adapters)
-    state = state.replace(params=trainable.cast_frozen(params))
+    # the base's buffers become the state's; only new adapters (B = 0: the base's outputs)
+    # and the optimizer's moments are made
+    state = run.strategy.init_state(run.init_fn, params)
     if not trainable.everything:
         one = run.strategy.for_checkpoint(state).params  # one replica under pmap
         run.base = restore.base_reference(source, trainable.split(one)[1])

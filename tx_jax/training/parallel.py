@@ -168,8 +168,10 @@ class Strategy(abc.ABC):
         """B_local must divide by this (local devices, or this host's share of the shards)."""
 
     @abc.abstractmethod
-    def init_state(self, init_fn: Callable[[], Any]) -> Any:
-        """Allocate `init_fn()`'s state, already placed as the step takes it."""
+    def init_state(self, init_fn: Callable[..., Any], *args: Any) -> Any:
+        """Allocate `init_fn(*args)`'s state, already placed as the step takes it. `args`
+        (arrays placed as `abstract_state` places them, e.g. a base's parameters) are donated:
+        their buffers become the state's where they can."""
 
     @abc.abstractmethod
     def abstract_state(self, init_fn: Callable[[], Any]) -> Any:
@@ -236,8 +238,9 @@ class PmapStrategy(Strategy):
     def local_batch_multiple(self) -> int:
         return jax.local_device_count()
 
-    def init_state(self, init_fn: Callable[[], Any]) -> Any:
-        return replicate(jax.jit(lambda: nn.meta.unbox(init_fn()))())
+    def init_state(self, init_fn: Callable[..., Any], *args: Any) -> Any:
+        init = jax.jit(lambda *a: nn.meta.unbox(init_fn(*a)), donate_argnums=_all(args))
+        return replicate(init(*args))
 
     def abstract_state(self, init_fn: Callable[[], Any]) -> Any:
         sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # one replica
@@ -306,10 +309,14 @@ class MeshStrategy(Strategy):
     def local_batch_multiple(self) -> int:
         return max(1, self.global_batch_multiple // jax.process_count())
 
-    def init_state(self, init_fn: Callable[[], Any]) -> Any:
+    def init_state(self, init_fn: Callable[..., Any], *args: Any) -> Any:
         shardings = self.step_shardings(init_fn)
         with self.context():
-            return jax.jit(lambda: nn.meta.unbox(init_fn()), out_shardings=shardings)()
+            return jax.jit(
+                lambda *a: nn.meta.unbox(init_fn(*a)),
+                out_shardings=shardings,
+                donate_argnums=_all(args),
+            )(*args)
 
     def state_shardings(self, abstract_boxed_state: Any) -> Any:
         """Shardings for a boxed abstract state; same tree as the unboxed state."""
@@ -470,6 +477,10 @@ def _pmap_sharding() -> NamedSharding:
     a second time (the state at step 2; benchmarks/HISTORY.md, 'Optimisations...', has the cost).
     """
     return NamedSharding(Mesh(np.asarray(jax.local_devices()), (PMAP_AXIS,)), P(PMAP_AXIS))
+
+
+def _all(args: tuple) -> tuple[int, ...]:
+    return tuple(range(len(args)))
 
 
 def replicate(tree: Any) -> Any:
