@@ -7,7 +7,8 @@
     --config=configs/finetune.py:init_from=WORKDIR,data=text \
         --config.data.train='corpus/train-*' --config.data.validation=corpus/dev.tsv
                                                              your own corpus (configs/text.py)
-    --config.train.lora.rank=16                              LoRA: only adapters train
+    --config=configs/finetune.py:init_from=WORKDIR,lora=16   LoRA rank 16 (only the adapters
+                                                             train) at a peak rate of 1e-3
     --config.train.trainable='^decoder/'                     these train, the rest is frozen
 
 The model section and the tokenizer come from `init_from` (its latest checkpoint's config and
@@ -42,7 +43,7 @@ def _stored_config(init_from: str) -> ml_collections.ConfigDict:
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    args = parse_arg(arg, init_from="", pair="en-de", data="multi30k", variant="default")
+    args = parse_arg(arg, init_from="", pair="en-de", data="multi30k", lora=0, variant="default")
     if not args.init_from:
         raise ValueError(
             "configs/finetune.py needs the model to start from: "
@@ -71,6 +72,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train.warmup_steps = 100
     c.train.peak_lr = 5e-5  # small: the model is converged already
     c.train.final_lr_fraction = 0.1
+    if args.lora:  # LoRA's rate: the one benchmarks/adapt_cpu.py's LoRA ran at
+        c.train.lora.rank = args.lora
+        c.train.peak_lr = 1e-3
     c.train.cooldown_steps = 0
     c.train.num_steps = 2_000
     c.train.label_smoothing = 0.1

@@ -302,14 +302,17 @@ def test_finetune_config_adapts_on_a_text_corpus(runs, tmp_path, capsys):
     (corpus / "train.en").write_text("".join(f"{a}\n" for a, _ in pairs * 20))
     (corpus / "train.de").write_text("".join(f"{b}\n" for _, b in pairs * 20))
     (corpus / "dev.tsv").write_text("".join(f"{a}\t{b}\n" for a, b in pairs))
-    config = load_config(f"configs/finetune.py:init_from={runs / 'base'},data=text,variant=debug")
+    spec = f"configs/finetune.py:init_from={runs / 'base'},data=text,lora=2"
+    lora, plain = load_config(spec), load_config(spec.replace(",lora=2", ""))
+    assert (lora.train.lora.rank, lora.train.peak_lr) == (2, 1e-3)  # the rate LoRA ran at
+    assert (plain.train.lora.rank, plain.train.peak_lr) == (0, 5e-5)
+    config = load_config(spec + ",variant=debug")
     apply_overrides(
         config,
         {
             "data.train": str(corpus / "train"),
             "data.validation": str(corpus / "dev.tsv"),
             "data.data_dir": str(tmp_path / "tfds"),
-            "train.lora.rank": 2,
         },
     )
     train_and_evaluate(config, tmp_path / "run")
