@@ -231,11 +231,12 @@ def test_finetuning_an_imported_model_lowers_the_loss(marian, multi30k, tmp_path
 
 
 def test_lora_on_an_imported_model_exports_a_merged_marian(marian, multi30k, tmp_path):
-    """LoRA on an imported Marian: the adapters alone train, and the merged export is a Marian
-    directory whose transformers scores are the adapted run's, only its projections changed."""
+    """LoRA on an imported Marian: the adapters alone train; the merged export is a Marian
+    directory whose transformers scores are the adapted run's, only its projections changed,
+    and the PEFT export on the original model scores the same."""
     from safetensors.numpy import load_file
 
-    from tx_jax.interop import huggingface
+    from tx_jax.interop import adapters, huggingface
     from tx_jax.runner.loop import train_and_evaluate
 
     model, tok, root = marian
@@ -266,6 +267,11 @@ def test_lora_on_an_imported_model_exports_a_merged_marian(marian, multi30k, tmp
     projections = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "out_proj.weight")
     assert changed and all(k.endswith((*projections, "fc1.weight", "fc2.weight")) for k in changed)
     assert all(merged[k].dtype == source[k].dtype for k in source)
+    # the adapters alone for PEFT, on the model it was imported from: the same scores
+    peft = pytest.importorskip("peft")
+    adapters.write_peft(adapted, tmp_path / "peft", adapted.tokenizer.hf_config)
+    tuned = peft.PeftModel.from_pretrained(model, str(tmp_path / "peft")).eval()
+    np.testing.assert_allclose(_hf_logprobs(tuned, tok, pf.EN, pf.DE)[0], got, rtol=1e-4)
 
 
 def test_export_of_the_import_gives_back_the_source(marian, cli):

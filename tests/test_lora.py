@@ -9,13 +9,14 @@ import json
 import shutil
 
 import flax.linen as nn
+import forked
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
 from flax import traverse_util
-from helpers import tiny_config, train_losses
+from helpers import ROOT, tiny_config, train_losses
 
 from tx_jax.inference import restore
 from tx_jax.inference.locate import CheckpointError
@@ -221,7 +222,8 @@ def test_targets_that_match_nothing_are_refused(runs, tfds_dir, tmp_path):
 
 def test_the_merged_export_translates_as_the_adapted_run(runs, tmp_path):
     """Transformers' greedy translations of the merged export equal tx_jax's of base +
-    adapters; --adapters_only writes the adapters and their base."""
+    adapters; --format=peft's adapters on the base's export compute the merged logits;
+    --adapters_only writes the adapters and their base."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from safetensors.numpy import load_file
@@ -258,6 +260,21 @@ def test_the_merged_export_translates_as_the_adapted_run(runs, tmp_path):
     valid = labels != 0
     assert np.abs(ours_logits - hf_logits)[valid].max() < 1e-4
     assert np.abs(base_logits - hf_logits)[valid].max() > 1e-2  # the adapters are in it
+    # `tx_jax.export --format=peft`: the adapters alone, which PEFT puts on the base's export
+    peft = pytest.importorskip("peft")
+    base_dir = huggingface.export(restore.load(runs / "base"), tmp_path / "base_hf")
+    args = [f"--workdir={runs / 'lora'}", "--format=peft", f"--out={tmp_path / 'peft'}"]
+    [(code, _, err)] = forked.run_modules([("tx_jax.export", args)], cwd=ROOT, timeout=600)
+    assert code == 0, err[-3000:]
+    base_model = transformers.AutoModelForSeq2SeqLM.from_pretrained(str(base_dir)).eval()
+    tuned = peft.PeftModel.from_pretrained(base_model, str(tmp_path / "peft")).eval()
+    with torch.no_grad():
+        peft_logits = tuned(
+            input_ids=pair["input_ids"],
+            attention_mask=pair["attention_mask"],
+            decoder_input_ids=torch.from_numpy(starts[:, :-1]),
+        ).logits.numpy()
+    assert np.abs(peft_logits - hf_logits)[valid].max() < 1e-4
     with torch.no_grad():
         ids = model.generate(**batch, num_beams=1, do_sample=False)
     theirs = [tok.decode(x[1:].tolist()) for x in ids]

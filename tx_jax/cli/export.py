@@ -3,6 +3,7 @@
     python -m tx_jax.export --workdir=runs/default --format=hf --out=exported/hf
     python -m tx_jax.export --workdir=runs/default --format=ct2 --out=exported/ct2 \
         [--quantization=int8] [--average_last=5] [--step=N]
+    python -m tx_jax.export --workdir=runs/opus-lora --format=peft --out=exported/opus-lora
 
 --format=hf writes a MarianMT directory (model.safetensors, config.json, the SentencePiece
 tokenizer as MarianTokenizer files, generation_config.json with the run's beam size and
@@ -12,8 +13,10 @@ with the SentencePiece model beside it. A model the formats cannot represent exa
 (pre-LN, RoPE, grouped-query attention, SwiGLU, RMSNorm, untied output, ...) is refused with
 the fields named. A run with LoRA adapters (configs/finetune.py) is exported with them merged
 into the weights (W + alpha / r A B); --adapters_only writes the adapters alone instead
-(adapters.safetensors and adapter_config.json, interop/adapters.py). Needs the export extra:
-pip install -e '.[export]'.
+(adapters.safetensors and adapter_config.json, interop/adapters.py), and --format=peft writes
+them as a PEFT LoRA directory for the base as --format=hf exports it (an imported model: the
+Transformers model it came from): peft.PeftModel.from_pretrained(base, OUT). Needs the export
+extra: pip install -e '.[export]'.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from tx_jax.inference import restore
 from tx_jax.interop import adapters, huggingface
 from tx_jax.interop import ctranslate2 as ct2_export
 
-FORMATS = ("hf", "ct2")
+FORMATS = ("hf", "ct2", "peft")
 
 
 def _main(argv: list[str], overrides: dict[str, str]) -> None:
@@ -38,13 +41,16 @@ def _main(argv: list[str], overrides: dict[str, str]) -> None:
         raise ValueError("give --out (the directory to write)")
     loaded = restore.load(f.workdir, **where, overrides=overrides)
     with paths.staged_dir(f.out) as local:  # --out may be gs://: written here, copied there
-        if f.adapters_only:
-            adapters.write(loaded, local)
+        hf_config = getattr(loaded.tokenizer, "hf_config", None)
+        if f.adapters_only or f.format == "peft":
+            if f.adapters_only:
+                adapters.write(loaded, local)
+            else:
+                adapters.write_peft(loaded, local, hf_config)
             print(f"export: the adapters of {loaded.path} -> {f.out}", file=sys.stderr)
             return
         loaded = restore.merged(loaded)
         if f.format == "hf":  # an imported model (or one tuned from it) goes back as it came
-            hf_config = getattr(loaded.tokenizer, "hf_config", None)
             huggingface.export(
                 loaded, local, beam_size=f.beam_size, alpha=f.alpha, hf_config=hf_config
             )
@@ -55,7 +61,12 @@ def _main(argv: list[str], overrides: dict[str, str]) -> None:
 
 def main() -> None:
     common.define_checkpoint_flags()
-    flags.DEFINE_enum("format", "hf", FORMATS, "hf: Transformers MarianMT; ct2: CTranslate2.")
+    flags.DEFINE_enum(
+        "format",
+        "hf",
+        FORMATS,
+        "hf: Transformers MarianMT; ct2: CTranslate2; peft: a LoRA run's adapters for PEFT.",
+    )
     flags.DEFINE_string(
         "out", None, "Output directory, local or gs:// (created; its files are replaced)."
     )

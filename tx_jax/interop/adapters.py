@@ -1,21 +1,34 @@
-"""An adapted run's LoRA adapters alone: `python -m tx_jax.export --adapters_only`.
+"""An adapted run's LoRA adapters alone, in two forms.
 
-OUT/adapters.safetensors holds A [K, r] and B [r, N] of every adapted projection, named by
-its tx_jax path ('decoder/layer_0/self_attention/query_lora_a'; the attention's N is heads x
-head_dim, its out projection's K the same); OUT/adapter_config.json their rank, alpha, dropout
-and targets, the step, and the base they were trained on (path, step and digest of its
-parameters, as the run's checkpoints record it). A weight W [K, N] of the base becomes
-W + (alpha / rank) A B (model/lora.py's merge).
+`python -m tx_jax.export --adapters_only` (`write`): OUT/adapters.safetensors holds A [K, r]
+and B [r, N] of every adapted projection, named by its tx_jax path
+('decoder/layer_0/self_attention/query_lora_a'; the attention's N is heads x head_dim, its out
+projection's K the same); OUT/adapter_config.json their rank, alpha, dropout and targets, the
+step, and the base they were trained on (path, step and digest of its parameters, as the run's
+checkpoints record it). A weight W [K, N] of the base becomes W + (alpha / rank) A B
+(model/lora.py's merge).
+
+`python -m tx_jax.export --format=peft` (`write_peft`): a PEFT LoRA directory
+(adapter_model.safetensors, adapter_config.json) for the base as `--format=hf` exports it (an
+imported model: the model it was imported from), so that
+`peft.PeftModel.from_pretrained(base, OUT)` computes what the adapted run does. Which rows and
+columns of a Transformers weight each tx_jax index becomes is read from the exporter itself:
+the base's export is run on probes whose adapted kernels hold their row index, their column
+index and their own number (everything else zero); a projection the exporter does not map
+index for index onto one Transformers Linear weight is refused, naming it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Any
 
+import flax.linen as nn
 import jax
 import numpy as np
 from etils import epath
+from flax import traverse_util
 
 from tx_jax.inference import restore
 from tx_jax.model import lora as lora_lib
@@ -51,3 +64,104 @@ def write(loaded: restore.Loaded, out: str | epath.Path) -> epath.Path:
     }
     (out / "adapter_config.json").write_text(json.dumps(config, indent=1) + "\n")
     return out
+
+
+def write_peft(
+    loaded: restore.Loaded, out: str | epath.Path, hf_config: dict[str, Any] | None = None
+) -> epath.Path:
+    """The adapters of `loaded` as a PEFT LoRA directory `out` (created) for the base as
+    huggingface.export writes it (`hf_config`: an imported model's config.json); returns `out`."""
+    from safetensors.numpy import save_file
+
+    lora = loaded.model_config.lora
+    if not lora.rank:
+        raise ValueError(
+            f"{loaded.path} has no adapters (train.lora.rank=0): export the whole model instead"
+        )
+    flat = {
+        k: np.asarray(v, np.float32)
+        for k, v in traverse_util.flatten_dict(
+            jax.device_get(nn.meta.unbox(loaded.params)), sep="/"
+        ).items()
+    }
+    stems = sorted(k[: -len("_lora_a")] for k in flat if k.endswith("_lora_a"))
+    tensors, modules = {}, []
+    for name, (j, rows, cols, c) in _hf_places(loaded, flat, stems, hf_config).items():
+        a, b = flat[f"{stems[j]}_lora_a"], flat[f"{stems[j]}_lora_b"]
+        module = name[: -len(".weight")]
+        tensors[f"base_model.model.{module}.lora_A.weight"] = a[cols].T.copy()  # [r, in]
+        tensors[f"base_model.model.{module}.lora_B.weight"] = (c * b[:, rows]).T.copy()
+        modules.append(module)
+    out = epath.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA",
+        "task_type": "SEQ_2_SEQ_LM",
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": sorted(modules),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "base_model_name_or_path": (hf_config or {}).get("_name_or_path"),
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=1) + "\n")
+    return out
+
+
+def _hf_places(
+    loaded: restore.Loaded, flat: dict[str, np.ndarray], stems: list[str], hf_config: Any
+) -> dict[str, tuple[int, np.ndarray, np.ndarray, float]]:
+    """Transformers weight name -> (the adapted kernel it holds, by index into `stems`; the
+    tx_jax column N of each of its rows; the tx_jax row K of each of its columns; the factor
+    the exporter scales the kernel by), read from three exports of probe parameters."""
+    from tx_jax.interop import huggingface, pretrained, weights
+
+    cfg = loaded.model_config.replace(lora_rank=0)
+
+    def export(fill) -> dict[str, np.ndarray]:
+        probe = {k: np.zeros_like(v) for k, v in flat.items() if not lora_lib.ADAPTER.search(k)}
+        for j, stem in enumerate(stems):
+            kernel = probe[f"{stem}_kernel"]
+            K, N = flat[f"{stem}_lora_a"].shape[0], flat[f"{stem}_lora_b"].shape[1]
+            probe[f"{stem}_kernel"] = fill(j, K, N).reshape(kernel.shape)
+        params = traverse_util.unflatten_dict(probe, sep="/")
+        if hf_config is not None:
+            return pretrained.export_state_dict(params, cfg, hf_config)[0]
+        extracted = weights.extract(params, cfg, loaded.task)
+        return huggingface.state_dict(extracted, cfg)
+
+    rows_k = export(
+        lambda j, K, N: np.broadcast_to(np.arange(1, K + 1, dtype=np.float32)[:, None], (K, N))
+    )
+    cols_n = export(lambda j, K, N: np.broadcast_to(np.arange(1, N + 1, dtype=np.float32), (K, N)))
+    ids = export(lambda j, K, N: np.full((K, N), j + 1, np.float32))
+    places: dict[str, tuple[int, np.ndarray, np.ndarray, float]] = {}
+    for name, k in rows_k.items():
+        if not k.any():
+            continue
+        c = float(np.abs(k[k != 0]).min())  # row 0 probed as 1
+        probes = (ids[name], k, cols_n[name])
+        index = [np.rint(x / c).astype(np.int64) for x in probes]
+        if (
+            k.ndim != 2
+            or not name.endswith(".weight")
+            or any(not np.allclose(x / c, i, atol=1e-3) for x, i in zip(probes, index))
+            or (index[0] != index[0].flat[0]).any()
+            or (index[1] != index[1][:1]).any()  # a column: one tx_jax row K
+            or (index[2] != index[2][:, :1]).any()  # a row: one tx_jax column N
+        ):
+            raise ValueError(f"PEFT export: {name} is not one adapted kernel index for index")
+        places[name] = (int(index[0].flat[0]) - 1, index[2][:, 0] - 1, index[1][0] - 1, c)
+    held = sorted(j for j, *_ in places.values())
+    if held != list(range(len(stems))):
+        missing = sorted(set(range(len(stems))) - set(held))
+        raise ValueError(
+            "PEFT export: the Transformers model has no single Linear weight for "
+            + ", ".join(stems[j] for j in missing)
+            if missing
+            else "PEFT export: an adapted kernel became several Transformers weights"
+        )
+    return places
