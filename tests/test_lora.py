@@ -275,6 +275,8 @@ def test_the_merged_export_translates_as_the_adapted_run(runs, tmp_path):
             decoder_input_ids=torch.from_numpy(starts[:, :-1]),
         ).logits.numpy()
     assert np.abs(peft_logits - hf_logits)[valid].max() < 1e-4
+    with pytest.raises(ValueError, match="has no adapters"):
+        adapters.write_peft(restore.load(runs / "base"), tmp_path / "none")
     with torch.no_grad():
         ids = model.generate(**batch, num_beams=1, do_sample=False)
     theirs = [tok.decode(x[1:].tolist()) for x in ids]
