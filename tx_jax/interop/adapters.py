@@ -78,16 +78,16 @@ def write_peft(
         raise ValueError(
             f"{loaded.path} has no adapters (train.lora.rank=0): export the whole model instead"
         )
-    flat = {
-        k: np.asarray(v, np.float32)
-        for k, v in traverse_util.flatten_dict(
-            jax.device_get(nn.meta.unbox(loaded.params)), sep="/"
-        ).items()
+    params = nn.meta.unbox(loaded.params)
+    flat = traverse_util.flatten_dict(params, sep="/")
+    adapted = {
+        k: np.asarray(jax.device_get(v), np.float32) for k, v in lora_lib.adapters(params).items()
     }
-    stems = sorted(k[: -len("_lora_a")] for k in flat if k.endswith("_lora_a"))
+    shapes = {k: v.shape for k, v in flat.items() if not lora_lib.ADAPTER.search(k)}
+    stems = sorted(k[: -len("_lora_a")] for k in adapted if k.endswith("_lora_a"))
     tensors, modules = {}, []
-    for name, (j, rows, cols, c) in _hf_places(loaded, flat, stems, hf_config).items():
-        a, b = flat[f"{stems[j]}_lora_a"], flat[f"{stems[j]}_lora_b"]
+    for name, (j, rows, cols, c) in _hf_places(loaded, shapes, adapted, stems, hf_config).items():
+        a, b = adapted[f"{stems[j]}_lora_a"], adapted[f"{stems[j]}_lora_b"]
         module = name[: -len(".weight")]
         tensors[f"base_model.model.{module}.lora_A.weight"] = a[cols].T.copy()  # [r, in]
         tensors[f"base_model.model.{module}.lora_B.weight"] = (c * b[:, rows]).T.copy()
@@ -112,49 +112,63 @@ def write_peft(
 
 
 def _hf_places(
-    loaded: restore.Loaded, flat: dict[str, np.ndarray], stems: list[str], hf_config: Any
+    loaded: restore.Loaded,
+    shapes: dict[str, tuple[int, ...]],
+    adapted: dict[str, np.ndarray],
+    stems: list[str],
+    hf_config: Any,
 ) -> dict[str, tuple[int, np.ndarray, np.ndarray, float]]:
     """Transformers weight name -> (the adapted kernel it holds, by index into `stems`; the
     tx_jax column N of each of its rows; the tx_jax row K of each of its columns; the factor
-    the exporter scales the kernel by), read from three exports of probe parameters."""
+    the exporter scales the kernel by), read from three exports of probe parameters (zeros but
+    the adapted kernels), one at a time: one export's memory at the most."""
     from tx_jax.interop import huggingface, pretrained, weights
 
     cfg = loaded.model_config.replace(lora_rank=0)
+    sizes = {s: (adapted[f"{s}_lora_a"].shape[0], adapted[f"{s}_lora_b"].shape[1]) for s in stems}
 
     def export(fill) -> dict[str, np.ndarray]:
-        probe = {k: np.zeros_like(v) for k, v in flat.items() if not lora_lib.ADAPTER.search(k)}
+        probe = {k: np.zeros(shape, np.float32) for k, shape in shapes.items()}
         for j, stem in enumerate(stems):
-            kernel = probe[f"{stem}_kernel"]
-            K, N = flat[f"{stem}_lora_a"].shape[0], flat[f"{stem}_lora_b"].shape[1]
-            probe[f"{stem}_kernel"] = fill(j, K, N).reshape(kernel.shape)
+            K, N = sizes[stem]
+            probe[f"{stem}_kernel"] = fill(j, K, N).reshape(shapes[f"{stem}_kernel"])
         params = traverse_util.unflatten_dict(probe, sep="/")
         if hf_config is not None:
             return pretrained.export_state_dict(params, cfg, hf_config)[0]
-        extracted = weights.extract(params, cfg, loaded.task)
-        return huggingface.state_dict(extracted, cfg)
+        return huggingface.state_dict(weights.extract(params, cfg, loaded.task), cfg)
 
-    rows_k = export(
-        lambda j, K, N: np.broadcast_to(np.arange(1, K + 1, dtype=np.float32)[:, None], (K, N))
-    )
-    cols_n = export(lambda j, K, N: np.broadcast_to(np.arange(1, N + 1, dtype=np.float32), (K, N)))
-    ids = export(lambda j, K, N: np.full((K, N), j + 1, np.float32))
-    places: dict[str, tuple[int, np.ndarray, np.ndarray, float]] = {}
-    for name, k in rows_k.items():
-        if not k.any():
-            continue
-        c = float(np.abs(k[k != 0]).min())  # row 0 probed as 1
-        probes = (ids[name], k, cols_n[name])
-        index = [np.rint(x / c).astype(np.int64) for x in probes]
-        if (
-            k.ndim != 2
-            or not name.endswith(".weight")
-            or any(not np.allclose(x / c, i, atol=1e-3) for x, i in zip(probes, index))
-            or (index[0] != index[0].flat[0]).any()
-            or (index[1] != index[1][:1]).any()  # a column: one tx_jax row K
-            or (index[2] != index[2][:, :1]).any()  # a row: one tx_jax column N
-        ):
+    def indices(name: str, x: np.ndarray, c: float) -> np.ndarray:
+        index = np.rint(x / c)
+        if x.ndim != 2 or not name.endswith(".weight") or not np.allclose(x / c, index, atol=1e-3):
             raise ValueError(f"PEFT export: {name} is not one adapted kernel index for index")
-        places[name] = (int(index[0].flat[0]) - 1, index[2][:, 0] - 1, index[1][0] - 1, c)
+        return index.astype(np.int64) - 1
+
+    def constant(name: str, index: np.ndarray, axis: int) -> np.ndarray:
+        first = index.take([0], axis=axis)
+        if (index != first).any():
+            raise ValueError(f"PEFT export: {name} is not one adapted kernel index for index")
+        return first.reshape(-1)
+
+    def rows_k(j: int, K: int, N: int) -> np.ndarray:
+        return np.broadcast_to(np.arange(1, K + 1, dtype=np.float32)[:, None], (K, N))
+
+    def cols_n(j: int, K: int, N: int) -> np.ndarray:
+        return np.broadcast_to(np.arange(1, N + 1, dtype=np.float32), (K, N))
+
+    found: dict[str, list] = {}
+    for name, x in export(rows_k).items():  # a column holds one tx_jax row K
+        if x.any():
+            c = float(np.abs(x[x != 0]).min())  # row 0 probed as 1
+            found[name] = [c, constant(name, indices(name, x, c), 0)]
+    for name, x in export(cols_n).items():  # a row holds one tx_jax column N
+        if name in found:
+            found[name].append(constant(name, indices(name, x, found[name][0]), 1))
+    for name, x in export(lambda j, K, N: np.full((K, N), j + 1, np.float32)).items():
+        if name in found:
+            found[name].append(
+                int(constant(name, indices(name, x, found[name][0]).reshape(1, -1), 1)[0])
+            )
+    places = {name: (j, rows, cols, c) for name, (c, cols, rows, j) in found.items()}
     held = sorted(j for j, *_ in places.values())
     if held != list(range(len(stems))):
         missing = sorted(set(range(len(stems))) - set(held))
