@@ -246,12 +246,16 @@ def test_the_merged_export_translates_as_the_adapted_run(runs, tmp_path):
     pair = hf_tok(src, text_target=tgt, return_tensors="pt", padding=True)
     labels = np.where(pair["labels"].numpy() == -100, 0, pair["labels"].numpy())
     starts = np.pad(labels, ((0, 0), (1, 0)), constant_values=loaded.model_config.bos_id)
-    with torch.no_grad():
-        hf_logits = model(
-            input_ids=pair["input_ids"],
-            attention_mask=pair["attention_mask"],
-            decoder_input_ids=torch.from_numpy(starts[:, :-1]),
-        ).logits.numpy()
+
+    def teacher_forced(m) -> np.ndarray:
+        with torch.no_grad():
+            return m(
+                input_ids=pair["input_ids"],
+                attention_mask=pair["attention_mask"],
+                decoder_input_ids=torch.from_numpy(starts[:, :-1]),
+            ).logits.numpy()
+
+    hf_logits = teacher_forced(model)
     inputs = (jnp.asarray(pair["input_ids"].numpy()), jnp.asarray(labels))
     ours_logits, base_logits = (
         np.asarray(jax.jit(x.model.apply)({"params": x.params}, *inputs))
@@ -268,13 +272,7 @@ def test_the_merged_export_translates_as_the_adapted_run(runs, tmp_path):
     assert code == 0, err[-3000:]
     base_model = transformers.AutoModelForSeq2SeqLM.from_pretrained(str(base_dir)).eval()
     tuned = peft.PeftModel.from_pretrained(base_model, str(tmp_path / "peft")).eval()
-    with torch.no_grad():
-        peft_logits = tuned(
-            input_ids=pair["input_ids"],
-            attention_mask=pair["attention_mask"],
-            decoder_input_ids=torch.from_numpy(starts[:, :-1]),
-        ).logits.numpy()
-    assert np.abs(peft_logits - hf_logits)[valid].max() < 1e-4
+    assert np.abs(teacher_forced(tuned) - hf_logits)[valid].max() < 1e-4
     with pytest.raises(ValueError, match="has no adapters"):
         adapters.write_peft(restore.load(runs / "base"), tmp_path / "none")
     with torch.no_grad():
