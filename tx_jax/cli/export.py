@@ -42,21 +42,20 @@ def _main(argv: list[str], overrides: dict[str, str]) -> None:
     loaded = restore.load(f.workdir, **where, overrides=overrides)
     with paths.staged_dir(f.out) as local:  # --out may be gs://: written here, copied there
         hf_config = getattr(loaded.tokenizer, "hf_config", None)
-        if f.adapters_only or f.format == "peft":
-            if f.adapters_only:
-                adapters.write(loaded, local)
-            else:
-                adapters.write_peft(loaded, local, hf_config)
-            print(f"export: the adapters of {loaded.path} -> {f.out}", file=sys.stderr)
-            return
-        loaded = restore.merged(loaded)
-        if f.format == "hf":  # an imported model (or one tuned from it) goes back as it came
+        what = f"{loaded.path} (step {loaded.step}) -> {f.out} ({f.format})"
+        if f.adapters_only:
+            adapters.write(loaded, local)
+            what = f"the adapters of {loaded.path} -> {f.out}"
+        elif f.format == "peft":
+            adapters.write_peft(loaded, local, hf_config)
+        elif f.format == "hf":  # an imported model (or one tuned from it) goes back as it came
+            merged = restore.merged(loaded)
             huggingface.export(
-                loaded, local, beam_size=f.beam_size, alpha=f.alpha, hf_config=hf_config
+                merged, local, beam_size=f.beam_size, alpha=f.alpha, hf_config=hf_config
             )
         else:
-            ct2_export.export(loaded, local, quantization=f.quantization)
-    print(f"export: {loaded.path} (step {loaded.step}) -> {f.out} ({f.format})", file=sys.stderr)
+            ct2_export.export(restore.merged(loaded), local, quantization=f.quantization)
+    print(f"export: {what}", file=sys.stderr)
 
 
 def main() -> None:

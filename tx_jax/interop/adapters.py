@@ -137,17 +137,18 @@ def _hf_places(
             return pretrained.export_state_dict(params, cfg, hf_config)[0]
         return huggingface.state_dict(weights.extract(params, cfg, loaded.task), cfg)
 
-    def indices(name: str, x: np.ndarray, c: float) -> np.ndarray:
+    def indices(name: str, x: np.ndarray, c: float, axis: int) -> np.ndarray:
+        """The probe's numbers (from 0) along `axis` of `x`, the same along the other axis."""
         index = np.rint(x / c)
-        if x.ndim != 2 or not name.endswith(".weight") or not np.allclose(x / c, index, atol=1e-3):
+        first = index.take([0], axis=1 - axis)
+        if (
+            x.ndim != 2
+            or not name.endswith(".weight")
+            or not np.allclose(x / c, index, atol=1e-3)
+            or (index != first).any()
+        ):
             raise ValueError(f"PEFT export: {name} is not one adapted kernel index for index")
-        return index.astype(np.int64) - 1
-
-    def constant(name: str, index: np.ndarray, axis: int) -> np.ndarray:
-        first = index.take([0], axis=axis)
-        if (index != first).any():
-            raise ValueError(f"PEFT export: {name} is not one adapted kernel index for index")
-        return first.reshape(-1)
+        return first.reshape(-1).astype(np.int64) - 1
 
     def rows_k(j: int, K: int, N: int) -> np.ndarray:
         return np.broadcast_to(np.arange(1, K + 1, dtype=np.float32)[:, None], (K, N))
@@ -159,15 +160,13 @@ def _hf_places(
     for name, x in export(rows_k).items():  # a column holds one tx_jax row K
         if x.any():
             c = float(np.abs(x[x != 0]).min())  # row 0 probed as 1
-            found[name] = [c, constant(name, indices(name, x, c), 0)]
+            found[name] = [c, indices(name, x, c, axis=1)]
     for name, x in export(cols_n).items():  # a row holds one tx_jax column N
         if name in found:
-            found[name].append(constant(name, indices(name, x, found[name][0]), 1))
+            found[name].append(indices(name, x, found[name][0], axis=0))
     for name, x in export(lambda j, K, N: np.full((K, N), j + 1, np.float32)).items():
-        if name in found:
-            found[name].append(
-                int(constant(name, indices(name, x, found[name][0]).reshape(1, -1), 1)[0])
-            )
+        if name in found:  # one kernel's number throughout
+            found[name].append(int(indices(name, x.reshape(1, -1), found[name][0], axis=0)[0]))
     places = {name: (j, rows, cols, c) for name, (c, cols, rows, j) in found.items()}
     held = sorted(j for j, *_ in places.values())
     if held != list(range(len(stems))):
