@@ -236,7 +236,7 @@ def test_a_removed_value_in_an_old_config_loads_as_the_value_that_ran(key, old, 
     assert cfg == ModelConfig(**{**saved, key: new})
     with pytest.raises(ValueError, match=f"model.{key}={old!r}"):
         ModelConfig(**{key: old})
-    with pytest.warns(UserWarning, match="model.ffn_impl is no longer a field"):
+    with pytest.warns(UserWarning, match="model.ffn_impl is no longer a key"):
         assert ModelConfig.from_config({"ffn_impl": "pallas"}) == ModelConfig()
 
 
