@@ -37,7 +37,6 @@ POSITIONALS = ("sinusoidal", "learned", "rope", "none")
 # exp(-i ln(10000) / (M/2 - 1)) (tensor2tensor's).
 SINUSOID_STYLES = ("paper", "marian", "fairseq")
 NORM_POSITIONS = ("post", "pre")
-POOLINGS = ("mean", "first")
 REMATS = ("none", "full", "dots")
 DTYPES = ("float32", "bfloat16", "float16")
 # dense: float32 logits [B, L, V], then the loss; blocked: the output layer and loss over blocks
@@ -55,7 +54,6 @@ _ENUMS = {
     "sinusoid_style": SINUSOID_STYLES,
     "attention_impl": ("auto", *IMPLEMENTATIONS),
     "kernels": ("auto", *KERNELS),
-    "pooling": POOLINGS,
     "remat": REMATS,
     "dropout_bits": ("auto", *DROPOUT_BITS),
     "loss_impl": ("auto", *LOSS_IMPLS),
@@ -109,8 +107,6 @@ class ModelConfig:
         "none"  # none | full: recompute each layer in the backward pass | dots: keep matmul outputs
     )
     bos_id: int = 2  # first decoder input; 0 (padding's id, Marian's start) is allowed
-    num_classes: int = 0  # EncoderOnly: > 0 adds a classification head
-    pooling: str = "mean"  # EncoderOnly: mean (over real tokens) | first
     decode: bool = False  # incremental decoding with a KV cache
     decode_beams: int = 0  # > 0: decoding over a beam-shared cache of N hypotheses an example
     sow_attention_weights: bool = False  # store attention maps in 'intermediates'
