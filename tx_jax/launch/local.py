@@ -7,7 +7,7 @@
 Point i runs as its own process (launch/sweeps.py's command), N at a time (--parallel); its
 stdout/stderr go to WORKDIR/sweep.log and the exact command to WORKDIR/sweep_command.sh (with
 N > 1, the first point to run goes alone, preparing the shared TFDS data, then the rest N at a
-time). After a successful run the runner writes WORKDIR/sweep_done.json (overrides, wall time,
+time). After a successful run the sweep writes WORKDIR/sweep_done.json (overrides, wall time,
 command, test BLEU of --test_split_eval); a rerun skips the points that have it, and resumes
 the others from their checkpoints. At the end, ROOT/results.csv, results.md and curves.png
 (launch/results.py). With --test_split_eval, `python -m tx_jax.evaluate --split=test
@@ -121,7 +121,7 @@ def run_logged(argv: list[str], point: Point, parallel: int) -> int:
 
 
 def _evaluate_test(point: Point, beam_size: int, parallel: int) -> dict | None:
-    """tx_jax.evaluate on the test split in a subprocess (the runner never holds a device)."""
+    """tx_jax.evaluate on the test split in a subprocess (the sweep never holds a device)."""
     argv = [
         sys.executable,
         "-m",
