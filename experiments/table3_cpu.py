@@ -18,7 +18,7 @@ import pathlib
 import sys
 
 from tx_jax.config import sibling_module
-from tx_jax.runner import sweep as sweep_lib
+from tx_jax.launch import local, sweeps
 
 table3 = sibling_module(__file__, "table3")
 
@@ -77,7 +77,7 @@ PAPER = {
 def table(root: str) -> str:
     """The table of docs/experiments.md "The paper's Table 3 at CPU scale" from a finished (or
     partly finished) sweep under `root`."""
-    points = sweep_lib.expand(sweep_lib.load_sweep(__file__), root)
+    points = sweeps.expand(sweeps.load_sweep(__file__), root)
     lines = [
         "| point (here) | paper's row | paper PPL | paper BLEU | here: val PPL | here: val BLEU |",
         "|---|---|---|---|---|---|",
@@ -85,7 +85,7 @@ def table(root: str) -> str:
     for p in points:
         row, ppl, bleu = PAPER[p.name]
         metrics = p.workdir / "metrics.jsonl"
-        done = (p.workdir / sweep_lib.DONE_FILE).exists() and metrics.exists()
+        done = (p.workdir / local.DONE_FILE).exists() and metrics.exists()
         here = "not run | not run"
         if done:
             records = [json.loads(x) for x in pathlib.Path(metrics).read_text().splitlines()]

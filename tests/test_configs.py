@@ -10,7 +10,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from tx_jax.config import STUDY_KEYS, apply_overrides, parse_arg, study_value
+from tx_jax.config import (
+    STUDY_KEYS,
+    apply_overrides,
+    parse_arg,
+    study_value,
+    upgrade_section,
+    upgrade_stored,
+)
 from tx_jax.inference import restore
 from tx_jax.model import TASKS
 from tx_jax.model.config import ModelConfig
@@ -212,6 +219,34 @@ def test_a_moved_or_renamed_key_is_refused_naming_where_it_is():
         2.0,
         "en-de=30",
     )
+
+
+def test_a_stored_config_reads_through_the_one_table_of_renames():
+    """A stored config's renamed keys, removed keys and replaced values all come from
+    tx_jax/config.py's tables, each said in a warning; the model section reads the same way
+    whether it came from a stored config (upgrade_stored) or a config file (from_config)."""
+    stored = {
+        "data": {"max_len": 32},
+        "model": {"attention_impl": "cudnn_jax", "ffn_impl": "pallas", "d_model": 64},
+        "eval": {"beam_size": 4},
+    }
+    with pytest.warns(UserWarning) as caught:
+        out = upgrade_stored(stored)
+    assert out == {
+        "data": {"max_train_len": 32},
+        "model": {"attention_impl": "cudnn", "d_model": 64},
+        "eval": {"beam_size": 4},
+    }
+    assert stored["model"]["attention_impl"] == "cudnn_jax"  # the stored dict is not changed
+    said = " | ".join(str(w.message) for w in caught)
+    assert "data.max_len -> data.max_train_len" in said
+    assert "model.ffn_impl is no longer a key; loading the 'xla' way" in said
+    assert "model.attention_impl='cudnn_jax' is no longer a choice" in said
+    with pytest.warns(UserWarning, match="model.attention_impl='cudnn_jax'"):
+        from_file = ModelConfig.from_config(stored["model"], num_heads=4)
+    assert from_file == ModelConfig.from_config(out["model"], num_heads=4)
+    assert from_file.attention_impl == "cudnn"
+    assert upgrade_section("model", {"d_model": 64}) == {"d_model": 64}  # nothing to say
 
 
 def test_the_command_line_names_the_config_that_has_a_moved_key(tmp_path):

@@ -1,4 +1,5 @@
-"""tx_jax.ops.dropout: unrolled Threefry bits equal JAX's, and dropout's statistics."""
+"""tx_jax.ops.dropout: unrolled Threefry bits equal JAX's, and the packed masks' statistics
+(through kernels.dropout, the one dropout function)."""
 
 import flax
 import flax.linen as nn
@@ -34,7 +35,7 @@ def test_bits_equal_jax_random_bits(shape):
 
 def test_dropout_rate_and_scale():
     x = jnp.ones((64, 33, 65))  # odd trailing size: the 16-bit halves are trimmed
-    out = np.asarray(D.dropout(x, 0.1, jax.random.key(0)))
+    out = np.asarray(K.dropout(x, 0.1, jax.random.key(0), "packed"))
     kept = out != 0
     assert abs(1 - kept.mean() - 0.1) < 0.003  # 137k draws: 3 sigma is ~0.0024
     np.testing.assert_allclose(out[kept], 1 / (1 - D.effective_rate(0.1)), rtol=1e-6)
@@ -44,12 +45,12 @@ def test_dropout_rate_and_scale():
 
 def test_dropout_is_a_function_of_the_key():
     x = jnp.ones((8, 16))
-    a, b = (D.dropout(x, 0.5, jax.random.key(k)) for k in (1, 1))
-    c = D.dropout(x, 0.5, jax.random.key(2))
+    a, b = (K.dropout(x, 0.5, jax.random.key(k), "packed") for k in (1, 1))
+    c = K.dropout(x, 0.5, jax.random.key(2), "packed")
     np.testing.assert_array_equal(a, b)
     assert (np.asarray(a) != np.asarray(c)).any()
     # the four elements one Threefry block serves are not tied together
-    kept = np.asarray(D.dropout(jnp.ones((4096, 4)), 0.5, jax.random.key(3))) != 0
+    kept = np.asarray(K.dropout(jnp.ones((4096, 4)), 0.5, jax.random.key(3), "packed")) != 0
     for i in range(4):
         for j in range(i + 1, 4):
             assert abs((kept[:, i] == kept[:, j]).mean() - 0.5) < 0.05, (i, j)
@@ -108,9 +109,9 @@ def test_keep_mask_fallback_for_other_key_types():
 
 def test_zero_rate_and_bad_rate():
     x = jnp.arange(6.0)
-    assert D.dropout(x, 0.0, jax.random.key(0)) is x
+    assert K.dropout(x, 0.0, jax.random.key(0), "packed") is x
     with pytest.raises(ValueError, match="in \\[0, 1\\)"):
-        D.dropout(x, 1.0, jax.random.key(0))
+        K.dropout(x, 1.0, jax.random.key(0), "packed")
 
 
 def test_module_is_inactive_when_deterministic():

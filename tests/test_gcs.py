@@ -361,7 +361,7 @@ def test_backoff_setting_scales_the_retry_waits_of_both_clients(gcs, monkeypatch
 def test_sweep_with_a_gs_root_writes_its_logs_and_tables_there(gcs, tfds_dir):
     """A sweep point trains in ROOT/<point> on gs:// (a list override goes through a generated
     config, loaded from a local copy); its log, results tables and curves land in ROOT."""
-    from tx_jax.runner import sweep
+    from tx_jax.launch import local
 
     root = f"{BUCKET}/sweep"
     tiny = {
@@ -377,7 +377,7 @@ def test_sweep_with_a_gs_root_writes_its_logs_and_tables_there(gcs, tfds_dir):
         "checkpoint.async_save": False,
     }
     smoke = ROOT / "experiments" / "default_smoke.py"
-    rows = sweep.run_sweep(smoke, root, only=[0], overrides=tiny, echo=lambda _: None)
+    rows = local.run_sweep(smoke, root, only=[0], overrides=tiny, echo=lambda _: None)
     assert [(r["status"], r["steps"]) for r in rows] == [("ok", 2)]
     base = epath.Path(root)
     table = (base / "results.csv").read_text().splitlines()
@@ -385,10 +385,10 @@ def test_sweep_with_a_gs_root_writes_its_logs_and_tables_there(gcs, tfds_dir):
     assert "| 0 | model.dropout_rate=0.0 | ok | 2 |" in (base / "results.md").read_text()
     assert (base / "curves.png").stat().length > 1000
     point = base / "00_model.dropout_rate=0.0"
-    log = (point / sweep.LOG_FILE).read_text()
+    log = (point / local.LOG_FILE).read_text()
     assert log.startswith("$ ") and "--config=" in log and "step      2/2" in log
     assert "bucket_boundaries" in (point / "sweep_config.py").read_text()
-    assert (point / sweep.DONE_FILE).exists() and (point / "checkpoints" / "2").exists()
+    assert (point / local.DONE_FILE).exists() and (point / "checkpoints" / "2").exists()
 
 
 def test_gs_data_dir_is_staged_to_a_verified_local_cache(gcs, tfds_dir, tmp_path, monkeypatch):

@@ -1,7 +1,7 @@
 """The package's layers: imports go one way (down, or sideways into data/ and ops/), no cycles.
 
     config, paths, ops <- data, model <- training <- inference <- analysis, interop <- runner
-        <- planning <- cli
+        <- planning <- launch <- cli
 
 A module may import its own layer and any layer to its left, never one to its right; only the
 entry points (tx_jax/main.py, evaluate.py, ...) import cli/. The modules are read with `ast`,
@@ -24,8 +24,9 @@ RANK = {
     "analysis": 4, "interop": 4,
     "runner": 5,
     "planning": 6,
-    "cli": 7,
-    "entry": 8, "api": 8,
+    "launch": 7,
+    "cli": 8,
+    "entry": 9, "api": 9,
 }  # fmt: skip
 ENTRY_POINTS = {
     "main",

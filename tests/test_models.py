@@ -13,7 +13,6 @@ from tx_jax.model.config import ModelConfig, variant
 from tx_jax.model.transformer import (
     DecoderOnly,
     EncoderDecoder,
-    EncoderOnly,
     count_params,
     make_model,
     shift_right,
@@ -92,11 +91,6 @@ def test_padding_invariance(norm_position):
     np.testing.assert_allclose(
         model.apply(v, src_pad, tgt_pad)[:, :4], logits, rtol=1e-5, atol=1e-5
     )
-    pooled_model = EncoderOnly(cfg)
-    pv = _init(pooled_model, src)
-    np.testing.assert_allclose(
-        pooled_model.apply(pv, src_pad), pooled_model.apply(pv, src), rtol=1e-5, atol=1e-5
-    )
 
 
 def test_packed_examples_equal_separate_examples():
@@ -168,7 +162,7 @@ def test_every_parameter_has_logical_axis_names():
     for model, args in [
         (EncoderDecoder(_cfg(attention_bias=True)), (_tokens((1, 3)), _tokens((1, 3)))),
         (DecoderOnly(_cfg(positional="learned")), (_tokens((1, 3)),)),
-        (EncoderOnly(_cfg(num_classes=3, norm="rmsnorm")), (_tokens((1, 3)),)),
+        (DecoderOnly(_cfg(norm="rmsnorm")), (_tokens((1, 3)),)),
     ]:
         params = jax.eval_shape(model.init, jax.random.key(0), *args)["params"]
         for path, leaf in jax.tree_util.tree_leaves_with_path(
@@ -227,17 +221,21 @@ def test_a_removed_value_in_an_old_config_loads_as_the_value_that_ran(key, old, 
     is refused."""
     saved = {f.name: getattr(ModelConfig(), f.name) for f in dataclasses.fields(ModelConfig)}
     del saved["platform"]  # not a config key: set by resolved()
-    saved.update({key: old, "residual_norm": "auto", "ffn_impl": "auto"})
+    removed = {"residual_norm": "auto", "ffn_impl": "auto", "num_classes": 0, "pooling": "first"}
+    saved.update({key: old, **removed})
     with pytest.warns(UserWarning, match=f"model.{key}={old!r} .*model.{key}={new!r}") as caught:
         cfg = ModelConfig.from_config(ml_collections.ConfigDict(saved))
     assert len(caught) == 1  # the removed fields at their one value are dropped silently
     assert getattr(cfg, key) == new
-    del saved["residual_norm"], saved["ffn_impl"]
+    for name in removed:
+        del saved[name]
     assert cfg == ModelConfig(**{**saved, key: new})
     with pytest.raises(ValueError, match=f"model.{key}={old!r}"):
         ModelConfig(**{key: old})
-    with pytest.warns(UserWarning, match="model.ffn_impl is no longer a field"):
+    with pytest.warns(UserWarning, match="model.ffn_impl is no longer a key"):
         assert ModelConfig.from_config({"ffn_impl": "pallas"}) == ModelConfig()
+    with pytest.warns(UserWarning, match="model.num_classes is no longer a key"):
+        assert ModelConfig.from_config({"num_classes": 3}) == ModelConfig()
 
 
 # What 'auto' resolves to per platform: on an accelerator only values that passed their tests
@@ -282,14 +280,6 @@ def test_auto_resolves_per_platform_to_the_tested_and_timed_values(platform):
         ModelConfig(attention_impl="cudnn").resolved(platform, deterministic=True)
     with pytest.raises(ValueError, match="'auto' implementation fields"):
         make_model(ModelConfig(kernels="auto"))
-
-
-def test_encoder_only_classifier_shapes():
-    model = EncoderOnly(_cfg(num_classes=5, pooling="first"))
-    tokens = _tokens((3, 6))
-    v = _init(model, tokens)
-    assert model.apply(v, tokens).shape == (3, 5)
-    assert model.apply(v, tokens, method=model.encode).shape == (3, 6, 64)
 
 
 def _decode_step_by_step(cfg, params, src, decoder_inputs):

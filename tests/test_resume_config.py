@@ -247,7 +247,8 @@ def test_a_config_stored_with_old_key_names_loads_under_the_new(trained, tfds_di
     stored = json.loads((trained / "config.json").read_text())
     old = _with_old_names(stored)
     # model fields since removed, at the value every config held: dropped without a word
-    old["model"] = {**old["model"], "residual_norm": "auto", "ffn_impl": "auto"}
+    removed = {"residual_norm": "auto", "ffn_impl": "auto", "num_classes": 0, "pooling": "mean"}
+    old["model"] = {**old["model"], **removed}
     renamed = ", ".join(f"{was} -> {new}" for new, was in OLD_NAMES.items())
     with pytest.warns(UserWarning, match=f"old key names, read as the new: {renamed}"):
         upgraded = upgrade_stored(old)
@@ -256,7 +257,7 @@ def test_a_config_stored_with_old_key_names_loads_under_the_new(trained, tfds_di
         assert old_name in old[section] and old_name not in upgraded[section], was
         assert upgraded[section][name] == stored[section].get(name, OLD_DEFAULTS.get(name)), new
     assert upgraded["data"]["backtranslation_tag"] == "<BT>"
-    assert not {"residual_norm", "ffn_impl"} & set(upgraded["model"])
+    assert not set(removed) & set(upgraded["model"])
     pallas = {**old, "model": {**old["model"], "ffn_impl": "pallas"}}
     with pytest.warns(UserWarning, match="model.ffn_impl is no longer a key"):
         assert "ffn_impl" not in upgrade_stored(pallas)["model"]

@@ -1,5 +1,6 @@
-"""tx_jax.runner.sweep: sweep files expand to the expected overrides, typos fail before anything
-runs, and the runner trains every point, tabulates them and skips finished points on rerun."""
+"""tx_jax.launch's sweeps, local and results: sweep files expand to the expected overrides,
+typos fail before anything runs, and the runner trains every point, tabulates them and skips
+finished points on rerun."""
 
 import copy
 import csv
@@ -12,8 +13,8 @@ from helpers import ROOT
 
 from tx_jax.cli import sweep as sweep_cli
 from tx_jax.config import apply_overrides, load_config, load_module
+from tx_jax.launch import local, sweeps
 from tx_jax.model.config import ModelConfig
-from tx_jax.runner import sweep
 
 TABLE3 = ROOT / "experiments" / "table3.py"
 SMOKE = ROOT / "experiments" / "default_smoke.py"
@@ -21,7 +22,7 @@ DEBUG = "configs/default.py:debug"
 
 
 def test_table3_rows_and_points():
-    table3 = sweep.load_sweep(TABLE3)
+    table3 = sweeps.load_sweep(TABLE3)
     assert table3.name == "table3" and table3.config == "configs/multi30k.py:variant=small"
     rows = load_module(TABLE3, "table3_rows").ROWS
     assert {k: len(v) for k, v in rows.items()} == {"A": 4, "B": 2, "C": 7, "D": 4, "E": 1}
@@ -36,7 +37,7 @@ def test_table3_rows_and_points():
     assert {"model.d_model": 512} in rows["C"] and {"model.d_ff": 512} in rows["C"]
     assert rows["D"][3] == {"train.label_smoothing": 0.2}
     assert rows["E"] == [{"model.positional": "learned"}]
-    names = [sweep.point_name(p) for p in table3.points]
+    names = [sweeps.point_name(p) for p in table3.points]
     assert names[:2] == ["baseline", "model.num_heads=1"] and len(set(names)) == len(names)
 
 
@@ -44,8 +45,8 @@ def test_table3_keys_exist_in_its_base_config(tmp_path, monkeypatch):
     """Every point's keys are in configs/multi30k.py, and row B keeps the base's d_v while
     d_k shrinks (table3.D_MODEL / NUM_HEADS describe that base)."""
     monkeypatch.chdir(ROOT)
-    table3 = sweep.load_sweep(TABLE3)
-    points = sweep.expand(table3, tmp_path)
+    table3 = sweeps.load_sweep(TABLE3)
+    points = sweeps.expand(table3, tmp_path)
     assert points[1].workdir == tmp_path / "01_model.num_heads=1"
     base = load_config(table3.config)
     constants = load_module(TABLE3, "table3_constants")
@@ -62,7 +63,7 @@ def test_table3_cpu_scales_the_rows_to_its_base_and_base_is_under_every_point(
     tmp_path, monkeypatch
 ):
     monkeypatch.chdir(ROOT)
-    small = sweep.load_sweep(ROOT / "experiments" / "table3_cpu.py")
+    small = sweeps.load_sweep(ROOT / "experiments" / "table3_cpu.py")
     assert small.base["model.d_model"] == 128 and small.base["train.num_steps"] == 600
     assert small.points[0] == {} and {"model.num_heads": 4} not in small.points  # = the base
     assert small.points[1:3] == [  # row B first: d_k = d_v / 4, d_v / 2 at the base's d_v 32
@@ -70,27 +71,27 @@ def test_table3_cpu_scales_the_rows_to_its_base_and_base_is_under_every_point(
         {"model.head_dim": 16, "model.value_head_dim": 32},
     ]
     assert {"model.d_model": 64} in small.points and {"model.d_ff": 1024} in small.points
-    points = sweep.expand(small, tmp_path)
+    points = sweeps.expand(small, tmp_path)
     assert points[0].name == "baseline" and points[0].overrides == small.base
     d64 = next(p for p in points if p.name == "model.d_model=64")
     assert d64.overrides["model.d_model"] == 64 and d64.overrides["model.d_ff"] == 512  # own wins
     bad = tmp_path / "bad.py"
     bad.write_text("CONFIG = 'configs/default.py'\nBASE = [1]\ndef sweep():\n    return [{}]\n")
     with pytest.raises(ValueError, match="BASE is a dict"):
-        sweep.load_sweep(bad)
+        sweeps.load_sweep(bad)
 
 
 def test_unknown_key_is_an_error_naming_it_and_the_point(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
-    bad = sweep.Sweep("bad", DEBUG, [{"model.dropout_rate": 0.0}, {"model.num_hedas": 2}])
+    bad = sweeps.Sweep("bad", DEBUG, [{"model.dropout_rate": 0.0}, {"model.num_hedas": 2}])
     with pytest.raises(ValueError, match=r"point 1 \(model.num_hedas=2\).*'model.num_hedas'"):
-        sweep.expand(bad, tmp_path)
+        sweeps.expand(bad, tmp_path)
     assert not list(tmp_path.iterdir())  # nothing ran, nothing written
     assert sweep_cli.main([str(SMOKE), f"--root={tmp_path}", "--override=train.num_stpes=2"]) == 2
 
 
 def test_command_quotes_values_and_routes_lists_through_a_config_file(tmp_path):
-    point = sweep.Point(
+    point = sweeps.Point(
         0,
         "x",
         {
@@ -100,11 +101,11 @@ def test_command_quotes_values_and_routes_lists_through_a_config_file(tmp_path):
         },
         tmp_path / "p",
     )
-    argv, wrapper = sweep.command(point, DEBUG, python="python")
+    argv, wrapper = sweeps.command(point, DEBUG, python="python")
     assert argv[3] == f"--config={tmp_path / 'p' / 'sweep_config.py'}"
     assert argv[5:] == ["--config.data.data_dir=/a b/$c", "--config.model.share_embeddings=False"]
     assert "{'data.bucket_boundaries': [32]}" in wrapper and "default.py:debug" in wrapper
-    assert sweep.parse_overrides(["a.b=3", "c=/x y", "d=[1, 2]", "e=None"]) == {
+    assert sweeps.parse_overrides(["a.b=3", "c=/x y", "d=[1, 2]", "e=None"]) == {
         "a.b": 3,
         "c": "/x y",
         "d": [1, 2],
@@ -115,7 +116,7 @@ def test_command_quotes_values_and_routes_lists_through_a_config_file(tmp_path):
 def test_runner_trains_both_points_tabulates_and_skips_them_on_rerun(
     tmp_path, tfds_dir, monkeypatch
 ):
-    monkeypatch.setattr(sweep, "run_process", zygote.run)  # real processes, started by a fork
+    monkeypatch.setattr(local, "run_process", zygote.run)  # real processes, started by a fork
     root = tmp_path / "sweep"
     tiny = {
         "data.data_dir": str(tfds_dir),
@@ -146,7 +147,7 @@ def test_runner_trains_both_points_tabulates_and_skips_them_on_rerun(
         )
         assert (evaluated["split"], evaluated["beam"], evaluated["step"]) == ("test", 2, 2)
         assert float(row["test_bleu"]) == evaluated["bleu"]
-        done = json.loads((pathlib.Path(row["workdir"]) / sweep.DONE_FILE).read_text())
+        done = json.loads((pathlib.Path(row["workdir"]) / local.DONE_FILE).read_text())
         assert done["test_eval"]["bleu"] == evaluated["bleu"] and done["test_eval"]["beam"] == 2
     md = (root / "results.md").read_text().splitlines()
     assert len(md) == 4 and "| 1 | model.dropout_rate=0.1 | ok | 2 |" in md[3]
@@ -156,7 +157,7 @@ def test_runner_trains_both_points_tabulates_and_skips_them_on_rerun(
     mtimes = [m.stat().st_mtime_ns for m in metrics]
 
     lines = []
-    assert sweep.run_sweep(SMOKE, root, overrides=tiny, echo=lines.append)
+    assert local.run_sweep(SMOKE, root, overrides=tiny, echo=lines.append)
     assert [m.stat().st_mtime_ns for m in metrics] == mtimes  # no new training
     assert sum("skipped (done)" in line for line in lines if line.startswith("[")) == 2
 
@@ -179,11 +180,11 @@ def test_launch_sh_sweep_dry_run(tmp_path):
 def test_table3_cpu_table_names_every_point_and_marks_what_did_not_run(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     module = load_module(ROOT / "experiments" / "table3_cpu.py", "table3_cpu_table")
-    names = [sweep.point_name(p) for p in module.sweep()]
+    names = [sweeps.point_name(p) for p in module.sweep()]
     assert set(names) == set(module.PAPER)
     done = tmp_path / "00_baseline"  # one finished point, the rest never ran
     done.mkdir()
-    (done / sweep.DONE_FILE).write_text("{}")
+    (done / local.DONE_FILE).write_text("{}")
     record = {"step": 600, "split": "validation", "perplexity": 27.2, "bleu": 10.03}
     (done / "metrics.jsonl").write_text(json.dumps(record) + "\n")
     lines = module.table(str(tmp_path)).splitlines()

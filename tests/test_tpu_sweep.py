@@ -1,7 +1,7 @@
-"""A sweep on TPU VMs (runner/tpu_sweep.py), without Google Cloud: a stand-in `gcloud` on
-PATH (tests/gcloud_standin/gcloud) whose VMs' workers are local processes, each with its own
-home directory (its disk), and tests/gcs_server.py as the bucket. The sweep's code, tpu.sh
-and the training runs are the real ones.
+"""A sweep on TPU VMs (launch/tpu_queue.py, tpu_vms.py), without Google Cloud: a stand-in
+`gcloud` on PATH (tests/gcloud_standin/gcloud) whose VMs' workers are local processes, each
+with its own home directory (its disk), and tests/gcs_server.py as the bucket. The sweep's
+code, tpu.sh and the training runs are the real ones.
 
 VMs: tx-a, a v4-16 spot VM (2 workers: each point runs as 2 processes of jax.distributed), and
 tx-b, a v4-8 (1 worker). The sweep: 3 seeds of configs/default.py:debug, 8 steps, a checkpoint
@@ -25,7 +25,7 @@ from etils import epath
 from helpers import ROOT, forced_devices
 
 from tx_jax.cli import sweep as sweep_cli
-from tx_jax.runner import tpu_sweep
+from tx_jax.launch import tpu_vms
 
 pytestmark = [pytest.mark.slow]
 
@@ -314,6 +314,6 @@ def test_a_point_that_does_not_fit_is_listed_and_the_rest_run(
 
 
 def test_plan_targets():
-    assert tpu_sweep.plan_target("v5litepod-16") == "tpu:v5e-16"
-    assert tpu_sweep.plan_target("v4-16") == "tpu:v4-16"
-    assert tpu_sweep.plan_target("v2-8") is None
+    assert tpu_vms.plan_target("v5litepod-16") == "tpu:v5e-16"
+    assert tpu_vms.plan_target("v4-16") == "tpu:v4-16"
+    assert tpu_vms.plan_target("v2-8") is None

@@ -10,16 +10,16 @@ stdin/stdout/stderr (the file descriptors themselves, passed over a Unix socket)
 code or module as `__main__`, and exits as the interpreter would. It is an ordinary process:
 signals, kill -9, /proc and jax.distributed work on it as on a fresh one.
 
-What the zygote imports (tests/forked.py's list, and Orbax, Grain, TensorStore, etils,
-SentencePiece, sacreBLEU: what every tx_jax process imports) reads from the environment at
-import only JAX_PLATFORMS, TMPDIR (tempfile's directory, read again in the child) and
-telemetry switches; a child whose JAX_*, TF_*, PYTHON* or thread-count variables differ from
-the zygote's is started as a fresh process instead. No JAX backend exists before the fork:
-XLA reads XLA_FLAGS (the forced device count) when the child creates its backend, and no
-native thread either (OpenBLAS's pool is one thread, the zygote's own): a fork copies only the
-forking thread, and a lock another one held would stay locked in the child. Libraries
-that read HOME, TFDS_DATA_DIR or the GCS settings at import (TFDS, gcsfs) are imported by the
-child, after its environment is set.
+What the zygote imports (the import lines of _SERVER below: JAX, Flax, Optax, NumPy,
+ml_collections, Orbax, Grain, TensorStore, etils, SentencePiece, sacreBLEU: what every tx_jax
+process imports) reads from the environment at import only JAX_PLATFORMS, TMPDIR (tempfile's
+directory, read again in the child) and telemetry switches; a child whose JAX_*, TF_*, PYTHON*
+or thread-count variables differ from the zygote's is started as a fresh process instead. No
+JAX backend exists before the fork: XLA reads XLA_FLAGS (the forced device count) when the
+child creates its backend, and no native thread either (OpenBLAS's pool is one thread, the
+zygote's own): a fork copies only the forking thread, and a lock another one held would stay
+locked in the child. Libraries that read HOME, TFDS_DATA_DIR or the GCS settings at import
+(TFDS, gcsfs) are imported by the child, after its environment is set.
 
 `Popen` takes the subset of subprocess.Popen's arguments the tests use (stdin, stdout and
 stderr as PIPE, DEVNULL, STDOUT, a file or None; cwd, env, text) and falls back to

@@ -3,11 +3,14 @@
 `--config=configs/multi30k.py:pair=en-fr,variant=small` hands "pair=en-fr,variant=small" to
 `get_config`; `parse_arg` turns it into typed values, naming any unknown key.
 
-Two tables keep configs/default.py to what every run needs and old runs readable: STUDY_KEYS,
+Tables keep configs/default.py to what every run needs and old runs readable: STUDY_KEYS,
 the keys only a study's configs define, each with the neutral value a config without it reads
-(`study_value`), and RENAMED_KEYS, old key names that a stored config (config.json, a
-checkpoint's meta) is read under the new ones (`upgrade_stored`). An override of a key either
-table names gets an error saying where the key is now (`unknown_key_message`).
+(`study_value`); and every rename of a stored config (config.json, a checkpoint's meta), in
+this module alone: RENAMED_KEYS, old key names read under the new ones (`upgrade_stored`),
+REMOVED_KEYS, keys that are gone, and REPLACED_VALUES, values that load as another
+(`upgrade_section`, which ModelConfig.from_config also applies to a model section). An override
+of a key STUDY_KEYS or RENAMED_KEYS names gets an error saying where the key is now
+(`unknown_key_message`).
 """
 
 from __future__ import annotations
@@ -181,9 +184,27 @@ RENAMED_KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "eval.test_split": ("eval.score_test", bool),
 }
 # Keys that are gone -> the values that meant what the code now does (the model's one way):
-# `upgrade_stored` drops them from a stored config, ModelConfig.from_config from a model
-# section; another value is dropped with a warning.
-REMOVED_KEYS = {"model.residual_norm": ("auto", "xla"), "model.ffn_impl": ("auto", "xla")}
+# `upgrade_section` drops them (from a stored config, and from a model section a config names);
+# another value is dropped with a warning.
+REMOVED_KEYS = {
+    "model.residual_norm": ("auto", "xla"),
+    "model.ffn_impl": ("auto", "xla"),
+    # EncoderOnly's head, which no task built (an imported model's config stores every field)
+    "model.num_classes": (0,),
+    "model.pooling": ("first", "mean"),
+}
+# (key, old value) -> the value loaded in its place: values timed runs beat on a GPU, mapped to
+# the one that beat them, and renamed values (BENCHMARKS.md, "Implementation choices").
+REPLACED_VALUES = {
+    ("model.attention_impl", "cudnn_native"): "cudnn",  # cuDNN's packed masks: slower than the bias
+    ("model.attention_impl", "cudnn_jax"): "cudnn",  # renamed: jax.nn's cuDNN call is 'cudnn'
+    ("model.attention_impl", "cudnn_broadcast"): "cudnn",  # never ran on a GPU
+    ("model.attention_impl", "cudnn_nodbias"): "cudnn",  # never ran on a GPU
+    ("model.dropout_bits", "rbg"): "bernoulli",  # XLA's RngBitGenerator: slower than Threefry
+    ("model.dropout_bits", "hash"): "auto",  # never ran on a GPU or TPU
+    ("model.loss_impl", "onepass"): "auto",  # never ran on a GPU or TPU
+    ("model.loss_impl", "fused"): "auto",  # Pallas kernels that never ran on a GPU
+}
 
 
 def study_value(data: Any, name: str) -> Any:
@@ -203,20 +224,37 @@ def with_study_defaults(config: Mapping) -> dict:
     return out
 
 
+def upgrade_section(name: str, section: Mapping) -> dict:
+    """Config section `name` ('model'; a plain dict or a ConfigDict's items) with its
+    REMOVED_KEYS dropped and its REPLACED_VALUES replaced, a warning naming each key that
+    changes what loads; a copy of it unchanged when it has none. The warnings name this
+    function's lines, so that a process says each once (resume reads a config twice)."""
+    out = dict(section)
+    for dotted, kept in REMOVED_KEYS.items():
+        where, key = dotted.split(".")
+        if where == name and key in out and out.pop(key) not in kept:
+            warnings.warn(
+                f"{dotted} is no longer a key; loading the {kept[-1]!r} way", stacklevel=1
+            )
+    for key, value in out.items():
+        new = REPLACED_VALUES.get((f"{name}.{key}", value)) if isinstance(value, str) else None
+        if new is not None:
+            warnings.warn(
+                f"{name}.{key}={value!r} is no longer a choice; loading {name}.{key}={new!r}",
+                stacklevel=1,
+            )
+            out[key] = new
+    return out
+
+
 def upgrade_stored(config: Mapping) -> dict:
     """A stored config (plain dict) with the old names of RENAMED_KEYS read as the new ones,
-    said in one warning, and the REMOVED_KEYS dropped; a copy of it unchanged when it has
-    none. The warnings name this function's line, so that a process says each once (resume
-    reads a checkpoint's config twice)."""
+    said in one warning, and each section upgraded (`upgrade_section`); a copy of it unchanged
+    when it has none. Every rename of a stored config's keys and values is in this module."""
     out = copy.deepcopy(dict(config))
-    for dotted, kept in REMOVED_KEYS.items():
-        section, name = dotted.split(".")
-        if isinstance(out.get(section), Mapping) and name in out[section]:
-            out[section] = dict(out[section])
-            if out[section].pop(name) not in kept:
-                warnings.warn(
-                    f"{dotted} is no longer a key; loading the {kept[-1]!r} way", stacklevel=1
-                )
+    for name, section in out.items():
+        if isinstance(section, Mapping):
+            out[name] = upgrade_section(name, section)
     renamed = []
     for old, (new, convert) in RENAMED_KEYS.items():
         (old_section, old_name), (new_section, new_name) = old.split("."), new.split(".")

@@ -46,7 +46,7 @@ import scipy.stats
 
 from tx_jax.data.tokenizer import PAD_ID, Tokenizer
 from tx_jax.model.layers import EncoderLayer
-from tx_jax.model.transformer import Encoder, EncoderDecoder, EncoderOnly
+from tx_jax.model.transformer import Encoder, EncoderDecoder
 
 PathLike = str | pathlib.Path
 POOLS = ("text", "all")
@@ -372,7 +372,7 @@ def encoder_layer_representations(
     last depth instead; it changes nothing for post-LN). Deterministic: no dropout.
 
     Args:
-      model: an `EncoderDecoder` (e.g. `inference.restore.load(...).model`) or `EncoderOnly`.
+      model: an `EncoderDecoder` (e.g. `inference.restore.load(...).model`).
       params: its 'params' collection, boxed (fresh from init) or not (`load`).
       tokenizer: the model's SentencePiece tokenizer; a source is its pieces then EOS.
       sentences: N source sentences.
@@ -389,8 +389,8 @@ def encoder_layer_representations(
     """
     if pool not in POOLS:
         raise ValueError(f"pool={pool!r}; expected one of {POOLS}")
-    if not isinstance(model, EncoderDecoder | EncoderOnly):
-        raise TypeError(f"expected an EncoderDecoder or EncoderOnly model, got {type(model)}")
+    if not isinstance(model, EncoderDecoder):
+        raise TypeError(f"expected an EncoderDecoder model, got {type(model)}")
     cfg = model.config.replace(decode=False, remat="none", sow_attention_weights=False)
     model = type(model)(cfg)
     params = nn.meta.unbox(params)

@@ -1,10 +1,10 @@
-"""`python -m tx_jax.sweep`: flags -> experiment.sweep.run_sweep (its docstring has the details).
+"""`python -m tx_jax.sweep`: flags -> launch.local.run_sweep (its docstring has the details).
 
 python -m tx_jax.sweep experiments/table3.py --root=runs/sweeps/table3 [--parallel=2]
     [--dry_run] [--only=0,3] [--test_split_eval] [--override=train.num_steps=100 ...]
 python -m tx_jax.sweep experiments/table3.py --tpu=NAME[,NAME...] --root=gs://B/sweeps/table3
     [--zone=Z] [--project=P] [--recreate] [--no_plan] [--dry_run] [--only=0,3] [--override=...]
-    (experiment.tpu_sweep: each point on a free TPU VM)
+    (launch.tpu_queue: each point on a free TPU VM)
 """
 
 from __future__ import annotations
@@ -14,14 +14,15 @@ import os
 import sys
 from collections.abc import Sequence
 
-from tx_jax.runner import sweep, tpu_sweep
-from tx_jax.runner.sweep import LOG_FILE, parse_overrides, run_sweep
+from tx_jax.launch import local, results, sweeps, tpu_queue
+from tx_jax.launch.local import LOG_FILE, run_sweep
+from tx_jax.launch.sweeps import parse_overrides
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tx_jax.sweep",
-        description=sweep.__doc__ + "\n" + tpu_sweep.__doc__,
+        description="\n".join(m.__doc__ for m in (local, sweeps, results, tpu_queue)),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("sweep_file", help="experiments/<file>.py")
@@ -48,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="a dotted override added to every point (repeatable)",
     )
-    tpu = parser.add_argument_group("TPU VMs (experiment.tpu_sweep)")
+    tpu = parser.add_argument_group("TPU VMs (launch.tpu_queue)")
     tpu.add_argument("--tpu", help="TPU VM names, comma-separated: each point on a free one")
     tpu.add_argument("--zone", default=os.environ.get("TPU_ZONE"), help="(default $TPU_ZONE)")
     tpu.add_argument("--project", default=os.environ.get("TPU_PROJECT"), help="($TPU_PROJECT)")
@@ -67,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "--tpu runs one point per VM (no --parallel) and scores the test split "
                     "in training (eval.score_test), not with --test_split_eval"
                 )
-            rows = tpu_sweep.run_tpu_sweep(
+            rows = tpu_queue.run_tpu_sweep(
                 args.sweep_file,
                 args.root,
                 args.tpu.split(","),

@@ -357,7 +357,8 @@ class TrainOptions:
     packing: bool = False
     # Shuffle seed; epoch e is shuffled with seed + e, so every epoch has another order.
     seed: int = 0
-    # This process's shard is [process_index::process_count]; None: jax.process_index().
+    # The input shard read (data.input_shards): examples [process_index::process_count]; None:
+    # jax.process_index(), one shard a process.
     process_index: int | None = None
     # How many shards the examples are split into; None: jax.process_count().
     process_count: int | None = None

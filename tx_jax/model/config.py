@@ -9,19 +9,19 @@ config; `resolved(platform)`, called once where a run, plan, export or lowering 
 makes them concrete: per platform the value tested and timed fastest there (docs/design.md,
 "Implementation choices: one rule"). Modules receive only concrete values. A value that timed
 runs beat, or that never ran, is gone: `from_config` loads a config naming it as the value that
-ran (REPLACED, REMOVED_FIELDS), with a warning.
+ran, with a warning (tx_jax/config.py's REPLACED_VALUES and REMOVED_KEYS: every rename of a
+stored config is there).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
 
-from tx_jax.config import REMOVED_KEYS
+from tx_jax.config import upgrade_section
 from tx_jax.model.lora import DEFAULT_TARGETS, LoRA
 from tx_jax.ops import backend, cudnn
 from tx_jax.ops.attention_kernels import IMPLEMENTATIONS
@@ -37,7 +37,6 @@ POSITIONALS = ("sinusoidal", "learned", "rope", "none")
 # exp(-i ln(10000) / (M/2 - 1)) (tensor2tensor's).
 SINUSOID_STYLES = ("paper", "marian", "fairseq")
 NORM_POSITIONS = ("post", "pre")
-POOLINGS = ("mean", "first")
 REMATS = ("none", "full", "dots")
 DTYPES = ("float32", "bfloat16", "float16")
 # dense: float32 logits [B, L, V], then the loss; blocked: the output layer and loss over blocks
@@ -55,31 +54,11 @@ _ENUMS = {
     "sinusoid_style": SINUSOID_STYLES,
     "attention_impl": ("auto", *IMPLEMENTATIONS),
     "kernels": ("auto", *KERNELS),
-    "pooling": POOLINGS,
     "remat": REMATS,
     "dropout_bits": ("auto", *DROPOUT_BITS),
     "loss_impl": ("auto", *LOSS_IMPLS),
     "dtype": DTYPES,
     "param_dtype": DTYPES,
-}
-# (key, old value) -> the value loaded in its place: values timed runs beat on a GPU, mapped to
-# the one that beat them, and renamed values (BENCHMARKS.md, "Implementation choices").
-REPLACED = {
-    ("attention_impl", "cudnn_native"): "cudnn",  # cuDNN's packed masks: slower than the bias
-    ("attention_impl", "cudnn_jax"): "cudnn",  # renamed: jax.nn's cuDNN call is 'cudnn'
-    ("attention_impl", "cudnn_broadcast"): "cudnn",  # never ran on a GPU
-    ("attention_impl", "cudnn_nodbias"): "cudnn",  # never ran on a GPU
-    ("dropout_bits", "rbg"): "bernoulli",  # XLA's RngBitGenerator: slower than Threefry
-    ("dropout_bits", "hash"): "auto",  # never ran on a GPU or TPU
-    ("loss_impl", "onepass"): "auto",  # never ran on a GPU or TPU
-    ("loss_impl", "fused"): "auto",  # Pallas kernels that never ran on a GPU
-}
-# Fields that are gone, and the values that meant the model's one way now: a config naming
-# another value (a Pallas kernel that never ran on a GPU) loads without it, with a warning.
-REMOVED_FIELDS = {
-    key.removeprefix("model."): kept
-    for key, kept in REMOVED_KEYS.items()
-    if key.startswith("model.")
 }
 
 
@@ -128,8 +107,6 @@ class ModelConfig:
         "none"  # none | full: recompute each layer in the backward pass | dots: keep matmul outputs
     )
     bos_id: int = 2  # first decoder input; 0 (padding's id, Marian's start) is allowed
-    num_classes: int = 0  # EncoderOnly: > 0 adds a classification head
-    pooling: str = "mean"  # EncoderOnly: mean (over real tokens) | first
     decode: bool = False  # incremental decoding with a KV cache
     decode_beams: int = 0  # > 0: decoding over a beam-shared cache of N hypotheses an example
     sow_attention_weights: bool = False  # store attention maps in 'intermediates'
@@ -146,23 +123,9 @@ class ModelConfig:
     @classmethod
     def from_config(cls, config: Mapping[str, Any] | Any, **overrides: Any) -> ModelConfig:
         """ConfigDict / dict (e.g. `config.model`) -> ModelConfig, naming any unknown key; a
-        value in REPLACED loads as its replacement, with a warning naming the key."""
+        removed field or value loads as config.upgrade_section says, with a warning."""
         items = dict(config.items() if hasattr(config, "items") else config)
-        items.update(overrides)
-        for key, kept in REMOVED_FIELDS.items():
-            if key in items and items.pop(key) not in kept:
-                warnings.warn(
-                    f"model.{key} is no longer a field; loading the model's {kept[-1]!r} way",
-                    stacklevel=2,
-                )
-        for key, value in items.items():
-            new = REPLACED.get((key, value)) if isinstance(value, str) else None
-            if new is not None:
-                warnings.warn(
-                    f"model.{key}={value!r} is no longer a choice; loading model.{key}={new!r}",
-                    stacklevel=2,
-                )
-                items[key] = new
+        items = upgrade_section("model", {**items, **overrides})
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(items) - known)
         if unknown:

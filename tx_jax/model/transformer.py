@@ -1,8 +1,7 @@
-"""The Transformer (Vaswani et al. 2017) and two descendants, in pure Flax linen.
+"""The Transformer (Vaswani et al. 2017) and a descendant, in pure Flax linen.
 
     EncoderDecoder  the paper's model: translation (encode / decode / __call__)
     DecoderOnly     a causal language model (GPT-style)
-    EncoderOnly     a bidirectional encoder with a pooled output (classification, embeddings)
 
 Shape letters: B batch, S source length, L target length, M d_model, V vocabulary.
 Token id 0 is padding and only padding; segment ids mark packed examples (0 = padding).
@@ -385,51 +384,6 @@ class DecoderOnly(nn.Module):
     def output_weights(self) -> tuple[Array, Array | None]:
         """As EncoderDecoder.output_weights."""
         return self.decoder.output_weights()
-
-
-class EncoderOnly(nn.Module):
-    """Bidirectional encoder. tokens [B, S] -> pooled [B, M], or logits [B, num_classes]
-    when config.num_classes > 0. `encode` gives the per-token output [B, S, M]."""
-
-    config: ModelConfig
-
-    def setup(self):
-        cfg = self.config
-        self.embed = _embedding(cfg, cfg.vocab_size, "embed")
-        self.encoder = Encoder(cfg, self.embed)
-        if cfg.num_classes > 0:
-            self.classifier = nn.Dense(
-                cfg.num_classes,
-                dtype=cfg.compute_dtype,
-                param_dtype=cfg.parameter_dtype,
-                kernel_init=nn.with_logical_partitioning(
-                    nn.initializers.xavier_uniform(), ("embed", None)
-                ),
-                bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), (None,)),
-            )
-
-    def encode(self, tokens: Array, *, deterministic: bool = True, **kw: Array) -> Array:
-        return self.encoder(tokens, deterministic=deterministic, **kw)
-
-    def __call__(
-        self,
-        tokens: Array,
-        *,
-        segment_ids: Array | None = None,
-        positions: Array | None = None,
-        deterministic: bool = True,
-    ) -> Array:
-        x = self.encoder(
-            tokens, segment_ids=segment_ids, positions=positions, deterministic=deterministic
-        )
-        if self.config.pooling == "first":
-            pooled = x[:, 0]
-        else:  # mean over real tokens only, so padding never changes the result
-            valid = (tokens != 0)[..., None].astype(x.dtype)
-            pooled = (x * valid).sum(1) / jnp.maximum(valid.sum(1), 1)
-        if self.config.num_classes > 0:
-            return self.classifier(pooled).astype(jnp.float32)
-        return pooled
 
 
 def count_params(params: Any) -> int:

@@ -1,7 +1,7 @@
-"""Dropout (Srivastava et al. 2014; the paper's section 5.4) with cheap random bits.
+"""Dropout's masks (Srivastava et al. 2014; the paper's section 5.4) from cheap random bits.
 
-    dropout(x, rate, rng): each element is zeroed with probability `rate` (rounded to a
-    multiple of 2^-16) and the survivors are scaled by 1 / (1 - rate), so E[out] = x.
+    keep_mask(rng, rate, shape): True with probability 1 - rate, the rate rounded to a multiple
+    of 2^-16 (effective_rate); kernels.dropout(x, rate, rng, 'packed') applies it.
 
 Two things make jax.random.bernoulli slow on a CPU, where the dropout masks of a small
 Transformer cost more than its attention: (1) JAX lowers Threefry-2x32 on CPU as a rolled
@@ -106,13 +106,3 @@ def keep_mask(rng: Array, rate: float, shape: tuple[int, ...]) -> Array:
 def effective_rate(rate: float) -> float:
     """The dropout probability actually used for `rate` (a multiple of 2^-16)."""
     return round(rate * _LEVELS) / _LEVELS
-
-
-def dropout(x: Array, rate: float, rng: Array) -> Array:
-    """x * keep / (1 - rate), keep ~ Bernoulli(1 - rate); rate in [0, 1)."""
-    if not 0.0 <= rate < 1.0:
-        raise ValueError(f"dropout rate {rate} must be in [0, 1)")
-    if effective_rate(rate) == 0.0:
-        return x
-    scale = jnp.asarray(1.0 / (1.0 - effective_rate(rate)), x.dtype)
-    return jnp.where(keep_mask(rng, rate, x.shape), x * scale, jnp.zeros((), x.dtype))

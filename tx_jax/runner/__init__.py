@@ -1,1 +1,1 @@
-"""Whole experiments: train_and_evaluate(config, workdir) and sweeps of configs."""
+"""One run: train_and_evaluate(config, workdir), its set-up, evaluation, signals and budget."""

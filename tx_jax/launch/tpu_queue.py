@@ -29,10 +29,8 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import importlib.util
 import json
 import os
-import pathlib
 import shlex
 import shutil
 import subprocess
@@ -43,92 +41,37 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tx_jax import paths
-from tx_jax.runner import sweep as local
+from tx_jax.launch import local, results
+from tx_jax.launch.sweeps import (
+    FLAG_TYPES,
+    Point,
+    Sweep,
+    command,
+    expand,
+    jsonable,
+    load_sweep,
+    select,
+)
+from tx_jax.launch.tpu_vms import (
+    POLL_SECONDS,
+    READY,
+    RECREATE_WAIT_SECONDS,
+    RECREATED,
+    VM,
+    Cloud,
+    SweepError,
+    plan_target,
+    ready_vms,
+)
 
-TPU_SH = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "tpu.sh"
 REMOTE_PYTHON = ".venv/bin/python"  # on each worker, relative to tpu.sh's REMOTE_DIR
-READY = "READY"
-RECREATED = ("PREEMPTED", "TERMINATED", "gone")  # what --recreate brings back
-# How often a VM being recreated is asked whether it is READY, and for how long.
-POLL_SECONDS = 30
-RECREATE_WAIT_SECONDS = 2 * 3600
 
 
-class SweepError(ValueError):
-    """A mistake the user can fix (a VM, the root, gcloud): one line, nothing started."""
-
-
-@dataclasses.dataclass
-class VM:
-    name: str
-    accelerator_type: str
-    workers: int
-    runtime: str = ""
-    spot: bool = False
-    queued: bool = False
-
-    @classmethod
-    def from_describe(cls, name: str, node: Mapping[str, Any]) -> VM:
-        scheduling = node.get("schedulingConfig") or {}
-        return cls(
-            name=name,
-            accelerator_type=node.get("acceleratorType", ""),
-            workers=len(node.get("networkEndpoints") or []) or 1,
-            runtime=node.get("runtimeVersion", ""),
-            spot=bool(scheduling.get("spot") or scheduling.get("preemptible")),
-            queued=bool(node.get("queuedResource")),
-        )
-
-
-class Cloud:
-    """The gcloud calls of a TPU sweep: describe directly, the rest through scripts/tpu.sh
-    (its quoting, its remote directory and set-up)."""
-
-    def __init__(self, zone: str | None, project: str | None):
-        self.where = [f"--zone={zone}"] * bool(zone) + [f"--project={project}"] * bool(project)
-
-    def describe(self, name: str) -> dict | None:
-        """The node's JSON, or None if it does not exist."""
-        argv = ["gcloud", "compute", "tpus", "tpu-vm", "describe", name, *self.where]
-        proc = subprocess.run([*argv, "--format=json"], capture_output=True, text=True)
-        if proc.returncode == 0:
-            return json.loads(proc.stdout)
-        if "NOT_FOUND" in proc.stderr or "not found" in proc.stderr.lower():
-            return None
-        last = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
-        raise SweepError(f"{shlex.join(argv)}: {last}")
-
-    def tpu_sh(self, command: str, name: str, *args: str) -> list[str]:
-        return ["bash", str(TPU_SH), command, name, *self.where, *args]
-
-    def start_command(self, name: str, args: Sequence[str]) -> list[str]:
-        """scripts/tpu.sh's command that runs tx_jax.main ARGS on every worker and waits."""
-        return self.tpu_sh("tpu-run", name, "--no-plan", "--wait", "--", *args)
-
-    def printed(self, argv: Sequence[str]) -> str:
-        """What tpu.sh --dry-run prints for `argv`: the gcloud command, exactly."""
-        cut = argv.index("--") if "--" in argv else len(argv)
-        argv = [*argv[:cut], "--dry-run", *argv[cut:]]
-        proc = subprocess.run(argv, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise SweepError(proc.stderr.strip().splitlines()[-1])
-        return proc.stdout.strip()
-
-
-def plan_target(accelerator_type: str) -> str | None:
-    """Cloud's accelerator type -> tx_jax.plan's target (as scripts/tpu.sh's plan_target)."""
-    if accelerator_type.startswith("v5litepod-"):
-        return "tpu:v5e-" + accelerator_type.removeprefix("v5litepod-")
-    if accelerator_type.split("-")[0] in ("v4", "v5p", "v5e", "v6e"):
-        return f"tpu:{accelerator_type}"
-    return None
-
-
-def _remote_args(point: local.Point, config: str) -> list[str]:
+def _remote_args(point: Point, config: str) -> list[str]:
     """tx_jax.main's arguments for a point (tpu.sh adds parallel.distributed)."""
-    argv, wrapper = local.command(point, config, python=REMOTE_PYTHON)
+    argv, wrapper = command(point, config, python=REMOTE_PYTHON)
     if wrapper:  # a generated config file would exist here, not on the VMs
-        keys = [k for k, v in point.overrides.items() if not isinstance(v, local._FLAG_TYPES)]
+        keys = [k for k, v in point.overrides.items() if not isinstance(v, FLAG_TYPES)]
         raise SweepError(
             f"sweep point {point.index} ({point.name}): {', '.join(keys)} cannot be passed as a "
             "--config flag to the TPU VMs (a list, None or dict); set it in the base config"
@@ -139,7 +82,7 @@ def _remote_args(point: local.Point, config: str) -> list[str]:
 @dataclasses.dataclass
 class _Outcome:
     kind: str  # 'done', 'failed', 'lost' (the VM), 'no fit', 'recreated', 'not recreated'
-    point: local.Point | None
+    point: Point | None
     vm: VM
     record: dict = dataclasses.field(default_factory=dict)
     detail: str = ""
@@ -148,8 +91,8 @@ class _Outcome:
 class TpuSweep:
     def __init__(
         self,
-        sweep: local.Sweep,
-        points: list[local.Point],
+        sweep: Sweep,
+        points: list[Point],
         root: str,
         cloud: Cloud,
         *,
@@ -170,7 +113,7 @@ class TpuSweep:
 
     # ---------------------------------------------------------------- on a VM (threads)
 
-    def _plan(self, point: local.Point, vm: VM) -> bool:
+    def _plan(self, point: Point, vm: VM) -> bool:
         key = (point.index, vm.accelerator_type)
         if key not in self.fits:
             target = plan_target(vm.accelerator_type)  # not None: checked at the start
@@ -184,17 +127,17 @@ class TpuSweep:
             self.fits[key] = proc.returncode == 0
         return self.fits[key]
 
-    def run_point(self, point: local.Point, vm: VM) -> _Outcome:
+    def run_point(self, point: Point, vm: VM) -> _Outcome:
         if self.plan and not self._plan(point, vm):
             return _Outcome("no fit", point, vm)
         argv = self.cloud.start_command(vm.name, _remote_args(point, self.sweep.config))
         point.workdir.mkdir(parents=True, exist_ok=True)
         (point.workdir / "sweep_command.sh").write_text(shlex.join(argv) + "\n")
         start = time.time()
-        rc = local._run_logged(argv, point, 1)
+        rc = local.run_logged(argv, point, 1)
         self.spent[point.index] += time.time() - start  # one thread runs a point at a time
         record = {
-            "overrides": local._jsonable(point.overrides),
+            "overrides": jsonable(point.overrides),
             "command": shlex.join(argv),
             "wall_s": round(self.spent[point.index], 2),
             "vm": vm.name,
@@ -241,13 +184,13 @@ class TpuSweep:
 
     # ---------------------------------------------------------------- the controller
 
-    def results(self) -> list[dict]:
+    def tabulate(self) -> list[dict]:
         rows = []
         for p in self.points:
             status = self.status.get(p.index) or {"status": "pending"}
-            rows.append(local.summarize(p, status))
-        local.write_results(self.root, rows)
-        local.write_curves(self.root, self.points)
+            rows.append(results.summarize(p, status))
+        results.write_results(self.root, rows)
+        results.write_curves(self.root, self.points)
         return rows
 
     def run(self, vms: list[VM]) -> list[dict]:
@@ -290,9 +233,9 @@ class TpuSweep:
             for point in queue:
                 self.status[point.index] = {"status": "not run (no VM left)"}
                 self.echo(f"[{point.index}] {point.name}: not run: no VM is left")
-        return self.results()
+        return self.tabulate()
 
-    def _not_run(self, point: local.Point, types: list[str]) -> None:
+    def _not_run(self, point: Point, types: list[str]) -> None:
         where = ", ".join(f"{point.workdir}/plan_{t}.txt" for t in types)
         self.status[point.index] = {"status": f"does not fit {'/'.join(types)}"}
         self.echo(f"[{point.index}] {point.name}: not run: its plan does not fit ({where})")
@@ -311,7 +254,7 @@ class TpuSweep:
                 f"[{point.index}] {point.name}: finished on {vm.name} "
                 f"({outcome.record['wall_s']} s)"
             )
-            self.results()
+            self.tabulate()
             return vm
         if outcome.kind == "failed":
             self.status[point.index] = {**outcome.record, "status": f"failed ({outcome.detail})"}
@@ -319,7 +262,7 @@ class TpuSweep:
                 f"[{point.index}] {point.name}: failed on {vm.name} ({outcome.detail}; "
                 f"{point.workdir}/{local.LOG_FILE})"
             )
-            self.results()
+            self.tabulate()
             return vm
         if outcome.kind == "lost":
             queue.appendleft(point)
@@ -365,13 +308,11 @@ def run_tpu_sweep(
             f"--root {root or '(none)'}: a TPU sweep's root is a gs:// path (--root gs://BUCKET/"
             "sweeps/NAME): every VM writes its points' workdirs there and this host reads them"
         )
-    sweep = local.load_sweep(path)
-    points = local.expand(sweep, root, overrides)
-    if only is not None:
-        unknown = sorted(set(only) - {p.index for p in points})
-        if unknown:
-            raise SweepError(f"--only: no points {unknown} (the sweep has {len(points)})")
-        points = [p for p in points if p.index in set(only)]
+    sweep = load_sweep(path)
+    try:
+        points = select(expand(sweep, root, overrides), only)
+    except ValueError as e:
+        raise SweepError(str(e)) from None
     cloud = Cloud(zone, project)
     args = {p.index: _remote_args(p, sweep.config) for p in points}  # all flags, or an error
     if dry_run:
@@ -392,14 +333,14 @@ def run_tpu_sweep(
     runner = TpuSweep(sweep, points, root, cloud, plan=plan, recreate=recreate, echo=echo)
     try:
         for p in points:
-            if (done := local._done(p)) is not None:
+            if (done := local.done_record(p)) is not None:
                 runner.status[p.index] = {**done, "status": "ok"}
     except OSError as e:
         raise SweepError(f"--root {root}: cannot read it: {e}") from None
     pending = [p for p in points if p.index not in runner.status]
     if not pending:
         echo(f"nothing left to do: the {len(points)} point(s) are done ({root})")
-        rows = runner.results()
+        rows = runner.tabulate()
         echo((runner.root / "results.md").read_text())
         return rows
     vms = ready_vms(cloud, names, plan)
@@ -411,32 +352,3 @@ def run_tpu_sweep(
     rows = runner.run(vms)
     echo((runner.root / "results.md").read_text())
     return rows
-
-
-def ready_vms(cloud: Cloud, names: Sequence[str], plan: bool) -> list[VM]:
-    """The named VMs, each READY and (with `plan`) of a slice tx_jax.plan knows, else the
-    first mistake as a SweepError."""
-    vms = []
-    for name in dict.fromkeys(names):  # each once
-        node = cloud.describe(name)
-        state = node.get("state", "") if node else "gone"
-        if node is None or state != READY:
-            where = " ".join(cloud.where)
-            raise SweepError(
-                f"TPU VM {name} "
-                + ("does not exist" if node is None else f"is {state}, not {READY}")
-                + f" (gcloud compute tpus tpu-vm describe {name} {where}".rstrip()
-                + "); create it with ./launch.sh tpu-create and tpu-setup, or leave it out"
-            )
-        vms.append(VM.from_describe(name, node))
-        if plan and plan_target(vms[-1].accelerator_type) is None:
-            raise SweepError(
-                f"TPU VM {name}: tx_jax.plan cannot plan for {vms[-1].accelerator_type} "
-                "(v4, v5e, v5p, v6e slices); pass --no-plan to start its points unplanned"
-            )
-    if plan and importlib.util.find_spec("libtpu") is None:
-        raise SweepError(
-            "planning each point needs the TPU compiler (the plan extra: pip install -e "
-            "'.[plan]'; ./launch.sh sweep --tpu installs it), or pass --no-plan"
-        )
-    return vms
