@@ -177,11 +177,7 @@ class Walker:
         fn = self.node(stay)
         names = Names({p for p, part in carried.items() if part} | {"config"})
         # a name that holds the config (`run`, read as `run.config`) carries it as a whole
-        names.holders = {p for p, part in carried.items() if not part} | {
-            n.value.id
-            for n in ast.walk(fn)
-            if isinstance(n, ast.Attribute) and n.attr == "config" and isinstance(n.value, ast.Name)
-        }
+        names.holders = {p for p, part in carried.items() if not part} | reads_config(fn)
         outer, self.aliases = self.aliases, {}
         for statement in fn.body:
             self.statement(stay, cls, statement, names)
@@ -224,30 +220,36 @@ class Walker:
                 self.bind(t, v, names)
 
     def carried_params(self, module, cls, call: ast.Call, names):
-        """(callee, its parameters that receive the config) for each callee of `call` that is
-        given the config or a part of it."""
-        positional = {
-            i: is_config(a, names, whole=False)
-            for i, a in enumerate(call.args)
-            if is_config(a, names)
-        }
-        keywords = {
-            k.arg: is_config(k.value, names, whole=False)
-            for k in call.keywords
-            if k.arg and is_config(k.value, names)
-        }
-        if not positional and not keywords:
-            return []
+        """(callee, its parameters that receive the config: True for a part of it, False for a
+        holder) for each callee of `call` that is given the config, a part of it, or a value
+        it reads the config from (a parameter `p` read as `p.config`: `build_run(sized)`)."""
         out = []
         for callee in self.resolve(module, cls, call.func):
             fn = self.node(callee)
             params = [a.arg for a in [*fn.args.posonlyargs, *fn.args.args]]
             if "." in callee.function and params and params[0] in ("self", "cls"):
                 params = params[1:]
-            carried = {params[i]: part for i, part in positional.items() if i < len(params)}
-            carried.update(keywords)
-            out.append((callee, carried))
+            holders = reads_config(fn)
+            given = [(params[i] if i < len(params) else None, a) for i, a in enumerate(call.args)]
+            given += [(k.arg, k.value) for k in call.keywords if k.arg]
+            carried = {}
+            for param, arg in given:
+                if param is not None and is_config(arg, names, whole=False):
+                    carried[param] = True
+                elif param is not None and (is_config(arg, names) or param in holders):
+                    carried[param] = False
+            if carried:
+                out.append((callee, carried))
         return out
+
+
+def reads_config(fn: ast.FunctionDef) -> set[str]:
+    """The names `fn` reads the config from (`run` of `run.config`)."""
+    return {
+        n.value.id
+        for n in ast.walk(fn)
+        if isinstance(n, ast.Attribute) and n.attr == "config" and isinstance(n.value, ast.Name)
+    }
 
 
 class Names(set):
@@ -269,7 +271,9 @@ def is_config(node: ast.expr, names: Names, whole: bool = True) -> bool:
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
         return node.func.attr in ("get", "to_dict") and is_config(node.func.value, names, False)
     if isinstance(node, ast.Starred):
-        return is_config(node.value, names)
+        return is_config(node.value, names, whole)
+    if isinstance(node, ast.IfExp):  # `a if unset else config`
+        return is_config(node.body, names, whole) or is_config(node.orelse, names, whole)
     return False
 
 

@@ -39,7 +39,8 @@ def sized(total: int, **overrides) -> tuple:
     config = load_config("configs/text.py")
     apply_overrides(config, overrides)
     unset = sizing.unset_keys(config)
-    sizing.size_vocabulary(config, total)
+    if config.data.vocab_size is None:  # before the tokenizer, as setup.prepare_data does
+        config.data.vocab_size = sizing.size_class(total).vocab_size
     train = corpus_lengths(total)
     choices = sizing.size_run(config, unset, train, evaluation_lengths(70), platform="tpu")
     return config, choices, train

@@ -26,7 +26,7 @@ from tx_jax.ops import backend
 from tx_jax.runner import budget, console
 from tx_jax.runner.evaluator import Evaluator
 from tx_jax.runner.profiling import StepProfiler, profile_window
-from tx_jax.runner.setup import Run, build_run, restore_or_init, train_step_fn
+from tx_jax.runner.setup import Run, build_run, restore_or_init, size_from_data, train_step_fn
 from tx_jax.runner.signals import StopSignal
 from tx_jax.training import checkpoint as ckpt_lib
 from tx_jax.training import logs, parallel
@@ -37,10 +37,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     started = time.time()
     if config.train.get("deterministic"):
         backend.require_deterministic_ops()
-    run = build_run(config, workdir)
-    config = run.config  # with what the run chose from its data (runner/sizing.py)
-    cfg = config.train
-    checkpointer = _open_checkpointer(run)
+    # the sizing step: every key the config leaves to the data chosen, before the run is built
+    run = build_run(size_from_data(config, workdir))
+    config = run.config
+    cfg, c = config.train, config.checkpoint
+    checkpointer = ckpt_lib.Checkpointer(
+        run.workdir / "checkpoints",
+        keep=c.keep,
+        best_metric=c.best_metric,
+        best_mode=c.best_mode,
+        async_save=c.async_save,
+    )
     new = checkpointer.latest_step() is None
     run = budget.from_checkpoint(run, checkpointer)  # a budgeted run's steps, when resumed
     state, data_state = restore_or_init(run, checkpointer)
@@ -144,17 +151,6 @@ def _loop(run: Run, config, checkpointer, state, train_iter, p_train, evaluator,
             final["test_average_last"] = float(k)
     console.summary(run, final, budget_clock=clock)
     return final
-
-
-def _open_checkpointer(run: Run) -> ckpt_lib.Checkpointer:
-    c = run.config.checkpoint
-    return ckpt_lib.Checkpointer(
-        run.workdir / "checkpoints",
-        keep=c.keep,
-        best_metric=c.best_metric,
-        best_mode=c.best_mode,
-        async_save=c.async_save,
-    )
 
 
 def _train_iterator(run: Run):
