@@ -17,7 +17,7 @@ import optax
 from etils import epath
 
 from tx_jax.config import task_of
-from tx_jax.data import backtranslation, directions, lengths, lm_task, preparation, tasks
+from tx_jax.data import backtranslation, datasets, directions, lengths, lm_task, preparation, tasks
 from tx_jax.data.train_input import kept_train_pairs
 from tx_jax.inference import restore
 from tx_jax.model import ModelConfig, make_model
@@ -43,6 +43,9 @@ class Sized:
     source: restore.InitSource | None = None
     # the keys the data chose (runner/sizing.py): a budget refits the cadence among them
     chosen: tuple[str, ...] = ()
+    # the split scored at the end: data.test_split, '' when eval.score_test is off or the
+    # data has no such split
+    test_split: str = ""
 
 
 @dataclasses.dataclass
@@ -64,6 +67,7 @@ class Run:
     budget: dict | None = None
     # the keys the data chose (Sized.chosen): a budget refits the cadence among them
     sized: tuple[str, ...] = ()
+    test_split: str = ""  # Sized.test_split
     # the part of the parameters that trains (training/freezing.py), and, when that is not
     # all of them, the base its checkpoints record (restore.base_reference)
     trainable: Trainable = EVERYTHING
@@ -96,6 +100,10 @@ def size_from_data(
     source, task, train, evals = prepare_data(
         config, workdir, vocabulary="data.vocab_size" in unset
     )
+    d = config.data
+    test_split = d.test_split if config.eval.score_test else ""
+    if test_split and not datasets.has_split(d, test_split):
+        test_split = ""
     lines = []
     if unset:
         if train is None:
@@ -114,7 +122,7 @@ def size_from_data(
     if jax.process_index() == 0:
         for line in filter(None, lines):
             print(line, flush=True)
-    return Sized(config, workdir, strategy, task, source, chosen=unset)
+    return Sized(config, workdir, strategy, task, source, chosen=unset, test_split=test_split)
 
 
 def build_run(sized: Sized) -> Run:
@@ -131,6 +139,7 @@ def build_run(sized: Sized) -> Run:
         *parts,
         sized.source,
         sized=sized.chosen,
+        test_split=sized.test_split,
         trainable=trainable,
     )
 
