@@ -1,5 +1,6 @@
 """Defaults sized by the corpus: what a config reading a user's data leaves unset (None), the
-run chooses from that data when it is built, says in one line, and records in config.json.
+sizing step chooses from that data before the run is built, says in one line, and the run
+records in config.json.
 
     unset = unset_keys(config)                 the keys left to the data (configs/text.py's)
     size_class(pairs).vocab_size               before the tokenizer is trained
