@@ -1,5 +1,6 @@
 """What starting from a trained model costs: peak host memory and seconds of a run's start
-(`build_run` + `restore_or_init`) with train.init_from, for full fine-tuning and for LoRA.
+(`size_from_data`, `build_run`, `restore_or_init`) with train.init_from, for full fine-tuning
+and for LoRA.
 
     python benchmarks/init_from_memory.py --base=runs/init_base [--strategy=mesh]
 
@@ -57,7 +58,7 @@ def measure(args) -> None:
     import jax
 
     from tx_jax.config import load_config
-    from tx_jax.runner.setup import build_run, restore_or_init
+    from tx_jax.runner.setup import build_run, restore_or_init, size_from_data
     from tx_jax.training.checkpoint import Checkpointer
 
     c = load_config("configs/default.py")
@@ -69,7 +70,7 @@ def measure(args) -> None:
         section, _, name = key.rpartition(".")
         (c.train[section] if section else c.train)[name] = value
     with tempfile.TemporaryDirectory() as workdir:
-        run = build_run(c, workdir)
+        run = build_run(size_from_data(c, workdir))
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         start = time.perf_counter()
         state, _ = restore_or_init(run, Checkpointer(os.path.join(workdir, "checkpoints")))

@@ -18,7 +18,7 @@ from helpers import tiny_config, train_losses
 from tx_jax.model import ModelConfig, make_model
 from tx_jax.runner import budget
 from tx_jax.runner.loop import train_and_evaluate
-from tx_jax.runner.setup import build_run
+from tx_jax.runner.setup import build_run, size_from_data
 from tx_jax.runner.validation import validate_config
 from tx_jax.training import logs, optim
 from tx_jax.training.checkpoint import Checkpointer
@@ -264,7 +264,7 @@ def test_a_resumed_run_keeps_its_steps_to_the_bit(budgeted, tfds_dir, tmp_path, 
     meta = _meta(copy, n)
     assert meta["budget"] == fixed
     assert meta["train_seconds"] > _meta(workdir, restart)["train_seconds"]
-    run = build_run(tiny_config(tfds_dir, **OVERRIDES), workdir)
+    run = build_run(size_from_data(tiny_config(tfds_dir, **OVERRIDES), workdir))
     abstract = run.strategy.abstract_state(run.init_fn)
     params = [
         Checkpointer(d / "checkpoints", read_only=True).restore(n, abstract)[0].params

@@ -12,7 +12,7 @@ from tx_jax.config import sibling_config
 from tx_jax.data.lm_task import SideTexts
 from tx_jax.inference import evaluation, generation, restore
 from tx_jax.runner.loop import train_and_evaluate
-from tx_jax.runner.setup import build_run
+from tx_jax.runner.setup import build_run, size_from_data
 from tx_jax.training.checkpoint import Checkpointer
 
 PAIRS = [("a b", "x y"), ("c", "z")]
@@ -103,7 +103,7 @@ def test_language_model_test_score_averages_the_last_checkpoints(tmp_path, tfds_
     )
     jax.tree_util.tree_map(np.testing.assert_array_equal, averaged.params, mean)
 
-    batches = build_run(config, workdir).task.eval_batches("test", 1)
+    batches = build_run(size_from_data(config, workdir)).task.eval_batches("test", 1)
     assert evaluation.loss_metrics(averaged, batches)["loss"] == pytest.approx(
         final["test_loss"], rel=1e-5
     )

@@ -23,7 +23,7 @@ from tx_jax.data import directions
 from tx_jax.data.tokenizer import Tokenizer, train_tokenizer
 from tx_jax.inference import evaluation, multilingual, restore
 from tx_jax.runner.loop import train_and_evaluate
-from tx_jax.runner.setup import build_run, restore_or_init
+from tx_jax.runner.setup import build_run, restore_or_init, size_from_data
 from tx_jax.runner.validation import validate_config
 from tx_jax.training.checkpoint import Checkpointer
 
@@ -229,7 +229,7 @@ def test_init_from_loads_the_same_parameters(workdir, loaded, data_dir, raw_dir,
             "train.num_steps": 4,
         },
     )
-    run = build_run(c, tmp_path / "ft")
+    run = build_run(size_from_data(c, tmp_path / "ft"))
     assert run.task.tokenizer == loaded.tokenizer  # reused, not trained on de-fr
     assert len(run.task.direction("en-fr").train_pairs()) == 50
     checkpointer = Checkpointer(tmp_path / "ft" / "checkpoints", best_metric=None)

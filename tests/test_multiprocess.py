@@ -31,7 +31,7 @@ from helpers import ROOT, process_env, run_python, tiny_config, train_losses
 
 from tx_jax.runner.evaluator import Evaluator
 from tx_jax.runner.loop import train_and_evaluate
-from tx_jax.runner.setup import build_run
+from tx_jax.runner.setup import build_run, size_from_data
 from tx_jax.training.checkpoint import Checkpointer
 
 # the fixture's launches are shared by this file's tests: one xdist worker runs them all
@@ -260,7 +260,7 @@ def test_two_processes_train_resume_and_match_one_process(tmp_path, tfds_dir, la
 
     # the 2-process checkpoint restores and evaluates here, on 1 device
     config = tiny_config(tfds_dir, **{**OVERRIDES, "train.num_steps": target})
-    run = build_run(config, workdir)
+    run = build_run(size_from_data(config, workdir))
     assert jax.process_count() == 1  # this process, with its own device(s)
     checkpointer = Checkpointer(workdir / "checkpoints", read_only=True)
     assert checkpointer.latest_step() == target

@@ -16,7 +16,7 @@ import zygote
 from helpers import ROOT, tiny_config, train_losses
 
 from tx_jax.runner.loop import train_and_evaluate
-from tx_jax.runner.setup import build_run
+from tx_jax.runner.setup import build_run, size_from_data
 from tx_jax.training.checkpoint import Checkpointer
 
 
@@ -160,7 +160,7 @@ def test_too_many_nonfinite_steps_stop_with_a_clear_error(tmp_path, tfds_dir, mo
     # holds exactly the step-4 parameters and counts two skipped updates
     ckpt = Checkpointer(tmp_path / "good" / "checkpoints", read_only=True)
     assert ckpt.latest_step() == 6
-    run = build_run(config, tmp_path / "good")
+    run = build_run(size_from_data(config, tmp_path / "good"))
     abstract = run.strategy.abstract_state(run.init_fn)
     state, _, _ = ckpt.restore(6, abstract)
     before, _, _ = ckpt.restore(4, abstract)

@@ -16,8 +16,9 @@ from test_data_text import write, write_prefix
 
 from tx_jax.config import apply_overrides, load_config
 from tx_jax.data import lengths as lengths_lib
-from tx_jax.runner import sizing
+from tx_jax.runner import setup, sizing
 from tx_jax.runner.loop import train_and_evaluate
+from tx_jax.runner.setup import size_from_data
 from tx_jax.runner.validation import validate_config
 
 
@@ -39,7 +40,8 @@ def sized(total: int, **overrides) -> tuple:
     config = load_config("configs/text.py")
     apply_overrides(config, overrides)
     unset = sizing.unset_keys(config)
-    sizing.size_vocabulary(config, total)
+    if config.data.vocab_size is None:  # before the tokenizer, as setup.prepare_data does
+        config.data.vocab_size = sizing.size_class(total).vocab_size
     train = corpus_lengths(total)
     choices = sizing.size_run(config, unset, train, evaluation_lengths(70), platform="tpu")
     return config, choices, train
@@ -233,3 +235,34 @@ def test_prepare_prints_the_choices_and_a_run_records_and_keeps_them(tmp_path, c
     again = sizing.begin(config, epath.Path(workdir))
     assert again.data.max_eval_len == 40 and again.model.dropout_rate == 0.3
     assert again.data.max_train_len == 64 and sizing.unset_keys(again) == []
+
+
+def test_the_sizing_step_completes_a_copy_once_and_the_run_reads_no_data_again(
+    tmp_path, capsys, monkeypatch
+):
+    """size_from_data: the keys left to the data chosen in a copy (said in one line), the task
+    prepared once, a test split the corpus lacks found; build_run builds from that alone."""
+    files = corpus(tmp_path)
+    del files["data.test"]  # configs/text.py scores a test split: this corpus has none
+    config = load_config("configs/text.py")
+    tiny = {"model.d_model": 32, "model.num_heads": 2, "model.d_ff": 64}
+    tiny.update({"model.num_encoder_layers": 1, "model.num_decoder_layers": 1})
+    apply_overrides(config, {**files, **tiny, "data.vocab_size": 300})
+    unset = sizing.unset_keys(config)
+    sized = size_from_data(config, tmp_path / "run")
+    out = capsys.readouterr().out
+    assert sizing.unset_keys(config) == unset and "model.d_model" not in unset
+    assert sized.chosen == tuple(unset) and sizing.unset_keys(sized.config) == []
+    assert sized.config.data.max_train_len == 64 and sized.config.model.d_model == 32
+    assert out.count("sized from the data: 300 train pairs") == 1
+    assert config.eval.score_test and sized.test_split == ""
+
+    def prepared_again(*args, **kwargs):
+        raise AssertionError("build_run prepared the data a second time")
+
+    monkeypatch.setattr(setup.tasks, "prepare_translation_task", prepared_again)
+    monkeypatch.setattr(setup.preparation, "open_train_splits", prepared_again)
+    run = setup.build_run(sized)
+    assert (run.config, run.task, run.sized) == (sized.config, sized.task, sized.chosen)
+    assert run.model_config.vocab_size == sized.task.tokenizer.vocab_size == 300
+    assert run.test_split == "" and capsys.readouterr().out == ""

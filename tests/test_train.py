@@ -12,7 +12,7 @@ import pytest
 from helpers import run_python, tiny_config, train_losses
 
 from tx_jax.runner.loop import train_and_evaluate
-from tx_jax.runner.setup import build_run
+from tx_jax.runner.setup import build_run, size_from_data
 from tx_jax.runner.validation import validate_config
 from tx_jax.training import logs
 from tx_jax.training.checkpoint import Checkpointer
@@ -202,7 +202,7 @@ def test_bf16_training_best_checkpoint_retention_and_tokens_per_second(tmp_path,
     assert worst != 8
     ckpt = Checkpointer(tmp_path / "checkpoints", read_only=True)
     assert ckpt.all_steps() == [worst, 8]
-    run = build_run(config, tmp_path)
+    run = build_run(size_from_data(config, tmp_path))
     state, _, _ = ckpt.restore(8, run.strategy.abstract_state(run.init_fn))
     dtypes = {x.dtype for x in jax.tree_util.tree_leaves(state.params)}
     assert dtypes == {np.dtype("float32")}  # bf16 is the compute dtype only
@@ -216,7 +216,7 @@ def test_pmap_and_mesh_on_8_devices_match_one_device(tmp_path, tfds_dir, one_dev
 import jax, numpy as np
 from helpers import tiny_config
 from tx_jax.runner.loop import train_and_evaluate
-from tx_jax.runner.setup import build_run
+from tx_jax.runner.setup import build_run, size_from_data
 from tx_jax.runner.validation import validate_config
 assert jax.device_count() == 8
 base = {base!r}
@@ -231,8 +231,8 @@ for name, overrides in layouts.items():
                        {str(tmp_path)!r} + "/" + name)
 # what the 8 devices hold at the end, to compare with a 1-device restore
 from tx_jax.training.checkpoint import Checkpointer
-run = build_run(tiny_config({str(tfds_dir)!r}, **base, **layouts["mesh_222"]),
-                      {str(tmp_path)!r} + "/mesh_222")
+run = build_run(size_from_data(tiny_config({str(tfds_dir)!r}, **base, **layouts["mesh_222"]),
+                               {str(tmp_path)!r} + "/mesh_222"))
 ckpt = Checkpointer({str(tmp_path)!r} + "/mesh_222/checkpoints", read_only=True)
 state, _, _ = ckpt.restore({steps}, run.strategy.abstract_state(run.init_fn))
 assert any(len(x.sharding.device_set) == 8 for x in jax.tree_util.tree_leaves(state.params))
@@ -252,7 +252,7 @@ np.savez({str(tmp_path)!r} + "/mesh_222_params.npz", **{{
         )
     # the (data, fsdp, tensor) = (2, 2, 2) checkpoint restores on 1 device, bit for bit
     saved = np.load(tmp_path / "mesh_222_params.npz")
-    run = build_run(tiny_config(tfds_dir, **base), tmp_path / "mesh_222")
+    run = build_run(size_from_data(tiny_config(tfds_dir, **base), tmp_path / "mesh_222"))
     ckpt = Checkpointer(tmp_path / "mesh_222" / "checkpoints", read_only=True)
     state, data_state, _ = ckpt.restore(steps, run.strategy.abstract_state(run.init_fn))
     assert int(state.step) == steps and data_state["input_shards"] == 1

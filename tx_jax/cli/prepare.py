@@ -15,7 +15,6 @@ run needs this first when its data is large (tx_jax/data/preparation.py).
 
 import sys
 
-import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -23,8 +22,8 @@ from tx_jax.cli import common
 from tx_jax.data import datasets
 from tx_jax.ops import backend
 from tx_jax.runner import setup, sizing
-from tx_jax.runner.validation import validate_config
 from tx_jax.training import checkpoint as ckpt_lib
+from tx_jax.training import parallel
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "The run's directory: its tokenizer.model goes there.")
@@ -59,25 +58,17 @@ def main(argv):
     backend.skip_absent_tpu()
     config, workdir = FLAGS.config, ckpt_lib.absolute(FLAGS.workdir)
     try:
-        config = sizing.begin(config, workdir)
-        unset = sizing.unset_keys(config)
-        validate_config(sizing.with_placeholders(config))
-        source = setup.init_source(config, workdir)
-        # the batch rows a run on this host's devices would need (pmap: one per device)
-        config, task = setup.sized_task(
-            config,
-            workdir,
-            source,
-            batch_multiple=jax.device_count() * config.train.grad_accum_steps,
-        )
-        lines = report(config)
+        # this host's devices, as a run's (no jax.distributed: prepare runs on one host)
+        strategy = parallel.make_strategy(config.parallel)
+        sized = setup.size_from_data(config, workdir, strategy)
+        lines = report(sized.config)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
     for line in lines:
         print(line)
-    print(f"tokenizer: {workdir / 'tokenizer.model'} ({task.tokenizer.vocab_size:,} pieces)")
-    if unset:  # what tx_jax.plan, tpu-run and sweeps need to build this run without data
-        chosen = {k: sizing.get(config, k) for k in unset}
+    print(f"tokenizer: {workdir / 'tokenizer.model'} ({sized.task.tokenizer.vocab_size:,} pieces)")
+    if sized.chosen:  # what tx_jax.plan, tpu-run and sweeps need to build this run without data
+        chosen = {k: sizing.get(sized.config, k) for k in sized.chosen}
         print(f"as flags: {sizing.as_flags(chosen)}")
 
 

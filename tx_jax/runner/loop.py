@@ -20,13 +20,12 @@ import jax
 import ml_collections
 import numpy as np
 
-from tx_jax.data import datasets
 from tx_jax.inference import averaging, restore
 from tx_jax.ops import backend
 from tx_jax.runner import budget, console
 from tx_jax.runner.evaluator import Evaluator
 from tx_jax.runner.profiling import StepProfiler, profile_window
-from tx_jax.runner.setup import Run, build_run, restore_or_init, train_step_fn
+from tx_jax.runner.setup import Run, build_run, restore_or_init, size_from_data, train_step_fn
 from tx_jax.runner.signals import StopSignal
 from tx_jax.training import checkpoint as ckpt_lib
 from tx_jax.training import logs, parallel
@@ -37,10 +36,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     started = time.time()
     if config.train.get("deterministic"):
         backend.require_deterministic_ops()
-    run = build_run(config, workdir)
-    config = run.config  # with what the run chose from its data (runner/sizing.py)
-    cfg = config.train
-    checkpointer = _open_checkpointer(run)
+    # the sizing step: every key the config leaves to the data chosen, before the run is built
+    run = build_run(size_from_data(config, workdir))
+    config = run.config
+    cfg, c = config.train, config.checkpoint
+    checkpointer = ckpt_lib.Checkpointer(
+        run.workdir / "checkpoints",
+        keep=c.keep,
+        best_metric=c.best_metric,
+        best_mode=c.best_mode,
+        async_save=c.async_save,
+    )
     new = checkpointer.latest_step() is None
     run = budget.from_checkpoint(run, checkpointer)  # a budgeted run's steps, when resumed
     state, data_state = restore_or_init(run, checkpointer)
@@ -51,13 +57,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     if new and budget.minutes(run.config) > 0:  # its step timed: the steps it has time for
         run = budget.fit(run, state, shardings, started, _train_iterator(run))
     config, cfg = run.config, run.config.train
+    p_train = _compile_train_step(run, shardings)
+    evaluator = Evaluator(run, shardings)
+    train_seconds, eval_seconds = _seconds_before(run, checkpointer, state)
     # after the restore (a config it refuses leaves the workdir's config.json as it was) and
     # the budget's fit (config.json holds the steps the run takes)
     logs.write_json(run.workdir / "config.json", config.to_dict())
     logs.write_json(run.workdir / "versions.json", logs.versions())
-    p_train = _compile_train_step(run, shardings)
-    evaluator = Evaluator(run, shardings)
-    train_seconds, eval_seconds = _seconds_before(run, checkpointer, state)
     logger = logs.MetricLogger(
         run.workdir,
         cfg.num_steps,
@@ -133,10 +139,10 @@ def _loop(run: Run, config, checkpointer, state, train_iter, p_train, evaluator,
     stop.restore()
     checkpointer.wait()
     checkpointer.close()
-    test_split = config.data.test_split if config.eval.score_test else ""
-    if test_split and not datasets.has_split(config.data, test_split):
-        console.no_test_split(test_split)
-    elif test_split and step == cfg.num_steps:  # every process decodes (SPMD)
+    wanted = config.data.test_split if config.eval.score_test else ""
+    if wanted and not run.test_split:  # the data has no such split (setup.size_from_data)
+        console.no_test_split(wanted)
+    elif run.test_split and step == cfg.num_steps:  # every process decodes (SPMD)
         k = config.eval.get("average_last", 0)
         test_state = _averaged(run, state, k) if k else state
         final.update(evaluator.test_metrics(test_state, step, logger))
@@ -144,17 +150,6 @@ def _loop(run: Run, config, checkpointer, state, train_iter, p_train, evaluator,
             final["test_average_last"] = float(k)
     console.summary(run, final, budget_clock=clock)
     return final
-
-
-def _open_checkpointer(run: Run) -> ckpt_lib.Checkpointer:
-    c = run.config.checkpoint
-    return ckpt_lib.Checkpointer(
-        run.workdir / "checkpoints",
-        keep=c.keep,
-        best_metric=c.best_metric,
-        best_mode=c.best_mode,
-        async_save=c.async_save,
-    )
 
 
 def _train_iterator(run: Run):

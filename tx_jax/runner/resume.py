@@ -145,15 +145,15 @@ def differences(stored: Mapping, config: ml_collections.ConfigDict) -> dict[str,
     that the other holds at its neutral value. A config without data.tokenizer (one stored
     before it existed) reads as the options its tokenizer was trained with."""
     current = json.loads(json.dumps(config.to_dict()))
-    stored = upgrade_stored(stored)
     changed = config_differences(_complete(stored), _complete(current))
     return {k: (a, b) for k, (a, b) in changed.items() if a or b}
 
 
 def _complete(config: Mapping) -> Mapping:
-    """`config` (as saved) with its absent study keys at their neutral values and
+    """`config` (as saved) as today's code reads it: under today's key names
+    (config.upgrade_stored), its absent study keys at their neutral values and
     run_tokenizer.TOKENIZER_DEFAULTS where data.tokenizer lacks a key."""
-    config = with_study_defaults(config)
+    config = with_study_defaults(upgrade_stored(config))
     data = config.get("data")
     if not isinstance(data, Mapping):
         return config

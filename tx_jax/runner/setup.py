@@ -17,7 +17,7 @@ import optax
 from etils import epath
 
 from tx_jax.config import task_of
-from tx_jax.data import backtranslation, directions, lengths, lm_task, preparation, tasks
+from tx_jax.data import backtranslation, datasets, directions, lengths, lm_task, preparation, tasks
 from tx_jax.data.train_input import kept_train_pairs
 from tx_jax.inference import restore
 from tx_jax.model import ModelConfig, make_model
@@ -28,6 +28,24 @@ from tx_jax.training import optim, parallel
 from tx_jax.training.freezing import EVERYTHING, Trainable
 from tx_jax.training.state import TrainState, init_state
 from tx_jax.training.step import train_step
+
+
+@dataclasses.dataclass
+class Sized:
+    """A complete config and what it was sized from: the sizing step's result
+    (size_from_data), what build_run builds a run of."""
+
+    config: ml_collections.ConfigDict  # nothing left to the data
+    workdir: epath.Path
+    strategy: parallel.Strategy
+    task: tasks.TranslationTask | lm_task.LMTask | directions.MultilingualTask
+    # train.init_from's checkpoint when this run starts from it (None when resuming)
+    source: restore.InitSource | None = None
+    # the keys the data chose (runner/sizing.py): a budget refits the cadence among them
+    chosen: tuple[str, ...] = ()
+    # the split scored at the end: data.test_split, '' when eval.score_test is off or the
+    # data has no such split
+    test_split: str = ""
 
 
 @dataclasses.dataclass
@@ -47,90 +65,122 @@ class Run:
     init_source: restore.InitSource | None = None
     # train.time_budget_minutes' measurement and the steps it fixed (runner/budget.py)
     budget: dict | None = None
-    # the keys the data chose (runner/sizing.py): a budget refits the cadence among them
+    # the keys the data chose (Sized.chosen): a budget refits the cadence among them
     sized: tuple[str, ...] = ()
+    test_split: str = ""  # Sized.test_split
     # the part of the parameters that trains (training/freezing.py), and, when that is not
     # all of them, the base its checkpoints record (restore.base_reference)
     trainable: Trainable = EVERYTHING
     base: dict | None = None
 
 
-def build_run(config: ml_collections.ConfigDict, workdir: str | epath.Path) -> Run:
-    """Devices, data, tokenizer, model and optimizer for `config` in `workdir`."""
+def size_from_data(
+    config: ml_collections.ConfigDict,
+    workdir: str | epath.Path,
+    strategy: parallel.Strategy | None = None,
+) -> Sized:
+    """The sizing step, before the run is built: `config` (left as it is) completed from the
+    data. A resumed run's keys come from its config.json, the rest the data chooses
+    (runner/sizing.py: the vocabulary before the tokenizer is trained, the rest from the
+    tokenized lengths), said in one line; then what data.max_train_len drops of the train split
+    and data.max_eval_len truncates of the evaluation splits. A complete config is checked
+    before any data is read; one with keys left to the data, its rest before and all of it
+    after. The task it prepared (its tokenizer trained) is the run's. `strategy`: the devices'
+    (default: the config's, jax.distributed started first when it asks for it)."""
     workdir = ckpt_lib.absolute(workdir)
     config = sizing.begin(config, workdir)
-    validate_config(sizing.with_placeholders(config))
-    parallel.maybe_initialize_distributed(config.parallel)
-    strategy = parallel.make_strategy(config.parallel)
-    if not sizing.unset_keys(config):  # before any data is read, where the sizes are known
+    unset = tuple(sizing.unset_keys(config))
+    validate_config(sizing.with_placeholders(config) if unset else config)
+    if strategy is None:
+        parallel.maybe_initialize_distributed(config.parallel)
+        strategy = parallel.make_strategy(config.parallel)
+    if not unset:  # before any data is read, where the sizes are known
         check_batch_divides(config, strategy)
     check_writable(workdir)
-    source = init_source(config, workdir)
-    multiple = strategy.global_batch_multiple * config.train.grad_accum_steps
-    sized = tuple(sizing.unset_keys(config))
-    config, task = sized_task(config, workdir, source, batch_multiple=multiple)
-    check_batch_divides(config, strategy)
-    platform = jax.devices()[0].platform  # the run's devices: the strategy's are these
-    parts = build_model(config, task.tokenizer.vocab_size, task.tokenizer.bos_id, platform)
-    trainable = Trainable.of(config.train)
-    return Run(config, workdir, strategy, task, *parts, source, sized=sized, trainable=trainable)
-
-
-def sized_task(
-    config: ml_collections.ConfigDict, workdir: epath.Path, source=None, *, batch_multiple: int
-):
-    """(config, task): the task prepared (prepare_task) with the keys `config` leaves to the
-    data chosen from it first (runner/sizing.py: the vocabulary before the tokenizer is
-    trained, the rest from the tokenized lengths), announced in one line, then what
-    data.max_train_len drops of the train split and data.max_eval_len truncates of the evaluation
-    splits. Returns a sized copy; a config with nothing unset is returned as it is."""
-    unset = sizing.unset_keys(config)
-    if unset and "data.vocab_size" in unset:
-        (train,) = preparation.open_train_splits([config.data], workdir)
-        sizing.size_vocabulary(config, len(kept_train_pairs(config.data, train)))
-    task = prepare_task(config, workdir, source)
-    if not isinstance(task, tasks.TranslationTask):
-        if unset:
-            raise ValueError(f"{sizing.unset_message(unset)} (sized for one translation pair)")
-        return config, task
-    train = lengths.train_lengths(task, config.seed)
-    evals = lengths.eval_lengths(task, _eval_splits(config))
+    source, task, train, evals = prepare_data(
+        config, workdir, vocabulary="data.vocab_size" in unset
+    )
+    d = config.data
+    test_split = d.test_split if config.eval.score_test else ""
+    if test_split and not datasets.has_split(d, test_split):
+        test_split = ""
     lines = []
     if unset:
-        platform = jax.devices()[0].platform
+        if train is None:
+            raise ValueError(f"{sizing.unset_message(unset)} (sized for one translation pair)")
+        multiple = strategy.global_batch_multiple * config.train.grad_accum_steps
+        platform = jax.devices()[0].platform  # the run's devices: the strategy's are these
         choices = sizing.size_run(
-            config, unset, train, evals, platform=platform, batch_multiple=batch_multiple
+            config, unset, train, evals, platform=platform, batch_multiple=multiple
         )
         lines.append(choices.line)
         validate_config(config)
-    lines.append(lengths.describe_train(train, config.data.max_train_len))
-    lines.append(lengths.describe_eval(evals, config.data.max_eval_len))
+        check_batch_divides(config, strategy)
+    if train is not None:
+        lines.append(lengths.describe_train(train, config.data.max_train_len))
+        lines.append(lengths.describe_eval(evals, config.data.max_eval_len))
     if jax.process_index() == 0:
         for line in filter(None, lines):
             print(line, flush=True)
-    return config, task
+    return Sized(config, workdir, strategy, task, source, chosen=unset, test_split=test_split)
 
 
-def _eval_splits(config: ml_collections.ConfigDict) -> list[str]:
-    """The evaluation splits a run decodes: validation, and the test split when scored."""
-    return ["validation", *(["test"] if config.eval.score_test else [])]
+def build_run(sized: Sized) -> Run:
+    """Model and optimizer for a sized config (size_from_data), on its devices."""
+    config, task = sized.config, sized.task
+    platform = jax.devices()[0].platform  # the run's devices: the strategy's are these
+    parts = build_model(config, task.tokenizer.vocab_size, task.tokenizer.bos_id, platform)
+    trainable = Trainable.of(config.train)
+    return Run(
+        config,
+        sized.workdir,
+        sized.strategy,
+        task,
+        *parts,
+        sized.source,
+        sized=sized.chosen,
+        test_split=sized.test_split,
+        trainable=trainable,
+    )
 
 
-def prepare_task(config: ml_collections.ConfigDict, workdir: epath.Path, source=None):
-    """The run's task: its data prepared and opened, its tokenizer trained (or given, or
-    train.init_from's `source`'s) and saved as WORKDIR/tokenizer.model."""
+# ---------------------------------------------------------------- the seam to data/
+
+
+def prepare_data(config: ml_collections.ConfigDict, workdir: epath.Path, *, vocabulary: bool):
+    """(source, task, train lengths, evaluation lengths): everything a run reads of its data,
+    prepared once. `source`: train.init_from's checkpoint, opened (meta only), unless the
+    workdir has checkpoints of its own (then the run resumes from those and init_from is not
+    read again); `vocabulary`: data.vocab_size chosen first from the train split's pair count
+    (data.max_train_pairs applied; runner/sizing.py's rule), before the tokenizer is trained.
+    The task: its data prepared and opened, its tokenizer trained (or given, or `source`'s) and
+    saved as WORKDIR/tokenizer.model; the lengths (a uniform sample of the train split and the
+    evaluation splits a run decodes) for one translation pair, the others None."""
+    own = workdir / "checkpoints"
+    resumed = own.exists() and any(p.name.isdigit() for p in own.iterdir())
+    path = config.train.get("init_from")
+    source = restore.open_init_source(path) if path and not resumed else None
+    d = config.data
+    if vocabulary:
+        (pairs,) = preparation.open_train_splits([d], workdir)
+        d.vocab_size = sizing.size_class(len(kept_train_pairs(d, pairs))).vocab_size
     is_lm = task_of(config) == "lm"
     prepare = lm_task.prepare_lm_task if is_lm else tasks.prepare_translation_task
-    if directions.is_multilingual(config.data):
+    if directions.is_multilingual(d):
         prepare = directions.prepare_multilingual_task
-    elif backtranslation.has_synthetic(config.data) and not is_lm:
+    elif backtranslation.has_synthetic(d) and not is_lm:
         prepare = backtranslation.prepare_backtranslation_task
-    return prepare(config.data, workdir, seed=config.seed, tokenizer=task_tokenizer(source))
-
-
-def task_tokenizer(source):
-    """train.init_from's tokenizer, or None (the task trains or loads its own)."""
-    return source.tokenizer if source is not None else None
+    tokenizer = source.tokenizer if source is not None else None
+    task = prepare(d, workdir, seed=config.seed, tokenizer=tokenizer)
+    if not isinstance(task, tasks.TranslationTask):
+        return source, task, None, None
+    splits = ["validation", *(["test"] if config.eval.score_test else [])]
+    return (
+        source,
+        task,
+        lengths.train_lengths(task, config.seed),
+        lengths.eval_lengths(task, splits),
+    )
 
 
 def build_model(config: ml_collections.ConfigDict, vocab_size: int, bos_id: int, platform: str):
@@ -171,18 +221,6 @@ def train_step_fn(config: ml_collections.ConfigDict, model: nn.Module, tx, sched
         grad_accum_steps=cfg.grad_accum_steps,
         trainable=Trainable.of(cfg),
     )
-
-
-def init_source(config: ml_collections.ConfigDict, workdir: epath.Path):
-    """train.init_from's checkpoint, opened (meta only), unless the workdir has checkpoints
-    of its own: then the run resumes from those and init_from is not read again."""
-    path = config.train.get("init_from")
-    if not path:
-        return None
-    own = workdir / "checkpoints"
-    if own.exists() and any(p.name.isdigit() for p in own.iterdir()):
-        return None
-    return restore.open_init_source(path)
 
 
 def check_writable(workdir: epath.Path) -> None:

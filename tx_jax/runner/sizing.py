@@ -1,9 +1,12 @@
 """Defaults sized by the corpus: what a config reading a user's data leaves unset (None), the
-run chooses from that data when it is built, says in one line, and records in config.json.
+sizing step chooses from that data before the run is built, says in one line, and the run
+records in config.json.
 
     unset = unset_keys(config)                 the keys left to the data (configs/text.py's)
-    vocab = size_vocabulary(config, pairs)     before the tokenizer is trained
-    choices = size_run(config, task, ...)      after: lengths, model, steps, dtype
+    size_class(pairs).vocab_size               before the tokenizer is trained
+    choices = size_run(config, unset, ...)     after: lengths, model, steps, dtype
+
+runner/setup.py's size_from_data is the sizing step that applies it, before the run is built.
 
 The rule (docs/data.md "Your own corpus" has it as a table, with its evidence):
 
@@ -209,16 +212,6 @@ def fill(config: ml_collections.ConfigDict, values: dict[str, Any]) -> None:
     for key, value in values.items():
         if get(config, key) is None:
             _set(config, key, value)
-
-
-def size_vocabulary(config: ml_collections.ConfigDict, pairs: int) -> int | None:
-    """data.vocab_size for a train split of `pairs` pairs, set in `config` when unset;
-    returns the chosen value (None when the user set it)."""
-    if config.data.get("vocab_size") is not None:
-        return None
-    vocab = size_class(pairs).vocab_size
-    config.data.vocab_size = vocab
-    return vocab
 
 
 def round_up(n: float, multiple: int) -> int:
