@@ -17,7 +17,7 @@ Text = str | bytes
 PRECHECK_SLACK = 4  # NFKC can merge a few characters into one; stay conservative.
 
 
-def _clean_text(x: Text) -> tuple[str, bool]:
+def clean_text(x: Text) -> tuple[str, bool]:
     """Returns (text, was_invalid): bytes/surrogates that are not UTF-8 become U+FFFD."""
     if isinstance(x, bytes | bytearray):
         try:
@@ -94,7 +94,7 @@ class Featurizer:
         raw = (item,) if len(self.keys) == 1 else tuple(item)
         if len(raw) != len(self.keys):
             raise ValueError(f"expected {len(self.keys)} texts per example, got {len(raw)}")
-        cleaned = [_clean_text(t) for t in raw]
+        cleaned = [clean_text(t) for t in raw]
         texts = [t for t, _ in cleaned]
         notes = ("invalid_utf8",) if any(bad for _, bad in cleaned) else ()
         if any(not t or t.isspace() for t in texts):
