@@ -18,7 +18,7 @@ from forked import run_modules
 from helpers import ROOT
 
 from tx_jax.config import apply_overrides, load_config
-from tx_jax.data import datasets, tasks, text_corpus, views
+from tx_jax.data import datasets, streams, tasks, text_corpus
 from tx_jax.data import tokenizer as tk
 from tx_jax.inference import evaluation, restore, translation
 from tx_jax.interop import huggingface
@@ -237,7 +237,7 @@ def test_the_tokenizer_learns_from_every_shard_not_the_head(tmp_path):
     assert len(train) == 1200
     head = list(train)[:200]  # what the tokenizer learnt from before: shard 0's pairs
     assert not any("ж" in s + t for s, t in head)
-    drawn = views.Sample(train, 200, seed=0).indices
+    drawn = streams.Sample(train, 200, seed=0).indices
     assert (np.bincount(drawn // 300, minlength=4) > 20).all()  # ~50 from every shard
     sentence = "ein жар Haus"
     ids = task.tokenizer.encode(sentence)

@@ -7,7 +7,7 @@
     data.backtranslation_tag = "<BT>"
 
     task = prepare_backtranslation_task(config.data, workdir, seed=config.seed)
-    task.train_iterator(n)               real and synthetic pairs in one stream (mixture.py)
+    task.train_iterator(n)               real and synthetic pairs in one stream (streams.py)
     task.eval_batches('validation', n)   the real dataset's splits only, as TranslationTask's
 
 A synthetic corpus is two plain-text files (or globs with wildcards in the file name, or lists
@@ -26,7 +26,7 @@ example j of the stream is drawn from corpus i with probability
     p_0 = 1 / (1 + sum_i r_i),    p_i = r_i / (1 + sum_i r_i)
 
 so ratio 1.0 is half of every batch synthetic on average, 0.25 one synthetic pair in five.
-Each corpus is read without replacement epoch by epoch, whatever its share (mixture.py).
+Each corpus is read without replacement epoch by epoch, whatever its share (streams.py).
 
 Tagged back-translation (Caswell et al., 2019): with "tag": True the id of
 `data.backtranslation_tag` goes before every source of that corpus (after the task's own source
@@ -52,10 +52,9 @@ from etils import epath
 
 from tx_jax import paths
 from tx_jax.config import study_value
-from tx_jax.data import mixture, tasks
-from tx_jax.data.input_shards import ShardedTrainIterator, Span
+from tx_jax.data import shards, tasks
+from tx_jax.data.shards import ShardedTrainIterator, Span, sharded_train_iterator
 from tx_jax.data.tokenizer import Tokenizer
-from tx_jax.data.train_input import sharded_train_iterator
 
 KEY = "data.backtranslation"
 REAL = "train"  # the real train split's name in the mixture (its 'kept/train' count)
@@ -246,7 +245,7 @@ class BacktranslationTask(tasks.TranslationTask):
         prefix = list(self.source_prefix)
         sources = {n: prefix + ([self.tag_id] if self.tagged[n] else []) for n in self.synthetic}
         build = functools.partial(
-            mixture.make_mixture_train_iterator,
+            shards.make_mixture_train_iterator,
             corpora,
             list(self.probabilities.values()),
             self.tokenizer,

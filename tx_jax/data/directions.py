@@ -1,12 +1,12 @@
 """Multilingual translation: one model, several directions, target-language tags.
 
     data.directions = 'en-de,de-en,en-fr,fr-en'   (or '+' between them, or a list)
-    data.mixture = 'temperature'                  'uniform' | 'temperature' (mixture.py)
+    data.mixture = 'temperature'                  'uniform' | 'temperature' (streams.py)
     data.temperature = 5.0                        p_i ~ n_i^(1/T)
     data.extra_eval_directions = 'de-fr'          also decoded for BLEU (e.g. zero-shot)
 
     task = prepare_multilingual_task(config.data, workdir, seed=config.seed)
-    task.train_iterator(n)               one mixed stream over every direction (mixture.py)
+    task.train_iterator(n)               one mixed stream over every direction (streams.py)
     task.eval_batches('validation', n)   the validation pairs of every training direction
     task.direction('en-de')              a TranslationTask of one direction, tagged: its pairs,
                                          eval batches and BLEU; any direction whose target
@@ -41,12 +41,17 @@ import ml_collections
 from etils import epath
 
 from tx_jax.config import study_value
-from tx_jax.data import mixture, preparation, run_tokenizer, tasks
+from tx_jax.data import preparation, run_tokenizer, shards, streams, tasks
 from tx_jax.data.eval_pipeline import EvalBatches
-from tx_jax.data.input_shards import ShardedTrainIterator, Span
+from tx_jax.data.shards import (
+    ShardedTrainIterator,
+    Span,
+    kept_train_pairs,
+    parse_max_train_pairs,
+    sharded_train_iterator,
+)
+from tx_jax.data.streams import Concat, Sample
 from tx_jax.data.tokenizer import Tokenizer
-from tx_jax.data.train_input import kept_train_pairs, parse_max_train_pairs, sharded_train_iterator
-from tx_jax.data.views import Concat, Sample
 
 Direction = tuple[str, str]  # (source language, target language)
 
@@ -116,8 +121,8 @@ def validate_config(data: Any, task: str = "translation") -> None:
     if trained and task == "lm":
         raise ValueError("data.directions is for translation; task='lm' reads data.lm_side")
     kind, temperature = study_value(data, "mixture"), study_value(data, "temperature")
-    if kind not in mixture.MIXTURES:
-        raise ValueError(f"data.mixture={kind!r}; expected one of {mixture.MIXTURES}")
+    if kind not in streams.MIXTURES:
+        raise ValueError(f"data.mixture={kind!r}; expected one of {streams.MIXTURES}")
     if temperature <= 0:
         raise ValueError(f"data.temperature={temperature} must be positive")
     spec = study_value(data, "max_train_pairs")
@@ -200,7 +205,7 @@ class MultilingualTask:
         """This process's rows of the global batches mixing the directions (every input shard
         draws the same corpus sequence from its share of each corpus)."""
         build = functools.partial(
-            mixture.make_mixture_train_iterator,
+            shards.make_mixture_train_iterator,
             {n: t.train_pairs() for n, t in self.directions.items()},
             [self.probabilities[n] for n in self.directions],
             self.tokenizer,
@@ -225,7 +230,7 @@ class MultilingualTask:
 def _tokenizer_texts(
     data: Any, train_pairs: Sequence[Sequence[tuple[str, str]]], seed: int
 ) -> Iterator[str]:
-    """Both sides of a uniform sample (views.Sample, `seed`) of data.tokenizer_pairs of each
+    """Both sides of a uniform sample (streams.Sample, `seed`) of data.tokenizer_pairs of each
     language pair's `train_pairs` (all of them when it has no more), each distinct sentence
     once (English of en-de and en-fr is the same text in Multi30k)."""
     seen: set[str] = set()
@@ -276,7 +281,7 @@ def prepare_multilingual_task(
     train_tasks = {direction_name(d): make(d) for d in trained}
     extra_tasks = {direction_name(d): make(d) for d in extra}
     sizes = [len(t.train_pairs()) for t in train_tasks.values()]
-    probs = mixture.mixture_probabilities(
+    probs = streams.mixture_probabilities(
         sizes, study_value(data, "mixture"), study_value(data, "temperature")
     )
     return MultilingualTask(

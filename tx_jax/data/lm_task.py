@@ -21,11 +21,11 @@ from typing import Any
 from etils import epath
 
 from tx_jax.config import study_value
-from tx_jax.data import eval_pipeline, input_shards, pipeline, preparation, run_tokenizer
+from tx_jax.data import eval_pipeline, preparation, run_tokenizer, shards
+from tx_jax.data.shards import kept_train_pairs, sharded_train_iterator
+from tx_jax.data.streams import LazySequence, Sample
 from tx_jax.data.tasks import TranslationTask
 from tx_jax.data.tokenizer import Tokenizer
-from tx_jax.data.train_input import kept_train_pairs, sharded_train_iterator
-from tx_jax.data.views import LazySequence, Sample
 
 LM_SIDES = ("target", "source", "both")
 
@@ -63,11 +63,11 @@ class LMTask:
         return SideTexts(self.pair_task.pairs(split, limit), study_value(self.data, "lm_side"))
 
     def train_iterator(
-        self, batch_multiple: int, spans: Sequence[input_shards.Span] | None = None
-    ) -> input_shards.ShardedTrainIterator:
+        self, batch_multiple: int, spans: Sequence[shards.Span] | None = None
+    ) -> shards.ShardedTrainIterator:
         """This process's rows of the global batches of 'targets' (texts + EOS)."""
         build = functools.partial(
-            pipeline.make_lm_train_iterator, self.texts("train"), self.tokenizer
+            shards.make_lm_train_iterator, self.texts("train"), self.tokenizer
         )
         return sharded_train_iterator(self.data, self.seed, build, batch_multiple, spans)
 

@@ -11,7 +11,7 @@ workdir, or trained on a uniform sample of the train split: run_tokenizer.py), t
 the task. The other
 tasks read the same way: lm_task.py (one side of the pairs, task='lm'), directions.py
 (several tagged directions in one model). Which pairs train and how they are batched and
-sharded over processes: train_input.py; datasets by name: datasets.py.
+sharded over processes: shards.py; datasets by name: datasets.py.
 
 Validation loss batches are per-process shards (their sums are reduced over all devices);
 decoding for BLEU runs the same examples on every process (`shard_eval=False`), since the
@@ -27,11 +27,11 @@ from typing import Any
 
 from etils import epath
 
-from tx_jax.data import datasets, eval_pipeline, input_shards, pipeline, preparation
+from tx_jax.data import datasets, eval_pipeline, preparation, shards
 from tx_jax.data.run_tokenizer import load_or_train_tokenizer, tokenizer_options
+from tx_jax.data.shards import kept_train_pairs, sharded_train_iterator
+from tx_jax.data.streams import Prefix, Sample
 from tx_jax.data.tokenizer import Tokenizer, iter_pair_texts
-from tx_jax.data.train_input import kept_train_pairs, sharded_train_iterator
-from tx_jax.data.views import Prefix, Sample
 
 
 @dataclasses.dataclass
@@ -98,12 +98,12 @@ class TranslationTask:
         return Prefix(pairs, limit)
 
     def train_iterator(
-        self, batch_multiple: int, spans: Sequence[input_shards.Span] | None = None
-    ) -> input_shards.ShardedTrainIterator:
+        self, batch_multiple: int, spans: Sequence[shards.Span] | None = None
+    ) -> shards.ShardedTrainIterator:
         """This process's rows (`spans`; None: all) of the global batches, whose rows are a
-        multiple of `batch_multiple` (train_input.py)."""
+        multiple of `batch_multiple` (shards.py)."""
         build = functools.partial(
-            pipeline.make_train_iterator,
+            shards.make_train_iterator,
             self.train_pairs(),
             self.tokenizer,
             source_prefix=self.source_prefix,

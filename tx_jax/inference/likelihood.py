@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tx_jax.data.featurize import clean_text
+from tx_jax.data.features import clean_text
 from tx_jax.inference import languages
 from tx_jax.model import ModelConfig, make_model
 

@@ -18,7 +18,7 @@ from etils import epath
 
 from tx_jax.config import task_of
 from tx_jax.data import backtranslation, directions, lengths, lm_task, preparation, tasks
-from tx_jax.data.train_input import kept_train_pairs
+from tx_jax.data.shards import kept_train_pairs
 from tx_jax.inference import restore
 from tx_jax.model import ModelConfig, make_model
 from tx_jax.runner import resume, sizing

@@ -9,7 +9,7 @@ import math
 import ml_collections
 
 from tx_jax.config import study_value, task_of
-from tx_jax.data import backtranslation, directions, input_shards, lm_task
+from tx_jax.data import backtranslation, directions, lm_task, shards
 from tx_jax.model import TASKS, ModelConfig
 from tx_jax.model.lora import LoRA
 from tx_jax.runner import sizing
@@ -40,7 +40,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     directions.validate_config(config.data, task_of(config))
     backtranslation.validate_config(config.data, task_of(config))
     d = config.data
-    input_shards.check_shape_rule(d.get("input_shards", 1), d.packing, d.bucket_boundaries)
+    shards.check_shape_rule(d.get("input_shards", 1), d.packing, d.bucket_boundaries)
     enums = {
         "train.schedule": optim.SCHEDULES,
         "parallel.strategy": parallel.STRATEGIES,
