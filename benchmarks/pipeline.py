@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.join(_common.ROOT, "configs"))
 def _task(config, workdir: str):
     from tx_jax.data import tasks
 
-    return tasks.prepare_translation_task(config.data, workdir, seed=config.seed)
+    return tasks.prepare_task(config.data, workdir, seed=config.seed)
 
 
 def _iterator(config, task, packing: bool):

@@ -103,18 +103,16 @@ def test_translation_task_is_built_with_its_tokenizer(tmp_path):
     second preparation there reads."""
     given = make_tokenizer(tmp_path)
     data = _synthetic_data(tmp_path)
-    task = tasks.prepare_translation_task(data, tmp_path / "run", seed=3, tokenizer=given)
+    task = tasks.prepare_task(data, tmp_path / "run", seed=3, tokenizer=given)
     assert task.tokenizer == given and task.seed == 3
     assert (tmp_path / "run" / run_tokenizer.TOKENIZER_FILE).read_bytes() == given.to_bytes()
     assert set(task.splits) == {"train"} and len(task.splits["train"]) == 12
     assert list(task.train_pairs()) == list(task.splits["train"])[:5]
     assert list(task.pairs("test")) == list(datasets.load_split(data, "test"))
-    again = tasks.prepare_translation_task(data, tmp_path / "run", seed=3)
+    again = tasks.prepare_task(data, tmp_path / "run", seed=3)
     assert again.tokenizer == given
     with pytest.raises(ValueError, match="differs from the tokenizer of train.init_from"):
-        tasks.prepare_translation_task(
-            data, tmp_path / "run", seed=3, tokenizer=make_other(tmp_path)
-        )
+        tasks.prepare_task(data, tmp_path / "run", seed=3, tokenizer=make_other(tmp_path))
 
 
 def make_other(tmp_path) -> tk.Tokenizer:
@@ -176,7 +174,7 @@ def test_tokenizer_of_a_split_no_larger_than_tokenizer_pairs_is_the_heads(tmp_pa
     """When data.tokenizer_pairs covers the (kept) train split, the tokenizer is byte for byte
     the one the first-N rule trained: every such run (synthetic, Multi30k) keeps its own."""
     data = _synthetic_data(tmp_path)  # 12 pairs cut to 5, tokenizer_pairs 100
-    task = tasks.prepare_translation_task(data, tmp_path / "run", seed=3)
+    task = tasks.prepare_task(data, tmp_path / "run", seed=3)
     head = list(task.splits["train"])[:5]
     before = tk.train_tokenizer(tk.iter_pair_texts(head), 60, tmp_path / "head.model")
     assert task.tokenizer.to_bytes() == before.to_bytes()
@@ -211,7 +209,7 @@ def test_tokenizer_options_are_checked_naming_the_key(tmp_path):
     # a task refuses a bad option before it prepares any data
     data = _synthetic_data(tmp_path, tokenizer={"model_type": "wordpiece"})
     with pytest.raises(ValueError, match=r"^data\.tokenizer\.model_type='wordpiece'"):
-        tasks.prepare_translation_task(data, tmp_path / "run", seed=0)
+        tasks.prepare_task(data, tmp_path / "run", seed=0)
     assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()
 
 

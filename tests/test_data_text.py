@@ -232,7 +232,7 @@ def test_the_tokenizer_learns_from_every_shard_not_the_head(tmp_path):
     data = text_data(tmp_path, train=f"{tmp_path}/c/part-*", validation=tmp_path / "c" / "dev")
     data.tokenizer_pairs = 200
     assert data.tokenizer.byte_fallback is False  # the debug variant: 'ж' is a piece or <unk>
-    task = tasks.prepare_translation_task(data, tmp_path / "run", seed=0)
+    task = tasks.prepare_task(data, tmp_path / "run", seed=0)
     train = task.splits["train"]
     assert len(train) == 1200
     head = list(train)[:200]  # what the tokenizer learnt from before: shard 0's pairs

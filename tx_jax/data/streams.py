@@ -2,7 +2,8 @@
 
 Views over splits that copy nothing (a split can be millions of pairs, read lazily from
 ArrayRecord files; a view reads only the items asked for): `Prefix` (a split cut to its first
-N pairs), `Sample` (a uniform seeded sample of N of them), `Concat` (one after another).
+N pairs), `Sample` (a uniform seeded sample of N of them), `Concat` (one after another),
+`SideTexts` (one side of the pairs, or both, as a language model's texts).
 
 One stream: `ExampleIterator` yields the kept examples of one shard's records
 (features.shard_records) as (position, features). Stream position p reads record
@@ -150,6 +151,27 @@ class Concat(LazySequence):
     def item_at(self, i: int):
         k = next(k for k in range(len(self._parts)) if i < self._starts[k + 1])
         return self._parts[k][i - self._starts[k]]
+
+
+LM_SIDES = ("target", "source", "both")
+
+
+class SideTexts(LazySequence):
+    """One side of a sequence of pairs as a sequence of texts ('both': source, target of
+    pair 0, then of pair 1, ...), read lazily."""
+
+    def __init__(self, pairs: Sequence[tuple[str, str]], side: str):
+        if side not in LM_SIDES:
+            raise ValueError(f"data.lm_side={side!r}; expected one of {LM_SIDES}")
+        self._pairs, self._side = pairs, side
+
+    def __len__(self) -> int:
+        return len(self._pairs) * (2 if self._side == "both" else 1)
+
+    def item_at(self, i: int) -> str:
+        if self._side == "both":
+            return self._pairs[i // 2][i % 2]
+        return self._pairs[i][0 if self._side == "source" else 1]
 
 
 # ------------------------------------------------------------------------ one stream

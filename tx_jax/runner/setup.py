@@ -17,7 +17,7 @@ import optax
 from etils import epath
 
 from tx_jax.config import task_of
-from tx_jax.data import backtranslation, directions, lengths, lm_task, preparation, tasks
+from tx_jax.data import lengths, preparation, tasks
 from tx_jax.data.shards import kept_train_pairs
 from tx_jax.inference import restore
 from tx_jax.model import ModelConfig, make_model
@@ -37,7 +37,7 @@ class Run:
     config: ml_collections.ConfigDict
     workdir: epath.Path
     strategy: parallel.Strategy
-    task: tasks.TranslationTask | lm_task.LMTask | directions.MultilingualTask
+    task: tasks.Task
     model_config: ModelConfig
     model: nn.Module
     tx: optax.GradientTransformation
@@ -89,7 +89,7 @@ def sized_task(
         (train,) = preparation.open_train_splits([config.data], workdir)
         sizing.size_vocabulary(config, len(kept_train_pairs(config.data, train)))
     task = prepare_task(config, workdir, source)
-    if not isinstance(task, tasks.TranslationTask):
+    if not task.one_pair:
         if unset:
             raise ValueError(f"{sizing.unset_message(unset)} (sized for one translation pair)")
         return config, task
@@ -119,13 +119,13 @@ def _eval_splits(config: ml_collections.ConfigDict) -> list[str]:
 def prepare_task(config: ml_collections.ConfigDict, workdir: epath.Path, source=None):
     """The run's task: its data prepared and opened, its tokenizer trained (or given, or
     train.init_from's `source`'s) and saved as WORKDIR/tokenizer.model."""
-    is_lm = task_of(config) == "lm"
-    prepare = lm_task.prepare_lm_task if is_lm else tasks.prepare_translation_task
-    if directions.is_multilingual(config.data):
-        prepare = directions.prepare_multilingual_task
-    elif backtranslation.has_synthetic(config.data) and not is_lm:
-        prepare = backtranslation.prepare_backtranslation_task
-    return prepare(config.data, workdir, seed=config.seed, tokenizer=task_tokenizer(source))
+    return tasks.prepare_task(
+        config.data,
+        workdir,
+        seed=config.seed,
+        tokenizer=task_tokenizer(source),
+        lm=task_of(config) == "lm",
+    )
 
 
 def task_tokenizer(source):
