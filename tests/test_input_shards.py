@@ -2,7 +2,9 @@
 shards, the same global batch whatever the split, and a state that restores on any split."""
 
 import functools
+import hashlib
 import json
+import pathlib
 from fractions import Fraction as F
 
 import numpy as np
@@ -133,3 +135,44 @@ def test_bucketed_shards_are_refused_by_the_config_check(tmp_path):
     config.data.bucket_boundaries = [16, 32]
     with pytest.raises(ValueError, match="data.packing=True or a single bucket"):
         train_and_evaluate(config, tmp_path / "run")
+
+
+# ---------------------------------------------------------------------- states of earlier code
+
+
+def test_states_written_by_the_earlier_data_layout_restore_exactly(tok, pairs):
+    """tests/iterator_states.json holds iterator states and the three batches after each,
+    written by data/'s layout before its steps were merged into features, streams, batches
+    and shards (pipeline.make_train_iterator, mixture.make_mixture_train_iterator,
+    input_shards.make_sharded_iterator over these pairs and this tokenizer): a checkpoint
+    saved then restores into today's iterators and continues with the same batches."""
+    fixture = json.loads((pathlib.Path(__file__).parent / "iterator_states.json").read_text())
+    sha1 = hashlib.sha1(tok.to_bytes()).hexdigest()
+    other = make_pairs(90, seed=5, hi=6)
+    opts = batches.TrainOptions(
+        max_len=16, tokens_per_batch=96, seed=3, process_index=0, process_count=1
+    )
+    packed = batches.TrainOptions(
+        max_len=16, tokens_per_batch=128, packing=True, seed=1, batch_multiple=2,
+        process_index=0, process_count=1,
+    )  # fmt: skip
+    builds = {
+        "bucketed": (functools.partial(shards.make_train_iterator, pairs, tok, source_prefix=[5]),
+                     opts, 1),
+        "packed_two_shards": (functools.partial(shards.make_train_iterator, pairs, tok), packed, 2),
+        "mixture": (functools.partial(
+            shards.make_mixture_train_iterator, {"train": pairs, "synthetic0": other}, [0.6, 0.4],
+            tok, source_prefixes={"train": [], "synthetic0": [7]}), opts, 1),
+        "lm_packed": (functools.partial(
+            shards.make_lm_train_iterator, [t for _, t in pairs], tok), packed, 1),
+    }  # fmt: skip
+    assert set(fixture["cases"]) == set(builds)
+    for name, (build, options, input_shards) in builds.items():
+        case = fixture["cases"][name]
+        for shard in case["state"]["shards"].values():
+            assert shard["fingerprint"]["tokenizer_sha1"] == sha1, "make_tokenizer changed"
+        it = shards.make_sharded_iterator(build, options, input_shards=input_shards)
+        it.set_state(case["state"])
+        for expected in case["next"]:
+            _same(next(it), {k: np.asarray(v, np.int32) for k, v in expected.items()})
+        assert it.get_state()["shards"].keys() == case["state"]["shards"].keys()
