@@ -123,7 +123,7 @@ def _examples(batch):
 
 
 def _task(tok, source_lang, target_lang):
-    """A Multi30k-configured TranslationTask (the data section fine-tuning reads) over the
+    """A Multi30k-configured Task (the data section fine-tuning reads) over the
     fixture pairs, held in memory as its train and validation splits."""
     from tx_jax.config import load_config
     from tx_jax.data import tasks
