@@ -35,15 +35,15 @@ sys.path.insert(0, os.path.join(_common.ROOT, "configs"))
 def _task(config, workdir: str):
     from tx_jax.data import tasks
 
-    return tasks.prepare_translation_task(config.data, workdir, seed=config.seed)
+    return tasks.prepare_task(config.data, workdir, seed=config.seed)
 
 
 def _iterator(config, task, packing: bool):
-    from tx_jax.data import pipeline, train_input
+    from tx_jax.data import shards
 
-    options = train_input.train_options(config.data, seed=config.seed, batch_multiple=1)
+    options = shards.train_options(config.data, seed=config.seed, batch_multiple=1)
     options = dataclasses.replace(options, packing=packing)
-    return pipeline.make_train_iterator(task.train_pairs(), task.tokenizer, options)
+    return shards.make_train_iterator(task.train_pairs(), task.tokenizer, options)
 
 
 def _tokens(batch) -> int:

@@ -26,8 +26,8 @@ import ml_collections
 
 from tx_jax.config import parse_arg, repo_path, sibling_config, sibling_module
 from tx_jax.data import directions as directions_lib
-from tx_jax.data.mixture import MIXTURES
 from tx_jax.data.multi30k import LANGUAGES
+from tx_jax.data.streams import MIXTURES
 
 VARIANTS = ("default", "debug")
 

@@ -55,7 +55,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.max_train_len = 256  # longer pairs (in tokens, EOS included) are dropped
     c.data.max_eval_len = 256  # newstest sources/references are truncated to this
     # The paper's batches hold ~25k source + ~25k target tokens. tokens_per_batch is the
-    # *padded* budget per side (B * max_train_len <= it, tx_jax/data/pipeline.py); packed rows are
+    # *padded* budget per side (B * max_train_len <= it, tx_jax/data/batches.py); packed rows are
     # ~96% real, so 104 rows of 256 = 26,624 positions carry ~25.5k real tokens per side.
     c.data.tokens_per_batch = 26_624
     c.data.bucket_boundaries = [256]  # packed rows of max_train_len: one shape

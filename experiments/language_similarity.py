@@ -48,7 +48,7 @@ if str(REPO) not in sys.path:  # `python experiments/language_similarity.py` fro
 
 from tx_jax.analysis import similarity, visualize  # noqa: E402
 from tx_jax.config import apply_overrides, sibling_config  # noqa: E402
-from tx_jax.data import directions as directions_lib  # noqa: E402
+from tx_jax.data import tasks  # noqa: E402
 from tx_jax.inference import multilingual, restore  # noqa: E402
 from tx_jax.runner.loop import train_and_evaluate  # noqa: E402
 
@@ -218,7 +218,7 @@ def representation_similarity(root: pathlib.Path, size: Size) -> dict:
     # the same test captions in every language: the en-X test splits share their English side
     texts = {"en": None}
     for x in (HIGH, *LOW):
-        task = directions_lib.direction_task(
+        task = tasks.direction_task(
             loaded.config.data, loaded.tokenizer, loaded.config.seed, ("en", x)
         )
         pairs = task.pairs("test_2016_flickr", size.eval_limit)

@@ -13,6 +13,7 @@ from helpers import tiny_config, train_losses
 from test_data_pipeline import make_pairs, make_tokenizer
 
 from tx_jax.data import backtranslation as bt
+from tx_jax.data import tasks
 from tx_jax.data import tokenizer as tk
 from tx_jax.runner.loop import train_and_evaluate
 from tx_jax.runner.validation import validate_config
@@ -76,20 +77,13 @@ def _data(entries, **kw) -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(d | kw)
 
 
-def _task(data, tok, seed=3) -> bt.BacktranslationTask:
-    """The task prepare_backtranslation_task builds, over an in-memory real split."""
+def _task(data, tok, seed=3) -> tasks.Task:
+    """The task prepare_task builds, over an in-memory real split."""
     corpora = bt.parse_corpora(data)
     tag_id = bt.check_tag(tok, "<BT>", "test") if any(c.tag for c in corpora) else None
-    return bt.BacktranslationTask(
-        data,
-        tok,
-        seed,
-        splits={"train": _numbered(REAL, 0, seed=20)},
-        synthetic={c.name: bt.load_corpus(c) for c in corpora},
-        ratios={c.name: c.ratio for c in corpora},
-        tagged={c.name: c.tag for c in corpora},
-        tag_id=tag_id,
-    )
+    real = tasks.Task(data, tok, seed, splits={"train": _numbered(REAL, 0, seed=20)})
+    synthetic = {c.name: bt.load_corpus(c) for c in corpora}
+    return tasks.backtranslated(real, corpora, synthetic, tag_id)
 
 
 def _entries(files, ratio_a=0.5, ratio_b=1.0):
@@ -219,7 +213,7 @@ def test_tokenizer_without_the_tag_is_an_error(tmp_path, tfds_dir, files):
         tfds_dir, _entries(files), **{"data.tokenizer_path": str(tmp_path / "spm.model")}
     )
     with pytest.raises(ValueError, match=r"tokenizer.model \(.*spm.model\) has no piece '<BT>'"):
-        bt.prepare_backtranslation_task(config.data, tmp_path / "run", seed=0)
+        tasks.prepare_task(config.data, tmp_path / "run", seed=0)
 
 
 def test_tiny_run_with_a_synthetic_corpus_resumes_bit_exactly(tmp_path, tfds_dir):
@@ -246,6 +240,6 @@ def test_tiny_run_with_a_synthetic_corpus_resumes_bit_exactly(tmp_path, tfds_dir
     real, fake = last["data_kept/train"], last["data_kept/synthetic0"]
     assert real + fake == last["data_kept"] and abs(real - fake) < 4 * math.sqrt(real + fake)
     # evaluation reads the real dataset only (debug: 400 train, 40 validation pairs)
-    task = bt.prepare_backtranslation_task(cfg(1).data, tmp_path / "straight", seed=0)
-    assert len(task.pairs("train")) == 400 and len(task.synthetic["synthetic0"]) == 60
+    task = tasks.prepare_task(cfg(1).data, tmp_path / "straight", seed=0)
+    assert len(task.pairs("train")) == 400 and len(task.streams["synthetic0"].items) == 60
     assert task.eval_batches("validation", 1).num_examples == 40

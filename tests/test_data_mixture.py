@@ -1,5 +1,6 @@
-"""Tests for tx_jax.data.mixture: sampling probabilities, the empirical direction frequencies of
-the stream, exact resume with a mixture, process shards (fixtures of test_data_pipeline.py)."""
+"""Tests for weighted streams (tx_jax.data.streams, shards): sampling probabilities, the
+empirical direction frequencies of the stream, exact resume with a mixture, process shards
+(fixtures of test_data_pipeline.py)."""
 
 import collections
 import math
@@ -8,8 +9,7 @@ import numpy as np
 import pytest
 from test_data_pipeline import make_pairs, make_tokenizer
 
-from tx_jax.data import mixture
-from tx_jax.data import pipeline as pl
+from tx_jax.data import batches, shards, streams
 from tx_jax.data import tokenizer as tk
 
 SIZES = {"a": 300, "b": 60, "c": 15}
@@ -28,32 +28,32 @@ def corpora() -> dict[str, list[tuple[str, str]]]:
 
 def _iterator(corpora, tok, probs, **kw):
     args = dict(max_len=16, tokens_per_batch=128, process_index=0, process_count=1, seed=3)
-    options = pl.TrainOptions(**(args | kw))
-    return mixture.make_mixture_train_iterator(corpora, probs, tok, options, source_prefixes=PREFIX)
+    options = batches.TrainOptions(**(args | kw))
+    return shards.make_mixture_train_iterator(corpora, probs, tok, options, source_prefixes=PREFIX)
 
 
 def test_mixture_probabilities():
-    assert mixture.mixture_probabilities([300, 60, 15], "uniform") == [1 / 3] * 3
-    proportional = mixture.mixture_probabilities([300, 60, 15], "temperature", 1.0)
+    assert streams.mixture_probabilities([300, 60, 15], "uniform") == [1 / 3] * 3
+    proportional = streams.mixture_probabilities([300, 60, 15], "temperature", 1.0)
     np.testing.assert_allclose(proportional, np.array([300, 60, 15]) / 375)
     sqrt = np.sqrt([300, 60, 15])
     np.testing.assert_allclose(
-        mixture.mixture_probabilities([300, 60, 15], "temperature", 2.0), sqrt / sqrt.sum()
+        streams.mixture_probabilities([300, 60, 15], "temperature", 2.0), sqrt / sqrt.sum()
     )
-    hot = mixture.mixture_probabilities([10**9, 1], "temperature", 1e6)  # T -> inf: uniform
+    hot = streams.mixture_probabilities([10**9, 1], "temperature", 1e6)  # T -> inf: uniform
     np.testing.assert_allclose(hot, [0.5, 0.5], atol=1e-4)
-    assert math.isclose(sum(mixture.mixture_probabilities([10**12, 3], "temperature", 0.01)), 1)
+    assert math.isclose(sum(streams.mixture_probabilities([10**12, 3], "temperature", 0.01)), 1)
     with pytest.raises(ValueError, match="data.mixture='zipf'"):
-        mixture.mixture_probabilities([1, 2], "zipf")
+        streams.mixture_probabilities([1, 2], "zipf")
     with pytest.raises(ValueError, match="data.temperature=0"):
-        mixture.mixture_probabilities([1, 2], "temperature", 0)
+        streams.mixture_probabilities([1, 2], "temperature", 0)
     with pytest.raises(ValueError, match="needs pairs"):
-        mixture.mixture_probabilities([1, 0], "uniform")
+        streams.mixture_probabilities([1, 0], "uniform")
 
 
 @pytest.mark.parametrize("kind,temperature", [("uniform", 1.0), ("temperature", 2.0)])
 def test_empirical_frequencies_match_probabilities(corpora, tok, kind, temperature):
-    probs = mixture.mixture_probabilities(list(SIZES.values()), kind, temperature)
+    probs = streams.mixture_probabilities(list(SIZES.values()), kind, temperature)
     it = _iterator(corpora, tok, probs, packing=False)
     rows = collections.Counter()
     while sum(rows.values()) < 3000:
@@ -73,7 +73,7 @@ def test_empirical_frequencies_match_probabilities(corpora, tok, kind, temperatu
 
 @pytest.mark.parametrize("packing", [False, True])
 def test_exact_resume_with_a_mixture(corpora, tok, packing):
-    probs = mixture.mixture_probabilities(list(SIZES.values()), "temperature", 1.5)
+    probs = streams.mixture_probabilities(list(SIZES.values()), "temperature", 1.5)
     it = _iterator(corpora, tok, probs, packing=packing)
     for _ in range(7):
         next(it)
@@ -88,13 +88,13 @@ def test_exact_resume_with_a_mixture(corpora, tok, packing):
             np.testing.assert_array_equal(a[k], b[k])
     assert fresh.stats() == it.stats()
     assert state["fingerprint"]["mixture"]["names"] == list(SIZES)
-    other = _iterator(corpora, tok, mixture.mixture_probabilities([1, 1, 1], "uniform"))
+    other = _iterator(corpora, tok, streams.mixture_probabilities([1, 1, 1], "uniform"))
     with pytest.raises(ValueError, match="different pipeline.*mixture"):
         other.set_state(state)
 
 
 def test_process_shards_draw_the_same_corpora_from_disjoint_examples(corpora, tok):
-    probs = mixture.mixture_probabilities(list(SIZES.values()), "uniform")
+    probs = streams.mixture_probabilities(list(SIZES.values()), "uniform")
     its = [_iterator(corpora, tok, probs, process_index=i, process_count=2) for i in (0, 1)]
     seen = [set(), set()]
     for i, it in enumerate(its):

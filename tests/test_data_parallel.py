@@ -65,7 +65,7 @@ config = tiny_config({str(tfds_dir)!r}, **{{"train.num_steps": 40, "train.warmup
                                            "data.eval_bucket_boundaries": [16, 32]}})
 train_and_evaluate(config, {str(base / "run")!r})
 loaded = restore.load({str(base / "run")!r})
-task = tasks.TranslationTask(loaded.config.data, loaded.tokenizer, loaded.config.seed)
+task = tasks.Task(loaded.config.data, loaded.tokenizer, loaded.config.seed)
 batches = task.eval_batches("validation", 1)
 n = len(task.pairs("validation"))
 assert len(batches) >= 5 and len({{b["inputs"].shape for b in batches}}) >= 2

@@ -1,5 +1,6 @@
-"""Tests for tx_jax.data.pipeline (and batching.py): shapes, budgets, filtering counts, exact
-resume, sharding and packing, on tiny SentencePiece models and generated sentences."""
+"""Tests for one train stream (tx_jax/data: features.py, streams.py, batches.py, shards.py):
+shapes, budgets, filtering counts, exact resume, sharding and packing, on tiny SentencePiece
+models and generated sentences."""
 
 import collections
 import json
@@ -10,8 +11,7 @@ import numpy as np
 import pytest
 from etils import epath
 
-from tx_jax.data import batching
-from tx_jax.data import pipeline as pl
+from tx_jax.data import batches, shards
 from tx_jax.data import tokenizer as tk
 
 _VOCAB = """a the cat dog sat on mat red blue house tree bird flew over small big
@@ -46,13 +46,13 @@ def pairs() -> list[tuple[str, str]]:
     return make_pairs(240, seed=2, hi=9)
 
 
-def _options(**kw) -> pl.TrainOptions:
+def _options(**kw) -> batches.TrainOptions:
     args = dict(max_len=MAX_LEN, tokens_per_batch=96, process_index=0, process_count=1)
-    return pl.TrainOptions(**(args | kw))
+    return batches.TrainOptions(**(args | kw))
 
 
-def _train(pairs, tok, source_prefix=(), **kw) -> pl.TrainIterator:
-    return pl.make_train_iterator(pairs, tok, _options(**kw), source_prefix=source_prefix)
+def _train(pairs, tok, source_prefix=(), **kw) -> batches.TrainIterator:
+    return shards.make_train_iterator(pairs, tok, _options(**kw), source_prefix=source_prefix)
 
 
 def _rows(batch, key="inputs"):
@@ -85,13 +85,13 @@ def pair_fits(pair, tok) -> bool:
 
 def test_default_bucket_boundaries_and_batch_sizes():
     geometric = [8, 16, 24, 32, 40, 56, 72, 96, 120, 152, 192, 240, 256]
-    assert batching.default_bucket_boundaries(256) == geometric
-    assert batching.default_bucket_boundaries(16) == [8, 16]
-    assert batching.default_bucket_boundaries(20) == [8, 16, 20]
-    assert batching.bucket_batch_sizes([8, 16, 24], 100, 4) == [12, 4, 4]
-    assert batching.bucket_batch_sizes([8, 16], 100) == [12, 6]
+    assert batches.default_bucket_boundaries(256) == geometric
+    assert batches.default_bucket_boundaries(16) == [8, 16]
+    assert batches.default_bucket_boundaries(20) == [8, 16, 20]
+    assert batches.bucket_batch_sizes([8, 16, 24], 100, 4) == [12, 4, 4]
+    assert batches.bucket_batch_sizes([8, 16], 100) == [12, 6]
     with pytest.raises(ValueError, match="too small"):
-        batching.bucket_batch_sizes([8, 16, 32], 100, 4)
+        batches.bucket_batch_sizes([8, 16, 32], 100, 4)
 
 
 def test_batches_static_shapes_budget_and_multiple(pairs, tok):
@@ -207,8 +207,8 @@ def test_exact_resume(pairs, tok, kind, packing, prefetch):
             tokens_per_batch=128, packing=packing, prefetch=prefetch, seed=5, batch_multiple=2
         )
         if kind == "lm":
-            return pl.make_lm_train_iterator([s for s, _ in data], tok, options)
-        return pl.make_train_iterator(data, tok, options)
+            return shards.make_lm_train_iterator([s for s, _ in data], tok, options)
+        return shards.make_train_iterator(data, tok, options)
 
     it = make()
     _take(it, 7)
@@ -264,17 +264,19 @@ def test_epochs_reshuffled_like_grain(pairs, tok):
 
 def test_process_shards_disjoint_and_covering(pairs, tok):
     kw = dict(num_epochs=1, bucket_boundaries=[MAX_LEN], tokens_per_batch=MAX_LEN, process_count=2)
-    shards = [
+    seen = [
         set(_decode_pairs(list(_train(pairs, tok, process_index=i, **kw)), tok)) for i in (0, 1)
     ]
-    assert not shards[0] & shards[1]
-    assert shards[0] | shards[1] == {p for p in pairs if pair_fits(p, tok)}
+    assert not seen[0] & seen[1]
+    assert seen[0] | seen[1] == {p for p in pairs if pair_fits(p, tok)}
     with pytest.raises(ValueError, match="process_index"):
         _train(pairs, tok, process_index=2, process_count=2)
 
 
 def test_default_process_is_jax_process(pairs, tok):
-    it = pl.make_train_iterator(pairs, tok, pl.TrainOptions(max_len=MAX_LEN, tokens_per_batch=64))
+    it = shards.make_train_iterator(
+        pairs, tok, batches.TrainOptions(max_len=MAX_LEN, tokens_per_batch=64)
+    )
     fp = it.get_state()["fingerprint"]
     assert (fp["process_index"], fp["process_count"]) == (0, 1)
 
@@ -323,7 +325,7 @@ def test_packing_segments_consistent_and_no_token_lost(pairs, tok):
 
 def test_lm_iterator(pairs, tok):
     texts = [s for s, _ in pairs]
-    it = pl.make_lm_train_iterator(texts, tok, _options(tokens_per_batch=64))
+    it = shards.make_lm_train_iterator(texts, tok, _options(tokens_per_batch=64))
     b = next(it)
     assert set(b) == {"targets"} and b["targets"].shape in it.batch_shapes
     assert it.keys == ("targets",)

@@ -3,7 +3,9 @@
 import random
 
 import pytest
+import synthetic_grammar as grammar
 
+from tx_jax.data import datasets
 from tx_jax.data import synthetic as syn
 
 L = syn.TARGET_LEXICON
@@ -67,11 +69,11 @@ def test_splits_are_disjoint_and_distinct(train_pairs):
 
 def test_translate_reproduces_generated_targets(train_pairs):
     for src, tgt in train_pairs:
-        assert syn.translate(src) == tgt
-        assert syn.parse(src) is not None
+        assert grammar.translate(src) == tgt
+        assert grammar.parse(src) is not None
     for bad in ("the dog sleep .", "dog the sleeps .", "a old dog sleeps .", "the dog sees ."):
         with pytest.raises(ValueError):
-            syn.translate(bad)
+            grammar.translate(bad)
 
 
 def test_hand_built_translation():
@@ -83,9 +85,9 @@ def test_hand_built_translation():
         syn.TGT_DET["the", g["dog"], False],
     ]
     cats = [L["cat"] + "ri", L["small"] + syn.TGT_ADJ_SUFFIX[g["cat"], True], L["two"]]
-    assert syn.translate(src).split() == [*dog, *cats, "ko", L["see"] + "a", "."]
+    assert grammar.translate(src).split() == [*dog, *cats, "ko", L["see"] + "a", "."]
     # "because" swaps the clauses and marks the reason clause.
-    assert syn.translate("cats sleep because dogs run .").split() == [
+    assert grammar.translate("cats sleep because dogs run .").split() == [
         L["dog"] + "ri",
         L["run"] + "an",
         "sen",
@@ -94,7 +96,7 @@ def test_hand_built_translation():
         ".",
     ]
     # A relative clause precedes its head noun: [object ko] verb ke noun ...
-    assert syn.translate("an old horse that found these birds laughed .").split() == [
+    assert grammar.translate("an old horse that found these birds laughed .").split() == [
         L["bird"] + "ri",
         syn.TGT_DET["these", g["bird"], True],
         "ko",
@@ -118,7 +120,7 @@ def test_word_order_differs(train_pairs):
         reordered += src_lemmas != tgt_lemmas
     assert reordered / len(train_pairs) > 0.75
     # Adjective after the noun; verb last (before "."), after the "ko"-marked object.
-    tgt = syn.translate("the red horse chased a king .").split()
+    tgt = grammar.translate("the red horse chased a king .").split()
     assert tgt.index(L["red"] + syn.TGT_ADJ_SUFFIX[syn.NOUN_GENDER["horse"], False]) == 1
     assert tgt[-2] == L["chase"] + "i" and tgt[-3] == "ko"
 
@@ -126,18 +128,18 @@ def test_word_order_differs(train_pairs):
 def test_agreement():
     # The verb agrees with subject number, even in the past tense where English shows none.
     for sg, pl in (("the dog sleeps .", "the dogs sleep ."), ("a dog slept .", "two dogs slept .")):
-        v_sg, v_pl = syn.translate(sg).split()[-2], syn.translate(pl).split()[-2]
+        v_sg, v_pl = grammar.translate(sg).split()[-2], grammar.translate(pl).split()[-2]
         assert v_sg != v_pl and v_sg.startswith(L["sleep"]) and v_pl.startswith(L["sleep"])
         assert v_pl == v_sg + "n"
     # Adjectives agree with the noun's gender and number.
     noun_i = next(n for n in syn.NOUNS if syn.NOUN_GENDER[n] == "I")
     noun_ii = next(n for n in syn.NOUNS if syn.NOUN_GENDER[n] == "II")
-    sad = [syn.translate(f"the sad {n} runs .").split()[1] for n in (noun_i, noun_ii)]
-    sad += [syn.translate(f"the sad {n}s run .").split()[1] for n in (noun_i, noun_ii)]
+    sad = [grammar.translate(f"the sad {n} runs .").split()[1] for n in (noun_i, noun_ii)]
+    sad += [grammar.translate(f"the sad {n}s run .").split()[1] for n in (noun_i, noun_ii)]
     assert sad == [L["sad"] + s for s in ("o", "a", "os", "as")]
     # Determiners agree too.
-    assert syn.translate(f"the {noun_i} runs .").split()[1] == "du"
-    assert syn.translate(f"the {noun_ii}s run .").split()[1] == "din"
+    assert grammar.translate(f"the {noun_i} runs .").split()[1] == "du"
+    assert grammar.translate(f"the {noun_ii}s run .").split()[1] == "din"
 
 
 def test_target_lexicon_shares_no_word_with_source(train_pairs):
@@ -150,7 +152,7 @@ def test_target_lexicon_shares_no_word_with_source(train_pairs):
 
 
 def test_corpus_statistics(train_pairs):
-    stats = syn.corpus_stats(train_pairs)
+    stats = grammar.corpus_stats(train_pairs)
     print(stats)
     assert all(syn.MIN_WORDS <= len(s.split()) <= syn.MAX_WORDS for s, _ in train_pairs)
     assert 9.5 < stats["src_mean_len"] < 12.5
@@ -167,19 +169,25 @@ def test_default_config_sizes():
     assert syn.make_config(num_train=10).name == "s0_n10_1000_1000"
 
 
-def test_tfds_builder_without_tensorflow(tmp_path):
+def test_tfds_builder_through_the_dataset_table(tmp_path):
+    """The corpus enters as any dataset does: its table entry prepares the builder (without
+    TensorFlow) and the split reads back as text pairs, in generation order."""
     sizes = {"train": 200, "validation": 20, "test": 20}
     kwargs = dict(num_train=200, num_validation=20, num_test=20, seed=3)
     for split, size in sizes.items():
-        source = syn.load_synthetic(split, str(tmp_path), **kwargs)
-        assert len(source) == size
-        records = [syn.decode_example(source[i]) for i in range(len(source))]
-        assert isinstance(source[0]["src"], bytes)  # TFDS Text decodes to bytes without TF
-        expected = syn.generate_corpus(size, seed=3, split=split)
-        assert [(r["src"], r["tgt"]) for r in records] == expected  # generation order is kept
+        source = datasets.load_translation_split(
+            "synthetic",
+            split,
+            source_lang="src",
+            target_lang="tgt",
+            data_dir=str(tmp_path),
+            builder_kwargs={"config": syn.make_config(**kwargs)},
+        )
+        assert list(source) == syn.generate_corpus(size, seed=3, split=split)
     builder = syn.SyntheticTranslation(
         data_dir=str(tmp_path), config=syn.make_config(**kwargs), file_format="array_record"
     )
     assert builder.is_prepared()
+    assert isinstance(builder.as_data_source("test")[0]["src"], bytes)  # TFDS Text without TF
     assert builder.info.supervised_keys == ("src", "tgt")
     assert {k: v.num_examples for k, v in builder.info.splits.items()} == sizes

@@ -1,7 +1,7 @@
 """Tests for tx_jax.data's task files: the tokenizer of a gs:// workdir is trained in a
 temporary directory of its own run (run_tokenizer), and train_options reads config.data
-(train_input); a translation task is built whole (tasks); the tokenizer learns from a uniform
-seeded sample of the train split (views.Sample) with data.tokenizer's SentencePiece options,
+(shards); a translation task is built whole (tasks); the tokenizer learns from a uniform
+seeded sample of the train split (streams.Sample) with data.tokenizer's SentencePiece options,
 and a workdir's tokenizer.model is read as it is."""
 
 import os
@@ -13,7 +13,7 @@ import pytest
 from sentencepiece import sentencepiece_model_pb2
 from test_data_pipeline import make_pairs, make_tokenizer
 
-from tx_jax.data import datasets, run_tokenizer, tasks, train_input, views
+from tx_jax.data import datasets, run_tokenizer, shards, streams, tasks
 from tx_jax.data import tokenizer as tk
 
 
@@ -71,7 +71,7 @@ def test_train_options_from_config():
     data = ml_collections.ConfigDict(
         {"max_train_len": 32, "tokens_per_batch": 256, "bucket_boundaries": None, "packing": True}
     )
-    options = train_input.train_options(data, seed=4, batch_multiple=2)
+    options = shards.train_options(data, seed=4, batch_multiple=2)
     assert (options.max_len, options.tokens_per_batch, options.packing) == (32, 256, True)
     assert (options.seed, options.batch_multiple, options.bucket_boundaries) == (4, 2, None)
     assert (options.process_index, options.process_count) == (0, 1)  # one global stream
@@ -103,18 +103,16 @@ def test_translation_task_is_built_with_its_tokenizer(tmp_path):
     second preparation there reads."""
     given = make_tokenizer(tmp_path)
     data = _synthetic_data(tmp_path)
-    task = tasks.prepare_translation_task(data, tmp_path / "run", seed=3, tokenizer=given)
+    task = tasks.prepare_task(data, tmp_path / "run", seed=3, tokenizer=given)
     assert task.tokenizer == given and task.seed == 3
     assert (tmp_path / "run" / run_tokenizer.TOKENIZER_FILE).read_bytes() == given.to_bytes()
     assert set(task.splits) == {"train"} and len(task.splits["train"]) == 12
     assert list(task.train_pairs()) == list(task.splits["train"])[:5]
     assert list(task.pairs("test")) == list(datasets.load_split(data, "test"))
-    again = tasks.prepare_translation_task(data, tmp_path / "run", seed=3)
+    again = tasks.prepare_task(data, tmp_path / "run", seed=3)
     assert again.tokenizer == given
     with pytest.raises(ValueError, match="differs from the tokenizer of train.init_from"):
-        tasks.prepare_translation_task(
-            data, tmp_path / "run", seed=3, tokenizer=make_other(tmp_path)
-        )
+        tasks.prepare_task(data, tmp_path / "run", seed=3, tokenizer=make_other(tmp_path))
 
 
 def make_other(tmp_path) -> tk.Tokenizer:
@@ -138,45 +136,45 @@ class Batched(list):
 def test_sample_is_the_whole_sequence_or_n_sorted_uniform_seeded_indices():
     seq = list(range(1000))
     for n in (1000, 5000, None):  # a sample as large as the split: all of it, in order
-        whole = views.Sample(seq, n, seed=3)
+        whole = streams.Sample(seq, n, seed=3)
         assert len(whole) == 1000 and list(whole) == seq and whole.indices.tolist() == seq
-    sample = views.Sample(seq, 100, seed=0)
+    sample = streams.Sample(seq, 100, seed=0)
     idx = sample.indices
     assert len(sample) == 100 and len(set(idx.tolist())) == 100
     assert (np.diff(idx) > 0).all()  # increasing: the corpus's order
     assert list(sample) == idx.tolist() and sample[7] == idx[7] and sample[-1] == idx[-1]
     assert sample[2:5] == idx[2:5].tolist()
-    assert views.Sample(seq, 100, seed=0).indices.tolist() == idx.tolist()  # reproducible
-    other = views.Sample(seq, 100, seed=1).indices
+    assert streams.Sample(seq, 100, seed=0).indices.tolist() == idx.tolist()  # reproducible
+    other = streams.Sample(seq, 100, seed=1).indices
     assert other.tolist() != idx.tolist() and len(set(other) & set(idx)) < 30  # ~10 by chance
     # spread over the whole range: every tenth of it holds some (10 expected each)
     per_tenth = np.bincount(idx // 100, minlength=10)
     assert per_tenth.min() >= 4 and per_tenth.max() <= 18, per_tenth
     assert idx[0] < 50 and idx[-1] > 950
-    assert len(views.Sample(seq, 0, seed=0)) == 0
+    assert len(streams.Sample(seq, 0, seed=0)) == 0
     with pytest.raises(ValueError, match="n=-1"):
-        views.Sample(seq, -1, seed=0)
+        streams.Sample(seq, -1, seed=0)
 
 
 def test_views_read_a_split_in_batches():
     """Iterating a Sample (or a Prefix) of a split reads its pairs in batches of 1024 through
     the split's __getitems__ (one ArrayRecord call each), not one by one."""
     source = Batched(range(3000))
-    assert list(views.Sample(source, None, seed=0)) == list(range(3000))
+    assert list(streams.Sample(source, None, seed=0)) == list(range(3000))
     assert source.reads == [1024, 1024, 952]
     source.reads.clear()
-    sample = views.Sample(views.Prefix(source, 2500), 1500, seed=0)
+    sample = streams.Sample(streams.Prefix(source, 2500), 1500, seed=0)
     assert list(sample) == sample.indices.tolist() and sample.indices[-1] < 2500
     assert source.reads == [1024, 476]
     with pytest.raises(IndexError):
-        views.Prefix(source, 10).__getitems__([3, 10])
+        streams.Prefix(source, 10).__getitems__([3, 10])
 
 
 def test_tokenizer_of_a_split_no_larger_than_tokenizer_pairs_is_the_heads(tmp_path):
     """When data.tokenizer_pairs covers the (kept) train split, the tokenizer is byte for byte
     the one the first-N rule trained: every such run (synthetic, Multi30k) keeps its own."""
     data = _synthetic_data(tmp_path)  # 12 pairs cut to 5, tokenizer_pairs 100
-    task = tasks.prepare_translation_task(data, tmp_path / "run", seed=3)
+    task = tasks.prepare_task(data, tmp_path / "run", seed=3)
     head = list(task.splits["train"])[:5]
     before = tk.train_tokenizer(tk.iter_pair_texts(head), 60, tmp_path / "head.model")
     assert task.tokenizer.to_bytes() == before.to_bytes()
@@ -211,7 +209,7 @@ def test_tokenizer_options_are_checked_naming_the_key(tmp_path):
     # a task refuses a bad option before it prepares any data
     data = _synthetic_data(tmp_path, tokenizer={"model_type": "wordpiece"})
     with pytest.raises(ValueError, match=r"^data\.tokenizer\.model_type='wordpiece'"):
-        tasks.prepare_translation_task(data, tmp_path / "run", seed=0)
+        tasks.prepare_task(data, tmp_path / "run", seed=0)
     assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()
 
 

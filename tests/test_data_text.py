@@ -18,7 +18,7 @@ from forked import run_modules
 from helpers import ROOT
 
 from tx_jax.config import apply_overrides, load_config
-from tx_jax.data import datasets, tasks, text_corpus, views
+from tx_jax.data import datasets, streams, tasks, text_corpus
 from tx_jax.data import tokenizer as tk
 from tx_jax.inference import evaluation, restore, translation
 from tx_jax.interop import huggingface
@@ -232,12 +232,12 @@ def test_the_tokenizer_learns_from_every_shard_not_the_head(tmp_path):
     data = text_data(tmp_path, train=f"{tmp_path}/c/part-*", validation=tmp_path / "c" / "dev")
     data.tokenizer_pairs = 200
     assert data.tokenizer.byte_fallback is False  # the debug variant: 'ж' is a piece or <unk>
-    task = tasks.prepare_translation_task(data, tmp_path / "run", seed=0)
+    task = tasks.prepare_task(data, tmp_path / "run", seed=0)
     train = task.splits["train"]
     assert len(train) == 1200
     head = list(train)[:200]  # what the tokenizer learnt from before: shard 0's pairs
     assert not any("ж" in s + t for s, t in head)
-    drawn = views.Sample(train, 200, seed=0).indices
+    drawn = streams.Sample(train, 200, seed=0).indices
     assert (np.bincount(drawn // 300, minlength=4) > 20).all()  # ~50 from every shard
     sentence = "ein жар Haus"
     ids = task.tokenizer.encode(sentence)

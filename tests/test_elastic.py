@@ -1,6 +1,6 @@
 """Elastic resume: a run stopped by SIGTERM continues on another topology with the same batches.
 
-The data stream is kept in global terms (input shards, data/input_shards.py) and the train
+The data stream is kept in global terms (input shards, data/shards.py) and the train
 state restores into whatever mesh the new run builds, so a run stopped on 8 devices resumes on
 4 or on 1, and one stopped as 2 processes resumes as 1; the losses after the resume are the
 uninterrupted run's, and the stream continues where it stopped (its example count goes on).

@@ -412,7 +412,7 @@ def test_finetuning_m2m_100_trains_the_language_tokens_and_lowers_the_loss(
     for source, target in zip(pf.EN, pf.DE, strict=True):
         enc = tok(source, text_target=target)
         want.add(tuple(tuple(int(perm[i]) for i in enc[k]) for k in ("input_ids", "labels")))
-    task = tasks.prepare_translation_task(
+    task = tasks.prepare_task(
         config.data, tmp_path / "peek", seed=config.seed, tokenizer=loaded.tokenizer
     )
     # Teacher forcing feeds [EOS, __de__, pieces] for [__de__, pieces, EOS], as transformers

@@ -123,7 +123,7 @@ def _examples(batch):
 
 
 def _task(tok, source_lang, target_lang):
-    """A Multi30k-configured TranslationTask (the data section fine-tuning reads) over the
+    """A Multi30k-configured Task (the data section fine-tuning reads) over the
     fixture pairs, held in memory as its train and validation splits."""
     from tx_jax.config import load_config
     from tx_jax.data import tasks
@@ -132,7 +132,7 @@ def _task(tok, source_lang, target_lang):
     data.update(source_lang=source_lang, target_lang=target_lang, max_train_len=48)
     data.update(tokens_per_batch=2048, bucket_boundaries=[48], max_eval_len=48)
     pairs = list(zip(pf.EN, pf.DE, strict=True))
-    return tasks.TranslationTask(data, tok, 0, splits={"train": pairs, data.eval_split: pairs})
+    return tasks.Task(data, tok, 0, splits={"train": pairs, data.eval_split: pairs})
 
 
 @pytest.mark.parametrize("family", ["m2m_100", "nllb"])

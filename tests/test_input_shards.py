@@ -1,16 +1,17 @@
-"""Tests for tx_jax.data.input_shards: each process's rows of the global batch from its own
+"""Tests for tx_jax.data.shards: each process's rows of the global batch from its own
 shards, the same global batch whatever the split, and a state that restores on any split."""
 
 import functools
+import hashlib
 import json
+import pathlib
 from fractions import Fraction as F
 
 import numpy as np
 import pytest
 from test_data_pipeline import make_pairs, make_tokenizer
 
-from tx_jax.data import input_shards as ish
-from tx_jax.data import pipeline as pl
+from tx_jax.data import batches, shards
 
 HALVES = ([(F(0), F(1, 2))], [(F(1, 2), F(1))])
 
@@ -27,11 +28,11 @@ def pairs():
 
 def _iterator(pairs, tok, spans=None, input_shards=2, batch_multiple=4, **kw):
     """Packed rows of 16 tokens, 8 rows per batch (4 per shard of 2)."""
-    options = pl.TrainOptions(
+    options = batches.TrainOptions(
         max_len=16, tokens_per_batch=128, packing=True, batch_multiple=batch_multiple, **kw
     )
-    build = functools.partial(pl.make_train_iterator, pairs, tok)
-    return ish.make_sharded_iterator(build, options, input_shards=input_shards, spans=spans)
+    build = functools.partial(shards.make_train_iterator, pairs, tok)
+    return shards.make_sharded_iterator(build, options, input_shards=input_shards, spans=spans)
 
 
 def _same(a, b):
@@ -66,8 +67,8 @@ def test_each_process_reads_its_shard_and_the_rows_add_up(pairs, tok):
 def test_one_shard_is_the_single_stream(pairs, tok):
     """input_shards=1 on one process gives exactly pipeline.make_train_iterator's batches."""
     sharded = _iterator(pairs, tok, input_shards=1)
-    plain = pl.make_train_iterator(
-        pairs, tok, pl.TrainOptions(max_len=16, tokens_per_batch=128, packing=True)
+    plain = shards.make_train_iterator(
+        pairs, tok, batches.TrainOptions(max_len=16, tokens_per_batch=128, packing=True)
     )
     for _ in range(4):
         _same(next(sharded), next(plain))
@@ -97,10 +98,10 @@ def test_state_of_the_single_stream_before_input_shards_restores(pairs, tok):
     """A checkpoint's iterator state from before input shards (one TrainIterator state, its
     fingerprint holding batch_multiple) continues here; one whose batch_multiple gave other
     batch shapes is refused, naming the keys."""
-    old_options = pl.TrainOptions(
+    old_options = batches.TrainOptions(
         max_len=16, tokens_per_batch=128, packing=True, batch_multiple=4, process_count=1
     )
-    old = pl.make_train_iterator(pairs, tok, old_options)
+    old = shards.make_train_iterator(pairs, tok, old_options)
     next(old)
     state = old.get_state()
     state["fingerprint"].pop("batch_shapes")
@@ -115,11 +116,11 @@ def test_state_of_the_single_stream_before_input_shards_restores(pairs, tok):
 
 def test_errors_name_the_keys(pairs, tok):
     with pytest.raises(ValueError, match="data.input_shards=2 needs one batch shape"):
-        ish.check_shape_rule(2, packing=False, boundaries=[8, 16])
-    ish.check_shape_rule(2, packing=False, boundaries=[16])  # one bucket is fine
-    ish.check_shape_rule(1, packing=False, boundaries=[8, 16])
+        shards.check_shape_rule(2, packing=False, boundaries=[8, 16])
+    shards.check_shape_rule(2, packing=False, boundaries=[16])  # one bucket is fine
+    shards.check_shape_rule(1, packing=False, boundaries=[8, 16])
     with pytest.raises(ValueError, match="data.input_shards=0 must be >= 1"):
-        ish.check_shape_rule(0, packing=True, boundaries=None)
+        shards.check_shape_rule(0, packing=True, boundaries=None)
     state = _iterator(pairs, tok).get_state()
     with pytest.raises(ValueError, match="data.input_shards=2, this run 4: keep"):
         _iterator(pairs, tok, input_shards=4).set_state(state)
@@ -134,3 +135,44 @@ def test_bucketed_shards_are_refused_by_the_config_check(tmp_path):
     config.data.bucket_boundaries = [16, 32]
     with pytest.raises(ValueError, match="data.packing=True or a single bucket"):
         train_and_evaluate(config, tmp_path / "run")
+
+
+# ---------------------------------------------------------------------- states of earlier code
+
+
+def test_states_written_by_the_earlier_data_layout_restore_exactly(tok, pairs):
+    """tests/iterator_states.json holds iterator states and the three batches after each,
+    written by data/'s layout before its steps were merged into features, streams, batches
+    and shards (pipeline.make_train_iterator, mixture.make_mixture_train_iterator,
+    input_shards.make_sharded_iterator over these pairs and this tokenizer): a checkpoint
+    saved then restores into today's iterators and continues with the same batches."""
+    fixture = json.loads((pathlib.Path(__file__).parent / "iterator_states.json").read_text())
+    sha1 = hashlib.sha1(tok.to_bytes()).hexdigest()
+    other = make_pairs(90, seed=5, hi=6)
+    opts = batches.TrainOptions(
+        max_len=16, tokens_per_batch=96, seed=3, process_index=0, process_count=1
+    )
+    packed = batches.TrainOptions(
+        max_len=16, tokens_per_batch=128, packing=True, seed=1, batch_multiple=2,
+        process_index=0, process_count=1,
+    )  # fmt: skip
+    builds = {
+        "bucketed": (functools.partial(shards.make_train_iterator, pairs, tok, source_prefix=[5]),
+                     opts, 1),
+        "packed_two_shards": (functools.partial(shards.make_train_iterator, pairs, tok), packed, 2),
+        "mixture": (functools.partial(
+            shards.make_mixture_train_iterator, {"train": pairs, "synthetic0": other}, [0.6, 0.4],
+            tok, source_prefixes={"train": [], "synthetic0": [7]}), opts, 1),
+        "lm_packed": (functools.partial(
+            shards.make_lm_train_iterator, [t for _, t in pairs], tok), packed, 1),
+    }  # fmt: skip
+    assert set(fixture["cases"]) == set(builds)
+    for name, (build, options, input_shards) in builds.items():
+        case = fixture["cases"][name]
+        for shard in case["state"]["shards"].values():
+            assert shard["fingerprint"]["tokenizer_sha1"] == sha1, "make_tokenizer changed"
+        it = shards.make_sharded_iterator(build, options, input_shards=input_shards)
+        it.set_state(case["state"])
+        for expected in case["next"]:
+            _same(next(it), {k: np.asarray(v, np.int32) for k, v in expected.items()})
+        assert it.get_state()["shards"].keys() == case["state"]["shards"].keys()

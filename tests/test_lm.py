@@ -9,7 +9,7 @@ from helpers import ROOT, train_losses
 
 from tx_jax.cli import generate
 from tx_jax.config import sibling_config
-from tx_jax.data.lm_task import SideTexts
+from tx_jax.data.streams import SideTexts
 from tx_jax.inference import evaluation, generation, restore
 from tx_jax.runner.loop import train_and_evaluate
 from tx_jax.runner.setup import build_run, size_from_data

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from helpers import ROOT, train_losses
 
-from tx_jax.data import directions
+from tx_jax.data import directions, tasks
 from tx_jax.data.tokenizer import Tokenizer, train_tokenizer
 from tx_jax.inference import evaluation, multilingual, restore
 from tx_jax.runner.loop import train_and_evaluate
@@ -171,7 +171,7 @@ def test_shared_tokenizer_has_the_tags_as_single_pieces(workdir, loaded):
 
 def test_the_tag_routes_the_output_language(loaded):
     """The same English sources, tagged <2de> or <2fr>: German or French words come out."""
-    task = directions.direction_task(loaded.config.data, loaded.tokenizer, 0, "en-de")
+    task = tasks.direction_task(loaded.config.data, loaded.tokenizer, 0, "en-de")
     sources = [s for s, _ in task.pairs("test")]
     for lang in ("de", "fr"):
         hyps = multilingual.translate_to(loaded, sources, lang, beam_size=1)
@@ -288,7 +288,7 @@ def test_init_from_errors_name_the_key(workdir, data_dir, raw_dir, tmp_path):
 
 def test_max_train_pairs_keeps_the_first_pairs(data_dir, raw_dir, tmp_path):
     c = config(data_dir, raw_dir, **{"data.max_train_pairs": 30, "data.packing": False})
-    task = directions.prepare_multilingual_task(c.data, tmp_path, seed=0)
+    task = tasks.prepare_task(c.data, tmp_path, seed=0)
     for name in ("en-de", "de-en", "en-fr", "fr-en"):
         full = task.direction(name).source("train")
         cut = task.direction(name).train_pairs()
@@ -305,7 +305,7 @@ def test_max_train_pairs_keeps_the_first_pairs(data_dir, raw_dir, tmp_path):
     assert len(seen - {""}) > 30 and seen - {""} <= first
     # per direction: the high-resource directions keep every pair; the mixture sees the cut
     c.data.update(max_train_pairs="en-fr=20+fr-en=20", mixture="temperature", temperature=1.0)
-    task = directions.prepare_multilingual_task(c.data, tmp_path, seed=0)
+    task = tasks.prepare_task(c.data, tmp_path, seed=0)
     sizes = {n: len(task.direction(n).train_pairs()) for n in task.directions}
     assert sizes == {"en-de": 600, "de-en": 600, "en-fr": 20, "fr-en": 20}
     assert task.probabilities == pytest.approx({n: k / 1240 for n, k in sizes.items()})
@@ -355,7 +355,7 @@ def test_real_corpus_multilingual_task(tmp_path):
     """The real Multi30k read in four directions with one shared, tagged vocabulary."""
     c = multilingual_config.get_config("directions=en-de+de-en+en-fr+fr-cs")
     c.data.update(data_dir=str(tmp_path / "tfds"), vocab_size=1000, tokenizer_pairs=2000)
-    task = directions.prepare_multilingual_task(c.data, tmp_path / "run", seed=0)
+    task = tasks.prepare_task(c.data, tmp_path / "run", seed=0)
     assert task.direction("de-en").pairs("train")[0] == (
         "Zwei junge weiße Männer sind im Freien in der Nähe vieler Büsche.",
         "Two young, White males are outside near many bushes.",

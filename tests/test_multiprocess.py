@@ -64,7 +64,7 @@ def _code(tfds_dir, runs: list[tuple[str, object, dict]]) -> str:
     lines = [
         "import json; from helpers import tiny_config",
         "from tx_jax.runner.loop import train_and_evaluate",
-        "from tx_jax.data import input_shards as m; made = []; init = m.ShardedTrainIterator"
+        "from tx_jax.data import shards as m; made = []; init = m.ShardedTrainIterator"
         ".__init__; m.ShardedTrainIterator.__init__ = lambda self, *a, **k: (init(self, *a, **k),"
         " made.append(self))[0]",
     ]

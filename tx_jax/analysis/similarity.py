@@ -291,7 +291,7 @@ def source_ids(
     max_len: int | None = None,
 ) -> tuple[list[list[int]], int]:
     """Sentences -> (id lists `prefix + pieces + [EOS]`, prefix length), as the input pipeline
-    encodes sources (tx_jax.data.pipeline: pieces then EOS), with an optional prefix.
+    encodes sources (tx_jax.data.features: pieces then EOS), with an optional prefix.
 
     `tag`: a piece such as '<2de>' (a `user_defined_symbols` entry of the tokenizer), giving
     [its id] as the training pipeline's `source_prefix` does, or a list of ids used as is.

@@ -6,9 +6,9 @@
     ]
     data.backtranslation_tag = "<BT>"
 
-    task = prepare_backtranslation_task(config.data, workdir, seed=config.seed)
-    task.train_iterator(n)               real and synthetic pairs in one stream (mixture.py)
-    task.eval_batches('validation', n)   the real dataset's splits only, as TranslationTask's
+    task = tasks.prepare_task(config.data, workdir, seed=config.seed)
+    task.train_iterator(n)               real and synthetic pairs, weighted streams (streams.py)
+    task.eval_batches('validation', n)   the real dataset's splits only
 
 A synthetic corpus is two plain-text files (or globs with wildcards in the file name, or lists
 of them, read in sorted order one after another; '.gz' files are decompressed) of aligned
@@ -26,7 +26,7 @@ example j of the stream is drawn from corpus i with probability
     p_0 = 1 / (1 + sum_i r_i),    p_i = r_i / (1 + sum_i r_i)
 
 so ratio 1.0 is half of every batch synthetic on average, 0.25 one synthetic pair in five.
-Each corpus is read without replacement epoch by epoch, whatever its share (mixture.py).
+Each corpus is read without replacement epoch by epoch, whatever its share (streams.py).
 
 Tagged back-translation (Caswell et al., 2019): with "tag": True the id of
 `data.backtranslation_tag` goes before every source of that corpus (after the task's own source
@@ -43,7 +43,6 @@ Validation loss, BLEU during training and the test score read only the real data
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -52,10 +51,7 @@ from etils import epath
 
 from tx_jax import paths
 from tx_jax.config import study_value
-from tx_jax.data import mixture, tasks
-from tx_jax.data.input_shards import ShardedTrainIterator, Span
 from tx_jax.data.tokenizer import Tokenizer
-from tx_jax.data.train_input import sharded_train_iterator
 
 KEY = "data.backtranslation"
 REAL = "train"  # the real train split's name in the mixture (its 'kept/train' count)
@@ -220,69 +216,3 @@ def check_tag(tokenizer: Tokenizer, tag: str, where: str) -> int:
             "user-defined symbol, as this run trains its own; or set the corpora's tag to false)"
         )
     return i
-
-
-@dataclasses.dataclass
-class BacktranslationTask(tasks.TranslationTask):
-    """A TranslationTask whose train stream mixes in synthetic corpora (module docstring);
-    evaluation, pairs and splits are the real dataset's (inherited)."""
-
-    synthetic: dict[str, Sequence[tuple[str, str]]] = dataclasses.field(default_factory=dict)
-    ratios: dict[str, float] = dataclasses.field(default_factory=dict)
-    tagged: dict[str, bool] = dataclasses.field(default_factory=dict)
-    tag_id: int | None = None  # the id of data.backtranslation_tag (None when none is tagged)
-
-    @property
-    def probabilities(self) -> dict[str, float]:
-        """Sampling probability of the real split and of each synthetic corpus."""
-        probs = proportions([self.ratios[n] for n in self.synthetic])
-        return dict(zip([REAL, *self.synthetic], probs))
-
-    def train_iterator(
-        self, batch_multiple: int, spans: Sequence[Span] | None = None
-    ) -> ShardedTrainIterator:
-        """This process's rows of the global batches mixing real and synthetic pairs."""
-        corpora = {REAL: self.train_pairs(), **self.synthetic}
-        prefix = list(self.source_prefix)
-        sources = {n: prefix + ([self.tag_id] if self.tagged[n] else []) for n in self.synthetic}
-        build = functools.partial(
-            mixture.make_mixture_train_iterator,
-            corpora,
-            list(self.probabilities.values()),
-            self.tokenizer,
-            source_prefixes={REAL: prefix, **sources},
-            target_prefixes=dict.fromkeys(corpora, list(self.target_prefix)),
-        )
-        return sharded_train_iterator(self.data, self.seed, build, batch_multiple, spans)
-
-
-def has_synthetic(data: Any) -> bool:
-    """Whether config.data mixes synthetic corpora into the train split."""
-    return bool(study_value(data, "backtranslation"))
-
-
-def prepare_backtranslation_task(
-    data: Any, workdir: str | epath.Path, *, seed: int, tokenizer: Tokenizer | None = None
-) -> BacktranslationTask:
-    """The real task (tasks.prepare_translation_task; a tokenizer trained here gets the tag
-    as a piece when a corpus is tagged), the tag checked, and every synthetic corpus read."""
-    corpora = parse_corpora(data)
-    tag = backtranslation_tag(data)
-    tagged = any(c.tag for c in corpora)
-    task = tasks.prepare_translation_task(
-        data, workdir, seed=seed, tokenizer=tokenizer, symbols=[tag] if tagged else []
-    )
-    tag_id = None
-    if tagged:
-        given = "train.init_from" if tokenizer is not None else data.get("tokenizer_path")
-        where = f"{epath.Path(workdir) / 'tokenizer.model'}" + (f" ({given})" if given else "")
-        tag_id = check_tag(task.tokenizer, tag, where)
-    synthetic = {c.name: load_corpus(c, f"{KEY}[{i}]") for i, c in enumerate(corpora)}
-    fields = {f.name: getattr(task, f.name) for f in dataclasses.fields(task)}
-    return BacktranslationTask(
-        **fields,
-        synthetic=synthetic,
-        ratios={c.name: c.ratio for c in corpora},
-        tagged={c.name: c.tag for c in corpora},
-        tag_id=tag_id,
-    )

@@ -27,9 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from tx_jax.data.batching import Batch, check_boundaries, default_bucket_boundaries, pad_rows
-from tx_jax.data.featurize import Featurizer, Text
-from tx_jax.data.pipeline import process_shard
+from tx_jax.data.batches import Batch, check_boundaries, default_bucket_boundaries, pad_rows
+from tx_jax.data.features import Featurizer, Text, process_shard
 from tx_jax.data.tokenizer import Tokenizer
 
 # Eval bucket lengths grow by 1.5x from 16 (16, 24, 40, 64, 96 for max_len 96): a few shapes

@@ -5,7 +5,7 @@
     stats.percentile(99)                     99th percentile of a pair's longer side, in ids
     evals = eval_lengths(task, ['validation', 'test'])
 
-A pair's length is its longer side in ids as the train pipeline counts it (pipeline.py's
+A pair's length is its longer side in ids as the train stream counts it (features.py's
 Featurizer): the pieces, the source or target prefix (a language tag) and EOS. The train split
 can be millions of pairs: up to `SAMPLE` pairs drawn uniformly (seeded) stand for it, and a
 count from a sample says so; evaluation splits are small and read whole.
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tx_jax.data.views import Sample
+from tx_jax.data.streams import Sample
 
 # Train pairs tokenized to estimate lengths: the percentile's standard error at this size is
 # well under one token for sentence-level corpora, and tokenizing them takes about a second.

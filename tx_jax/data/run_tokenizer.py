@@ -1,7 +1,7 @@
 """A run's tokenizer: WORKDIR/tokenizer.model, given or trained once, then loaded from there.
 
 The joint SentencePiece model is trained once, on a uniform seeded sample of
-`data.tokenizer_pairs` train pairs (views.Sample: the whole split when it has no more), with
+`data.tokenizer_pairs` train pairs (streams.Sample: the whole split when it has no more), with
 the options of `data.tokenizer` (`tokenizer_options`), and saved as WORKDIR/tokenizer.model;
 resuming and evaluation load it from there, by its bytes, whatever the config's options say
 (and checkpoints carry a copy). `data.tokenizer_path` (or `train.init_from`'s checkpoint)

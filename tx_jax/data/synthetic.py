@@ -32,9 +32,10 @@ Example pair (glosses: vapu dog, gisi bird, revari cats, diriv- chase, tomek- se
     the big dog that chases two cats saw an old bird because the bird sings .
     gisi di vodara sen revari esu ko diriva ke vapu noga di gisi sora mi ko tomeki .
 
-Each source sentence has exactly one translation (`translate`), and splits are disjoint
-because a sentence's split is a hash of its text (`split_of`). The TFDS builder
-`SyntheticTranslation` writes ArrayRecord files and reads them without TensorFlow.
+Each source sentence has exactly one translation (the grammar is unambiguous; the tests parse
+it back), and splits are disjoint because a sentence's split is a hash of its text
+(`split_of`). The TFDS builder `SyntheticTranslation` writes ArrayRecord files and reads them
+without TensorFlow; it enters through the dataset table (datasets.py) as a user's corpus does.
 """
 
 from __future__ import annotations
@@ -274,76 +275,6 @@ def realize(sentence: Sentence) -> tuple[str, str]:
     return " ".join([*src, "."]), " ".join([*tgt, "."])
 
 
-# ----------------------------------------------------------------------------- parsing
-
-# Every verb form -> (lemma, is_past); the forms are all distinct, so this is unambiguous.
-_FORM_TO_VERB = {f: (v, f == forms[1]) for v, forms in VERBS.items() for f in (v, *forms)}
-
-
-class _Parser:
-    """Recursive descent over the source grammar (it is unambiguous: transitivity is lexical)."""
-
-    def __init__(self, source: str):
-        self.words, self.i = source.split(), 0
-
-    def peek(self) -> str | None:
-        return self.words[self.i] if self.i < len(self.words) else None
-
-    def take(self) -> str:
-        word = self.peek()
-        if word is None:
-            raise ValueError("unexpected end of sentence")
-        self.i += 1
-        return word
-
-    def sentence(self) -> Sentence:
-        first = self.clause()
-        conj = self.take() if self.peek() in CONJUNCTIONS else None
-        second = self.clause() if conj else None
-        if self.take() != "." or self.peek() is not None:
-            raise ValueError("expected a final '.'")
-        return Sentence(first, conj, second)
-
-    def clause(self, subj_allowed: bool = True, allow_rel: bool = True) -> Clause:
-        subj = self.np(allow_rel=True) if subj_allowed else None
-        form = self.take()
-        if form not in _FORM_TO_VERB:
-            raise ValueError(f"expected a verb, got {form!r}")
-        verb, past = _FORM_TO_VERB[form]
-        obj = self.np(allow_rel=allow_rel) if verb in TRANSITIVE else None
-        return Clause(subj, verb, past, obj)
-
-    def np(self, allow_rel: bool) -> NounPhrase:
-        det = self.take() if self.peek() in ("the", "a", "an", "this", "these") else None
-        num = self.take() if self.peek() in NUMBERS else None
-        adjs = []
-        while self.peek() in ADJECTIVES:
-            adjs.append(self.take())
-        word = self.take()
-        plural = word.endswith("s") and word[:-1] in NOUNS
-        if not plural and word not in NOUNS:
-            raise ValueError(f"expected a noun, got {word!r}")
-        rel = None
-        if allow_rel and self.peek() == "that":
-            self.take()
-            rel = self.clause(subj_allowed=False, allow_rel=False)
-        det = "a" if det == "an" else det
-        return NounPhrase(word[:-1] if plural else word, plural, det, num, tuple(adjs), rel)
-
-
-def parse(source: str) -> Sentence:
-    """Parses a source sentence of the grammar back into its structure (ValueError if not)."""
-    sentence = _Parser(source).sentence()
-    if realize(sentence)[0] != " ".join(source.split()):
-        raise ValueError(f"not a grammatical sentence (agreement or article): {source!r}")
-    return sentence
-
-
-def translate(source: str) -> str:
-    """The one reference translation of a source sentence the grammar produces."""
-    return realize(parse(source))[1]
-
-
 # ----------------------------------------------------------------------------- corpus
 
 MIN_WORDS, MAX_WORDS = 4, 25  # source length bounds, counting the final "."
@@ -390,21 +321,6 @@ def generate_corpus(
     if len(pairs) < num_examples:
         raise RuntimeError(f"could not draw {num_examples} distinct sentences for {split!r}")
     return list(pairs.items())
-
-
-def corpus_stats(pairs: Sequence[tuple[str, str]]) -> dict[str, float]:
-    """Vocabulary sizes and mean / max lengths in words (counting the final '.')."""
-    src = [s.split() for s, _ in pairs]
-    tgt = [t.split() for _, t in pairs]
-    return {
-        "examples": len(pairs),
-        "src_vocab": len({w for s in src for w in s}),
-        "tgt_vocab": len({w for t in tgt for w in t}),
-        "src_mean_len": sum(map(len, src)) / len(src),
-        "tgt_mean_len": sum(map(len, tgt)) / len(tgt),
-        "src_max_len": max(map(len, src)),
-        "tgt_max_len": max(map(len, tgt)),
-    }
 
 
 # ----------------------------------------------------------------------------- TFDS builder
@@ -507,41 +423,3 @@ def config_builder_kwargs(data) -> dict:
         num_train=s.num_train, num_validation=s.num_validation, num_test=s.num_test, seed=s.seed
     )
     return {"config": config}
-
-
-def load_synthetic(
-    split: str,
-    data_dir: str,
-    *,
-    num_train: int | None = None,
-    seed: int | None = None,
-    num_validation: int | None = None,
-    num_test: int | None = None,
-) -> Sequence[dict]:
-    """Prepares (once) into `data_dir` and returns the split's random-access data source.
-
-    No TensorFlow needed: the files are ArrayRecord and the source is a TFDS
-    `ArrayRecordDataSource` (len, [i], `__getitems__`), which grain reads directly. Records are
-    `{'src': bytes, 'tgt': bytes}` (UTF-8); `decode_example` turns one into str values.
-    """
-    builder = SyntheticTranslation(
-        data_dir=data_dir,
-        config=make_config(
-            num_train=num_train, seed=seed, num_validation=num_validation, num_test=num_test
-        ),
-        file_format="array_record",
-    )
-    if not builder.is_prepared():
-        builder.download_and_prepare()
-    return builder.as_data_source(split=split)
-
-
-def decode_example(record: dict) -> dict[str, str]:
-    """{'src': bytes, 'tgt': bytes} as the data source returns them -> {'src': str, 'tgt': str}."""
-    return {k: v.decode("utf-8") if isinstance(v, bytes) else v for k, v in record.items()}
-
-
-if __name__ == "__main__":
-    for source, target in generate_corpus(8, seed=0):
-        print(f"{source}\n  -> {target}")
-    print(corpus_stats(generate_corpus(50_000, seed=0)))

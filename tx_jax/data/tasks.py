@@ -1,17 +1,23 @@
-"""A translation task: one direction of a dataset, with its tokenizer, as batches.
+"""The one task type: a direction of a dataset and its tokenizer, trained over weighted streams.
 
-    task = prepare_translation_task(config.data, workdir, seed=config.seed)
+    task = prepare_task(config.data, workdir, seed=config.seed, lm=False)
     task.train_iterator(n, spans)              this process's rows of the global batches
     task.eval_batches('validation', n)         every example once, static shapes
     task.pairs('test')                          raw (source, reference) text pairs
 
-A task is built whole, from its data config and its tokenizer (any object with the Tokenizer
-interface); `prepare_translation_task` finds the tokenizer first (given, loaded from the
-workdir, or trained on a uniform sample of the train split: run_tokenizer.py), then builds
-the task. The other
-tasks read the same way: lm_task.py (one side of the pairs, task='lm'), directions.py
-(several tagged directions in one model). Which pairs train and how they are batched and
-sharded over processes: train_input.py; datasets by name: datasets.py.
+Every kind of run is a `Task`; what differs is its streams and their weights:
+
+    one direction              its train split alone (no weights: the stream of shards.py)
+    several directions         one stream per direction, weighted by data.mixture, each
+                               source after its <2xx> tag; `directions` holds the direction
+                               tasks, which evaluation decodes one by one (directions.py)
+    real + back-translated     the train split and each synthetic corpus, weighted by its
+                               ratio, tagged sources after <BT> (backtranslation.py)
+    language modelling         one side of the pairs (`lm_side`), 'targets' only, no BLEU
+
+`prepare_task` finds the tokenizer first (given, loaded from the workdir, or trained on a
+uniform sample of the train split: run_tokenizer.py), then builds the task. Which pairs train
+and how they are batched and sharded over processes: shards.py; datasets by name: datasets.py.
 
 Validation loss batches are per-process shards (their sums are reduced over all devices);
 decoding for BLEU runs the same examples on every process (`shard_eval=False`), since the
@@ -22,20 +28,33 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from etils import epath
 
-from tx_jax.data import datasets, eval_pipeline, input_shards, pipeline, preparation
-from tx_jax.data.run_tokenizer import load_or_train_tokenizer, tokenizer_options
+from tx_jax.config import study_value
+from tx_jax.data import backtranslation as bt
+from tx_jax.data import datasets, directions, eval_pipeline, preparation, shards, streams
+from tx_jax.data.run_tokenizer import TOKENIZER_FILE, load_or_train_tokenizer, tokenizer_options
+from tx_jax.data.shards import kept_train_pairs, sharded_train_iterator
+from tx_jax.data.streams import Concat, Prefix, Sample, SideTexts
 from tx_jax.data.tokenizer import Tokenizer, iter_pair_texts
-from tx_jax.data.train_input import kept_train_pairs, sharded_train_iterator
-from tx_jax.data.views import Prefix, Sample
+
+
+@dataclasses.dataclass(frozen=True)
+class Stream:
+    """One weighted train stream: its items (pairs; texts for a language model), its share of
+    the kept examples, and the ids put before every source and target."""
+
+    items: Sequence[Any]
+    weight: float
+    source_prefix: Sequence[int] = ()
+    target_prefix: Sequence[int] = ()
 
 
 @dataclasses.dataclass
-class TranslationTask:
+class Task:
     data: Any  # config.data
     tokenizer: Tokenizer
     seed: int
@@ -51,6 +70,15 @@ class TranslationTask:
     # (source prefix, target prefix) given whole, e.g. evaluate's --source_lang/--target_lang
     # through inference/languages.prefixes; None: from the tag or the data languages.
     prefixes: tuple[Sequence[int], Sequence[int]] | None = None
+    # The weighted train streams by name (their order is the mixture's); empty: this
+    # direction's train split alone, whose iterator state has no mixture.
+    streams: dict[str, Stream] = dataclasses.field(default_factory=dict)
+    # A multilingual task's training directions and its extra (e.g. zero-shot) ones, by name:
+    # the tasks its evaluation reads; empty for a task of one direction.
+    directions: dict[str, Task] = dataclasses.field(default_factory=dict)
+    extra: dict[str, Task] = dataclasses.field(default_factory=dict)
+    # A language model's side of the pairs ('target', 'source', 'both'); '' translates.
+    lm_side: str = ""
 
     @functools.cached_property
     def _prefixes(self) -> tuple[list[int], list[int]]:
@@ -71,17 +99,41 @@ class TranslationTask:
     def source_prefix(self) -> list[int]:
         """The ids put before every source: [id of the tag], an imported model's source
         language token (M2M100/NLLB) or target token (multi-target Marian), or none."""
-        return self._prefixes[0]
+        return [] if self.lm_side else self._prefixes[0]
 
     @property
     def target_prefix(self) -> list[int]:
         """The ids put before every target's pieces, which decoding forces first: an
         imported M2M100/NLLB model's target-language token, or none."""
-        return self._prefixes[1]
+        return [] if self.lm_side else self._prefixes[1]
+
+    @property
+    def one_pair(self) -> bool:
+        """Whether the task translates one language pair (back-translated pairs mixed in or
+        not): what the data sizes a run from (runner/sizing.py) can be measured on."""
+        return not (self.lm_side or self.directions)
+
+    @property
+    def probabilities(self) -> dict[str, float]:
+        """Sampling probability of each weighted stream ({} for one unweighted stream)."""
+        return {n: s.weight for n, s in self.streams.items()}
+
+    @property
+    def bleu_directions(self) -> list[str]:
+        """Directions decoded for BLEU: the training ones, then `extra_eval_directions`."""
+        return [*self.directions, *self.extra]
 
     def split_name(self, split: str) -> str:
         """'validation' / 'test' are aliases for the config's eval_split / test_split."""
         return {"validation": self.data.eval_split, "test": self.data.test_split}.get(split, split)
+
+    def direction(self, name: str) -> Task:
+        """One direction's task ('de-fr'); one that was not configured is built on the fly."""
+        task = self.directions.get(name) or self.extra.get(name)
+        if task is None:
+            task = direction_task(self.data, self.tokenizer, self.seed, name)
+            self.extra[name] = task
+        return dataclasses.replace(task, shard_eval=self.shard_eval)
 
     def source(self, split: str) -> datasets.TranslationSource:
         name = self.split_name(split)
@@ -94,33 +146,67 @@ class TranslationTask:
         return kept_train_pairs(self.data, self.source("train"))
 
     def pairs(self, split: str, limit: int | None = None) -> Sequence[tuple[str, str]]:
+        """A split's pairs (`limit`: the first ones); of several directions one after another
+        (`limit` per direction)."""
+        if self.directions:
+            return Concat([self.direction(n).pairs(split, limit) for n in self.directions])
         pairs = self.train_pairs() if self.split_name(split) == "train" else self.source(split)
         return Prefix(pairs, limit)
 
+    def texts(self, split: str, limit: int | None = None) -> Sequence[str]:
+        """A language model's texts: its side of the pairs (`lm_side`)."""
+        return SideTexts(self.pairs(split, limit), self.lm_side)
+
     def train_iterator(
-        self, batch_multiple: int, spans: Sequence[input_shards.Span] | None = None
-    ) -> input_shards.ShardedTrainIterator:
+        self, batch_multiple: int, spans: Sequence[shards.Span] | None = None
+    ) -> shards.ShardedTrainIterator:
         """This process's rows (`spans`; None: all) of the global batches, whose rows are a
-        multiple of `batch_multiple` (train_input.py)."""
-        build = functools.partial(
-            pipeline.make_train_iterator,
-            self.train_pairs(),
-            self.tokenizer,
-            source_prefix=self.source_prefix,
-            target_prefix=self.target_prefix,
-        )
+        multiple of `batch_multiple` (shards.py): the weighted streams mixed, or the one."""
+        tok = self.tokenizer
+        if self.streams:
+            s = self.streams
+            build = functools.partial(
+                shards.make_mixture_train_iterator,
+                {n: x.items for n, x in s.items()},
+                [x.weight for x in s.values()],
+                tok,
+                source_prefixes={n: list(x.source_prefix) for n, x in s.items()},
+                target_prefixes={n: list(x.target_prefix) for n, x in s.items()},
+            )
+        elif self.lm_side:
+            build = functools.partial(shards.make_lm_train_iterator, self.texts("train"), tok)
+        else:
+            prefixes = dict(source_prefix=self.source_prefix, target_prefix=self.target_prefix)
+            pairs = self.train_pairs()
+            build = functools.partial(shards.make_train_iterator, pairs, tok, **prefixes)
         return sharded_train_iterator(self.data, self.seed, build, batch_multiple, spans)
 
     def eval_batches(
         self, split: str, batch_multiple: int, limit: int | None = None, *, one_shape=False
-    ):
+    ) -> eval_pipeline.EvalBatches:
         """This process's share of the examples (every example when `shard_eval` is False):
         sorted by length and padded to the eval buckets, for decoding (a sentence's output
         limit is its own, so padding changes no hypothesis, and short batches decode in a
         fraction of the time); `one_shape`: in corpus order, all padded to max_eval_len, for
-        the teacher-forced loss (one program to compile, and its cost is small)."""
+        the teacher-forced loss (one program to compile, and its cost is small). Several
+        directions' batches come one after another ('example_index' counts within each); a
+        language model's are always of one shape."""
+        if self.directions:
+            parts = [
+                self.direction(n).eval_batches(split, batch_multiple, limit, one_shape=one_shape)
+                for n in self.directions
+            ]
+            stats = {k: sum(p.stats[k] for p in parts) for k in parts[0].stats}
+            batches = [b for p in parts for b in p.batches]
+            return eval_pipeline.EvalBatches(batches, sum(p.num_examples for p in parts), stats)
         d = self.data
         every = {} if self.shard_eval else {"process_index": 0, "process_count": 1}
+        common = dict(max_len=d.max_eval_len, batch_size=d.eval_batch_size, **every)
+        if self.lm_side:
+            texts = self.texts(split, limit)
+            return eval_pipeline.make_lm_eval_batches(
+                texts, self.tokenizer, batch_multiple=batch_multiple, **common
+            )
         if one_shape:
             shapes = dict(bucket_boundaries=[d.max_eval_len])
         else:
@@ -131,39 +217,139 @@ class TranslationTask:
         return eval_pipeline.make_eval_batches(
             self.pairs(split, limit),
             self.tokenizer,
-            max_len=d.max_eval_len,
-            batch_size=d.eval_batch_size,
             batch_multiple=batch_multiple,
             source_prefix=self.source_prefix,
             target_prefix=self.target_prefix,
+            **common,
             **shapes,
-            **every,
         )
 
 
-def prepare_translation_task(
+def direction_task(data: Any, tokenizer: Tokenizer, seed: int, direction: Any) -> Task:
+    """The tagged task of one direction (trained or not) of a multilingual config."""
+    if isinstance(direction, str):
+        (direction,) = directions.parse_directions(direction, "direction")
+    directions.check_tags(tokenizer, [direction[1]], "this model")
+    data = directions.direction_data(data, direction)
+    return Task(data, tokenizer, seed, tag=directions.lang_tag(direction[1]))
+
+
+def prepare_task(
     data: Any,
     workdir: str | epath.Path,
     *,
     seed: int,
     tokenizer: Tokenizer | None = None,
-    symbols: Sequence[str] = (),
-) -> TranslationTask:
-    """Splits and tokenizer of one language pair; `tokenizer`, when given (another run's, for
-    `train.init_from`), is used and saved as WORKDIR/tokenizer.model instead of training one
-    (data.tokenizer's options) on both sides of `data.tokenizer_pairs` train pairs drawn
-    uniformly over the whole split with `seed` (all of them when the split has no more; with
-    `symbols`, e.g. the back-translation tag, as single pieces)."""
+    lm: bool = False,
+) -> Task:
+    """The run's task over config.data: its splits prepared and opened, its tokenizer
+    (`tokenizer`, when given: another run's for `train.init_from`; else data.tokenizer_path,
+    WORKDIR/tokenizer.model, or trained here on a uniform sample with `seed`), saved as
+    WORKDIR/tokenizer.model, and its weighted streams (module docstring). `lm`: a language
+    model over `data.lm_side` of the pairs."""
     tokenizer_options(data)  # a bad option fails before the data is prepared
     workdir = epath.Path(workdir)
+    if directions.is_multilingual(data):
+        return _multilingual(data, workdir, seed, tokenizer)
+    corpora = [] if lm else bt.parse_corpora(data)
+    tag = bt.backtranslation_tag(data)
+    tagged = any(c.tag for c in corpora)
+    side = study_value(data, "lm_side") if lm else ""
+    if lm and side not in streams.LM_SIDES:
+        raise ValueError(f"data.lm_side={side!r}; expected one of {streams.LM_SIDES}")
     (train,) = preparation.open_train_splits([data], workdir)
     pairs = Sample(kept_train_pairs(data, train), data.tokenizer_pairs, seed)
     tok = load_or_train_tokenizer(
         data,
         workdir,
-        lambda: iter_pair_texts(pairs),
+        lambda: iter(SideTexts(pairs, side)) if lm else iter_pair_texts(pairs),
         given=tokenizer,
         given_by="train.init_from",
-        symbols=symbols,
+        symbols=[tag] if tagged else [],
     )
-    return TranslationTask(data, tok, seed, splits={"train": train})
+    task = Task(data, tok, seed, splits={"train": train}, lm_side=side)
+    if not corpora:
+        return task
+    tag_id = None
+    if tagged:
+        given = "train.init_from" if tokenizer is not None else data.get("tokenizer_path")
+        where = f"{workdir / TOKENIZER_FILE}" + (f" ({given})" if given else "")
+        tag_id = bt.check_tag(tok, tag, where)
+    synthetic = {c.name: bt.load_corpus(c, f"{bt.KEY}[{i}]") for i, c in enumerate(corpora)}
+    return backtranslated(task, corpora, synthetic, tag_id)
+
+
+def backtranslated(
+    task: Task,
+    corpora: Sequence[bt.SyntheticCorpus],
+    synthetic: dict[str, Sequence[tuple[str, str]]],
+    tag_id: int | None,
+) -> Task:
+    """`task` whose train stream mixes in the synthetic corpora (their pairs: `synthetic`) by
+    ratio, the tagged ones' sources after `tag_id`; evaluation reads the real dataset only."""
+    weights = bt.proportions([c.ratio for c in corpora])
+    prefix, target = list(task.source_prefix), list(task.target_prefix)
+    mixed = {bt.REAL: Stream(task.train_pairs(), weights[0], prefix, target)}
+    for c, w in zip(corpora, weights[1:]):
+        tagged = prefix + ([tag_id] if c.tag else [])
+        mixed[c.name] = Stream(synthetic[c.name], w, tagged, target)
+    return dataclasses.replace(task, streams=mixed)
+
+
+def _tokenizer_texts(
+    data: Any, train_pairs: Sequence[Sequence[tuple[str, str]]], seed: int
+) -> Iterator[str]:
+    """Both sides of a uniform sample (streams.Sample, `seed`) of data.tokenizer_pairs of each
+    language pair's `train_pairs` (all of them when it has no more), each distinct sentence
+    once (English of en-de and en-fr is the same text in Multi30k)."""
+    seen: set[str] = set()
+    for pairs in train_pairs:
+        for pair in Sample(pairs, data.tokenizer_pairs, seed):
+            for text in pair:
+                if text not in seen:
+                    seen.add(text)
+                    yield text
+
+
+def _multilingual(data: Any, workdir: epath.Path, seed: int, tokenizer: Tokenizer | None) -> Task:
+    """Splits of every direction, the shared tokenizer (trained once with the tags, or
+    `tokenizer` / data.tokenizer_path, checked for the tags) and one stream per direction."""
+    trained, extra = directions.train_directions(data), directions.extra_directions(data)
+    if not trained:
+        raise ValueError("data.directions is empty: name the directions, e.g. 'en-de,de-en'")
+    by_pair: dict[frozenset, tuple[str, str]] = {}  # one direction per unordered language pair
+    for d in trained:
+        by_pair.setdefault(frozenset(d), d)
+    corpus = [directions.direction_data(data, d) for d in by_pair.values()]  # the tokenizer's
+    # Extra directions' data is prepared too (a zero-shot pair is a dataset config of its own).
+    also = [directions.direction_data(data, d) for d in extra]
+    sources = preparation.open_train_splits(corpus, workdir, also_prepare=also)
+    train_pairs = [kept_train_pairs(d, s) for d, s in zip(corpus, sources)]
+    languages = directions.tag_languages(data)
+    tok = load_or_train_tokenizer(
+        data,
+        workdir,
+        lambda: _tokenizer_texts(data, train_pairs, seed),
+        given=tokenizer,
+        given_by="train.init_from",
+        symbols=[directions.lang_tag(x) for x in languages],
+    )
+    directions.check_tags(tok, languages, str(workdir / TOKENIZER_FILE))
+    opened = dict(zip(by_pair.values(), sources))
+
+    def make(d: tuple[str, str]) -> Task:
+        splits = {"train": opened[d]} if d in opened else {}
+        tag = directions.lang_tag(d[1])
+        return Task(directions.direction_data(data, d), tok, seed, splits=splits, tag=tag)
+
+    train_tasks = {directions.direction_name(d): make(d) for d in trained}
+    extra_tasks = {directions.direction_name(d): make(d) for d in extra}
+    sizes = [len(t.train_pairs()) for t in train_tasks.values()]
+    probs = streams.mixture_probabilities(
+        sizes, study_value(data, "mixture"), study_value(data, "temperature")
+    )
+    mixed = {
+        n: Stream(t.train_pairs(), p, t.source_prefix, t.target_prefix)
+        for (n, t), p in zip(train_tasks.items(), probs)
+    }
+    return Task(data, tok, seed, streams=mixed, directions=train_tasks, extra=extra_tasks)

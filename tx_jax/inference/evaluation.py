@@ -213,7 +213,7 @@ class _Split(scoring.Split):
                     "--source_lang/--target_lang: a multilingual checkpoint's languages are "
                     f"its --direction ({direction})"
                 )
-            task = directions.direction_task(data, loaded.tokenizer, seed, direction)
+            task = tasks.direction_task(data, loaded.tokenizer, seed, direction)
             self.direction = directions.direction_name(
                 (task.data.source_lang, task.data.target_lang)
             )
@@ -223,7 +223,7 @@ class _Split(scoring.Split):
             prefixes = languages.prefixes(
                 loaded, source_lang or data.source_lang, target_lang or data.target_lang
             )
-            task = tasks.TranslationTask(data, loaded.tokenizer, seed, prefixes=prefixes)
+            task = tasks.Task(data, loaded.tokenizer, seed, prefixes=prefixes)
             self.direction = None
         given = source_lang or target_lang  # named in the record and the hypotheses' file
         pair = f"{source_lang or data.source_lang}-{target_lang or data.target_lang}"

@@ -7,7 +7,7 @@ language pair, whatever kind of checkpoint: one place for translate, score and e
     any other run                    nothing (--target_lang is refused: it would be ignored)
 
 Training and validation put the same ids on their pairs for data.source_lang/target_lang
-(data/tasks.TranslationTask, from the same tokenizer methods, data/ being below inference/);
+(data/tasks.Task, from the same tokenizer methods, data/ being below inference/);
 evaluate's --source_lang/--target_lang come through here.
 """
 

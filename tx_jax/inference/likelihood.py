@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tx_jax.data.featurize import _clean_text
+from tx_jax.data.features import clean_text
 from tx_jax.inference import languages
 from tx_jax.model import ModelConfig, make_model
 
@@ -61,8 +61,8 @@ def encode_pairs(loaded, sources, targets, source_prefix, target_prefix):
     tok = loaded.tokenizer
     out = []
     for i, (s, t) in enumerate(zip(sources, targets, strict=True)):
-        src = [*source_prefix, *tok.encode(_clean_text(s)[0]), tok.eos_id]
-        tgt = [*target_prefix, *tok.encode_target(_clean_text(t)[0]), tok.eos_id]
+        src = [*source_prefix, *tok.encode(clean_text(s)[0]), tok.eos_id]
+        tgt = [*target_prefix, *tok.encode_target(clean_text(t)[0]), tok.eos_id]
         cfg = loaded.model_config
         if cfg.positional == "learned" and max(len(src), len(tgt)) > cfg.max_len:
             raise ValueError(

@@ -20,7 +20,7 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from tx_jax.data import directions
+from tx_jax.data import directions, tasks
 from tx_jax.data.tokenizer import Tokenizer
 from tx_jax.inference import restore, scoring, translation
 
@@ -112,7 +112,7 @@ def score_direction(
     (src, tgt) = directions.parse_directions(direction, "direction")[0]
     if pivot in (src, tgt):
         raise ValueError(f"pivot={pivot!r} is an end of the direction {direction!r}")
-    task = directions.direction_task(
+    task = tasks.direction_task(
         loaded.config.data, loaded.tokenizer, loaded.config.seed, (src, tgt)
     )
     data = scoring.Split(task, split, limit)

@@ -411,7 +411,7 @@ def bleu_metrics(
     alpha: float = 0.6,
 ) -> dict[str, Any]:
     """{'bleu', 'chrf', 'bleu_signature'} of a split; for a multilingual task (one with
-    `bleu_directions`, data/directions.py) also 'bleu/en-de', 'chrf/en-de', ... per direction
+    `directions`, data/tasks.py) also 'bleu/en-de', 'chrf/en-de', ... per direction
     (the first `limit` pairs of each), and 'bleu' / 'chrf' are the means over its training
     directions (`task.directions`; extra, e.g. zero-shot, directions are reported only)."""
 
@@ -421,7 +421,7 @@ def bleu_metrics(
             model_config, params, task.tokenizer, data, beam_size=beam_size, alpha=alpha
         )
 
-    if not hasattr(task, "bleu_directions"):
+    if not task.directions:
         r = result(task)
         return {"bleu": r.bleu, "chrf": r.chrf, "bleu_signature": r.signature}
     out: dict[str, Any] = {}

@@ -2,7 +2,7 @@
 compiler: the train step (one per batch shape), the eval step, greedy and beam decoding.
 
 The run is built by the code that trains it (runner/setup.py: the model, the optimizer, the
-jitted step; training/parallel.py: the mesh and the rules; data/train_input.py: the batch shapes),
+jitted step; training/parallel.py: the mesh and the rules; data/shards.py: the batch shapes),
 given the target's devices instead of jax.devices() and the vocabulary size from
 `data.vocab_size` instead of a tokenizer; nothing reads data. The model's implementation fields
 are resolved for the target's platform (ModelConfig.resolved), not for this host.
@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tx_jax.config import task_of
-from tx_jax.data import train_input
+from tx_jax.data import shards
 from tx_jax.data.tokenizer import BOS_ID, EOS_ID
 from tx_jax.inference import decoding
 from tx_jax.planning import hlo
@@ -276,7 +276,7 @@ def train_batches(built: Built) -> list[dict[str, tuple[int, int]]]:
     s = built.strategy
     multiple = s.global_batch_multiple * built.config.train.grad_accum_steps
     lm = task_of(built.config) == "lm"
-    return train_input.train_batch_shapes(built.config.data, batch_multiple=multiple, lm=lm)
+    return shards.train_batch_shapes(built.config.data, batch_multiple=multiple, lm=lm)
 
 
 def compile_train(built: Built, shapes: dict[str, tuple[int, int]]) -> Program:

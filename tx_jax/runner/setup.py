@@ -17,8 +17,8 @@ import optax
 from etils import epath
 
 from tx_jax.config import task_of
-from tx_jax.data import backtranslation, datasets, directions, lengths, lm_task, preparation, tasks
-from tx_jax.data.train_input import kept_train_pairs
+from tx_jax.data import datasets, lengths, preparation, tasks
+from tx_jax.data.shards import kept_train_pairs
 from tx_jax.inference import restore
 from tx_jax.model import ModelConfig, make_model
 from tx_jax.runner import resume, sizing
@@ -38,7 +38,7 @@ class Sized:
     config: ml_collections.ConfigDict  # nothing left to the data
     workdir: epath.Path
     strategy: parallel.Strategy
-    task: tasks.TranslationTask | lm_task.LMTask | directions.MultilingualTask
+    task: tasks.Task
     # train.init_from's checkpoint when this run starts from it (None when resuming)
     source: restore.InitSource | None = None
     # the keys the data chose (runner/sizing.py): a budget refits the cadence among them
@@ -55,7 +55,7 @@ class Run:
     config: ml_collections.ConfigDict
     workdir: epath.Path
     strategy: parallel.Strategy
-    task: tasks.TranslationTask | lm_task.LMTask | directions.MultilingualTask
+    task: tasks.Task
     model_config: ModelConfig
     model: nn.Module
     tx: optax.GradientTransformation
@@ -164,15 +164,11 @@ def prepare_data(config: ml_collections.ConfigDict, workdir: epath.Path, *, voca
     if vocabulary:
         (pairs,) = preparation.open_train_splits([d], workdir)
         d.vocab_size = sizing.size_class(len(kept_train_pairs(d, pairs))).vocab_size
-    is_lm = task_of(config) == "lm"
-    prepare = lm_task.prepare_lm_task if is_lm else tasks.prepare_translation_task
-    if directions.is_multilingual(d):
-        prepare = directions.prepare_multilingual_task
-    elif backtranslation.has_synthetic(d) and not is_lm:
-        prepare = backtranslation.prepare_backtranslation_task
     tokenizer = source.tokenizer if source is not None else None
-    task = prepare(d, workdir, seed=config.seed, tokenizer=tokenizer)
-    if not isinstance(task, tasks.TranslationTask):
+    task = tasks.prepare_task(
+        d, workdir, seed=config.seed, tokenizer=tokenizer, lm=task_of(config) == "lm"
+    )
+    if not task.one_pair:
         return source, task, None, None
     splits = ["validation", *(["test"] if config.eval.score_test else [])]
     return (

@@ -226,7 +226,7 @@ def packed_pairs_per_batch(
     source: np.ndarray, target: np.ndarray, max_len: int, rows: int
 ) -> float:
     """Pairs per batch when `rows` rows of `max_len` are filled first fit in stream order
-    (batching.py's packer) with pairs of these lengths (over max_len: dropped, as there)."""
+    (batches.py's packer) with pairs of these lengths (over max_len: dropped, as there)."""
     keep = (source <= max_len) & (target <= max_len)
     free: list[list[int]] = []
     batches, held = 0, 0
@@ -309,7 +309,7 @@ def size_run(
     if config.data.get("packing", True):
         choose("data.bucket_boundaries", [max_len])
     else:
-        from tx_jax.data.batching import default_bucket_boundaries
+        from tx_jax.data.batches import default_bucket_boundaries
 
         choose("data.bucket_boundaries", default_bucket_boundaries(max_len))
     rows = max(1, tokens // max_len // batch_multiple * batch_multiple)

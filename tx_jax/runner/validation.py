@@ -9,7 +9,7 @@ import math
 import ml_collections
 
 from tx_jax.config import study_value, task_of
-from tx_jax.data import backtranslation, directions, input_shards, lm_task
+from tx_jax.data import backtranslation, directions, shards, streams
 from tx_jax.model import TASKS, ModelConfig
 from tx_jax.model.lora import LoRA
 from tx_jax.runner import sizing
@@ -30,8 +30,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"task={config.task!r}; expected one of {TASKS}")
     if task_of(config) == "lm":
         side = study_value(config.data, "lm_side")
-        if side not in lm_task.LM_SIDES:
-            raise ValueError(f"data.lm_side={side!r}; expected one of {lm_task.LM_SIDES}")
+        if side not in streams.LM_SIDES:
+            raise ValueError(f"data.lm_side={side!r}; expected one of {streams.LM_SIDES}")
         if config.checkpoint.best_metric in ("bleu", "chrf"):
             raise ValueError(
                 f"checkpoint.best_metric={config.checkpoint.best_metric!r}: a language model "
@@ -40,7 +40,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     directions.validate_config(config.data, task_of(config))
     backtranslation.validate_config(config.data, task_of(config))
     d = config.data
-    input_shards.check_shape_rule(d.get("input_shards", 1), d.packing, d.bucket_boundaries)
+    shards.check_shape_rule(d.get("input_shards", 1), d.packing, d.bucket_boundaries)
     enums = {
         "train.schedule": optim.SCHEDULES,
         "parallel.strategy": parallel.STRATEGIES,

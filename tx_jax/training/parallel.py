@@ -4,7 +4,7 @@ over a Mesh), behind one interface, `Strategy`.
 Model code never sees a device: it names axes ('batch', 'embed', 'heads', ...), and only
 this file turns names into placements. Multi-host runs call `maybe_initialize_distributed`
 first. Train batches are global arrays assembled from each process's rows
-(`process_row_spans` says which rows a process's devices hold, data/input_shards.py reads
+(`process_row_spans` says which rows a process's devices hold, data/shards.py reads
 just those, `place_process_rows` assembles them); eval batches are per process
 (`place_batch`: each process feeds its own rows, and the step sums globally).
 """

@@ -1,14 +1,26 @@
-"""Text -> ids, the same way for training and evaluation: `Featurizer` turns one raw item (a
-text, or a tuple of texts) into int32 SentencePiece ids ending in EOS, and says why an
-example is dropped (train) or how it was truncated (eval). pipeline.py (train), mixture.py
-and eval_pipeline.py all featurize through it.
+"""A batch's path, step 3: text -> ids, the same way for training and evaluation.
+
+`Featurizer` turns one raw item (a text, or a tuple of texts) into int32 SentencePiece ids
+ending in EOS and says why an example is dropped (train) or how it was truncated (eval);
+`shard_records` featurizes one shard [process_index::process_count] of a corpus for the train
+stream (streams.py), memoized; eval_pipeline.py featurizes with the same class, truncating.
+
+Train filtering: a pair is dropped when a side is empty, whitespace-only or encodes to no id,
+or is longer than max_len ids (EOS and a prefix included). A side over
+`max_len * max_piece_chars * 4` non-space characters is dropped by a character count before
+tokenization (a 1 MB line costs no tokenizer time; the factor 4 allows for NFKC composition,
+so ordinary text that would fit is never dropped by it). Invalid UTF-8 is decoded with U+FFFD
+and kept (`clean_text`; SentencePiece's default nmt_nfkc normalizer then deletes the U+FFFD
+characters).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import grain
 import numpy as np
 
 from tx_jax.data.tokenizer import Tokenizer
@@ -17,7 +29,7 @@ Text = str | bytes
 PRECHECK_SLACK = 4  # NFKC can merge a few characters into one; stay conservative.
 
 
-def _clean_text(x: Text) -> tuple[str, bool]:
+def clean_text(x: Text) -> tuple[str, bool]:
     """Returns (text, was_invalid): bytes/surrogates that are not UTF-8 become U+FFFD."""
     if isinstance(x, bytes | bytearray):
         try:
@@ -94,7 +106,7 @@ class Featurizer:
         raw = (item,) if len(self.keys) == 1 else tuple(item)
         if len(raw) != len(self.keys):
             raise ValueError(f"expected {len(self.keys)} texts per example, got {len(raw)}")
-        cleaned = [_clean_text(t) for t in raw]
+        cleaned = [clean_text(t) for t in raw]
         texts = [t for t, _ in cleaned]
         notes = ("invalid_utf8",) if any(bad for _, bad in cleaned) else ()
         if any(not t or t.isspace() for t in texts):
@@ -121,3 +133,84 @@ class Featurizer:
                 truncated = True
             features[key] = np.asarray(ids, np.int32)
         return Record(features, "", notes + (("truncated",) if truncated else ()))
+
+
+def process_shard(process_index: int | None, process_count: int | None) -> tuple[int, int]:
+    """(process_index, process_count) of the shard [process_index::process_count] to read.
+
+    A None is filled in from jax.process_index() / jax.process_count(); ValueError unless
+    0 <= process_index < process_count.
+    """
+    if process_index is None or process_count is None:
+        import jax  # only needed for the defaults
+
+        process_index = jax.process_index() if process_index is None else process_index
+        process_count = jax.process_count() if process_count is None else process_count
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index={process_index} not in [0, {process_count}).")
+    return process_index, process_count
+
+
+class _ShardRecords(grain.MapDataset):
+    """Featurized records of shard items[process_index::process_count], memoized.
+
+    One MapDataset in place of grain's source -> slice -> map chain, whose per-element
+    monitoring in every layer costs more than tokenizing a pair.
+    """
+
+    def __init__(self, items: Sequence[Any], shard: slice, featurize: Featurizer, cache: bool):
+        super().__init__()
+        self._items = items
+        self._indices = range(len(items))[shard]
+        self._featurize = featurize
+        self._cache: dict[int, Record] | None = {} if cache else None
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
+    def __str__(self) -> str:
+        return f"_ShardRecords({self._indices})"
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self.slice(index)
+        index %= len(self._indices)
+        if self._cache is not None and index in self._cache:
+            return self._cache[index]
+        record = self._featurize(self._items[self._indices[index]])
+        if self._cache is not None:
+            self._cache[index] = record
+        return record
+
+
+def shard_records(
+    items: Sequence[Any],
+    keys: tuple[str, ...],
+    tokenizer: Tokenizer,
+    shard: tuple[int, int],
+    *,
+    max_len: int,
+    cache: bool = True,
+    source_prefix: Sequence[int] = (),
+    target_prefix: Sequence[int] = (),
+) -> grain.MapDataset:
+    """The featurized records of shard items[process_index::process_count] (an error if it
+    is empty): a MapDataset of `Record`s, memoized when `cache`; index it modulo its length.
+
+    Args:
+      items: random-access examples for `Featurizer` (texts, or tuples of texts per `keys`).
+      keys: the feature keys, ('inputs', 'targets') or ('targets',).
+      tokenizer: turns text into ids.
+      shard: (process_index, process_count) from `process_shard`.
+      max_len: most ids per side, prefix and EOS included; longer examples are dropped.
+      cache: keep each record after its first read (off for corpora too big for memory).
+      source_prefix: ids put before every 'inputs' (a language tag).
+      target_prefix: ids put before every 'targets' (an M2M100/NLLB target-language token).
+    """
+    pi, pc = shard
+    prefixes = dict(source_prefix=tuple(source_prefix), target_prefix=tuple(target_prefix))
+    featurize = Featurizer(tokenizer, keys, max_len, **prefixes)
+    records = _ShardRecords(items, slice(pi, None, pc), featurize, cache)
+    if len(records) == 0:
+        raise ValueError(f"Process {pi} of {pc} has no examples ({len(items)} in total).")
+    return records

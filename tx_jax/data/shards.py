@@ -1,16 +1,23 @@
-"""The train stream in global terms: a fixed number of input shards, each process reading its own.
+"""A batch's path, step 5: this process's rows of the global batch, and the whole stream's state.
 
-    it = make_sharded_iterator(build, options, input_shards=S, spans=[(0, 1)])
+    it = sharded_train_iterator(config.data, seed, build, batch_multiple, spans)
     batch = next(it)                  this process's rows of the global batch
     it.share                          their fraction of the global batch's rows
     it.get_state() / it.set_state()   every shard's position (any process count restores it)
 
+`build` makes one shard's `batches.TrainIterator` from its options: `make_train_iterator`
+(pairs), `make_lm_train_iterator` (texts) or `make_mixture_train_iterator` (weighted
+streams), each featurizing its shard (features.py), reading it in stream order (streams.py)
+and batching it (batches.py). config.data decides which train pairs a run keeps:
+`data.max_train_pairs` keeps only the first N (the tokenizer, if trained in the run, sees only
+those), N for every direction or per direction ('en-fr=3000,fr-en=3000').
+
 Design. `data.input_shards` S (default 1) cuts the train examples into S shards, S fixed for
 the run and independent of how many processes and devices train it. Shard s reads examples
-[s::S] of the corpus (each shard shuffled and repeated like pipeline.py's stream, with the
-same seed) under a budget of tokens_per_batch // S; the global batch at step t is the
-concatenation, in shard order, of every shard's batch t. It depends on S and the config only,
-so the same step sees the same batch on 1 process or 64, on 8 devices or 4.
+[s::S] of the corpus (each shard shuffled and repeated like one stream, with the same seed)
+under a budget of tokens_per_batch // S; the global batch at step t is the concatenation, in
+shard order, of every shard's batch t. It depends on S and the config only, so the same step
+sees the same batch on 1 process or 64, on 8 devices or 4.
 
 A process's devices hold some rows of the global batch: `spans`, fractions of it, from the
 strategy (`parallel.Strategy.process_row_spans`: for pmap the process's block, for a mesh
@@ -20,7 +27,7 @@ assembles into global arrays (`jax.make_array_from_process_local_data`). With S 
 of the process count (and the usual device order) each process reads S / P shards: 1/P of
 the input work. Any other S still trains on the same batches; a process whose rows lie in
 shards that others need too reads those whole shards (S = 1: every process reads the whole
-stream, the behaviour before input shards; a warning names data.input_shards).
+stream, keeping its own rows, any batching included; a warning names data.input_shards).
 
 Batches of several shards must share one shape to form one array: with S > 1 the run
 must pack (`data.packing=True`) or have a single bucket (`data.bucket_boundaries=[max_train_len]`).
@@ -28,13 +35,14 @@ Rows per shard are floor(tokens_per_batch / S / L) rounded down to a multiple of
 m / gcd(m, S), m = devices x grad_accum_steps, so the global rows divide over the devices.
 
 State: {'input_shards': S, 'shards': {'0': state of shard 0, ...}}, each a
-`pipeline.TrainIterator` state (stream position, held examples). Positions are per shard,
+`batches.TrainIterator` state (stream position, held examples). Positions are per shard,
 not per process, so the state restores on any process or device count: `get_state` gathers
 every shard's state onto every process (a collective with several processes), and
 `set_state` takes the shards the process owns now. The shards' fingerprints hold the batch
 shapes, not the device count: a new topology whose rounding changes the shapes is refused
-(pipeline.py's error says which keys). A state saved before input shards (one stream)
-restores as shard 0 of S = 1.
+(the error says which keys). A state saved before input shards (one stream) restores as
+shard 0 of S = 1, and a fingerprint saved with the device count (`upgrade_fingerprint`) as
+the shapes it gave.
 """
 
 from __future__ import annotations
@@ -42,17 +50,228 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
 import numpy as np
 
-from tx_jax.data.batching import Batch, bucket_batch_sizes
-from tx_jax.data.pipeline import TrainIterator, TrainOptions, batch_shapes
+from tx_jax.config import study_value
+from tx_jax.data.batches import (
+    Batch,
+    TrainIterator,
+    TrainOptions,
+    batch_iterator,
+    batch_keys,
+    batch_shapes,
+    bucket_batch_sizes,
+)
+from tx_jax.data.features import Text, process_shard, shard_records
+from tx_jax.data.streams import ExampleIterDataset, MixtureIterDataset, Prefix
+from tx_jax.data.tokenizer import Tokenizer
 
 Span = tuple[Fraction, Fraction]
 KEY = "data.input_shards"
+
+# ------------------------------------------------------------------------ config.data
+
+
+def parse_max_train_pairs(spec: Any) -> int | dict[str, int] | None:
+    """`data.max_train_pairs`: N (every direction), 'en-fr=3000,fr-en=3000' ('+' works too) or
+    {'en-fr': 3000} (per direction; the others keep every pair); None for 0 / '' / None."""
+    key = "data.max_train_pairs"
+    if not spec:
+        return None
+    if isinstance(spec, str) and spec.strip().isdigit():
+        spec = int(spec)
+    if isinstance(spec, int):
+        if spec < 0:
+            raise ValueError(f"{key}={spec} must be >= 0 (0: every pair)")
+        return spec or None
+    items = spec.items() if hasattr(spec, "items") else None
+    if items is None:
+        parts = [p for p in str(spec).replace("+", ",").split(",") if p.strip()]
+        items = [p.partition("=")[::2] for p in parts]
+    table = {}
+    for direction, n in items:
+        direction, n = str(direction).strip(), str(n).strip()
+        if "-" not in direction or not n.isdigit():
+            raise ValueError(
+                f"{key}={spec!r}: write N, or SRC-TGT=N per direction ('en-fr=3000,fr-en=3000')"
+            )
+        table[direction] = int(n)
+    return table
+
+
+def max_train_pairs(data: Any, direction: str | None = None) -> int | None:
+    """How many train pairs `direction` keeps (default: source_lang-target_lang of `data`):
+    `data.max_train_pairs` read by `parse_max_train_pairs`; None: all of them."""
+    spec = parse_max_train_pairs(study_value(data, "max_train_pairs"))
+    if isinstance(spec, dict):
+        direction = direction or f"{data.source_lang}-{data.target_lang}"
+        return spec.get(direction) or None
+    return spec
+
+
+def kept_train_pairs(data: Any, train: Sequence[tuple[str, str]]) -> Sequence[tuple[str, str]]:
+    """The train split `train` of `data`'s direction, cut to its first `data.max_train_pairs`
+    pairs when that is set (a view: nothing is copied)."""
+    n = max_train_pairs(data)
+    return train if n is None else Prefix(train, n)
+
+
+def train_options(data: Any, *, seed: int, batch_multiple: int) -> TrainOptions:
+    """The train batching of config.data for the whole global batch (process 0 of 1; each
+    input shard takes its part), rows a multiple of `batch_multiple`."""
+    return TrainOptions(
+        max_len=data.max_train_len,
+        tokens_per_batch=data.tokens_per_batch,
+        batch_multiple=batch_multiple,
+        bucket_boundaries=data.bucket_boundaries,
+        packing=data.packing,
+        seed=seed,
+        process_index=0,
+        process_count=1,
+    )
+
+
+def train_batch_shapes(data: Any, *, batch_multiple: int, lm: bool) -> list[dict[str, tuple]]:
+    """The global train batches of config.data without reading any data: one {array name:
+    (B, L)} per bucket, as the train iterator would make them (rows a multiple of
+    `batch_multiple`: devices x grad_accum_steps)."""
+    options = train_options(data, seed=0, batch_multiple=batch_multiple)
+    shapes = global_batch_shapes(options, int(data.get("input_shards", 1)))
+    keys = batch_keys(("targets",) if lm else ("inputs", "targets"), data.packing)
+    return [dict.fromkeys(keys, shape) for shape in shapes]
+
+
+def sharded_train_iterator(
+    data: Any,
+    seed: int,
+    build: Callable[[TrainOptions], TrainIterator],
+    batch_multiple: int,
+    spans: Sequence[Span] | None,
+) -> ShardedTrainIterator:
+    """The `data.input_shards` streams that `build` makes, this process's `spans` of them."""
+    return make_sharded_iterator(
+        build,
+        train_options(data, seed=seed, batch_multiple=batch_multiple),
+        input_shards=int(data.get("input_shards", 1)),
+        spans=spans,
+    )
+
+
+# ------------------------------------------------------------------------ one shard's stream
+
+
+def _train_iterator(
+    items: Sequence[Any],
+    keys: tuple[str, ...],
+    tokenizer: Tokenizer,
+    options: TrainOptions,
+    source_prefix: Sequence[int] = (),
+    target_prefix: Sequence[int] = (),
+) -> TrainIterator:
+    """Shared builder for the translation and LM train iterators."""
+    shard = process_shard(options.process_index, options.process_count)
+    prefixes = dict(source_prefix=source_prefix, target_prefix=target_prefix)
+    o = options
+    records = shard_records(
+        items, keys, tokenizer, shard, max_len=o.max_len, cache=o.cache_tokens, **prefixes
+    )
+    kept = ExampleIterDataset(records, options.seed, options.num_epochs)
+    # Only when set: the fingerprints of untagged runs stay what their checkpoints hold.
+    prefixes = {"source_prefix": source_prefix, "target_prefix": target_prefix}
+    extra = {k: [int(i) for i in v] for k, v in prefixes.items() if v} or None
+    counts = dict(num_examples=len(items), shard_size=len(records))
+    return batch_iterator(kept, keys, tokenizer, options, shard, **counts, fingerprint_extra=extra)
+
+
+def make_train_iterator(
+    pairs: Sequence[tuple[Text, Text]],
+    tokenizer: Tokenizer,
+    options: TrainOptions,
+    *,
+    source_prefix: Sequence[int] = (),
+    target_prefix: Sequence[int] = (),
+) -> TrainIterator:
+    """Translation train batches ('inputs', 'targets'; see the module docstring).
+
+    Args:
+      pairs: random-access (source, target) texts, str or UTF-8 bytes.
+      tokenizer: joint-vocabulary tokenizer (pad 0, EOS appended to both sides).
+      options: batching, shuffling and sharding (`TrainOptions`).
+      source_prefix: ids put before every source's pieces (e.g. the target-language tag of a
+        multilingual model, `[tokenizer.piece_to_id('<2de>')]`); they count toward max_len.
+      target_prefix: ids put before every target's pieces (an imported M2M100/NLLB model's
+        target-language token: the decoder learns to emit it first); they count too.
+    """
+    keys = ("inputs", "targets")
+    return _train_iterator(pairs, keys, tokenizer, options, source_prefix, target_prefix)
+
+
+def make_lm_train_iterator(
+    texts: Sequence[Text], tokenizer: Tokenizer, options: TrainOptions
+) -> TrainIterator:
+    """Language-model train batches: 'targets' [B, L] (text ids + EOS) only.
+
+    Same options, filtering, state and packing keys as `make_train_iterator`.
+    """
+    return _train_iterator(texts, ("targets",), tokenizer, options)
+
+
+def make_mixture_train_iterator(
+    corpora: Mapping[str, Sequence[tuple[Text, Text]]],
+    probabilities: Sequence[float],
+    tokenizer: Tokenizer,
+    options: TrainOptions,
+    *,
+    source_prefixes: Mapping[str, Sequence[int]] | None = None,
+    target_prefixes: Mapping[str, Sequence[int]] | None = None,
+) -> TrainIterator:
+    """Translation train batches drawn from several corpora; never ends.
+
+    Args:
+      corpora: name -> random-access (source, target) pairs, in a fixed order (the state and
+        the stream depend on it); e.g. {'en-de': ..., 'de-en': ...}.
+      probabilities: one per corpus, in `corpora`'s order (`mixture_probabilities`).
+      tokenizer: as for `make_train_iterator`.
+      options: as for `make_train_iterator`, with `num_epochs` None (a mixture
+        repeats every corpus forever).
+      source_prefixes: name -> ids put before each source of that corpus (the target-language
+        tag: {'en-de': [id of '<2de>'], ...}); none for a corpus not named.
+      target_prefixes: name -> ids put before each target (an imported M2M100/NLLB model's
+        target-language token); none for a corpus not named.
+    """
+    names = list(corpora)
+    probs = [float(p) for p in probabilities]
+    if len(probs) != len(names) or min(probs) < 0 or not math.isclose(sum(probs), 1.0):
+        raise ValueError(f"probabilities {probs} must be {len(names)} numbers summing to 1")
+    if options.num_epochs is not None:
+        raise ValueError(
+            f"num_epochs={options.num_epochs}: a mixture repeats every corpus forever; use None"
+        )
+    shard = process_shard(options.process_index, options.process_count)
+    cut = dict(max_len=options.max_len, cache=options.cache_tokens)
+    keys = ("inputs", "targets")
+    prefixes = [[int(i) for i in (source_prefixes or {}).get(n, ())] for n in names]
+    targets = [[int(i) for i in (target_prefixes or {}).get(n, ())] for n in names]
+    records = [
+        shard_records(corpora[n], keys, tokenizer, shard, **cut, source_prefix=p, target_prefix=t)
+        for n, p, t in zip(names, prefixes, targets)
+    ]
+    kept = MixtureIterDataset(records, probs, options.seed, names)
+    sizes = [len(corpora[n]) for n in names]
+    extra = {
+        "mixture": {"names": names, "probabilities": probs, "sizes": sizes, "prefixes": prefixes}
+    }
+    if any(targets):  # only when set: earlier mixtures' checkpoints keep their fingerprint
+        extra["mixture"]["target_prefixes"] = targets
+    counts = dict(num_examples=sum(sizes), shard_size=sum(len(r) for r in records))
+    return batch_iterator(kept, keys, tokenizer, options, shard, **counts, fingerprint_extra=extra)
+
+
+# ------------------------------------------------------------------------ input shards
 
 
 def shard_options(options: TrainOptions, shard: int, input_shards: int) -> TrainOptions:
@@ -101,7 +320,7 @@ def owned_shards(input_shards: int, spans: Sequence[Span]) -> list[int]:
 class ShardedTrainIterator:
     """This process's rows of the global batches of `input_shards` shard streams.
 
-    `shards` maps each owned shard to its `pipeline.TrainIterator`; `spans` are the
+    `shards` maps each owned shard to its `TrainIterator`; `spans` are the
     fractions of the global rows this process keeps (sorted, inside the owned shards).
     """
 
@@ -231,7 +450,7 @@ def make_sharded_iterator(
 
     Args:
       build: options -> the TrainIterator of one shard (options.process_index of
-        options.process_count), e.g. a partial of `pipeline.make_train_iterator`.
+        options.process_count), e.g. a partial of `make_train_iterator`.
       options: the global options (tokens_per_batch of the whole batch, batch_multiple
         devices x grad_accum_steps).
       input_shards: S, `data.input_shards`.

@@ -1,0 +1,485 @@
+"""A batch's path, step 4: kept examples -> static-shape batches, with exact, JSON-able state.
+
+Letters: B batch rows, L padded length. A stream of (position, features) examples
+(streams.py) goes into `GroupIterDataset`, whose batches are dicts of numpy int32:
+
+    bucketed (packing=False)
+      'inputs'   [B, L]  source ids + EOS, then 0 (padding)      (absent for LM)
+      'targets'  [B, L]  target ids + EOS, then 0
+      'inputs' and 'targets' share one L, the bucket boundary that holds the longer side
+      (`default_bucket_boundaries`); B = floor(tokens_per_batch / L) rounded down to a
+      multiple of `batch_multiple`, so B * L <= tokens_per_batch and only len(boundaries)
+      shapes exist (`TrainIterator.batch_shapes`): each bucket is a single jit shape.
+    packed (packing=True), L = max_len, B = floor(tokens_per_batch / max_len) rounded down
+      'inputs', 'targets'                            [B, L]  several examples per row
+      'inputs_segmentation', 'targets_segmentation'  [B, L]  1, 2, 3... per example, 0 = pad
+      'inputs_position', 'targets_position'          [B, L]  0-based, restarting per example
+      Rows are filled first-fit in stream order; an example never spans two rows.
+
+`TrainIterator.stats()` returns counts since the start of training (epochs add up):
+    'examples' read, 'kept', 'dropped_empty', 'dropped_too_long', 'dropped_too_long_chars',
+    'invalid_utf8' (repaired, kept if otherwise fine), 'dropped_remainder' (partial buckets
+    left when a finite `num_epochs` ends), 'epoch' (current epoch of this process's shard).
+
+Iterator state (`TrainIterator.get_state()`) is a small JSON-serializable dict, e.g.
+    {'version': 1,
+     'fingerprint': {'max_len': 16, 'tokens_per_batch': 128, 'seed': 0, 'process_index': 0,
+                     'bucket_boundaries': [8, 16], 'batch_shapes': [[16, 8], [8, 16]],
+                     'tokenizer_sha1': '...', ...},
+     'pipeline': {'examples': {'next_index': 50, 'tx_counts': {'examples': 50, ...}},
+                  'held': [[3, 4, 8], []], 'dropped_remainder': 0}}
+'next_index' is the position in this shard's stream; 'held' lists the stream positions of
+examples waiting in each bucket (or in the open packed batch), which `set_state` re-reads and
+re-adds, so the same groups form. A fresh iterator built with the same data and options then
+continues with identical batches; a state whose fingerprint differs raises ValueError. The
+fingerprint holds the batch shapes, not `batch_multiple` (the device count behind them), so a
+state restores on another device count when the shapes are the same. `TrainIterator` is a
+grain `DatasetIterator`, so Orbax saves it with `grain.checkpoint.CheckpointSave(it)` /
+`CheckpointRestore(it)` (one JSON file per process).
+
+    default_bucket_boundaries(max_len)           geometric bucket lengths ending at max_len
+    bucket_batch_sizes(boundaries, tokens, m)    rows per bucket under a token budget
+"""
+
+from __future__ import annotations
+
+import atexit
+import bisect
+import copy
+import dataclasses
+import hashlib
+import logging
+import math
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import grain
+import numpy as np
+
+from tx_jax.data.tokenizer import Tokenizer
+
+Batch = dict[str, np.ndarray]
+
+# ------------------------------------------------------------------------ shapes
+
+
+def default_bucket_boundaries(
+    max_len: int, *, min_length: int = 8, growth: float = 1.25, multiple: int = 8
+) -> list[int]:
+    """Geometric bucket lengths, rounded up to `multiple`, ending exactly at `max_len`.
+
+    E.g. max_len=256 -> [8, 16, 24, 32, 40, 56, 72, 96, 120, 152, 192, 240, 256]: at most
+    ~25% padding per bucket with 13 jit shapes.
+    """
+    out = [min(max_len, multiple * math.ceil(min_length / multiple))]
+    while out[-1] < max_len:
+        nxt = multiple * math.ceil(out[-1] * growth / multiple)
+        out.append(min(max_len, max(nxt, out[-1] + multiple)))
+    return out
+
+
+def bucket_batch_sizes(
+    boundaries: Sequence[int], tokens_per_batch: int, batch_multiple: int = 1
+) -> list[int]:
+    """Rows per bucket: floor(tokens_per_batch / L) rounded down to `batch_multiple`."""
+    sizes = [
+        (tokens_per_batch // length) // batch_multiple * batch_multiple for length in boundaries
+    ]
+    if min(sizes) < 1:
+        raise ValueError(
+            f"tokens_per_batch={tokens_per_batch} is too small for length {max(boundaries)} and"
+            f" batch_multiple={batch_multiple}: need at least {max(boundaries) * batch_multiple}."
+        )
+    return sizes
+
+
+def check_boundaries(boundaries: Sequence[int] | None, max_len: int) -> list[int]:
+    if boundaries is None:
+        return default_bucket_boundaries(max_len)
+    out = sorted(int(b) for b in boundaries)
+    if out[-1] != max_len or out[0] < 1 or len(set(out)) != len(out):
+        raise ValueError(f"bucket_boundaries must be distinct, >= 1, end at max_len: {out}")
+    return out
+
+
+def pad_rows(features: Sequence[dict[str, np.ndarray]], keys, rows: int, length: int) -> Batch:
+    """Stacks 1-D id arrays into zero-padded int32 [rows, length] arrays, one per key."""
+    out = {k: np.zeros((rows, length), np.int32) for k in keys}
+    for r, feats in enumerate(features):
+        for k in keys:
+            v = feats[k]
+            out[k][r, : len(v)] = v
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainOptions:
+    """How a train iterator filters, shuffles, shards and batches (module docstring).
+
+    Built once and passed to `shards.make_train_iterator`, `shards.make_lm_train_iterator` or
+    `shards.make_mixture_train_iterator`. Every field but `cache_tokens` and `prefetch` goes
+    into the iterator state's fingerprint: a state restores only with the same options.
+    """
+
+    # Most ids per side, EOS (and a source prefix) included; longer examples are dropped.
+    max_len: int
+    # Padded positions per side that a batch may hold: B * L <= tokens_per_batch.
+    tokens_per_batch: int
+    # B is a multiple of this (the number of local devices), so batches split evenly.
+    batch_multiple: int = 1
+    # Sorted bucket lengths ending at max_len; None: `default_bucket_boundaries`.
+    bucket_boundaries: Sequence[int] | None = None
+    # Pack several examples per row of length max_len instead of bucketing them by length.
+    packing: bool = False
+    # Shuffle seed; epoch e is shuffled with seed + e, so every epoch has another order.
+    seed: int = 0
+    # The input shard read (data.shards): examples [process_index::process_count]; None:
+    # jax.process_index(), one shard a process.
+    process_index: int | None = None
+    # How many shards the examples are split into; None: jax.process_count().
+    process_count: int | None = None
+    # None repeats forever; else the iterator ends after that many passes over the shard.
+    num_epochs: int | None = None
+    # Keep each tokenized example in memory after its first read; off for corpora too big.
+    cache_tokens: bool = True
+    # Batches prepared ahead in a background thread (0: none); async dispatch usually hides
+    # building a batch behind the device step already, and prefetch copies the state per batch.
+    prefetch: int = 0
+
+
+# Options that do not change the batches, so a state restores whatever they are; the
+# fingerprint holds the batch shapes that batch_multiple gives instead of the device count
+# behind it, so a state restores on any topology with the same shapes.
+_NOT_IN_FINGERPRINT = ("cache_tokens", "prefetch", "batch_multiple")
+
+
+def batch_shapes(options: TrainOptions) -> tuple[tuple[int, int], ...]:
+    """Every (B, L) a train batch of `options` can have, smallest L first (module docstring)."""
+    o = options
+    boundaries = [o.max_len] if o.packing else check_boundaries(o.bucket_boundaries, o.max_len)
+    sizes = bucket_batch_sizes(boundaries, o.tokens_per_batch, o.batch_multiple)
+    return tuple(zip(sizes, boundaries))
+
+
+def batch_keys(keys: Sequence[str], packing: bool) -> tuple[str, ...]:
+    """The arrays of a train batch over feature `keys`: with packing also each key's
+    segmentation and position (module docstring)."""
+    if not packing:
+        return tuple(keys)
+    return tuple(f"{k}{suffix}" for k in keys for suffix in ("", "_segmentation", "_position"))
+
+
+# ------------------------------------------------------------------------ grouping
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSpec:
+    keys: tuple[str, ...]
+    lengths: tuple[int, ...]  # bucket boundaries; (max_len,) when packing
+    batch_sizes: tuple[int, ...]  # rows per bucket
+    packing: bool
+
+
+class GroupIterDataset(grain.IterDataset):
+    """Kept examples -> batches: by length bucket, or first-fit packed into rows."""
+
+    def __init__(self, parent: grain.IterDataset, spec: BatchSpec):
+        super().__init__(parent)
+        self._spec = spec
+
+    def __iter__(self) -> _GroupIterator:
+        cls = _PackIterator if self._spec.packing else _BucketIterator
+        return cls(self._parent.__iter__(), self._spec)
+
+
+class _GroupIterator(grain.DatasetIterator):
+    """Holds examples until a batch is full. State: stream state + held positions.
+
+    Restoring re-reads the held positions (cached, or re-tokenized) and re-adds them in
+    order, which rebuilds the exact same groups.
+    """
+
+    def __init__(self, parent: grain.DatasetIterator, spec: BatchSpec):
+        super().__init__(parent)
+        self._spec = spec
+        self._dropped_remainder = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        raise NotImplementedError
+
+    def _add(self, position: int, features: dict[str, np.ndarray]) -> Batch | None:
+        """Adds one example; returns a batch when one is complete."""
+        raise NotImplementedError
+
+    def _held(self) -> list[list[int]]:
+        """Positions of the examples held, per group, in the order they were added."""
+        return [[int(p) for p, _ in group] for group in self._groups]
+
+    def __next__(self) -> Batch:
+        while True:
+            try:
+                position, features = next(self._parent)
+            except StopIteration:
+                self._dropped_remainder += sum(len(g) for g in self._held())
+                self._reset()
+                raise
+            batch = self._add(position, features)
+            if batch is not None:
+                return batch
+
+    def get_state(self) -> dict[str, Any]:
+        return {
+            "examples": self._parent.get_state(),
+            "held": self._held(),
+            "dropped_remainder": self._dropped_remainder,
+        }
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._parent.set_state(state["examples"])
+        self._dropped_remainder = int(state["dropped_remainder"])
+        self._reset()
+        for group in state["held"]:
+            for position in group:
+                batch = self._add(position, self._parent.reread(position))
+                assert batch is None, "restoring held examples must not complete a batch"
+
+
+class _BucketIterator(_GroupIterator):
+    """One group per bucket; a bucket of length L is emitted when it holds B(L) examples."""
+
+    def _reset(self) -> None:
+        self._groups: list[list[tuple[int, dict]]] = [[] for _ in self._spec.lengths]
+
+    def _add(self, position: int, features: dict[str, np.ndarray]) -> Batch | None:
+        spec = self._spec
+        b = bisect.bisect_left(spec.lengths, max(len(v) for v in features.values()))
+        group = self._groups[b]
+        group.append((position, features))
+        if len(group) < spec.batch_sizes[b]:
+            return None
+        self._groups[b] = []
+        return pad_rows([f for _, f in group], spec.keys, spec.batch_sizes[b], spec.lengths[b])
+
+
+class _PackIterator(_GroupIterator):
+    """First fit into B rows of max_len; emits the rows when an example fits in none."""
+
+    def _reset(self) -> None:
+        self._groups = [[]]  # (position, features) of the open batch
+        self._rows: list[int] = []  # row of each held example
+        self._free = [[self._spec.lengths[0]] * len(self._spec.keys)]  # per used row and key
+
+    def _first_fit(self, lengths: list[int]) -> int | None:
+        for r, free in enumerate(self._free):
+            if all(n <= f for n, f in zip(lengths, free)):
+                return r
+        return len(self._free) if len(self._free) < self._spec.batch_sizes[0] else None
+
+    def _add(self, position: int, features: dict[str, np.ndarray]) -> Batch | None:
+        lengths = [len(features[k]) for k in self._spec.keys]
+        batch = None
+        row = self._first_fit(lengths)
+        if row is None:
+            examples = [f for _, f in self._groups[0]]
+            batch = _pack_rows(examples, self._rows, self._spec)
+            self._reset()
+            row = 0  # every kept example fits an empty row (len <= max_len)
+        if row == len(self._free):
+            self._free.append([self._spec.lengths[0]] * len(lengths))
+        self._free[row] = [f - n for f, n in zip(self._free[row], lengths)]
+        self._rows.append(row)
+        self._groups[0].append((position, features))
+        return batch
+
+
+def _pack_rows(examples: Sequence[dict], rows: Sequence[int], spec: BatchSpec) -> Batch:
+    """Writes examples into their rows: tokens, segmentation (1, 2, ...) and positions."""
+    num_rows, length = spec.batch_sizes[0], spec.lengths[0]
+    out = {}
+    for k in spec.keys:
+        for name in (k, f"{k}_segmentation", f"{k}_position"):
+            out[name] = np.zeros((num_rows, length), np.int32)
+    segments = [0] * num_rows
+    fill = {k: [0] * num_rows for k in spec.keys}
+    arange = np.arange(length, dtype=np.int32)
+    for features, r in zip(examples, rows):
+        segments[r] += 1
+        for k in spec.keys:
+            v = features[k]
+            start, end = fill[k][r], fill[k][r] + len(v)
+            out[k][r, start:end] = v
+            out[f"{k}_segmentation"][r, start:end] = segments[r]
+            out[f"{k}_position"][r, start:end] = arange[: len(v)]
+            fill[k][r] = end
+    return out
+
+
+# ------------------------------------------------------------------------ the iterator
+
+_STATE_VERSION = 1
+
+_LIVE_ITERATORS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _noop() -> None:
+    pass
+
+
+@atexit.register
+def _close_live_iterators() -> None:
+    """Stops prefetch threads before interpreter teardown.
+
+    grain's ThreadPrefetchDatasetIterator.close() (also run by __del__) uses module globals
+    that are already None during teardown and prints a traceback; closing now and making
+    the later close() a no-op avoids that.
+    """
+    for it in list(_LIVE_ITERATORS):
+        it.close()
+        todo = [it]
+        while todo:
+            node = todo.pop()
+            node.close = _noop
+            todo.extend(getattr(node, "_parents", ()))
+
+
+class TrainIterator(grain.DatasetIterator):
+    """Infinite (or `num_epochs`) iterator of train batches with exact, JSON-able state.
+
+    Attributes:
+      keys: the token keys of each batch ('inputs', 'targets' or just 'targets').
+      batch_shapes: every (B, L) a batch can have, smallest L first.
+      packing: whether batches are packed (then they also carry segmentation/position).
+    """
+
+    def __init__(
+        self,
+        dataset: GroupIterDataset,
+        *,
+        prefetch: int,
+        fingerprint: dict[str, Any],
+        keys: tuple[str, ...],
+        batch_shapes: tuple[tuple[int, int], ...],
+        packing: bool,
+        shard_size: int,
+    ):
+        self._batches = dataset.__iter__()
+        if prefetch > 0:
+            prefetcher = grain.experimental.ThreadPrefetchDatasetIterator(self._batches, prefetch)
+            super().__init__(prefetcher)
+        else:
+            super().__init__(self._batches)
+        self._fingerprint = fingerprint
+        self.keys = keys
+        self.batch_shapes = batch_shapes
+        self.packing = packing
+        self._shard_size = shard_size
+        self._final_state: dict[str, Any] | None = None  # set once exhausted
+        _LIVE_ITERATORS.add(self)
+
+    def __next__(self) -> Batch:
+        try:
+            return next(self._parent)
+        except StopIteration:
+            # A prefetcher never publishes the state after the end; read it from the source,
+            # which is idle now, so that stats() counts the dropped remainder.
+            self._final_state = copy.deepcopy(self._batches.get_state())
+            raise
+
+    def _pipeline_state(self) -> dict[str, Any]:
+        if self._final_state is not None:
+            return self._final_state
+        return self._parent.get_state()  # as of the last batch returned, even with prefetch
+
+    def get_state(self) -> dict[str, Any]:
+        return {
+            "version": _STATE_VERSION,
+            "fingerprint": copy.deepcopy(self._fingerprint),
+            "pipeline": copy.deepcopy(self._pipeline_state()),
+        }
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"Unknown train iterator state version {state.get('version')}.")
+        theirs = state["fingerprint"]
+        diff = {k: (theirs.get(k), v) for k, v in self._fingerprint.items() if theirs.get(k) != v}
+        if diff:
+            raise ValueError(f"State is from a different pipeline, (saved, now): {diff}")
+        self._final_state = None
+        self._parent.set_state(copy.deepcopy(state["pipeline"]))
+
+    @property
+    def shard_size(self) -> int:
+        """The records of one pass over this iterator's shard."""
+        return self._shard_size
+
+    def position(self) -> int:
+        """The next position in the shard's stream (after the last batch returned)."""
+        return int(self._pipeline_state()["examples"]["next_index"])
+
+    def stats(self) -> dict[str, int]:
+        """Example counts since the start of training (see the module docstring)."""
+        state = self._pipeline_state()
+        counts = dict(state["examples"]["tx_counts"])
+        counts["dropped_remainder"] = state["dropped_remainder"]
+        counts["epoch"] = state["examples"]["next_index"] // self._shard_size
+        return counts
+
+
+def batch_iterator(
+    kept: grain.IterDataset,
+    keys: tuple[str, ...],
+    tokenizer: Tokenizer,
+    options: TrainOptions,
+    shard: tuple[int, int],
+    *,
+    num_examples: int,
+    shard_size: int,
+    fingerprint_extra: dict[str, Any] | None = None,
+) -> TrainIterator:
+    """A stream of kept (position, features) examples -> a TrainIterator of batches.
+
+    Args:
+      kept: iterates like `ExampleIterator` (features: key -> int32 [<= max_len]) and can
+        `reread(position)`; streams.MixtureIterator does too.
+      keys: the feature keys of every example and batch.
+      tokenizer: its bytes' sha1 goes into the state's fingerprint.
+      options: the batching options (`TrainOptions`); the shard is `shard`, not theirs.
+      shard: (process_index, process_count) that `kept` reads.
+      num_examples: the examples over all shards (in the fingerprint).
+      shard_size: what one epoch of `stats()['epoch']` counts.
+      fingerprint_extra: more fingerprint entries (a source prefix, a mixture).
+
+    Returns:
+      A TrainIterator of [B, L] int32 batches (module docstring).
+    """
+    pi, pc = shard
+    o = options
+    shapes = batch_shapes(o)
+    boundaries, sizes = [n for _, n in shapes], [b for b, _ in shapes]
+    if pc > 1 and len(boundaries) > 1:
+        logging.warning("Length buckets differ across %d processes; see shards.py.", pc)
+    spec = BatchSpec(keys, tuple(boundaries), tuple(sizes), o.packing)
+    ds = GroupIterDataset(kept, spec)
+    fingerprint = dataclasses.asdict(o) | {
+        "bucket_boundaries": boundaries,
+        "process_index": pi,
+        "process_count": pc,
+        "num_examples": num_examples,
+        "keys": list(keys),
+        "tokenizer_sha1": hashlib.sha1(tokenizer.to_bytes()).hexdigest(),
+        **(fingerprint_extra or {}),
+    }
+    for k in _NOT_IN_FINGERPRINT:
+        fingerprint.pop(k)
+    fingerprint["batch_shapes"] = [list(x) for x in shapes]
+    return TrainIterator(
+        ds,
+        prefetch=o.prefetch,
+        fingerprint=fingerprint,
+        keys=keys,
+        batch_shapes=shapes,
+        packing=o.packing,
+        shard_size=shard_size,
+    )

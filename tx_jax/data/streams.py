@@ -1,0 +1,355 @@
+"""A batch's path, step 2: a task's text streams and the order its examples are read in.
+
+Views over splits that copy nothing (a split can be millions of pairs, read lazily from
+ArrayRecord files; a view reads only the items asked for): `Prefix` (a split cut to its first
+N pairs), `Sample` (a uniform seeded sample of N of them), `Concat` (one after another),
+`SideTexts` (one side of the pairs, or both, as a language model's texts).
+
+One stream: `ExampleIterator` yields the kept examples of one shard's records
+(features.shard_records) as (position, features). Stream position p reads record
+shuffle_{seed + p // n}(p % n): each epoch a new permutation, the order of grain's
+`MapDataset.shuffle(seed).repeat()`, repeated forever or for `num_epochs`; dropped records are
+skipped and counted.
+
+Weighted streams (multilingual directions, real + back-translated pairs): kept example k
+comes from stream i with probability p_i, and batches mix the streams (as in Johnson et al.,
+2017). Probabilities (`mixture_probabilities`), n_i the number of pairs of stream i:
+
+    uniform        p_i = 1 / k
+    temperature    p_i = n_i^(1/T) / sum_j n_j^(1/T)    (T = 1: proportional to size;
+                                                         T -> infinity: uniform)
+
+The stream of kept example k is drawn from u_k = the k-th uniform number of a generator seeded
+with (seed, k // 4096), mapped through the cumulative probabilities: a pure function of
+(seed, k), the same on every process. Within a stream, examples come from its own
+`ExampleIterator` (seeded with (seed, i)), so each is read without replacement epoch by epoch,
+whatever its share; a dropped pair is skipped inside its stream, so the shares hold for kept
+examples.
+
+State of a mixture: its position plus each stream's state, e.g.
+    {'next_index': 120, 'tx_counts': {'examples': 131, 'kept': 120, ..., 'kept/en-de': 61},
+     'corpora': [{'next_index': 70, 'tx_counts': ...}, {...}]}
+and the batching layer's held examples as positions `p * k + i` (i the stream, p its
+position), re-read on restore. Its counts add 'kept/<name>' (examples drawn per stream).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grain
+import numpy as np
+from grain.experimental import index_shuffle
+
+from tx_jax.data.features import Record
+
+# Items read per batch when a view is iterated (TranslationSource.__getitems__ reads them in
+# one call to the ArrayRecord data source).
+_READ_CHUNK = 1024
+
+
+class LazySequence(Sequence):
+    """A read-only view that copies nothing: a subclass gives `__len__` and `item_at`, this
+    adds negative indices, slices (as lists) and IndexError."""
+
+    def item_at(self, i: int) -> Any:
+        """The item at 0 <= i < len(self)."""
+        raise NotImplementedError
+
+    def __getitem__(self, i):
+        n = len(self)
+        if isinstance(i, slice):
+            return [self.item_at(j) for j in range(*i.indices(n))]
+        if not -n <= i < n:
+            raise IndexError(i)
+        return self.item_at(i % n)
+
+
+def read_items(seq: Sequence, indices: Sequence[int]) -> list:
+    """`seq`'s items at `indices` (valid, non-negative), in one `__getitems__` call when
+    `seq` has one (a TranslationSource, a Prefix of one), else one by one."""
+    getitems = getattr(seq, "__getitems__", None)
+    return list(getitems(indices)) if getitems else [seq[i] for i in indices]
+
+
+class Prefix(LazySequence):
+    """The first `n` items of a sequence (all of them for None), without copying it."""
+
+    def __init__(self, seq: Sequence, n: int | None):
+        self._seq, self._n = seq, len(seq) if n is None else min(n, len(seq))
+
+    def __len__(self) -> int:
+        return self._n
+
+    def item_at(self, i: int):
+        return self._seq[i]
+
+    def __getitems__(self, indices: Sequence[int]) -> list:
+        if any(not 0 <= i < self._n for i in indices):
+            raise IndexError(f"indices outside [0, {self._n})")
+        return read_items(self._seq, indices)
+
+    def __iter__(self) -> Iterator:
+        for start in range(0, self._n, _READ_CHUNK):
+            yield from read_items(self._seq, range(start, min(start + _READ_CHUNK, self._n)))
+
+
+class Sample(LazySequence):
+    """`n` distinct items of a sequence drawn uniformly at random (a numpy Generator seeded
+    with `seed`), kept in the sequence's order; the whole sequence, in its order, when `n` is
+    None or at least its length. A corpus that concatenates sub-corpora is sampled over all
+    of them, where its first `n` items would be the head's alone. [n] indices are kept (8
+    bytes each); the items are read when asked for."""
+
+    def __init__(self, seq: Sequence, n: int | None, seed: int):
+        total = len(seq)
+        if n is not None and n < 0:
+            raise ValueError(f"Sample: n={n}; expected n >= 0 or None")
+        self._seq = seq
+        self._indices: np.ndarray | None = None  # None: every index, in order
+        if n is not None and n < total:
+            rng = np.random.default_rng(seed)
+            self._indices = np.sort(rng.choice(total, size=n, replace=False, shuffle=False))
+        self._n = total if self._indices is None else n
+
+    @property
+    def indices(self) -> np.ndarray:
+        """The sequence's indices this view reads, increasing: [len(self)] int64."""
+        if self._indices is None:
+            return np.arange(self._n, dtype=np.int64)
+        return self._indices
+
+    def __len__(self) -> int:
+        return self._n
+
+    def _at(self, start: int, stop: int) -> list[int]:
+        if self._indices is None:
+            return list(range(start, stop))
+        return self._indices[start:stop].tolist()
+
+    def item_at(self, i: int):
+        return self._seq[self._at(i, i + 1)[0]]
+
+    def __iter__(self) -> Iterator:
+        for start in range(0, self._n, _READ_CHUNK):
+            yield from read_items(self._seq, self._at(start, min(start + _READ_CHUNK, self._n)))
+
+
+class Concat(LazySequence):
+    """Sequences one after another, without copying them."""
+
+    def __init__(self, parts: Sequence[Sequence]):
+        self._parts = list(parts)
+        self._starts = list(itertools.accumulate((len(p) for p in self._parts), initial=0))
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def item_at(self, i: int):
+        k = next(k for k in range(len(self._parts)) if i < self._starts[k + 1])
+        return self._parts[k][i - self._starts[k]]
+
+
+LM_SIDES = ("target", "source", "both")
+
+
+class SideTexts(LazySequence):
+    """One side of a sequence of pairs as a sequence of texts ('both': source, target of
+    pair 0, then of pair 1, ...), read lazily."""
+
+    def __init__(self, pairs: Sequence[tuple[str, str]], side: str):
+        if side not in LM_SIDES:
+            raise ValueError(f"data.lm_side={side!r}; expected one of {LM_SIDES}")
+        self._pairs, self._side = pairs, side
+
+    def __len__(self) -> int:
+        return len(self._pairs) * (2 if self._side == "both" else 1)
+
+    def item_at(self, i: int) -> str:
+        if self._side == "both":
+            return self._pairs[i // 2][i % 2]
+        return self._pairs[i][0 if self._side == "source" else 1]
+
+
+# ------------------------------------------------------------------------ one stream
+
+_COUNT_KEYS = (
+    "examples",
+    "kept",
+    "dropped_empty",
+    "dropped_too_long",
+    "dropped_too_long_chars",
+    "invalid_utf8",
+)
+
+
+def _record_at(records: grain.MapDataset, n: int, seed: int, position: int) -> Record:
+    """Record at stream `position`: epoch e = position // n is shuffled with seed + e.
+
+    Same order as `records.shuffle(seed).repeat()` (grain's index_shuffle with its per-epoch
+    seed), without the per-element overhead of two more grain MapDataset layers.
+    """
+    epoch, i = divmod(position, n)  # n = len(records)
+    if n > 1:
+        i = index_shuffle(i, n - 1, (seed + epoch) % 2**32, 4)
+    return records[i]
+
+
+class ExampleIterDataset(grain.IterDataset):
+    """Shuffled, repeated stream of (position, features) for kept records (`ExampleIterator`)."""
+
+    def __init__(self, records: grain.MapDataset, seed: int, num_epochs: int | None):
+        super().__init__()
+        self._records = records
+        self._seed = seed
+        self._num_epochs = num_epochs
+
+    def __iter__(self) -> ExampleIterator:
+        return ExampleIterator(self._records, self._seed, self._num_epochs)
+
+
+class ExampleIterator(grain.DatasetIterator):
+    """Kept examples of one corpus shard, shuffled per epoch: (position, features) pairs.
+
+    `records` is `shard_records`'s dataset of n `Record`s. Stream position p reads record
+    shuffle_{seed + p // n}(p % n), so an epoch is a permutation and each epoch differs;
+    dropped records are skipped and counted. `features` is key -> int32 [<= max_len] ids.
+    State: {'next_index': the next stream position, 'tx_counts': the counts of
+    `TrainIterator.stats`}; `reread(p)` gives the features at position p again (a restore
+    re-reads the examples that the batching layer held).
+    """
+
+    def __init__(self, records: grain.MapDataset, seed: int, num_epochs: int | None):
+        super().__init__()
+        self._records = records
+        self._seed = seed
+        self._n = len(records)
+        self._end = None if num_epochs is None else num_epochs * self._n
+        self._next_index = 0
+        self._counts = dict.fromkeys(_COUNT_KEYS, 0)
+
+    def __next__(self) -> tuple[int, dict[str, np.ndarray]]:
+        misses = 0
+        while self._end is None or self._next_index < self._end:
+            # 2n - 1 positions in a row always cover one whole epoch: if none was kept, none is
+            if misses >= 2 * self._n:
+                raise ValueError(
+                    f"no example of {self._n} fits: every one is empty or longer than max_len"
+                    f" (counts: {self._counts})"
+                )
+            position = self._next_index
+            record = _record_at(self._records, self._n, self._seed, position)
+            self._next_index += 1
+            self._counts["examples"] += 1
+            for note in record.notes:
+                self._counts[note] += 1
+            if record.drop:
+                self._counts[f"dropped_{record.drop}"] += 1
+                misses += 1
+                continue
+            self._counts["kept"] += 1
+            return position, record.features
+        raise StopIteration
+
+    def get_state(self) -> dict[str, Any]:
+        return {"next_index": self._next_index, "tx_counts": dict(self._counts)}
+
+    def reread(self, position: int) -> dict[str, np.ndarray]:
+        """Features of the (kept) example at `position`, as returned by `__next__` then."""
+        return _record_at(self._records, self._n, self._seed, position).features
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._next_index = int(state["next_index"])
+        self._counts = dict(state["tx_counts"])
+
+
+# ------------------------------------------------------------------------ weighted streams
+
+MIXTURES = ("uniform", "temperature")
+_BLOCK = 4096  # stream positions whose corpora are drawn at once
+
+
+def mixture_probabilities(
+    sizes: Sequence[int], mixture: str, temperature: float = 1.0
+) -> list[float]:
+    """Sampling probability of each corpus (module docstring); sizes are pair counts."""
+    if mixture not in MIXTURES:
+        raise ValueError(f"data.mixture={mixture!r}; expected one of {MIXTURES}")
+    if not sizes or min(sizes) <= 0:
+        raise ValueError(f"every corpus of a mixture needs pairs; sizes {list(sizes)}")
+    if mixture == "uniform":
+        return [1.0 / len(sizes)] * len(sizes)
+    if not temperature > 0:
+        raise ValueError(f"data.temperature={temperature} must be positive")
+    # n^(1/T) in log space: large corpora and small T stay finite.
+    logs = [math.log(n) / temperature for n in sizes]
+    top = max(logs)
+    weights = [math.exp(x - top) for x in logs]
+    return [w / sum(weights) for w in weights]
+
+
+def _corpus_seed(seed: int, i: int) -> int:
+    return int(np.random.SeedSequence([seed, i]).generate_state(1)[0])
+
+
+class MixtureIterDataset(grain.IterDataset):
+    def __init__(self, records, probs: Sequence[float], seed: int, names: Sequence[str]):
+        super().__init__()
+        self._records, self._probs, self._seed, self._names = records, probs, seed, names
+
+    def __iter__(self) -> MixtureIterator:
+        return MixtureIterator(self._records, self._probs, self._seed, self._names)
+
+
+class MixtureIterator(grain.DatasetIterator):
+    """(position, features) of kept examples, corpus i drawn with probability p_i."""
+
+    def __init__(self, records, probs, seed: int, names: Sequence[str]):
+        super().__init__()
+        self._corpora = [
+            ExampleIterator(r, _corpus_seed(seed, i), None) for i, r in enumerate(records)
+        ]
+        self._cdf = np.cumsum(np.asarray(probs, np.float64))
+        self._cdf[-1] = 1.0
+        self._seed, self._names = seed, list(names)
+        self._next_index = 0
+        self._block: tuple[int, np.ndarray] | None = None
+
+    def corpus_at(self, k: int) -> int:
+        """The corpus of mixed-stream position k (a pure function of seed and k)."""
+        b, j = divmod(k, _BLOCK)
+        if self._block is None or self._block[0] != b:
+            u = np.random.default_rng([self._seed, 0x6D6978, b]).random(_BLOCK)
+            which = np.searchsorted(self._cdf, u, side="right")
+            self._block = (b, np.minimum(which, len(self._corpora) - 1))
+        return int(self._block[1][j])
+
+    def __next__(self) -> tuple[int, dict[str, np.ndarray]]:
+        i = self.corpus_at(self._next_index)
+        position, features = next(self._corpora[i])
+        self._next_index += 1
+        return position * len(self._corpora) + i, features
+
+    def reread(self, position: int) -> dict[str, np.ndarray]:
+        p, i = divmod(position, len(self._corpora))
+        return self._corpora[i].reread(p)
+
+    def get_state(self) -> dict[str, Any]:
+        states = [c.get_state() for c in self._corpora]
+        counts: dict[str, int] = {}
+        for state in states:
+            for key, n in state["tx_counts"].items():
+                counts[key] = counts.get(key, 0) + n
+        for name, state in zip(self._names, states):
+            counts[f"kept/{name}"] = state["tx_counts"]["kept"]
+        return {"next_index": self._next_index, "tx_counts": counts, "corpora": states}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if len(state["corpora"]) != len(self._corpora):
+            raise ValueError(f"state of {len(state['corpora'])} corpora, not {len(self._corpora)}")
+        self._next_index = int(state["next_index"])
+        for corpus, s in zip(self._corpora, state["corpora"]):
+            corpus.set_state(s)
