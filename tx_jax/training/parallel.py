@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import weakref
 from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import Any, ClassVar
@@ -79,23 +78,6 @@ def maybe_initialize_distributed(parallel: Any) -> None:
         jax.local_device_count(),
         jax.device_count(),
     )
-
-
-def _pmap(fn: Callable, **kwargs: Any) -> Callable:
-    """jax.pmap(fn, **kwargs), whose compiled programs are freed when the result is dropped.
-
-    jax 0.10's pmap caches per function in a WeakKeyDictionary keyed by `fn` whose value holds
-    `fn` (jax-ml/jax#1605's design): the executables were never freed, and a process that ran
-    enough (the tests, a notebook) passed the kernel's vm.max_map_count, where XLA:CPU aborted
-    or segfaulted. The entry is evicted with the pmapped function."""
-    pmapped = jax.pmap(fn, **kwargs)
-    from jax._src import pmap as jax_pmap  # private: jax exposes no per-function eviction
-
-    cache = getattr(jax_pmap, "_cached_shard_map", None)
-    evict = getattr(cache, "evict_function", None)
-    if evict is not None:
-        weakref.finalize(pmapped, evict, fn)
-    return pmapped
 
 
 def mesh_shape(
@@ -222,6 +204,11 @@ class Strategy(abc.ABC):
     def fetch_metrics(self, metrics: Any) -> dict[str, float]:
         """The step's device metrics -> host floats."""
 
+    def release(self) -> None:
+        """Free what compiling this run's steps keeps once the run is over (one process may
+        run many: a notebook, a sweep, the tests)."""
+        return None
+
 
 @dataclasses.dataclass
 class PmapStrategy(Strategy):
@@ -279,7 +266,7 @@ class PmapStrategy(Strategy):
         returns_state: bool = True,
     ) -> Callable:
         # the pmap places the state (state_shardings unused) and returns what step_fn returns
-        return _pmap(
+        return jax.pmap(
             lambda s, b: step_fn(s, b, axis_name=PMAP_AXIS),
             axis_name=PMAP_AXIS,
             donate_argnums=(0,) if donate else (),
@@ -288,6 +275,12 @@ class PmapStrategy(Strategy):
     def fetch_metrics(self, metrics: Any) -> dict[str, float]:
         # every device holds a copy of the reduced values
         return {k: float(v[0]) for k, v in jax.device_get(metrics).items()}
+
+    def release(self) -> None:
+        # jax.pmap's cache holds each pmapped function's programs for the life of the process
+        # (keyed weakly by the function, whose entry refers to it); jax offers no way to drop
+        # one function's entry, so the whole cache goes.
+        jax.clear_caches()
 
 
 @dataclasses.dataclass
