@@ -1,5 +1,5 @@
-"""Putting state and batches on devices: `PmapStrategy` (jax.pmap) or `MeshStrategy` (jax.jit
-over a Mesh), behind one interface, `Strategy`.
+"""Putting state and batches on devices: `MeshStrategy` (one jax.jit program over a Mesh, the
+default) or `PmapStrategy` (jax.pmap, an option), behind one interface, `Strategy`.
 
 Model code never sees a device: it names axes ('batch', 'embed', 'heads', ...), and only
 this file turns names into placements. Multi-host runs call `maybe_initialize_distributed`
@@ -28,7 +28,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
-STRATEGIES = ("pmap", "mesh")
+STRATEGIES = ("mesh", "pmap")  # the default first
 # Logical name -> mesh axis. A mesh axis is used once per array: activations
 # ('batch', 'length', 'embed') put batch on (data, fsdp) and leave embed replicated, while
 # parameters ('vocab', 'embed') shard embed over fsdp (ZeRO-3 style) and vocab over tensor.
@@ -133,7 +133,7 @@ def platform_sizes(parallel: Any, platform: str | None) -> dict[str, int]:
 
 
 class Strategy(abc.ABC):
-    """How a run places its state and batches: `PmapStrategy` or `MeshStrategy`, built by
+    """How a run places its state and batches: `MeshStrategy` or `PmapStrategy`, built by
     `make_strategy(config.parallel)`. A batch is a dict of [B, ...] arrays, B_local rows of
     them on a process; `init_fn() -> state` returns the state boxed with logical axis names."""
 
@@ -486,7 +486,7 @@ def replicate(tree: Any) -> Any:
 
 
 def make_strategy(parallel: Any, devices: Sequence[Any] | None = None) -> Strategy:
-    """config.parallel (strategy, mesh, rules) -> PmapStrategy or MeshStrategy, validated.
+    """config.parallel (strategy, mesh, rules) -> MeshStrategy or PmapStrategy, validated.
 
     `devices`: the mesh's devices (default jax.devices()); tx_jax.planning passes the devices
     of a TPU/GPU topology that this host does not have, to compile (never run) for them."""
