@@ -162,9 +162,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.checkpoint.best_mode = "max"  # max for bleu/accuracy, min for loss/perplexity
     c.checkpoint.async_save = True
 
-    # Devices: 'pmap' (replicated) or 'mesh' (sharded jit over data/fsdp/tensor axes).
+    # Devices: 'mesh' (one jit program over a data/fsdp/tensor Mesh) or 'pmap' (jax.pmap,
+    # the state replicated on every device).
     c.parallel = ml_collections.ConfigDict()
-    c.parallel.strategy = "pmap"
+    c.parallel.strategy = "mesh"
     c.parallel.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
     # An axis of 0 in parallel.mesh takes its size from here for the devices' platform
     # ({'tpu': {'tensor': 2}}) where that divides the devices, else 1.

@@ -350,9 +350,13 @@ def _fingerprint(config, root: pathlib.Path | None = None) -> str:
 def config_changes(stored: str, config, root: pathlib.Path | None = None) -> list[str]:
     """The dotted keys whose value differs between a stored fingerprint and `config`. Keys
     the stored run did not have are left out: options added to the code since, at defaults
-    that keep the old behaviour, must not orphan a finished or half-trained run."""
+    that keep the old behaviour, must not orphan a finished or half-trained run. Nor does
+    parallel.strategy count: pmap and mesh train the same model, and either resumes the
+    other's checkpoints."""
     now = with_study_defaults(json.loads(_fingerprint(config, root)))
     old = with_study_defaults(upgrade_stored(json.loads(stored)))  # under today's key names
+    for c in (now, old):
+        c.get("parallel", {}).pop("strategy", None)
 
     def walk(old, new, prefix):
         if isinstance(old, dict) and isinstance(new, dict):

@@ -104,6 +104,8 @@ def test_a_stored_run_is_reused_unless_a_key_it_had_changed(tmp_path):
     stored = json.loads(study._fingerprint(config))
     del stored["parallel"]["mesh_by_platform"], stored["model"]["dropout_bits"]
     assert study.config_changes(json.dumps(stored), config) == []
+    stored["parallel"]["strategy"] = "pmap"  # the records made when pmap was the default
+    assert study.config_changes(json.dumps(stored), config) == []
     stored["model"]["d_model"] = 512
     stored["train"]["gone"] = 1
     assert study.config_changes(json.dumps(stored), config) == ["model.d_model", "train.gone"]

@@ -212,16 +212,17 @@ def test_the_schedule_ends_at_the_budget(budgeted, tfds_dir):
 
 def test_the_timing_leaves_the_run_as_it_was(budgeted, tfds_dir, tmp_path, capsys):
     """A run given the fitted schedule's keys and no budget trains the same: the timing took
-    its batches from its own iterator and a copy of the state. Its first loss record (the
-    mean of EVERY // 4 updates' losses) is the budgeted run's to the bit; that run resumed
-    with a budget keeps its steps and says so."""
+    its batches from its own iterator and a copy of the state. Its loss records are the
+    budgeted run's to the bit (the same schedule: a shorter one, or none, compiles to another
+    program, whose float rounding differs); that run resumed with a budget keeps its steps
+    and says so."""
     workdir, _, _ = budgeted
     fixed = _meta(workdir)["budget"]
-    steps = EVERY // 4  # the warmup and the ramp-free rate are the budgeted run's
+    steps = fixed["num_steps"]
     plain = dict(OVERRIDES, **{"train.time_budget_minutes": 0.0, "train.num_steps": steps})
-    plain.update({"train.warmup_steps": fixed["warmup_steps"], "train.cooldown_steps": 0})
+    plain.update({f"train.{k}": fixed[k] for k in ("warmup_steps", "cooldown_steps")})
     train_and_evaluate(tiny_config(tfds_dir, **plain), tmp_path)
-    assert train_losses(tmp_path)[steps] == train_losses(workdir)[steps]
+    assert train_losses(tmp_path) == train_losses(workdir)
     capsys.readouterr()
     plain["train.time_budget_minutes"] = MINUTES
     train_and_evaluate(tiny_config(tfds_dir, **plain), tmp_path)

@@ -59,9 +59,9 @@ from helpers import tiny_config
 from tx_jax.data import tasks
 from tx_jax.runner.loop import train_and_evaluate
 from tx_jax.inference import compilation, data_parallel, restore, scoring
-# two eval shapes (each one program per search and device count); 40 steps: varied outputs
-config = tiny_config({str(tfds_dir)!r}, **{{"train.num_steps": 40, "train.warmup_steps": 10,
-                                           "checkpoint.every": 40, "data.eval_batch_size": 4,
+# two eval shapes (each one program per search and device count); 60 steps: varied outputs
+config = tiny_config({str(tfds_dir)!r}, **{{"train.num_steps": 60, "train.warmup_steps": 10,
+                                           "checkpoint.every": 60, "data.eval_batch_size": 4,
                                            "data.eval_bucket_boundaries": [16, 32]}})
 train_and_evaluate(config, {str(base / "run")!r})
 loaded = restore.load({str(base / "run")!r})

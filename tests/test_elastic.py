@@ -4,6 +4,8 @@ The data stream is kept in global terms (input shards, data/shards.py) and the t
 state restores into whatever mesh the new run builds, so a run stopped on 8 devices resumes on
 4 or on 1, and one stopped as 2 processes resumes as 1; the losses after the resume are the
 uninterrupted run's, and the stream continues where it stopped (its example count goes on).
+A checkpoint is the same whichever strategy saved it: a mesh run resumes on 4 devices as pmap
+and a pmap run as a mesh run.
 
 The processes are launched once for the module (the fixture `runs`): one with 8 devices trains
 the uninterrupted reference and the mesh and pmap runs that stop; a pair of processes trains
@@ -35,13 +37,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("elastic")]
 
 STEPS, STOP_AT = 6, 3
 OVERRIDES = {
-    "parallel.strategy": "mesh",
     "data.packing": True,
     "data.input_shards": 2,
     "checkpoint.every": 1000,  # only the SIGTERM save and the last one
     "train.num_steps": STEPS,
 }
 STRATEGIES = ("mesh", "pmap")
+OTHER = {"mesh": "pmap", "pmap": "mesh"}  # the strategy a stopped run resumes under on 4
 RTOL = 1e-5
 TIMEOUT = 300
 
@@ -120,14 +122,15 @@ def _two_processes(tfds_dir, workdir) -> list[str]:
 def runs(tfds_dir, tmp_path_factory):
     """Every launch of the module, in order. 8 devices: the uninterrupted reference (mesh) and
     the mesh and pmap runs stopped at STOP_AT (in `<strategy>8`); 2 processes x 4 devices:
-    the run that stops (`two`); 4 devices: copies of the three, resumed (`<strategy>_on4`,
-    `two_resumed`). The stopped workdirs are left as the stop left them."""
+    the run that stops (`two`); 4 devices: copies of the three, resumed (`<strategy>_on4`
+    under the other strategy, `two_resumed`). The stopped workdirs are left as the stop left
+    them."""
     base = tmp_path_factory.mktemp("elastic")
     eight = [("reference", base / "reference", None, {})]
     eight += [(s, base / f"{s}8", STOP_AT, {"parallel.strategy": s}) for s in STRATEGIES]
     out8 = run_python(_code(tfds_dir, eight), devices=8, timeout=TIMEOUT)
     outs2 = _two_processes(tfds_dir, base / "two")
-    on4 = [(s, base / f"{s}_on4", None, {"parallel.strategy": s}) for s in STRATEGIES]
+    on4 = [(s, base / f"{s}_on4", None, {"parallel.strategy": OTHER[s]}) for s in STRATEGIES]
     on4.append(("two", base / "two_resumed", None, {}))
     for (_, workdir, _, _), stopped in zip(
         on4, [*(base / f"{s}8" for s in STRATEGIES), base / "two"]
@@ -159,8 +162,9 @@ def _check_resumed(workdir, reference: dict, stopped_at: int, label: str) -> flo
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_sigterm_on_8_devices_resumes_on_4_and_on_1(tmp_path, tfds_dir, runs, strategy):
-    """The state restores into the new run's mesh (sharded) or replicas (pmap); the reference
-    is the mesh run (pmap computes the same sums in another order: within RTOL)."""
+    """The state restores into the new run's mesh (sharded) or replicas (pmap), on 4 devices
+    under the other strategy and on 1 under its own; the reference is the mesh run (pmap
+    computes the same sums in another order: within RTOL)."""
     stopped, reference = runs.base / f"{strategy}8", runs.reference
     assert f"'stopped_at': {float(STOP_AT)}" in _result(runs.out8, strategy), runs.out8
     assert Checkpointer(stopped / "checkpoints", read_only=True).all_steps() == [STOP_AT]
@@ -171,7 +175,8 @@ def test_sigterm_on_8_devices_resumes_on_4_and_on_1(tmp_path, tfds_dir, runs, st
         [reference[s]["loss"] for s in range(1, STOP_AT + 1)],
         rtol=RTOL,
     )
-    _check_resumed(runs.base / f"{strategy}_on4", reference, STOP_AT, f"{strategy}: 8 -> 4")
+    label = f"{strategy} on 8 -> {OTHER[strategy]} on 4"
+    _check_resumed(runs.base / f"{strategy}_on4", reference, STOP_AT, label)
     # on 1 device: this process's
     workdir = tmp_path / "on1"
     shutil.copytree(stopped, workdir)

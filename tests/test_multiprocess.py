@@ -2,13 +2,13 @@
 
 One pair of processes is launched twice (the module fixture `launches`), and each launch
 trains two runs one after the other, one per parallel strategy:
-- pmap (the default strategy): 2 steps and a checkpoint in the first launch, resumed to 4
+- pmap (the option on jax.pmap): 2 steps and a checkpoint in the first launch, resumed to 4
   in the second; its host-local replicas are saved as one global array, every process
   restores its own copy, and the losses are those of 1 process with 1 device.
-- mesh, with data.input_shards=2 (each process reads only its shard): SIGKILLed after a
-  checkpoint in the first launch, resumed in the second; the train and validation losses
-  are those of 1 process with 8 devices, the same mesh and the same input shards, and the
-  checkpoint then restores and evaluates in this (1-device) process.
+- mesh (the default), with data.input_shards=2 (each process reads only its shard):
+  SIGKILLed after a checkpoint in the first launch, resumed in the second; the train and
+  validation losses are those of 1 process with 8 devices, the same mesh and the same input
+  shards, and the checkpoint then restores and evaluates in this (1-device) process.
 - LoRA on mesh's last checkpoint (second launch): the digest of the frozen base, taken from
   parameters spread over both processes, is the one this process computes, so the adapted
   run restores here.
@@ -39,8 +39,7 @@ from tx_jax.training.checkpoint import Checkpointer
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multiprocess")]
 
 NUM_PROCESSES, LOCAL_DEVICES = 2, 4
-OVERRIDES = {  # the mesh run
-    "parallel.strategy": "mesh",
+OVERRIDES = {  # the mesh run (the default strategy)
     "data.packing": True,
     "checkpoint.every": 2,
     "eval.every": 4,
@@ -278,8 +277,8 @@ def test_two_processes_train_resume_and_match_one_process(tmp_path, tfds_dir, la
 
 
 def test_two_processes_with_pmap_save_resume_and_match_one_device(tmp_path, tfds_dir, launches):
-    """pmap (the default strategy) across processes: its host-local replicas are saved as one
-    global array, and every process restores its own copy."""
+    """pmap across processes: its host-local replicas are saved as one global array, and
+    every process restores its own copy."""
     first, last = PMAP_STEPS
     workdir = launches.pmap
     steps = list(range(1, last + 1))

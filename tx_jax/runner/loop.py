@@ -77,6 +77,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         failing = sys.exc_info()[1]
         # A storage error: the store is failing, so the last events stay where they are.
         logger.close(quiet=failing is not None, copy=not isinstance(failing, OSError))
+        run.strategy.release()
 
 
 def _loop(run: Run, config, checkpointer, state, train_iter, p_train, evaluator, logger):

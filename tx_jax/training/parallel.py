@@ -1,5 +1,5 @@
-"""Putting state and batches on devices: `PmapStrategy` (jax.pmap) or `MeshStrategy` (jax.jit
-over a Mesh), behind one interface, `Strategy`.
+"""Putting state and batches on devices: `MeshStrategy` (one jax.jit program over a Mesh, the
+default) or `PmapStrategy` (jax.pmap, an option), behind one interface, `Strategy`.
 
 Model code never sees a device: it names axes ('batch', 'embed', 'heads', ...), and only
 this file turns names into placements. Multi-host runs call `maybe_initialize_distributed`
@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import weakref
 from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import Any, ClassVar
@@ -29,7 +28,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
-STRATEGIES = ("pmap", "mesh")
+STRATEGIES = ("mesh", "pmap")  # the default first
 # Logical name -> mesh axis. A mesh axis is used once per array: activations
 # ('batch', 'length', 'embed') put batch on (data, fsdp) and leave embed replicated, while
 # parameters ('vocab', 'embed') shard embed over fsdp (ZeRO-3 style) and vocab over tensor.
@@ -79,23 +78,6 @@ def maybe_initialize_distributed(parallel: Any) -> None:
         jax.local_device_count(),
         jax.device_count(),
     )
-
-
-def _pmap(fn: Callable, **kwargs: Any) -> Callable:
-    """jax.pmap(fn, **kwargs), whose compiled programs are freed when the result is dropped.
-
-    jax 0.10's pmap caches per function in a WeakKeyDictionary keyed by `fn` whose value holds
-    `fn` (jax-ml/jax#1605's design): the executables were never freed, and a process that ran
-    enough (the tests, a notebook) passed the kernel's vm.max_map_count, where XLA:CPU aborted
-    or segfaulted. The entry is evicted with the pmapped function."""
-    pmapped = jax.pmap(fn, **kwargs)
-    from jax._src import pmap as jax_pmap  # private: jax exposes no per-function eviction
-
-    cache = getattr(jax_pmap, "_cached_shard_map", None)
-    evict = getattr(cache, "evict_function", None)
-    if evict is not None:
-        weakref.finalize(pmapped, evict, fn)
-    return pmapped
 
 
 def mesh_shape(
@@ -151,7 +133,7 @@ def platform_sizes(parallel: Any, platform: str | None) -> dict[str, int]:
 
 
 class Strategy(abc.ABC):
-    """How a run places its state and batches: `PmapStrategy` or `MeshStrategy`, built by
+    """How a run places its state and batches: `MeshStrategy` or `PmapStrategy`, built by
     `make_strategy(config.parallel)`. A batch is a dict of [B, ...] arrays, B_local rows of
     them on a process; `init_fn() -> state` returns the state boxed with logical axis names."""
 
@@ -222,6 +204,11 @@ class Strategy(abc.ABC):
     def fetch_metrics(self, metrics: Any) -> dict[str, float]:
         """The step's device metrics -> host floats."""
 
+    def release(self) -> None:
+        """Free what compiling this run's steps keeps once the run is over (one process may
+        run many: a notebook, a sweep, the tests)."""
+        return None
+
 
 @dataclasses.dataclass
 class PmapStrategy(Strategy):
@@ -279,7 +266,7 @@ class PmapStrategy(Strategy):
         returns_state: bool = True,
     ) -> Callable:
         # the pmap places the state (state_shardings unused) and returns what step_fn returns
-        return _pmap(
+        return jax.pmap(
             lambda s, b: step_fn(s, b, axis_name=PMAP_AXIS),
             axis_name=PMAP_AXIS,
             donate_argnums=(0,) if donate else (),
@@ -288,6 +275,12 @@ class PmapStrategy(Strategy):
     def fetch_metrics(self, metrics: Any) -> dict[str, float]:
         # every device holds a copy of the reduced values
         return {k: float(v[0]) for k, v in jax.device_get(metrics).items()}
+
+    def release(self) -> None:
+        # jax.pmap's cache holds each pmapped function's programs for the life of the process
+        # (keyed weakly by the function, whose entry refers to it); jax offers no way to drop
+        # one function's entry, so the whole cache goes.
+        jax.clear_caches()
 
 
 @dataclasses.dataclass
@@ -493,7 +486,7 @@ def replicate(tree: Any) -> Any:
 
 
 def make_strategy(parallel: Any, devices: Sequence[Any] | None = None) -> Strategy:
-    """config.parallel (strategy, mesh, rules) -> PmapStrategy or MeshStrategy, validated.
+    """config.parallel (strategy, mesh, rules) -> MeshStrategy or PmapStrategy, validated.
 
     `devices`: the mesh's devices (default jax.devices()); tx_jax.planning passes the devices
     of a TPU/GPU topology that this host does not have, to compile (never run) for them."""
