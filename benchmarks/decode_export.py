@@ -22,7 +22,7 @@ every system. Also reported: sacreBLEU against the references, and the share of
 hypotheses identical to tx_jax's.
 
 Whole processes (--processes R > 0, R runs each, the median reported): `python -m
-tx_jax.evaluate --workdir=W --split=test --beam_size=B` with a cold JAX compilation cache (a
+tx_jax evaluate --workdir=W --split=test --beam_size=B` with a cold JAX compilation cache (a
 new directory) and a warm one (the same directory, second run), and a process that loads
 the CTranslate2 (float32, both libraries) or Transformers export, translates the split and
 scores it with sacreBLEU, as a user of those would. Writes
@@ -333,7 +333,8 @@ def whole_processes(args, loaded, out_dir: str, n: int, threads: int) -> list[di
         evaluate = [
             sys.executable,
             "-m",
-            "tx_jax.evaluate",
+            "tx_jax",
+            "evaluate",
             f"--workdir={args.workdir}",
             "--split=test",
             f"--beam_size={beam}",

@@ -1,6 +1,6 @@
 """The default experiment: the embedded synthetic language pair, sized for a 2-core CPU.
 
-    ./launch.sh train                       (= python -m tx_jax.main --config=configs/default.py
+    ./launch.sh train                       (= tx_jax train --config=configs/default.py
                                                --workdir=runs/default)
     --config=configs/default.py:debug       shrinks everything to seconds (tests, smoke runs)
 

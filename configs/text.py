@@ -1,6 +1,6 @@
 """Your own parallel corpus in plain text: Moses/OPUS pairs, TSV files, shards, gzip, gs://.
 
-    python -m tx_jax.main --config=configs/text.py --workdir=runs/mine \
+    tx_jax train --config=configs/text.py --workdir=runs/mine \
       --config.data.source_lang=en --config.data.target_lang=de \
       --config.data.train='corpus/train-*' --config.data.validation=corpus/dev.tsv \
       --config.data.test=corpus/test
@@ -12,7 +12,7 @@ name), or a path ending .tsv or .tsv.gz (source TAB target). Each split is prepa
 data_dir, keyed by its files' content (tx_jax/data/text_corpus.py; docs/data.md "Your own
 corpus"). The model, vocabulary, lengths and schedule are left to the data (None): the run
 chooses them from the prepared train split and says so in one line (tx_jax/runner/
-sizing.py's rule; `python -m tx_jax.prepare` prints the same choices); any of them set on the
+sizing.py's rule; `tx_jax prepare` prints the same choices); any of them set on the
 command line wins. The rest is configs/default.py's; every key set here is commented.
 """
 

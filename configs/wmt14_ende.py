@@ -87,7 +87,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.score_test = True  # newstest2014 scored at the end of training
     # Section 6.1 averages the last 5 (base) / 20 (big) checkpoints, written every 10
     # minutes; for the averaged score run:
-    #   python -m tx_jax.evaluate --workdir=DIR --average_last=5 --split=test
+    #   tx_jax evaluate --workdir=DIR --average_last=5 --split=test
     c.eval.average_last = 5
 
     # Checkpoints: every ~10 minutes (the paper's 0.4 s/step for base on 8 P100s -> 1500 steps).

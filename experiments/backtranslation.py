@@ -15,7 +15,7 @@ test score are the real Multi30k splits in every run. One SentencePiece vocabula
 all runs.
 
     de_en       de->en on A alone: the back-translation model
-    BT          B's German translated into English with it, `python -m tx_jax.translate
+    BT          B's German translated into English with it, `tx_jax translate
                 --input=data/B.de` (inference/corpus.py, resumable by shards): beam 4
                 (bt/beam/B.de) and top-10 sampling with seed SAMPLE_SEED (bt/topk10/B.de);
                 each output is named after its input but holds the English
@@ -254,7 +254,7 @@ def shared_tokenizer(root: pathlib.Path, size: Size) -> pathlib.Path:
 
 
 def back_translate(root: pathlib.Path, method: str, ensure_model, log=print) -> pathlib.Path:
-    """ROOT/bt/<method>/B.de: B's German in English by the de_en model (tx_jax.translate
+    """ROOT/bt/<method>/B.de: B's German in English by the de_en model (tx_jax translate
     --input in a subprocess; a rerun reuses the file, or resumes the shards written).
     ensure_model() trains the de_en model first where its checkpoints are gone."""
     out_dir = root / "bt" / method
@@ -264,7 +264,8 @@ def back_translate(root: pathlib.Path, method: str, ensure_model, log=print) -> 
         cmd = [
             sys.executable,
             "-m",
-            "tx_jax.translate",
+            "tx_jax",
+            "translate",
             f"--workdir={root / 'de_en'}",
             f"--input={root / 'data' / 'B.de'}",
             f"--output_dir={out_dir}",

@@ -47,10 +47,10 @@ def greedy_validation(workdir):
     return record, hyps[:-1], sources
 
 
-def _cli(module: str, *args: str, stdin: bytes = b"") -> subprocess.CompletedProcess:
+def _cli(verb: str, *args: str, stdin: bytes = b"") -> subprocess.CompletedProcess:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     return zygote.run(
-        [sys.executable, "-m", module, *args],
+        [sys.executable, "-m", "tx_jax", verb, *args],
         input=stdin,
         capture_output=True,
         env=env,
@@ -152,7 +152,7 @@ def test_translate_keeps_line_count_and_alignment(workdir, greedy_validation):
     stdin = b"\n".join(x if isinstance(x, bytes) else x.encode() for x in lines) + b"\n"
     stdin += (" ".join(sources[:20]) + "\n").encode()  # too long: truncated, with a warning
     proc = _cli(
-        "tx_jax.translate", f"--workdir={workdir}", "--beam_size=1", "--batch_size=16", stdin=stdin
+        "translate", f"--workdir={workdir}", "--beam_size=1", "--batch_size=16", stdin=stdin
     )
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
     got = proc.stdout.decode().split("\n")
@@ -177,7 +177,7 @@ def test_translations_do_not_depend_on_order_batching_or_padding(workdir, greedy
     # the batches of the length-ordered way (greedy) are recorded: were they really padded to
     # evaluation's buckets (16, 24, 32: 8 is no longer one)?
     shapes = []
-    real = translation.scoring.decode_batches
+    real = translation.quality.decode_batches
 
     def spy(config, params, batches, *args, **kwargs):
         batches = list(batches)
@@ -188,7 +188,7 @@ def test_translations_do_not_depend_on_order_batching_or_padding(workdir, greedy
         if beam != 1 or way is not ways[1]:
             return translation.translate_lines(loaded, sources, beam_size=beam, **way)
         with pytest.MonkeyPatch().context() as m:
-            m.setattr(translation.scoring, "decode_batches", spy)
+            m.setattr(translation.quality, "decode_batches", spy)
             return translation.translate_lines(loaded, sources, beam_size=beam, **way)
 
     for beam in (1, 3):
@@ -340,9 +340,7 @@ def test_clear_errors(workdir, tmp_path):
     with pytest.raises(restore.CheckpointError, match=r"average the last 5 .*only 3"):
         evaluation.evaluate(workdir, average_last=5)
     # the command line says it in one line, without a traceback
-    proc = _cli(
-        "tx_jax.evaluate", f"--workdir={workdir}", "--step=7", "--config.data.max_train_len=9"
-    )
+    proc = _cli("evaluate", f"--workdir={workdir}", "--step=7", "--config.data.max_train_len=9")
     err = proc.stderr.decode()
     assert proc.returncode == 1 and "Traceback" not in err
     assert (

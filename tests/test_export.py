@@ -218,16 +218,16 @@ def test_ct2_int8_is_smaller_and_mostly_agrees(loaded, sources, tmp_path):
 
 
 def test_cli_writes_both_formats(loaded, tmp_path):
-    """`python -m tx_jax.export` three times, each forked from one interpreter (forked.py)."""
+    """`tx_jax export` three times, each forked from one interpreter (forked.py)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     commands = [
         (
-            "tx_jax.export",
-            [f"--workdir={loaded.workdir}", f"--format={fmt}", f"--out={tmp_path / fmt}"],
+            "tx_jax",
+            ["export", f"--workdir={loaded.workdir}", f"--format={fmt}", f"--out={tmp_path / fmt}"],
         )
         for fmt in ("hf", "ct2")
     ]
-    commands.append(("tx_jax.export", [f"--workdir={loaded.workdir}"]))
+    commands.append(("tx_jax", ["export", f"--workdir={loaded.workdir}"]))
     *runs, (code, _, err) = forked.run_modules(commands, cwd=ROOT, env=env, timeout=600)
     for fmt_code, _, fmt_err in runs:
         assert fmt_code == 0, fmt_err

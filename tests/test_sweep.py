@@ -139,7 +139,7 @@ def test_runner_trains_both_points_tabulates_and_skips_them_on_rerun(
         assert row["status"] == "ok" and int(row["steps"]) == 2
         for key in ("wall_s", "val_bleu", "val_loss", "test_bleu"):
             float(row[key])  # numeric
-        # --test_split_eval: test_bleu is tx_jax.evaluate's beam-2 score of the final checkpoint,
+        # --test_split_eval: test_bleu is tx_jax evaluate's beam-2 score of the final checkpoint,
         # recorded in the point's DONE file, not the greedy score written during training.
         evaluated = json.loads(
             (pathlib.Path(row["workdir"]) / "eval_results.jsonl").read_text().splitlines()[-1]

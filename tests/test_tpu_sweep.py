@@ -159,7 +159,7 @@ def test_two_vms_run_three_points_to_the_end(first, fleet):
     assert set(on.values()) == {"tx-a", "tx-b"}
     assert len(ssh) == 3 and all("--worker=all" in c and "--zone=z" in c for c in ssh)
     command = next(c for c in ssh if c[4] == "tx-a")[-1]
-    assert command.startswith("--command=cd ~/tx_jax && .venv/bin/python -m tx_jax.main ")
+    assert command.startswith("--command=cd ~/tx_jax && .venv/bin/python -m tx_jax train ")
     assert f"--workdir={root}/00_seed=0" in command and "--config.seed=0" in command
     assert command.endswith("--config.parallel.distributed=True")
     # every worker of tx-a ran its points: each prepared the data on its own disk
@@ -271,7 +271,7 @@ def test_dry_run_needs_no_gcloud_and_deals_points_round_robin(tmp_path, monkeypa
         (
             {"tx-d": {**VMS["tx-b"], "acceleratorType": "v3-8"}},
             ["--tpu=tx-d"],
-            "TPU VM tx-d: tx_jax.plan cannot plan for v3-8 (v4, v5e, v5p, v6e slices); "
+            "TPU VM tx-d: tx_jax plan cannot plan for v3-8 (v4, v5e, v5p, v6e slices); "
             "pass --no-plan",
         ),
     ],

@@ -1,4 +1,4 @@
-"""`python -m tx_jax.translate --input=... --output_dir=...` (inference/corpus.py): a corpus
+"""`tx_jax translate --input=... --output_dir=...` (inference/corpus.py): a corpus
 translated in fixed shards equals the stdin mode's translation line for line, whatever kills,
 relaunches, process counts, devices, shard sizes or storage (gs://) it went through.
 
@@ -72,7 +72,7 @@ def _env(**extra) -> dict:
 def _launch(run, out, *flags, env=None, log=None) -> subprocess.Popen:
     args = [f"--workdir={run.workdir}", f"--input={_inputs(run)}", f"--output_dir={out}", *flags]
     return zygote.Popen(
-        [sys.executable, "-m", "tx_jax.translate", *args],
+        [sys.executable, "-m", "tx_jax", "translate", *args],
         cwd=ROOT,
         env=env or _env(),
         stdout=subprocess.DEVNULL,

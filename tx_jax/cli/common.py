@@ -39,12 +39,23 @@ def split_config_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     return rest, parse_assignments(items, what="config override", prefix="--config.")
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+    """app.run's flag parsing, with the verb's own flags (those of the cli/ modules imported,
+    which are the verb's and this module's) shown by --help: absl lists there the flags of
+    the module named sys.argv[0], which is `tx_jax VERB`."""
+    by_module = flags.FLAGS.flags_by_module_dict()
+    for module in [m for m in by_module if m.startswith("tx_jax.cli.")]:
+        for flag in by_module[module]:
+            flags.FLAGS.register_flag_by_module(sys.argv[0], flag)
+    return app.parse_flags_with_usage(argv)
+
+
 def parse_config_flags(argv: list[str]) -> list[str]:
     """app.run's flag parsing for the commands with --config=FILE (train, prepare): an
     override of a key that FILE's config lacks stops in one line saying why (a renamed key,
     or one a study's config defines), where ml_collections raises a bare AttributeError."""
     try:
-        return app.parse_flags_with_usage(argv)
+        return parse_flags(argv)
     except (AttributeError, KeyError):
         spec = next((a.partition("=")[2] for a in argv if a.startswith("--config=")), None)
         keys = [a.partition("=")[0].removeprefix("--config.") for a in argv]
@@ -79,7 +90,7 @@ def run_cli(main, argv: list[str] | None = None) -> None:
                 message = message[:2000] + " ..."
             sys.exit(f"error: {message}")
 
-    app.run(guarded, argv=argv)
+    app.run(guarded, argv=argv, flags_parser=parse_flags)
 
 
 def checkpoint_args(argv: list[str], what: str = "") -> dict:

@@ -1,11 +1,11 @@
-"""`python -m tx_jax.evaluate`: flags -> inference.evaluation (its docstring has the details).
+"""`tx_jax evaluate`: flags -> inference.evaluation (its docstring has the details).
 
-python -m tx_jax.evaluate --workdir=runs/default                  test split, beam 4, alpha 0.6
-python -m tx_jax.evaluate --workdir=runs/default --average_last=3
-python -m tx_jax.evaluate --workdir=runs/default --sweep --beams=1,4 --alphas=0.6,1.0
-python -m tx_jax.evaluate --workdir=runs/multi --direction=de-fr [--pivot=en]
-python -m tx_jax.evaluate --workdir=runs/default --profile         where decoding's time goes
-python -m tx_jax.evaluate --workdir=runs/m2m100 --config.data.dataset=multi30k --target_lang=de
+tx_jax evaluate --workdir=runs/default                  test split, beam 4, alpha 0.6
+tx_jax evaluate --workdir=runs/default --average_last=3
+tx_jax evaluate --workdir=runs/default --sweep --beams=1,4 --alphas=0.6,1.0
+tx_jax evaluate --workdir=runs/multi --direction=de-fr [--pivot=en]
+tx_jax evaluate --workdir=runs/default --profile         where decoding's time goes
+tx_jax evaluate --workdir=runs/m2m100 --config.data.dataset=multi30k --target_lang=de
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def _main(argv: list[str], overrides: dict[str, str]) -> None:
         print(trace_summary.format_rows(rows, wall=record["decode_seconds"]))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     common_flags.define_checkpoint_flags()
     flags.DEFINE_string("split", "test", "validation | test | any split name of the dataset.")
     flags.DEFINE_integer("beam_size", 4, "Beam size; 1 is greedy (paper: 4).")
@@ -131,8 +131,4 @@ def main() -> None:
         "(default: data.target_lang); multi-target OPUS-MT: its >>xx<< source token. The "
         "references stay data.target_lang's (--config.data.target_lang picks them).",
     )
-    common_flags.run_cli(_main)
-
-
-if __name__ == "__main__":
-    main()
+    common_flags.run_cli(_main, argv)

@@ -1,9 +1,9 @@
 """Export a translation checkpoint to Hugging Face Transformers or CTranslate2.
 
-    python -m tx_jax.export --workdir=runs/default --format=hf --out=exported/hf
-    python -m tx_jax.export --workdir=runs/default --format=ct2 --out=exported/ct2 \
+    tx_jax export --workdir=runs/default --format=hf --out=exported/hf
+    tx_jax export --workdir=runs/default --format=ct2 --out=exported/ct2 \
         [--quantization=int8] [--average_last=5] [--step=N]
-    python -m tx_jax.export --workdir=runs/opus-lora --format=peft --out=exported/opus-lora
+    tx_jax export --workdir=runs/opus-lora --format=peft --out=exported/opus-lora
 
 --format=hf writes a MarianMT directory (model.safetensors, config.json, the SentencePiece
 tokenizer as MarianTokenizer files, generation_config.json with the run's beam size and
@@ -58,7 +58,7 @@ def _main(argv: list[str], overrides: dict[str, str]) -> None:
     print(f"export: {what}", file=sys.stderr)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     common.define_checkpoint_flags()
     flags.DEFINE_enum(
         "format",
@@ -81,8 +81,4 @@ def main() -> None:
     flags.DEFINE_bool(
         "adapters_only", False, "A LoRA run's adapters alone, as safetensors with their config."
     )
-    common.run_cli(_main)
-
-
-if __name__ == "__main__":
-    main()
+    common.run_cli(_main, argv)

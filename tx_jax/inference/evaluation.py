@@ -1,14 +1,14 @@
 """Evaluate a checkpoint: decode a split, score it with sacreBLEU, log the result.
 
-    python -m tx_jax.evaluate --workdir=runs/default                  test split, beam 4, alpha 0.6
-    python -m tx_jax.evaluate --workdir=runs/default --step=400 --split=validation --beam_size=1
-    python -m tx_jax.evaluate --workdir=runs/default --average_last=3     (saved, then reused)
-    python -m tx_jax.evaluate --checkpoint=runs/default/averaged/last3/600
-    python -m tx_jax.evaluate --workdir=runs/default --sweep --beams=1,4 --alphas=0.6,1.0
-    python -m tx_jax.evaluate --workdir=runs/default --config.data.data_dir=/data/tfds
-    python -m tx_jax.evaluate --workdir=runs/multi --direction=de-fr [--pivot=en]   multilingual
-    python -m tx_jax.evaluate --workdir=runs/multi --direction=all      every trained direction
-    python -m tx_jax.evaluate --workdir=runs/nllb --config.data.dataset=multi30k \
+    tx_jax evaluate --workdir=runs/default                  test split, beam 4, alpha 0.6
+    tx_jax evaluate --workdir=runs/default --step=400 --split=validation --beam_size=1
+    tx_jax evaluate --workdir=runs/default --average_last=3     (saved, then reused)
+    tx_jax evaluate --checkpoint=runs/default/averaged/last3/600
+    tx_jax evaluate --workdir=runs/default --sweep --beams=1,4 --alphas=0.6,1.0
+    tx_jax evaluate --workdir=runs/default --config.data.data_dir=/data/tfds
+    tx_jax evaluate --workdir=runs/multi --direction=de-fr [--pivot=en]   multilingual
+    tx_jax evaluate --workdir=runs/multi --direction=all      every trained direction
+    tx_jax evaluate --workdir=runs/nllb --config.data.dataset=multi30k \
         --config.data.source_lang=en --config.data.target_lang=de       an imported NLLB model
 
 The model, tokenizer and config come from the checkpoint (restore.py), restored onto one
@@ -36,7 +36,7 @@ and en<->fr), or 'all' (the trained directions, then their mean BLEU). Sources g
 '<2xx>' tag id; --pivot=en translates into English first, then into the target (multilingual.py).
 The loss, accuracy and perplexity are teacher-forced on the direction itself (tagged).
 
-An imported M2M100/NLLB model (tx_jax.import_model) reads [source language token] + pieces +
+An imported M2M100/NLLB model (tx_jax import) reads [source language token] + pieces +
 EOS and its hypotheses are forced to start with the target's language token (left out of
 the text BLEU scores): for data.source_lang/target_lang by default, or for --source_lang /
 --target_lang (inference/languages.py, as translate and score; NLLB takes `de` or `deu_Latn`).
@@ -66,7 +66,7 @@ from etils import epath
 
 from tx_jax import paths
 from tx_jax.data import directions, tasks
-from tx_jax.inference import compilation, languages, multilingual, restore, scoring
+from tx_jax.inference import compilation, languages, multilingual, quality, restore
 from tx_jax.training.step import eval_sums, model_inputs
 from tx_jax.training.step import loss_metrics as reduce_loss_metrics
 
@@ -186,7 +186,7 @@ def append_record(workdir: epath.Path, record: Mapping[str, Any]) -> None:
     paths.append_text(workdir / RESULTS_FILE, json.dumps(record) + "\n")
 
 
-class _Split(scoring.Split):
+class _Split(quality.Split):
     """One split of a loaded checkpoint's dataset (of one direction of a multilingual
     checkpoint: its sources tagged) and its teacher-forced loss metrics."""
 
@@ -251,7 +251,7 @@ def _decode(
     pivot: str | None = None,
     profile_dir: str | epath.Path | None = None,
 ) -> dict[str, Any]:
-    """Translate and score one split (scoring.score_split); write the hypotheses -> the
+    """Translate and score one split (quality.measure_split); write the hypotheses -> the
     record (no totals yet). With `profile_dir`, the split is decoded a second time under
     jax.profiler, compiled by then, so that the trace (profile_dir/plugins/profile/<time>/)
     shows decoding alone."""
@@ -263,12 +263,12 @@ def _decode(
         via = multilingual.through(loaded, target, pivot, beam_size=beam_size, alpha=alpha)
     model = (loaded.model_config, loaded.params, loaded.tokenizer, data)
     kw = dict(beam_size=beam_size, alpha=alpha, translate=via)
-    result = scoring.score_split(*model, **kw)
+    result = quality.measure_split(*model, **kw)
     seconds = result.decode_seconds
     if profile_dir is not None:
         with jax.profiler.trace(str(profile_dir)):
             start = time.time()
-            scoring.translate_split(*model, **kw)
+            quality.translate_split(*model, **kw)
             seconds = time.time() - start  # the traced (compiled) pass's
     averaged = len(loaded.averaged_steps) if loaded.averaged_steps else None
     path = hypotheses_path(

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from tx_jax.data import eval_pipeline
-from tx_jax.inference import likelihood, restore, scoring
+from tx_jax.inference import likelihood, quality, restore
 
 # Batches encoded and decoded between progress reports: few and large, since each chunk's tail
 # runs on fewer threads than there are cores.
@@ -84,7 +84,7 @@ def decode_lines(
     length_penalty: str = "gnmt",
     length_buckets: Sequence[int] | None = None,
     nbest: int = 1,
-    sampling: scoring.Sampling | None = None,
+    sampling: quality.Sampling | None = None,
     line_ids: Sequence[int] | None = None,
     scores: bool = False,
     line_name: Callable[[int], str] | None = None,
@@ -99,7 +99,7 @@ def decode_lines(
     target-language tag (multilingual.py); `target_prefix`: ids each output is forced to
     start with (an M2M100/NLLB target-language token: inference/languages.py gives both).
     `length_penalty`: beam search's, 'gnmt' or 'fairseq' (Transformers' length^alpha).
-    `sampling` (scoring.Sampling) samples instead of searching; line i's k-th sample draws
+    `sampling` (quality.Sampling) samples instead of searching; line i's k-th sample draws
     from the key of (seed, line_ids[i], k) (default line_ids: 0, 1, ...). `scores`: each
     hypothesis' log-probability (Hypothesis). `line_name(i)`: how warnings name line i
     (default 'line {i + 1}'; a corpus shard's: 'FILE:LINE').
@@ -203,7 +203,7 @@ def _decode_chunk(
     alpha: float,
     length_penalty: str,
     nbest: int,
-    sampling: scoring.Sampling | None,
+    sampling: quality.Sampling | None,
     scores: bool,
 ) -> list[list[Hypothesis]]:
     """Each example (line i, sample k) of `part`'s hypotheses, aligned with `part`: the
@@ -220,7 +220,7 @@ def _decode_chunk(
     if sampling is not None:
         keys = np.array([(line_ids[i], k) for i, k in part], np.int32).reshape(-1, 2)
         batches = [_with_keys(b, keys) for b in batches]
-    decoded = scoring.decode_batches(
+    decoded = quality.decode_batches(
         loaded.model_config,
         loaded.params,
         batches,
@@ -254,7 +254,7 @@ def _hypotheses(
     skip: int,
     batch_size: int,
 ) -> list[list[Hypothesis]]:
-    """Each example's Hypothesis list from `scoring.decode_batches`' (source ids [S'], output
+    """Each example's Hypothesis list from `quality.decode_batches`' (source ids [S'], output
     ids [T'] each) per example: each output's text on one line and, with `scores`, its
     log-probability (likelihood.score_ids, `skip` forced ids left out; all of a chunk's outputs
     scored together, `batch_size` a batch)."""

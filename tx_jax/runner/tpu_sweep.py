@@ -5,7 +5,7 @@
 
 This host (a workstation, or any machine with gcloud) is the controller; the VMs run the
 points. Each free VM gets the next unfinished point: it is planned for the VM's slice here
-first (python -m tx_jax.plan, as tpu-run plans; the plan goes to WORKDIR/plan_<type>.txt and
+first (tx_jax plan, as tpu-run plans; the plan goes to WORKDIR/plan_<type>.txt and
 a point that does not fit is reported and left, the rest still run), then started on every
 worker through scripts/tpu.sh (`tpu-run --wait`: gcloud ssh --worker=all, in the foreground)
 with its workdir ROOT/<i>_<name> on gs://. The point's output goes to WORKDIR/sweep.log when
@@ -102,7 +102,7 @@ class Cloud:
         return ["bash", str(TPU_SH), command, name, *self.where, *args]
 
     def start_command(self, name: str, args: Sequence[str]) -> list[str]:
-        """scripts/tpu.sh's command that runs tx_jax.main ARGS on every worker and waits."""
+        """scripts/tpu.sh's command that runs tx_jax train ARGS on every worker and waits."""
         return self.tpu_sh("tpu-run", name, "--no-plan", "--wait", "--", *args)
 
     def printed(self, argv: Sequence[str]) -> str:
@@ -116,7 +116,7 @@ class Cloud:
 
 
 def plan_target(accelerator_type: str) -> str | None:
-    """Cloud's accelerator type -> tx_jax.plan's target (as scripts/tpu.sh's plan_target)."""
+    """Cloud's accelerator type -> tx_jax plan's target (as scripts/tpu.sh's plan_target)."""
     if accelerator_type.startswith("v5litepod-"):
         return "tpu:v5e-" + accelerator_type.removeprefix("v5litepod-")
     if accelerator_type.split("-")[0] in ("v4", "v5p", "v5e", "v6e"):
@@ -125,7 +125,7 @@ def plan_target(accelerator_type: str) -> str | None:
 
 
 def _remote_args(point: local.Point, config: str) -> list[str]:
-    """tx_jax.main's arguments for a point (tpu.sh adds parallel.distributed)."""
+    """`tx_jax train`'s arguments for a point (tpu.sh adds parallel.distributed)."""
     argv, wrapper = local.command(point, config, python=REMOTE_PYTHON)
     if wrapper:  # a generated config file would exist here, not on the VMs
         keys = [k for k, v in point.overrides.items() if not isinstance(v, local._FLAG_TYPES)]
@@ -174,7 +174,7 @@ class TpuSweep:
         key = (point.index, vm.accelerator_type)
         if key not in self.fits:
             target = plan_target(vm.accelerator_type)  # not None: checked at the start
-            argv = [sys.executable, "-m", "tx_jax.plan", f"--target={target}"]
+            argv = [sys.executable, "-m", "tx_jax", "plan", f"--target={target}"]
             argv += ["--programs=train,eval"]
             argv += [a for a in _remote_args(point, self.sweep.config) if a.startswith("--config")]
             proc = subprocess.run(argv, capture_output=True, text=True)
@@ -414,7 +414,7 @@ def run_tpu_sweep(
 
 
 def ready_vms(cloud: Cloud, names: Sequence[str], plan: bool) -> list[VM]:
-    """The named VMs, each READY and (with `plan`) of a slice tx_jax.plan knows, else the
+    """The named VMs, each READY and (with `plan`) of a slice tx_jax plan knows, else the
     first mistake as a SweepError."""
     vms = []
     for name in dict.fromkeys(names):  # each once
@@ -431,7 +431,7 @@ def ready_vms(cloud: Cloud, names: Sequence[str], plan: bool) -> list[VM]:
         vms.append(VM.from_describe(name, node))
         if plan and plan_target(vms[-1].accelerator_type) is None:
             raise SweepError(
-                f"TPU VM {name}: tx_jax.plan cannot plan for {vms[-1].accelerator_type} "
+                f"TPU VM {name}: tx_jax plan cannot plan for {vms[-1].accelerator_type} "
                 "(v4, v5e, v5p, v6e slices); pass --no-plan to start its points unplanned"
             )
     if plan and importlib.util.find_spec("libtpu") is None:

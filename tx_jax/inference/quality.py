@@ -1,12 +1,13 @@
-"""Translating a split and scoring it with sacreBLEU (BLEU and chrF, with signatures): the one
-path every BLEU of tx_jax takes.
+"""Translation quality of a decoded split: the split translated, then measured against its
+references with sacreBLEU (BLEU and chrF, with signatures); the one path every BLEU of tx_jax
+takes. (ln p(target | source) of given pairs, `tx_jax score`, is inference/likelihood.py.)
 
-    split = scoring.Split(task, "validation", limit=100)     pairs and eval batches, read once
-    result = scoring.score_split(model_config, params, tokenizer, split, beam_size=4)
+    split = quality.Split(task, "validation", limit=100)     pairs and eval batches, read once
+    result = quality.measure_split(model_config, params, tokenizer, split, beam_size=4)
     result.bleu, result.chrf, result.signature, result.hypotheses, result.decode_seconds
 
-`score_split` is what evaluation.py (the evaluate CLI, sweeps), training's validation and test
-BLEU (`bleu_metrics`, runner/evaluator.py) and multilingual.score_direction (the
+`measure_split` is what evaluation.py (the evaluate CLI, sweeps), training's validation and test
+BLEU (`bleu_metrics`, runner/evaluator.py) and multilingual.measure_direction (the
 language-similarity study) call: the split's eval batches decoded by `translate_batches`
 (or, through a pivot language, the sources translated by a given text-to-text function),
 then scored against its references. `translate_batches` also serves translation.py.
@@ -34,7 +35,7 @@ from tx_jax.model.config import ModelConfig
 
 
 @dataclasses.dataclass
-class BleuResult:
+class SplitQuality:
     bleu: float
     chrf: float
     signature: str  # sacreBLEU's BLEU signature (tokenizer, smoothing, version)
@@ -103,7 +104,9 @@ _DETOKENIZE_WARNING_ONCE = _OncePerProcess()
 logging.getLogger("sacrebleu").addFilter(_DETOKENIZE_WARNING_ONCE)
 
 
-def score(hypotheses: Sequence[str], references: Sequence[str]) -> tuple[float, float, str, str]:
+def bleu_chrf(
+    hypotheses: Sequence[str], references: Sequence[str]
+) -> tuple[float, float, str, str]:
     """Corpus BLEU and chrF of detokenized text -> (bleu, chrf, bleu_sig, chrf_sig)."""
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references")
@@ -373,7 +376,7 @@ def translate_split(
     )
 
 
-def score_split(
+def measure_split(
     model_config: ModelConfig,
     params: Any,
     tokenizer: Tokenizer,
@@ -382,7 +385,7 @@ def score_split(
     beam_size: int = 1,
     alpha: float = 0.6,
     translate: Translator | None = None,
-) -> BleuResult:
+) -> SplitQuality:
     """Translate a split (`translate_split`: greedy when beam_size == 1) and score it against
     its references with sacreBLEU."""
     start = time.time()
@@ -396,8 +399,8 @@ def score_split(
         translate=translate,
     )
     seconds = time.time() - start
-    bleu, chrf, sig, chrf_sig = score(hyps, split.references)
-    return BleuResult(bleu, chrf, sig, chrf_sig, hyps, split.references, seconds)
+    bleu, chrf, sig, chrf_sig = bleu_chrf(hyps, split.references)
+    return SplitQuality(bleu, chrf, sig, chrf_sig, hyps, split.references, seconds)
 
 
 def bleu_metrics(
@@ -415,9 +418,9 @@ def bleu_metrics(
     (the first `limit` pairs of each), and 'bleu' / 'chrf' are the means over its training
     directions (`task.directions`; extra, e.g. zero-shot, directions are reported only)."""
 
-    def result(task: Any) -> BleuResult:
+    def result(task: Any) -> SplitQuality:
         data = Split(task, split, limit)
-        return score_split(
+        return measure_split(
             model_config, params, task.tokenizer, data, beam_size=beam_size, alpha=alpha
         )
 
