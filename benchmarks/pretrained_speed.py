@@ -143,7 +143,7 @@ def tx_translate(loaded, sources, batch_size, beams):
     fn = quality._greedy if beams == 1 else quality._beam
     static = dict(config=loaded.model_config, eos_id=loaded.tokenizer.eos_id)
     if beams > 1:
-        static.update(beam_size=beams, alpha=1.0, length_penalty="fairseq")
+        static.update(beam_size=beams, length_penalty=1.0, length_penalty_kind="fairseq")
     import jax
 
     for b in batches:

@@ -46,7 +46,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.bleu_examples = 1000  # validation pairs decoded for BLEU during training
     c.train.lr_scale = 1.0  # the paper's d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
     if args.variant == "default":
-        c.eval.test_beam_size = 4  # the test score: beam 4, alpha 0.6 (the paper's section 6.1)
+        c.eval.test_beam_size = (
+            4  # the test score: beam 4, length penalty 0.6 (the paper's section 6.1)
+        )
         leave_to_data(c)
     return c
 

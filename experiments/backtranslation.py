@@ -34,7 +34,7 @@ model and schedule, the same real validation and test data. Each run's seed sets
 initialisation, dropout and batch order; the back-translations are made once, by the seed-0
 de->en model.
 
-Every en->de model is scored on test_2016_flickr (its last checkpoint, beam 4, alpha 0.6:
+Every en->de model is scored on test_2016_flickr (its last checkpoint, beam 4, length penalty 0.6:
 sacreBLEU's BLEU and chrF, inference/evaluation.py). Seeds: every setting trains seed 0;
 then, with --second_seed=close (default), seed 1 trains for every setting whose seed-0 BLEU
 is within 1 BLEU of another setting's (`all`: every setting; `none`: seed 0 only), those
@@ -427,7 +427,7 @@ def train_and_score(
             return result
     train_model(config, workdir, label, log)
     start = time.time()
-    test = evaluation.evaluate(workdir, split=TEST_SPLIT, beam_size=4, alpha=0.6)
+    test = evaluation.evaluate(workdir, split=TEST_SPLIT, beam_size=4, length_penalty=0.6)
     train_s, cpu = _training(workdir)
     result = {
         "seed": int(config.seed),
@@ -606,7 +606,7 @@ def write_report(root: pathlib.Path, size: Size, results: dict) -> pathlib.Path:
         f"lr {size.peak_lr}). Train pairs split (seed {split['seed']}) into A = {split['a']} "
         f"parallel and B = {split['b']} (German only, but for the ceiling); synthetic corpora "
         f"at ratio 1.0 (half of each batch from B). {TEST_SPLIT}: last checkpoint, beam 4, "
-        "alpha 0.6. Produced by `python experiments/backtranslation.py"
+        "length penalty 0.6. Produced by `python experiments/backtranslation.py"
         f"{' --debug' if size.debug_variant else ''}`. " + _times(results),
         *_bt_note(results),
         "",

@@ -170,9 +170,9 @@ def test_greedy_translations_identical_in_all_three(hf, loaded, sources, tmp_pat
 
 
 def test_beam_search_agrees_on_most(hf, loaded, sources, tmp_path):
-    """Same beam and alpha; the searches differ in the length penalty (GNMT's ((5 + n) / 6)^a
-    in tx_jax, n^a in Transformers and CTranslate2) and in when they stop."""
-    ours = translate_lines(loaded, sources, beam_size=4, alpha=0.6)
+    """Same beam and length penalty; the searches differ in the penalty's rule (GNMT's
+    ((5 + n) / 6)^a in tx_jax, n^a in Transformers and CTranslate2) and in when they stop."""
+    ours = translate_lines(loaded, sources, beam_size=4, length_penalty=0.6)
     theirs = _hf_greedy(hf, loaded, sources, num_beams=4)
     ct2 = _ct2_translate(_ct2(loaded, tmp_path / "ct2"), loaded, sources, 4, 0.6)
     same_hf = np.mean([a == b for a, b in zip(ours, theirs)])

@@ -7,7 +7,7 @@
 
 --format=hf writes a MarianMT directory (model.safetensors, config.json, the SentencePiece
 tokenizer as MarianTokenizer files, generation_config.json with the run's beam size and
-alpha) that `transformers` loads with AutoModelForSeq2SeqLM / AutoTokenizer and
+length penalty) that `transformers` loads with AutoModelForSeq2SeqLM / AutoTokenizer and
 pipeline("translation"); --format=ct2 writes a CTranslate2 model (weights as --quantization)
 with the SentencePiece model beside it. A model the formats cannot represent exactly
 (pre-LN, RoPE, grouped-query attention, SwiGLU, RMSNorm, untied output, ...) is refused with
@@ -51,7 +51,11 @@ def _main(argv: list[str], overrides: dict[str, str]) -> None:
         elif f.format == "hf":  # an imported model (or one tuned from it) goes back as it came
             merged = restore.merged(loaded)
             huggingface.export(
-                merged, local, beam_size=f.beam_size, alpha=f.alpha, hf_config=hf_config
+                merged,
+                local,
+                beam_size=f.beam_size,
+                length_penalty=f.length_penalty,
+                hf_config=hf_config,
             )
         else:
             ct2_export.export(restore.merged(loaded), local, quantization=f.quantization)
@@ -73,7 +77,9 @@ def main(argv: list[str] | None = None) -> None:
         "beam_size", None, "hf: generation_config num_beams (default: the run's test beam)."
     )
     flags.DEFINE_float(
-        "alpha", None, "hf: generation_config length_penalty (default: the run's eval.alpha)."
+        "length_penalty",
+        None,
+        "hf: generation_config length_penalty (default: the run's eval.length_penalty).",
     )
     flags.DEFINE_enum(
         "quantization", "float32", ct2_export.QUANTIZATIONS, "ct2: how weights are stored."

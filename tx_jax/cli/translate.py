@@ -2,7 +2,7 @@
 
     tx_jax translate --workdir=runs/default < source.txt > hypotheses.txt
     tx_jax translate --workdir=runs/default --average_last=5 --beam_size=4 \
-        --alpha=0.6 --batch_size=64 < source.txt
+        --length_penalty=0.6 --batch_size=64 < source.txt
     tx_jax translate --checkpoint=runs/default/averaged/last5/600 < source.txt
     tx_jax translate --workdir=runs/multi --target_lang=fr [--pivot=en] < de.txt
     tx_jax translate --workdir=runs/nllb --source_lang=eng_Latn --target_lang=deu_Latn
@@ -91,10 +91,10 @@ def _decoder(f, loaded: restore.Loaded, sampling: quality.Sampling | None):
         raise app.UsageError("--pivot needs --target_lang (a multilingual checkpoint)")
     kwargs = dict(
         beam_size=f.beam_size,
-        alpha=f.alpha,
+        length_penalty=f.length_penalty,
         batch_size=f.batch_size,
         max_len=f.max_len,
-        length_penalty=f.length_penalty,
+        length_penalty_kind=f.length_penalty_kind,
         sampling=sampling,
         length_buckets=None if f.length_buckets is None else [int(x) for x in f.length_buckets],
     )
@@ -131,8 +131,8 @@ def _settings(f, loaded: restore.Loaded, sampling, overrides) -> dict:
         step=int(loaded.step),
         overrides=dict(overrides),
         beam_size=None if sampling else f.beam_size,
-        alpha=None if sampling else f.alpha,
         length_penalty=None if sampling else f.length_penalty,
+        length_penalty_kind=None if sampling else f.length_penalty_kind,
         sampling=None if sampling is None else [f.sampling, f.temperature, f.seed],
         nbest=f.nbest,
         scores=f.scores,
@@ -201,14 +201,14 @@ def _main(argv: list[str], overrides: dict[str, str]) -> None:
 
     kwargs = dict(
         beam_size=f.beam_size,
-        alpha=f.alpha,
+        length_penalty=f.length_penalty,
         batch_size=f.batch_size,
         max_len=f.max_len,
         progress=progress,
         length_buckets=None if f.length_buckets is None else [int(x) for x in f.length_buckets],
     )
-    if f.length_penalty != "gnmt":
-        kwargs["length_penalty"] = f.length_penalty
+    if f.length_penalty_kind != "gnmt":
+        kwargs["length_penalty_kind"] = f.length_penalty_kind
     if languages.is_imported(loaded.tokenizer):  # M2M100/NLLB, multi-target OPUS-MT
         if f.pivot:
             raise app.UsageError("--pivot is for tx_jax's multilingual runs")
@@ -234,7 +234,9 @@ def _main(argv: list[str], overrides: dict[str, str]) -> None:
 def main(argv: list[str] | None = None) -> None:
     common.define_checkpoint_flags()
     flags.DEFINE_integer("beam_size", 4, "Beam size; 1 is greedy (paper: 4).")
-    flags.DEFINE_float("alpha", 0.6, "GNMT length penalty alpha (paper: 0.6).")
+    flags.DEFINE_float(
+        "length_penalty", 0.6, "Beam search's length penalty, GNMT's alpha (paper: 0.6)."
+    )
     flags.DEFINE_integer(
         "batch_size", None, "Source lines per decoding batch (default: data.eval_batch_size)."
     )
@@ -261,12 +263,12 @@ def main(argv: list[str] | None = None) -> None:
         "source_lang", None, "Imported M2M100/NLLB: the sources' language (default: its config's)."
     )
     flags.DEFINE_enum(
-        "length_penalty",
+        "length_penalty_kind",
         "gnmt",
         list(LENGTH_PENALTIES),
-        "Beam search divides log p by ((5 + length) / 6)^alpha (gnmt) or length^alpha "
-        "(fairseq: CTranslate2's); hf / hf_early / hf_never: Transformers' generate with "
-        "early_stopping=False / True / 'never', token for token.",
+        "Beam search divides log p by ((5 + length) / 6)^a (gnmt) or length^a (fairseq: "
+        "CTranslate2's), a = --length_penalty; hf / hf_early / hf_never: Transformers' "
+        "generate with early_stopping=False / True / 'never', token for token.",
     )
     flags.DEFINE_string(
         "pivot",

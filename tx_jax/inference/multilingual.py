@@ -39,7 +39,7 @@ def translate_to(
     *,
     pivot: str | None = None,
     beam_size: int = 4,
-    alpha: float = 0.6,
+    length_penalty: float = 0.6,
     batch_size: int | None = None,
     **kwargs: Any,
 ) -> list[str]:
@@ -50,10 +50,10 @@ def translate_to(
       sources: sentences in any language the model reads (the tag names only the target).
       target_lang: 'fr' -> the sources are tagged '<2fr>'.
       pivot: translate into this language first ('en'), then that output into target_lang.
-      beam_size, alpha, batch_size, **kwargs: translation.translate_lines' (beam 1: greedy;
+      beam_size, length_penalty, batch_size, **kwargs: translation.translate_lines' (beam 1: greedy;
         max_len, sort_by_length, warn, progress).
     """
-    kw = dict(beam_size=beam_size, alpha=alpha, batch_size=batch_size, **kwargs)
+    kw = dict(beam_size=beam_size, length_penalty=length_penalty, batch_size=batch_size, **kwargs)
     if pivot:
         sources = translate_to(loaded, sources, pivot, **kw)
     prefix = tag_prefix(loaded.tokenizer, target_lang)
@@ -76,7 +76,7 @@ class DirectionScore:
 
 
 def through(
-    loaded: restore.Loaded, target_lang: str, pivot: str, *, beam_size: int, alpha: float
+    loaded: restore.Loaded, target_lang: str, pivot: str, *, beam_size: int, length_penalty: float
 ) -> quality.Translator:
     """sources -> `translate_to` target_lang through `pivot`, in batches of the checkpoint's
     data.eval_batch_size, long sources truncated as in evaluation (no warning): how a split
@@ -87,7 +87,7 @@ def through(
         target_lang=target_lang,
         pivot=pivot,
         beam_size=beam_size,
-        alpha=alpha,
+        length_penalty=length_penalty,
         batch_size=loaded.config.data.eval_batch_size,
         warn=lambda message: None,
     )
@@ -101,7 +101,7 @@ def measure_direction(
     pivot: str | None = None,
     limit: int | None = None,
     beam_size: int = 4,
-    alpha: float = 0.6,
+    length_penalty: float = 0.6,
 ) -> DirectionScore:
     """Translate the first `limit` pairs of `split` of `direction` ('de-fr': the dataset of
     the checkpoint's config read in that direction) and score them with sacreBLEU
@@ -116,14 +116,18 @@ def measure_direction(
         loaded.config.data, loaded.tokenizer, loaded.config.seed, (src, tgt)
     )
     data = quality.Split(task, split, limit)
-    via = through(loaded, tgt, pivot, beam_size=beam_size, alpha=alpha) if pivot else None
+    via = (
+        through(loaded, tgt, pivot, beam_size=beam_size, length_penalty=length_penalty)
+        if pivot
+        else None
+    )
     r = quality.measure_split(
         loaded.model_config,
         loaded.params,
         loaded.tokenizer,
         data,
         beam_size=beam_size,
-        alpha=alpha,
+        length_penalty=length_penalty,
         translate=via,
     )
     return DirectionScore(

@@ -171,11 +171,11 @@ def decode_batches(
     num_examples: int,
     *,
     beam_size: int = 1,
-    alpha: float = 0.6,
+    length_penalty: float = 0.6,
     max_decode_len: int | None = None,
     devices: Sequence[jax.Device] | None = None,
     target_prefix: Sequence[int] = (),
-    length_penalty: str = "gnmt",
+    length_penalty_kind: str = "gnmt",
     nbest: int = 1,
     sampling: Sampling | None = None,
 ) -> list[tuple[np.ndarray, list[np.ndarray]]]:
@@ -197,8 +197,8 @@ def decode_batches(
         eos_id,
         max_decode_len,
         beam_size=beam_size,
-        alpha=alpha,
         length_penalty=length_penalty,
+        length_penalty_kind=length_penalty_kind,
         target_prefix=target_prefix,
         sampling=sampling,
     )
@@ -220,8 +220,8 @@ def _decoder(
     max_decode_len: int | None,
     *,
     beam_size: int,
-    alpha: float,
-    length_penalty: str,
+    length_penalty: float,
+    length_penalty_kind: str,
     target_prefix: Sequence[int],
     sampling: Sampling | None,
 ) -> tuple[Callable[..., jax.Array], dict[str, Any]]:
@@ -238,9 +238,9 @@ def _decoder(
         )
     elif beam_size > 1:
         fn = _beam
-        static.update(beam_size=beam_size, alpha=alpha)
-        if length_penalty != "gnmt":
-            static.update(length_penalty=length_penalty)
+        static.update(beam_size=beam_size, length_penalty=length_penalty)
+        if length_penalty_kind != "gnmt":
+            static.update(length_penalty_kind=length_penalty_kind)
     else:
         fn = _greedy
     if target_prefix:
@@ -313,17 +313,17 @@ def translate_batches(
     num_examples: int,
     *,
     beam_size: int = 1,
-    alpha: float = 0.6,
+    length_penalty: float = 0.6,
     max_decode_len: int | None = None,
     devices: Sequence[jax.Device] | None = None,
     target_prefix: Sequence[int] = (),
-    length_penalty: str = "gnmt",
+    length_penalty_kind: str = "gnmt",
 ) -> list[str]:
     """Decode every batch (greedy when beam_size == 1) -> hypotheses in corpus order.
 
     `target_prefix`: ids every output is forced to start with (an M2M100/NLLB target-language
-    token; the tokenizer drops it from the text). `length_penalty`: beam search's, 'gnmt' or
-    'fairseq' (length^alpha, as Transformers and CTranslate2 divide).
+    token; the tokenizer drops it from the text). `length_penalty_kind`: beam search's, 'gnmt' or
+    'fairseq' (length^length_penalty, as Transformers and CTranslate2 divide).
 
     Batches carry 'inputs' [B, S], 'example_index' [B] and 'example_mask' [B]. Parameters on
     one device are decoded on every local device of its platform (data_parallel.py:
@@ -337,11 +337,11 @@ def translate_batches(
         tokenizer.eos_id,
         num_examples,
         beam_size=beam_size,
-        alpha=alpha,
+        length_penalty=length_penalty,
         max_decode_len=max_decode_len,
         devices=devices,
         target_prefix=target_prefix,
-        length_penalty=length_penalty,
+        length_penalty_kind=length_penalty_kind,
     )
     return [tokenizer.decode(hyps[0].tolist()) for _, hyps in decoded]
 
@@ -356,7 +356,7 @@ def translate_split(
     split: Split,
     *,
     beam_size: int = 1,
-    alpha: float = 0.6,
+    length_penalty: float = 0.6,
     translate: Translator | None = None,
 ) -> list[str]:
     """The split's hypotheses in corpus order: its eval batches decoded (`translate_batches`,
@@ -371,7 +371,7 @@ def translate_split(
         tokenizer,
         len(split.references),
         beam_size=beam_size,
-        alpha=alpha,
+        length_penalty=length_penalty,
         target_prefix=split.target_prefix,
     )
 
@@ -383,7 +383,7 @@ def measure_split(
     split: Split,
     *,
     beam_size: int = 1,
-    alpha: float = 0.6,
+    length_penalty: float = 0.6,
     translate: Translator | None = None,
 ) -> SplitQuality:
     """Translate a split (`translate_split`: greedy when beam_size == 1) and score it against
@@ -395,7 +395,7 @@ def measure_split(
         tokenizer,
         split,
         beam_size=beam_size,
-        alpha=alpha,
+        length_penalty=length_penalty,
         translate=translate,
     )
     seconds = time.time() - start
@@ -411,7 +411,7 @@ def bleu_metrics(
     *,
     limit: int | None = None,
     beam_size: int = 1,
-    alpha: float = 0.6,
+    length_penalty: float = 0.6,
 ) -> dict[str, Any]:
     """{'bleu', 'chrf', 'bleu_signature'} of a split; for a multilingual task (one with
     `bleu_directions`, data/directions.py) also 'bleu/en-de', 'chrf/en-de', ... per direction
@@ -421,7 +421,12 @@ def bleu_metrics(
     def result(task: Any) -> SplitQuality:
         data = Split(task, split, limit)
         return measure_split(
-            model_config, params, task.tokenizer, data, beam_size=beam_size, alpha=alpha
+            model_config,
+            params,
+            task.tokenizer,
+            data,
+            beam_size=beam_size,
+            length_penalty=length_penalty,
         )
 
     if not hasattr(task, "bleu_directions"):

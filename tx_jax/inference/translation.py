@@ -73,7 +73,7 @@ def decode_lines(
     lines: Sequence[str | bytes],
     *,
     beam_size: int = 4,
-    alpha: float = 0.6,
+    length_penalty: float = 0.6,
     batch_size: int | None = None,
     max_len: int | None = None,
     sort_by_length: bool = True,
@@ -81,7 +81,7 @@ def decode_lines(
     progress: Callable[[int, int], None] | None = None,
     source_prefix: Sequence[int] = (),
     target_prefix: Sequence[int] = (),
-    length_penalty: str = "gnmt",
+    length_penalty_kind: str = "gnmt",
     length_buckets: Sequence[int] | None = None,
     nbest: int = 1,
     sampling: quality.Sampling | None = None,
@@ -98,7 +98,8 @@ def decode_lines(
     batches. `source_prefix`: ids before every source, e.g. a multilingual model's
     target-language tag (multilingual.py); `target_prefix`: ids each output is forced to
     start with (an M2M100/NLLB target-language token: inference/languages.py gives both).
-    `length_penalty`: beam search's, 'gnmt' or 'fairseq' (Transformers' length^alpha).
+    `length_penalty_kind`: beam search's, 'gnmt' or 'fairseq' (length^length_penalty, as
+    Transformers divides).
     `sampling` (quality.Sampling) samples instead of searching; line i's k-th sample draws
     from the key of (seed, line_ids[i], k) (default line_ids: 0, 1, ...). `scores`: each
     hypothesis' log-probability (Hypothesis). `line_name(i)`: how warnings name line i
@@ -136,8 +137,8 @@ def decode_lines(
             source_prefix=source_prefix,
             target_prefix=target_prefix,
             beam_size=beam_size,
-            alpha=alpha,
             length_penalty=length_penalty,
+            length_penalty_kind=length_penalty_kind,
             nbest=nbest,
             sampling=sampling,
             scores=scores,
@@ -200,8 +201,8 @@ def _decode_chunk(
     source_prefix: Sequence[int],
     target_prefix: Sequence[int],
     beam_size: int,
-    alpha: float,
-    length_penalty: str,
+    length_penalty: float,
+    length_penalty_kind: str,
     nbest: int,
     sampling: quality.Sampling | None,
     scores: bool,
@@ -227,9 +228,9 @@ def _decode_chunk(
         loaded.tokenizer.eos_id,
         len(part),
         beam_size=1 if sampling is not None else beam_size,
-        alpha=alpha,
-        target_prefix=target_prefix,
         length_penalty=length_penalty,
+        target_prefix=target_prefix,
+        length_penalty_kind=length_penalty_kind,
         nbest=1 if sampling is not None else nbest,
         sampling=sampling,
     )

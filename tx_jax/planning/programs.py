@@ -350,7 +350,7 @@ def compile_decoding(built: Built, beam_size: int) -> Program:
             params,
             sources,
             beam_size=beam_size,
-            alpha=float(built.config.eval.alpha),
+            length_penalty=float(built.config.eval.length_penalty),
             eos_id=EOS_ID,
         )
         name, kind = f"beam {beam_size} {shape[0]}x{shape[1]}", "beam"

@@ -61,7 +61,7 @@ class Evaluator:
             split,
             limit=limit,
             beam_size=beam_size or self.run.config.eval.beam_size,
-            alpha=self.run.config.eval.alpha,
+            length_penalty=self.run.config.eval.length_penalty,
         )
 
     def test_metrics(self, state, step: int, logger) -> dict[str, Any]:

@@ -278,7 +278,7 @@ def _evaluate_test(point: Point, beam_size: int, parallel: int) -> dict | None:
     if rc != 0 or not results.exists():
         return None
     record = json.loads(results.read_text().splitlines()[-1])
-    return {k: record.get(k) for k in ("bleu", "step", "split", "beam", "alpha")}
+    return {k: record.get(k) for k in ("bleu", "step", "split", "beam", "length_penalty")}
 
 
 # ---------------------------------------------------------------------- results
