@@ -4,7 +4,7 @@
 #   ./launch.sh train [WORKDIR] [--config.key=value ...]   default experiment (CPU; offline once .venv is installed)
 #   ./launch.sh test [pytest args]                         ruff (lint + format) then pytest
 #   ./launch.sh sweep experiments/FILE.py [--parallel N] [--dry-run] [--only 0,3] [--root DIR]
-#                     [--test_split_eval] [--override key=value ...]     python -m tx_jax.sweep
+#                     [--test_split_eval] [--override key=value ...]     python -m tx_jax sweep
 #   ./launch.sh sweep experiments/FILE.py --tpu NAME[,NAME...] --root gs://B/sweeps/X
 #                     [--zone Z] [--recreate] [--no-plan] [--dry-run]    each point on a TPU VM
 #   ./launch.sh tpu-create|tpu-setup|tpu-prepare|tpu-run|tpu-logs|tpu-delete NAME [...] [--dry-run]
@@ -77,14 +77,14 @@ case "$cmd" in
     export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$PWD/.jax_cache}"
     workdir="runs/default"
     if [ $# -gt 0 ] && [[ "$1" != --* ]]; then workdir="$1"; shift; fi
-    exec "$VENV/bin/python" -m tx_jax.main --config=configs/default.py --workdir="$workdir" "$@"
+    exec "$VENV/bin/python" -m tx_jax train --config=configs/default.py --workdir="$workdir" "$@"
     ;;
   sweep)
     # On TPU VMs each point is planned here first: the TPU compiler (plan extra) is needed.
     if [[ " $* " == *" --tpu"* ]]; then ensure_venv plan; else ensure_venv; fi
     cpu_host_platforms
     export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$PWD/.jax_cache}"
-    exec "$VENV/bin/python" -m tx_jax.sweep "$@"
+    exec "$VENV/bin/python" -m tx_jax sweep "$@"
     ;;
   tpu-create|tpu-setup|tpu-prepare|tpu-run|tpu-logs|tpu-delete)
     exec bash scripts/tpu.sh "$cmd" "$@"  # no venv here: --dry-run needs nothing installed

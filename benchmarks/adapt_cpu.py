@@ -11,7 +11,7 @@ animal sentences, adapted to them (BENCHMARKS.md "Adapting a trained translator"
 3. Two adaptations of the base on the domain train split, --steps updates each, the same
    schedule (configs/finetune.py:data=text): full fine-tuning, and LoRA (rank 16, alpha 32,
    every attention and FFN projection); each under /usr/bin/time -v.
-4. Each of the three translates both test parts (beam 4, tx_jax.translate); sacreBLEU scores
+4. Each of the three translates both test parts (beam 4, tx_jax translate); sacreBLEU scores
    them. Printed and written to OUT/results.json: BLEU on the domain and the general test
    sets, trainable parameters, checkpoint bytes, seconds per update, peak resident memory.
 """
@@ -79,7 +79,7 @@ def python(*args: str) -> list[str]:
 def translate(workdir: pathlib.Path, source: pathlib.Path, out: pathlib.Path) -> list[str]:
     with open(source) as src, open(out, "w") as hyp:
         subprocess.run(
-            [sys.executable, "-m", "tx_jax.translate", f"--workdir={workdir}", "--beam_size=4"],
+            [sys.executable, "-m", "tx_jax", "translate", f"--workdir={workdir}", "--beam_size=4"],
             cwd=ROOT,
             stdin=src,
             stdout=hyp,

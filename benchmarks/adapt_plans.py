@@ -1,4 +1,4 @@
-"""Full fine-tuning against LoRA of an NLLB-3.3B-shaped model, planned (tx_jax.plan's
+"""Full fine-tuning against LoRA of an NLLB-3.3B-shaped model, planned (tx_jax plan's
 compilers; no weights, no chip): bytes per chip and whether each fits
 (BENCHMARKS.md "Adapting a trained translator").
 

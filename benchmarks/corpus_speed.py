@@ -1,4 +1,4 @@
-"""Corpus translation throughput: `python -m tx_jax.translate --input --output_dir` in 1 and
+"""Corpus translation throughput: `tx_jax translate --input --output_dir` in 1 and
 2 processes against CTranslate2's translate_file on the exported model, whole processes
 timed from outside (start-up, compilation and file I/O included, as a user sees them).
 
@@ -89,7 +89,8 @@ def main() -> None:
     base = [
         sys.executable,
         "-m",
-        "tx_jax.translate",
+        "tx_jax",
+        "translate",
         f"--workdir={args.workdir}",
         f"--input={','.join(inputs)}",
         f"--beam_size={args.beam}",

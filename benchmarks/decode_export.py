@@ -6,8 +6,8 @@ after compilation, and whole processes timed from outside.
 
 The checkpoint is exported (tx_jax.interop) to a Transformers MarianMT directory and to
 CTranslate2 (float32 and int8) under WORKDIR/export_bench/, then the first N sentences of
-the run's test split are translated by each, greedy and beam 4 (alpha 0.6), on --threads CPU
-threads each (JAX: the process's CPU affinity; torch: set_num_threads; CTranslate2:
+the run's test split are translated by each, greedy and beam 4 (length penalty 0.6), on
+--threads CPU threads each (JAX: the process's CPU affinity; torch: set_num_threads; CTranslate2:
 intra_threads, one translator; each CTranslate2 model with its two x86 matrix libraries,
 MKL and oneDNN: CT2_BACKENDS).
 
@@ -22,7 +22,7 @@ every system. Also reported: sacreBLEU against the references, and the share of
 hypotheses identical to tx_jax's.
 
 Whole processes (--processes R > 0, R runs each, the median reported): `python -m
-tx_jax.evaluate --workdir=W --split=test --beam_size=B` with a cold JAX compilation cache (a
+tx_jax evaluate --workdir=W --split=test --beam_size=B` with a cold JAX compilation cache (a
 new directory) and a warm one (the same directory, second run), and a process that loads
 the CTranslate2 (float32, both libraries) or Transformers export, translates the split and
 scores it with sacreBLEU, as a user of those would. Writes
@@ -112,7 +112,7 @@ def main() -> None:
             loaded,
             lines,
             beam_size=beam,
-            alpha=0.6,
+            length_penalty=0.6,
             batch_size=loaded.config.data.eval_batch_size,
             length_buckets=length_buckets,
             warn=lambda m: None,
@@ -333,7 +333,8 @@ def whole_processes(args, loaded, out_dir: str, n: int, threads: int) -> list[di
         evaluate = [
             sys.executable,
             "-m",
-            "tx_jax.evaluate",
+            "tx_jax",
+            "evaluate",
             f"--workdir={args.workdir}",
             "--split=test",
             f"--beam_size={beam}",

@@ -15,7 +15,7 @@
 #    bf16, the default first, then each other value alone on top of it (XLA's attention, the
 #    packed dropout bits, the blocked loss) -> OUT_DIR/gpu_step.json (ms/step, tokens/s, MFU,
 #    losses, the plan's bound of the same program). CASES=... replaces the list.
-# 3. Meanwhile `python -m tx_jax.plan --target=gpu:<chip>-1` for base and big on the host's CPU,
+# 3. Meanwhile `python -m tx_jax plan --target=gpu:<chip>-1` for base and big on the host's CPU,
 #    under the XLA_FLAGS the runs get (none by default) -> OUT_DIR/plan_{base,big}.json.
 # Options, each after the above (a call cut off by its limit keeps what ran first):
 #   PROFILE=1        benchmarks/gpu_profile.py: a jax.profiler trace of 3 base steps, kernels by
@@ -68,7 +68,7 @@ if [ "${PLANS:-1}" = 1 ]; then
   chip=$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); import gpu_step, jax
 print(gpu_step.chip_of(jax.devices()[0])[0])')
   for v in $B $G; do
-    JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 timeout 240 python3 -m tx_jax.plan \
+    JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 timeout 240 python3 -m tx_jax plan \
       --config=configs/wmt14_ende.py:variant=$v --target=gpu:$chip-1 --programs=train \
       --no_cache --json="$out/plan_$v.json" > "$out/plan_$v.txt" 2>&1
     echo "plan $v exit $?"

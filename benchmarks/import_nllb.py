@@ -7,7 +7,7 @@ Builds ROOT/hf once with transformers' M2M100ForConditionalGeneration in NLLB-20
 shape (d_model 1024, 24 + 24 layers, 16 heads, d_ff 8192, vocabulary 256,206; stored in
 bfloat16 to halve the disk and memory it needs here) and NLLB tokenizer files (a small
 SentencePiece model: the ids past it are unused names; only the tensors' sizes matter), then
-times `tx_jax.import_model --dtype=bfloat16` into ROOT/workdir and runs `tx_jax.plan` on
+times `tx_jax import --dtype=bfloat16` into ROOT/workdir and runs `tx_jax plan` on
 configs/finetune.py:init_from=ROOT/workdir for each target. Prints one JSON line per step.
 """
 
@@ -75,7 +75,7 @@ def main() -> None:
         print(json.dumps(build(hf)), flush=True)
     if not (workdir / "checkpoints").exists():
         start = time.time()
-        cmd = [sys.executable, "-m", "tx_jax.import_model", f"--source={hf}"]
+        cmd = [sys.executable, "-m", "tx_jax", "import", f"--source={hf}"]
         subprocess.run([*cmd, f"--workdir={workdir}", "--dtype=bfloat16"], check=True, cwd=REPO)
         children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
         size = sum(p.stat().st_size for p in (workdir / "checkpoints").rglob("*") if p.is_file())
@@ -97,7 +97,8 @@ def main() -> None:
             [
                 sys.executable,
                 "-m",
-                "tx_jax.plan",
+                "tx_jax",
+                "plan",
                 f"--config=configs/finetune.py:init_from={workdir}",
                 f"--target={target}",
                 "--programs=train",

@@ -1,10 +1,10 @@
 """Plans of the paper's models and a long-context model, compiled for TPU and GPU targets on
-this host (python -m tx_jax.plan), tabulated for BENCHMARKS.md.
+this host (tx_jax plan), tabulated for BENCHMARKS.md.
 
     python benchmarks/plans.py [--out DIR] [--gpu_python PATH] [--only NAME,...] [--search]
     python benchmarks/plans.py --tabulate DIR          # tables from plans already in DIR
 
-Each plan runs as its own `python -m tx_jax.plan ... --json=DIR/NAME.json` process, one at a
+Each plan runs as its own `tx_jax plan ... --json=DIR/NAME.json` process, one at a
 time (compile times are the host's, so nothing else should share the cores). GPU targets need
 an interpreter with the plan-gpu extra (--gpu_python; skipped without it). --search runs
 `--search` for every (model, target) pair instead (the plans' cache makes a rerun instant)
@@ -57,7 +57,7 @@ GiB = 1 << 30
 
 
 def run(name, config, target, extra, out: pathlib.Path, python: str, search: bool) -> None:
-    cmd = [python, "-m", "tx_jax.plan", f"--config={config}", f"--target={target}", *extra]
+    cmd = [python, "-m", "tx_jax", "plan", f"--config={config}", f"--target={target}", *extra]
     if search:
         cmd += ["--search", "--workers=2", f"--json={out / (name + '.search.json')}"]
     else:

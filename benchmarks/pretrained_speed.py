@@ -5,7 +5,7 @@ same model, same batches, in one process on this CPU.
 
 The model is transformers' MarianMTModel at OPUS-MT en-de's size (vocabulary 58,101, d_model
 512, 6 + 6 layers, 8 heads, d_ff 2048, swish), random weights, saved with save_pretrained and
-imported with tx_jax.import_model. Its tokenizer: SentencePiece models trained here on Multi30k
+imported with tx_jax import. Its tokenizer: SentencePiece models trained here on Multi30k
 (../shared/data/multi30k) laid out as OPUS-MT's, so sentences cut into realistic pieces. EOS's
 output bias is raised so that translations end after a few dozen tokens, as a trained model's
 do (random weights otherwise run to the output limit).
@@ -127,7 +127,7 @@ def hf_scores(model, tok, sources, targets, batch_size):
 def tx_translate(loaded, sources, batch_size, beams):
     """tx_jax's output ids per source (EOS and padding dropped), batches as translate's."""
     from tx_jax.data import eval_pipeline
-    from tx_jax.inference import scoring
+    from tx_jax.inference import quality
 
     tokens: list = [None] * len(sources)
     batches = list(
@@ -140,10 +140,10 @@ def tx_translate(loaded, sources, batch_size, beams):
             sort_by_length=True,
         )
     )
-    fn = scoring._greedy if beams == 1 else scoring._beam
+    fn = quality._greedy if beams == 1 else quality._beam
     static = dict(config=loaded.model_config, eos_id=loaded.tokenizer.eos_id)
     if beams > 1:
-        static.update(beam_size=beams, alpha=1.0, length_penalty="fairseq")
+        static.update(beam_size=beams, length_penalty=1.0, length_penalty_kind="fairseq")
     import jax
 
     for b in batches:

@@ -1,6 +1,6 @@
 """The default experiment: the embedded synthetic language pair, sized for a 2-core CPU.
 
-    ./launch.sh train                       (= python -m tx_jax.main --config=configs/default.py
+    ./launch.sh train                       (= tx_jax train --config=configs/default.py
                                                --workdir=runs/default)
     --config=configs/default.py:debug       shrinks everything to seconds (tests, smoke runs)
 
@@ -149,7 +149,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.every = 300  # validation loss/accuracy/perplexity + BLEU every N steps
     c.eval.bleu_examples = 200  # validation pairs decoded for BLEU (0 disables)
     c.eval.beam_size = 1  # 1: greedy during training
-    c.eval.alpha = 0.6  # GNMT length penalty for beam search
+    c.eval.length_penalty = 0.6  # GNMT length penalty for beam search
     c.eval.test_beam_size = 0  # beam for the final test-split score; 0: eval.beam_size
     c.eval.score_test = True  # the end of training scores data.test_split
     c.eval.average_last = 0  # > 0: the test score (and `evaluate`) use the last K checkpoints' mean

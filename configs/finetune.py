@@ -1,7 +1,7 @@
-"""Fine-tuning a pretrained translator (imported with tx_jax.import_model) or a trained run.
+"""Fine-tuning a pretrained translator (imported with tx_jax import) or a trained run.
 
-    python -m tx_jax.import_model --source=opus-mt-en-de --workdir=runs/opus-mt-en-de
-    python -m tx_jax.main --workdir=runs/opus-mt-en-de-multi30k \
+    tx_jax import --source=opus-mt-en-de --workdir=runs/opus-mt-en-de
+    tx_jax train --workdir=runs/opus-mt-en-de-multi30k \
         --config=configs/finetune.py:init_from=runs/opus-mt-en-de,pair=en-de
     --config=configs/finetune.py:init_from=WORKDIR,debug     a few steps (tests, smoke runs)
     --config=configs/finetune.py:init_from=WORKDIR,data=text \
@@ -85,7 +85,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.checkpoint.every = 500
     c.checkpoint.keep = 3
     # Sharded jit over a (data, fsdp, tensor) mesh: a large model shards its parameters and
-    # optimizer state with --config.parallel.mesh.fsdp=N (tx_jax.plan --search finds N).
+    # optimizer state with --config.parallel.mesh.fsdp=N (tx_jax plan --search finds N).
     c.parallel.strategy = "mesh"
     if args.variant == "debug":
         c.data.max_train_len = 48

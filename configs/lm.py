@@ -5,8 +5,8 @@
     --config=configs/lm.py:debug             seconds
     --config=configs/lm.py:variant=long,length=32768   long context: a base-size
                                              model on packed rows of `length` tokens, sized for
-                                             accelerators (python -m tx_jax.plan plans it)
-    python -m tx_jax.generate --workdir=DIR --prompt="the red"     samples from the result
+                                             accelerators (tx_jax plan plans it)
+    tx_jax generate --workdir=DIR --prompt="the red"     samples from the result
 
 The model is a DecoderOnly (tx_jax/model/transformer.py): pre-LN and RoPE, the choices of
 current LMs.

@@ -86,11 +86,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train.clip_grad_norm = 1.0  # global-norm clipping
     c.train.log_every = 100
 
-    # Evaluation: greedy BLEU on validation during training; beam 4, alpha 0.6 on the test set.
+    # Evaluation: greedy BLEU on validation during training; beam 4, length penalty 0.6 on the
+    # test set.
     c.eval.every = 1000  # ~20 s of greedy decoding each
     c.eval.bleu_examples = 1014  # the whole validation split
     c.eval.beam_size = 1  # greedy during training (fast)
-    c.eval.alpha = 0.6  # GNMT length penalty (beam search only)
+    c.eval.length_penalty = 0.6  # GNMT length penalty (beam search only)
     c.eval.test_beam_size = 4  # the final test_2016_flickr score uses beam 4
     c.eval.score_test = True  # test_2016_flickr scored at the end of training
 

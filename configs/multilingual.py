@@ -124,7 +124,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.every = 1000
     c.eval.bleu_examples = 200  # validation pairs decoded per direction
     c.eval.beam_size = 1  # greedy during training
-    c.eval.alpha = 0.6  # GNMT length penalty (beam search only)
+    c.eval.length_penalty = 0.6  # GNMT length penalty (beam search only)
     c.eval.test_beam_size = 4  # the final test_2016_flickr score per direction
     c.eval.score_test = True  # test_2016_flickr scored at the end of training
 

@@ -1,6 +1,6 @@
 """Your own parallel corpus in plain text: Moses/OPUS pairs, TSV files, shards, gzip, gs://.
 
-    python -m tx_jax.main --config=configs/text.py --workdir=runs/mine \
+    tx_jax train --config=configs/text.py --workdir=runs/mine \
       --config.data.source_lang=en --config.data.target_lang=de \
       --config.data.train='corpus/train-*' --config.data.validation=corpus/dev.tsv \
       --config.data.test=corpus/test
@@ -12,7 +12,7 @@ name), or a path ending .tsv or .tsv.gz (source TAB target). Each split is prepa
 data_dir, keyed by its files' content (tx_jax/data/text_corpus.py; docs/data.md "Your own
 corpus"). The model, vocabulary, lengths and schedule are left to the data (None): the run
 chooses them from the prepared train split and says so in one line (tx_jax/runner/
-sizing.py's rule; `python -m tx_jax.prepare` prints the same choices); any of them set on the
+sizing.py's rule; `tx_jax prepare` prints the same choices); any of them set on the
 command line wins. The rest is configs/default.py's; every key set here is commented.
 """
 
@@ -46,7 +46,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.bleu_examples = 1000  # validation pairs decoded for BLEU during training
     c.train.lr_scale = 1.0  # the paper's d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
     if args.variant == "default":
-        c.eval.test_beam_size = 4  # the test score: beam 4, alpha 0.6 (the paper's section 6.1)
+        c.eval.test_beam_size = (
+            4  # the test score: beam 4, length penalty 0.6 (the paper's section 6.1)
+        )
         leave_to_data(c)
     return c
 

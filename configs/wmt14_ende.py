@@ -7,7 +7,7 @@
 
 Needs the network once (download=True: TFDS fetches and prepares wmt14_translate/de-en, ~4.5M
 pairs), then accelerators: sized for a TPU v3-8 / 8 GPUs like the paper's 8 P100s.
-Paper results (newstest2014, beam 4, alpha 0.6, averaged checkpoints): base 27.3, big 28.4.
+Paper results (newstest2014, beam 4, length penalty 0.6, averaged checkpoints): base 27.3, big 28.4.
 Built on configs/default.py; every key set here is commented, the others are default.py's.
 """
 
@@ -78,16 +78,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train.grad_accum_steps = 1  # raise on fewer devices to keep the 25k-token batch
     c.train.log_every = 100
 
-    # Evaluation: beam 4, alpha 0.6 (section 6.1), on a validation subset during training.
+    # Evaluation: beam 4, length penalty 0.6 (section 6.1), on a validation subset during training.
     c.eval.every = 5000
     c.eval.bleu_examples = 500  # newstest2013 sentences decoded for BLEU during training
     c.eval.beam_size = 4
-    c.eval.alpha = 0.6
+    c.eval.length_penalty = 0.6
     c.eval.test_beam_size = 4  # the final newstest2014 score
     c.eval.score_test = True  # newstest2014 scored at the end of training
     # Section 6.1 averages the last 5 (base) / 20 (big) checkpoints, written every 10
     # minutes; for the averaged score run:
-    #   python -m tx_jax.evaluate --workdir=DIR --average_last=5 --split=test
+    #   tx_jax evaluate --workdir=DIR --average_last=5 --split=test
     c.eval.average_last = 5
 
     # Checkpoints: every ~10 minutes (the paper's 0.4 s/step for base on 8 P100s -> 1500 steps).

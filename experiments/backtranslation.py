@@ -15,7 +15,7 @@ test score are the real Multi30k splits in every run. One SentencePiece vocabula
 all runs.
 
     de_en       de->en on A alone: the back-translation model
-    BT          B's German translated into English with it, `python -m tx_jax.translate
+    BT          B's German translated into English with it, `tx_jax translate
                 --input=data/B.de` (inference/corpus.py, resumable by shards): beam 4
                 (bt/beam/B.de) and top-10 sampling with seed SAMPLE_SEED (bt/topk10/B.de);
                 each output is named after its input but holds the English
@@ -34,7 +34,7 @@ model and schedule, the same real validation and test data. Each run's seed sets
 initialisation, dropout and batch order; the back-translations are made once, by the seed-0
 de->en model.
 
-Every en->de model is scored on test_2016_flickr (its last checkpoint, beam 4, alpha 0.6:
+Every en->de model is scored on test_2016_flickr (its last checkpoint, beam 4, length penalty 0.6:
 sacreBLEU's BLEU and chrF, inference/evaluation.py). Seeds: every setting trains seed 0;
 then, with --second_seed=close (default), seed 1 trains for every setting whose seed-0 BLEU
 is within 1 BLEU of another setting's (`all`: every setting; `none`: seed 0 only), those
@@ -254,7 +254,7 @@ def shared_tokenizer(root: pathlib.Path, size: Size) -> pathlib.Path:
 
 
 def back_translate(root: pathlib.Path, method: str, ensure_model, log=print) -> pathlib.Path:
-    """ROOT/bt/<method>/B.de: B's German in English by the de_en model (tx_jax.translate
+    """ROOT/bt/<method>/B.de: B's German in English by the de_en model (tx_jax translate
     --input in a subprocess; a rerun reuses the file, or resumes the shards written).
     ensure_model() trains the de_en model first where its checkpoints are gone."""
     out_dir = root / "bt" / method
@@ -264,7 +264,8 @@ def back_translate(root: pathlib.Path, method: str, ensure_model, log=print) -> 
         cmd = [
             sys.executable,
             "-m",
-            "tx_jax.translate",
+            "tx_jax",
+            "translate",
             f"--workdir={root / 'de_en'}",
             f"--input={root / 'data' / 'B.de'}",
             f"--output_dir={out_dir}",
@@ -430,7 +431,7 @@ def train_and_score(
             return result
     train_model(config, workdir, label, log)
     start = time.time()
-    test = evaluation.evaluate(workdir, split=TEST_SPLIT, beam_size=4, alpha=0.6)
+    test = evaluation.evaluate(workdir, split=TEST_SPLIT, beam_size=4, length_penalty=0.6)
     train_s, cpu = _training(workdir)
     result = {
         "seed": int(config.seed),
@@ -609,7 +610,7 @@ def write_report(root: pathlib.Path, size: Size, results: dict) -> pathlib.Path:
         f"lr {size.peak_lr}). Train pairs split (seed {split['seed']}) into A = {split['a']} "
         f"parallel and B = {split['b']} (German only, but for the ceiling); synthetic corpora "
         f"at ratio 1.0 (half of each batch from B). {TEST_SPLIT}: last checkpoint, beam 4, "
-        "alpha 0.6. Produced by `python experiments/backtranslation.py"
+        "length penalty 0.6. Produced by `python experiments/backtranslation.py"
         f"{' --debug' if size.debug_variant else ''}`. " + _times(results),
         *_bt_note(results),
         "",

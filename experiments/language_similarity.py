@@ -183,7 +183,7 @@ def train_all(configs: dict, root: pathlib.Path, log=print) -> dict[str, float]:
 
 
 def _score(loaded, direction: str, size: Size, pivot: str | None = None) -> dict:
-    s = multilingual.score_direction(
+    s = multilingual.measure_direction(
         loaded,
         direction,
         split="test_2016_flickr",

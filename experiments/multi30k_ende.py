@@ -2,16 +2,17 @@
 
     python experiments/multi30k_ende.py [--root=runs/multi30k_ende] [--seeds=0,1]
         [--config=configs/multi30k.py:variant=small] [--override train.num_steps=3000 ...]
-        [--budgets=60,150] [--beams=4,6 --alphas=0.6,1.0]
+        [--budgets=60,150] [--beams=4,6 --length_penalties=0.6,1.0]
         [--manual_dir=../shared/data/multi30k] [--data_dir=TFDS_DIR] [--debug]
 
 For every seed, in ROOT/seed<N>:
   1. train the config (`train_and_evaluate`; a rerun resumes, a finished run is reused);
   2. candidates: the checkpoint with the best validation BLEU logged during training (greedy),
      the last checkpoint, and the average of the last --average_last checkpoints;
-  3. decode the validation split with each candidate (beam --beam_size, alpha --alpha) and
-     keep the one with the highest validation BLEU (ties: the earlier candidate in that order);
-     with --beams / --alphas, decode validation with the kept one at each beam x alpha and
+  3. decode the validation split with each candidate (beam --beam_size, length penalty
+     --length_penalty) and keep the one with the highest validation BLEU (ties: the earlier
+     candidate in that order); with --beams / --length_penalties, decode validation with the
+     kept one at each beam x length penalty and
      keep the best point;
   4. decode test_2016_flickr with the kept candidate alone and print its BLEU with the
      sacreBLEU signature.
@@ -59,11 +60,11 @@ def protocol(spec: str, args, config) -> dict[str, Any]:
         "overrides": list(args.override),
         "num_steps": int(config.train.num_steps),
         "beam_size": args.beam_size,
-        "alpha": args.alpha,
+        "length_penalty": args.length_penalty,
         "average_last": args.average_last,
         "budgets": _floats(args.budgets),
         "beams": _ints(args.beams),
-        "alphas": _floats(args.alphas),
+        "length_penalties": _floats(args.length_penalties),
     }
 
 
@@ -119,10 +120,11 @@ def within(minutes: dict[int, float | None], budget: float | None, workdir) -> l
 
 
 def choose_and_test(workdir: pathlib.Path, kept: list[int], minutes, args) -> dict[str, Any]:
-    """Decode validation with each candidate among `kept` (beam --beam_size, alpha --alpha),
-    keep the best; then each --beams x --alphas point of it on validation, keep the best;
+    """Decode validation with each candidate among `kept` (beam --beam_size, length penalty
+    --length_penalty),
+    keep the best; then each --beams x --length_penalties point of it on validation, keep the best;
     decode the test split once with what was kept."""
-    decode = dict(beam_size=args.beam_size, alpha=args.alpha)
+    decode = dict(beam_size=args.beam_size, length_penalty=args.length_penalty)
     scored, bleu = [], {}
     for c in candidates(workdir, kept, args.average_last):
         key = (c["step"], c["average_last"])  # best_validation is often the last: decode once
@@ -132,12 +134,19 @@ def choose_and_test(workdir: pathlib.Path, kept: list[int], minutes, args) -> di
         scored.append({**c, "validation_bleu": bleu[key]})
     chosen = max(scored, key=lambda c: c["validation_bleu"])  # first of equals: max is stable
     where = {"step": chosen["step"], "average_last": chosen["average_last"]}
-    beams, alphas = _ints(args.beams) or [args.beam_size], _floats(args.alphas) or [args.alpha]
+    beams, length_penalties = (
+        _ints(args.beams) or [args.beam_size],
+        _floats(args.length_penalties) or [args.length_penalty],
+    )
     grid = []
-    if len(beams) * len(alphas) > 1:
-        swept = evaluation.sweep(workdir, split="validation", beams=beams, alphas=alphas, **where)
-        grid = [{k: p[k] for k in ("beam", "alpha", "bleu")} for p in swept["points"]]
-        decode = dict(beam_size=swept["best"]["beam"], alpha=swept["best"]["alpha"] or 0.0)
+    if len(beams) * len(length_penalties) > 1:
+        swept = evaluation.sweep(
+            workdir, split="validation", beams=beams, length_penalties=length_penalties, **where
+        )
+        grid = [{k: p[k] for k in ("beam", "length_penalty", "bleu")} for p in swept["points"]]
+        decode = dict(
+            beam_size=swept["best"]["beam"], length_penalty=swept["best"]["length_penalty"] or 0.0
+        )
     test = evaluation.evaluate(workdir, split=TEST_SPLIT, **where, **decode)
     return {
         "candidates": scored,
@@ -168,6 +177,16 @@ def segments(workdir: pathlib.Path) -> list[dict[str, Any]]:
             out[-1]["to_step"] = r["step"]
             out[-1]["minutes"] = round(r["train_seconds"] / 60 - out[-1]["minutes_before"], 2)
     return out
+
+
+def _renamed(stored: Any) -> Any:
+    """A seed's stored result with the length penalty under its name now (it was "alpha")."""
+    if isinstance(stored, list):
+        return [_renamed(x) for x in stored]
+    if not isinstance(stored, dict):
+        return stored
+    names = {"alpha": "length_penalty", "alphas": "length_penalties"}
+    return {names.get(k, k): _renamed(v) for k, v in stored.items()}
 
 
 def run_seed(config, workdir: pathlib.Path, args) -> dict[str, Any]:
@@ -235,7 +254,7 @@ def machine() -> str:
 
 
 def write_results(root: pathlib.Path, spec: str, rows: list[dict], args) -> pathlib.Path:
-    decode = {"beam_size": args.beam_size, "alpha": args.alpha}
+    decode = {"beam_size": args.beam_size, "length_penalty": args.length_penalty}
     result = {"config": spec, "overrides": args.override, "machine": machine(), "decode": decode}
     result.update(seeds=rows, summary=summary(rows))
     (root / "results.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -243,9 +262,10 @@ def write_results(root: pathlib.Path, spec: str, rows: list[dict], args) -> path
     lines = [
         f"# {spec} on {TEST_SPLIT}",
         "",
-        f"Machine: {result['machine']}. Candidates scored with beam {args.beam_size}, alpha "
-        f"{args.alpha}. Test BLEU {s['test_bleu_mean']:.2f} +- {s['test_bleu_std']:.2f} over "
-        f"{s['seeds']} seed(s) (min {s['test_bleu_min']:.2f}, max {s['test_bleu_max']:.2f}).",
+        f"Machine: {result['machine']}. Candidates scored with beam {args.beam_size}, length "
+        f"penalty {args.length_penalty}. Test BLEU {s['test_bleu_mean']:.2f} +- "
+        f"{s['test_bleu_std']:.2f} over {s['seeds']} seed(s) (min {s['test_bleu_min']:.2f}, "
+        f"max {s['test_bleu_max']:.2f}).",
     ]
     for budget, b in s.get("budgets", {}).items():
         lines.append(
@@ -256,7 +276,7 @@ def write_results(root: pathlib.Path, spec: str, rows: list[dict], args) -> path
     lines += [
         "",
         "| seed | budget | chosen on validation (step, training minutes) | validation BLEU of "
-        "the candidates | beam, alpha | test BLEU | test chrF |",
+        "the candidates | beam, length penalty | test BLEU | test chrF |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -268,8 +288,8 @@ def write_results(root: pathlib.Path, spec: str, rows: list[dict], args) -> path
             )
             lines.append(
                 f"| {r['seed']} | {budget} | {b['chosen']} ({when}) | {cands} | "
-                f"{b['decode']['beam_size']}, {b['decode']['alpha']:g} | {b['test_bleu']:.2f} | "
-                f"{b['test_chrf']:.2f} |"
+                f"{b['decode']['beam_size']}, {b['decode']['length_penalty']:g} | "
+                f"{b['test_bleu']:.2f} | {b['test_chrf']:.2f} |"
             )
     trained = ", ".join(
         f"seed {r['seed']} {r['steps']} steps"
@@ -300,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0", help="comma-separated config seeds")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--beam_size", type=int, default=4)
-    parser.add_argument("--alpha", type=float, default=0.6)
+    parser.add_argument("--length_penalty", type=float, default=0.6)
     parser.add_argument("--average_last", type=int, default=3, help="candidate: mean of last K")
     parser.add_argument(
         "--budgets",
@@ -308,7 +328,9 @@ def main(argv: list[str] | None = None) -> int:
         help="training minutes, comma-separated: choose and test once within each (e.g. 60,150)",
     )
     parser.add_argument("--beams", default="", help="beam sizes tried on validation (e.g. 4,6)")
-    parser.add_argument("--alphas", default="", help="alphas tried on validation (e.g. 0.6,1.0)")
+    parser.add_argument(
+        "--length_penalties", default="", help="length penalties tried on validation (e.g. 0.6,1.0)"
+    )
     parser.add_argument("--manual_dir", default=None, help="raw Multi30k files")
     parser.add_argument("--data_dir", default=None, help="TFDS data dir")
     parser.add_argument("--debug", action="store_true", help="configs/multi30k.py:debug (CI)")
@@ -327,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         workdir = root / f"seed{seed}"
         done = workdir / SEED_RESULT
         wanted = protocol(spec, args, config)
-        kept = json.loads(done.read_text()) if done.exists() else {}
+        kept = _renamed(json.loads(done.read_text())) if done.exists() else {}
         if kept.get("protocol") == wanted:
             rows.append(kept["result"])  # its test split was decoded
             print(f"seed {seed}: done before with this protocol ({done})", flush=True)
@@ -337,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         r = rows[-1]
         print(
             f"seed {seed}: chose {r['chosen']}; {TEST_SPLIT} BLEU {r['test_bleu']:.2f} "
-            f"(beam {r['decode']['beam_size']}, alpha {r['decode']['alpha']:g})  {r['signature']}",
+            f"(beam {r['decode']['beam_size']}, length penalty "
+            f"{r['decode']['length_penalty']:g})  {r['signature']}",
             flush=True,
         )
     report = write_results(root, spec, rows, args)

@@ -13,14 +13,14 @@
 #                   3.11 from uv whatever the image's python3 is, .venv, tx_jax with jax[tpu]
 #                   and the extras E (none by default; e.g. export), each worker's devices
 #   tpu-run NAME [--zone Z] [--project P] [--accelerator-type T] [--no-plan] [--wait] -- ARGS...
-#                   first plans the run for the slice here (python -m tx_jax.plan with ARGS'
+#                   first plans the run for the slice here (python -m tx_jax plan with ARGS'
 #                   --config flags; T defaults to what gcloud says of NAME) and refuses one that
-#                   does not fit; then python -m tx_jax.main ARGS --config.parallel.distributed=True
+#                   does not fit; then python -m tx_jax train ARGS --config.parallel.distributed=True
 #                   on every worker, in the background (nohup; log ~/tx_jax/runs/tpu-run.log),
 #                   or with --wait in the foreground: the output here, the exit status the
 #                   workers' (the TPU sweep's way: ./launch.sh sweep --tpu)
 #   tpu-prepare NAME [--zone Z] [--project P] -- ARGS...
-#                   python -m tx_jax.prepare ARGS on worker 0, in the foreground: the data
+#                   python -m tx_jax prepare ARGS on worker 0, in the foreground: the data
 #                   into a gs:// data.data_dir and the tokenizer into the gs:// workdir, once,
 #                   before tpu-run (a pod's run does not wait for a long preparation)
 #   tpu-logs NAME [--worker N] [--zone Z] [--project P]          follow a worker's log
@@ -115,7 +115,7 @@ runtime_for() {
   esac
 }
 
-# Cloud's accelerator type -> tx_jax.plan's target (v5e is 'v5litepod' in Cloud's names).
+# Cloud's accelerator type -> tx_jax plan's target (v5e is 'v5litepod' in Cloud's names).
 plan_target() {
   case "$1" in
     v5litepod-*) echo "tpu:v5e-${1#v5litepod-}" ;;
@@ -146,7 +146,7 @@ plan_run() {
 sys.exit(u.find_spec("libtpu") is None or u.find_spec("tx_jax") is None)' 2>/dev/null; then
     die "tpu-run: planning here needs tx_jax with the TPU compiler in $py: ./launch.sh test installs both (or .venv/bin/pip install -e '.[plan]'); or pass --no-plan"
   fi
-  if ! run "$py" -m tx_jax.plan --target="$target" \
+  if ! run "$py" -m tx_jax plan --target="$target" \
       --programs=train,eval "${args[@]}"; then
     die "tpu-run: not started: the plan above says the run does not fit on $type or cannot be built (fix the config, or pass --no-plan)"
   fi
@@ -204,16 +204,16 @@ case "$cmd" in
     [ "$plan" = 1 ] && plan_run
     args="$(quote_words "${remote_args[@]}" --config.parallel.distributed=True)"
     if [ "$wait" = 1 ]; then
-      ssh_all "cd $REMOTE_DIR && .venv/bin/python -m tx_jax.main $args"
+      ssh_all "cd $REMOTE_DIR && .venv/bin/python -m tx_jax train $args"
     else
-      ssh_all "cd $REMOTE_DIR && mkdir -p runs && nohup .venv/bin/python -m tx_jax.main \
+      ssh_all "cd $REMOTE_DIR && mkdir -p runs && nohup .venv/bin/python -m tx_jax train \
 $args > $LOG 2>&1 < /dev/null &"
     fi
     ;;
   tpu-prepare)
     [ ${#remote_args[@]} -gt 0 ] || die "tpu-prepare: expected -- ARGS... (--config=... --workdir=gs://...)"
     run gcloud compute tpus tpu-vm ssh "$name" "${where[@]}" --worker=0 \
-      --command="cd $REMOTE_DIR && .venv/bin/python -m tx_jax.prepare $(quote_words "${remote_args[@]}")"
+      --command="cd $REMOTE_DIR && .venv/bin/python -m tx_jax prepare $(quote_words "${remote_args[@]}")"
     ;;
   tpu-logs)
     run gcloud compute tpus tpu-vm ssh "$name" "${where[@]}" --worker="$worker" \

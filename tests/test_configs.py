@@ -85,7 +85,11 @@ def test_config_values():
     m30k = load(CONFIG_DIR / "multi30k.py")
     c = m30k.get_config("pair=fr-cs")
     assert (c.data.source_lang, c.data.target_lang, c.model.d_model) == ("fr", "cs", 256)
-    assert (c.data.test_split, c.eval.test_beam_size, c.eval.alpha) == ("test_2016_flickr", 4, 0.6)
+    assert (c.data.test_split, c.eval.test_beam_size, c.eval.length_penalty) == (
+        "test_2016_flickr",
+        4,
+        0.6,
+    )
     assert c.model.num_encoder_layers == c.model.num_decoder_layers == 3
     assert load(CONFIG_DIR / "multi30k.py").get_config("base").model.d_model == 512
     # manual_dir is absolute and names the shared data whatever the working directory.
@@ -200,6 +204,14 @@ def test_study_keys_live_in_their_study_s_config():
         if key.home.startswith("configs/"):
             assert name in load(CONFIG_DIR.parent / key.home).get_config(None)[section], dotted
     assert study_value({"directions": "en-de"}, "directions") == "en-de"
+
+
+def test_an_override_of_an_old_name_sets_the_new_key_with_a_warning():
+    default = load(CONFIG_DIR / "default.py").get_config(None)
+    with pytest.warns(UserWarning, match="'eval.alpha': the key is 'eval.length_penalty' now"):
+        apply_overrides(default, {"eval.alpha": "0.8", "eval.beam_size": "2"}, from_text=True)
+    assert (default.eval.length_penalty, default.eval.beam_size) == (0.8, 2)
+    assert "alpha" not in default.eval and default.train.lora.alpha == 32.0  # LoRA's, apart
 
 
 def test_a_moved_or_renamed_key_is_refused_naming_where_it_is():

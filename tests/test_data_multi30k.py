@@ -299,13 +299,14 @@ def mirror(tmp_path_factory):
 
 
 def prepare_in_a_fresh_clone(tmp_path: pathlib.Path, **env: str) -> subprocess.CompletedProcess:
-    """python -m tx_jax.prepare --config=configs/multi30k.py:debug with no raw files beside."""
+    """tx_jax prepare --config=configs/multi30k.py:debug with no raw files beside."""
     clean = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
     return subprocess.run(
         [
             sys.executable,
             "-m",
-            "tx_jax.prepare",
+            "tx_jax",
+            "prepare",
             "--config=configs/multi30k.py:debug",
             f"--workdir={tmp_path / 'run'}",
             f"--config.data.manual_dir={tmp_path / 'shared'}",  # what a clone lacks

@@ -58,7 +58,7 @@ jax.config.update("jax_disable_most_optimizations", True)
 from helpers import tiny_config
 from tx_jax.data import tasks
 from tx_jax.runner.loop import train_and_evaluate
-from tx_jax.inference import compilation, data_parallel, restore, scoring
+from tx_jax.inference import compilation, data_parallel, restore, quality
 # two eval shapes (each one program per search and device count); 60 steps: varied outputs
 config = tiny_config({str(tfds_dir)!r}, **{{"train.num_steps": 60, "train.warmup_steps": 10,
                                            "checkpoint.every": 60, "data.eval_batch_size": 4,
@@ -80,9 +80,9 @@ for cache, beams in (({str(base / "cache")!r}, (1, 3)), ("", (3,))):
     compilation.use_persistent_cache(cache)
     for beam in beams:
         kw = dict(beam_size=beam)
-        one = scoring.translate_batches(loaded.model_config, loaded.params, batches,
+        one = quality.translate_batches(loaded.model_config, loaded.params, batches,
                                         loaded.tokenizer, n, devices=jax.devices()[:1], **kw)
-        four = scoring.translate_batches(loaded.model_config, loaded.params, batches,
+        four = quality.translate_batches(loaded.model_config, loaded.params, batches,
                                          loaded.tokenizer, n, **kw)
         assert one == four, (cache, beam)
         assert len(set(one)) >= 5

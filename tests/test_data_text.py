@@ -1,6 +1,6 @@
 """A plain-text parallel corpus (tx_jax/data/text_corpus.py, configs/text.py): the file layouts,
 preparation keyed by content, cleaning (exact duplicates too), errors, a tokenizer that learns
-from every shard, and a run on it from `tx_jax.prepare` to a changed test set's score and a
+from every shard, and a run on it from `tx_jax prepare` to a changed test set's score and a
 fine-tuning run from it."""
 
 from __future__ import annotations
@@ -303,12 +303,13 @@ def test_the_commands_say_bad_input_in_one_line_and_exit_1(tmp_path):
     commands, names = [], ["counts", "utf-8"]
     good = tmp_path / "good.tsv"
     write(good, [f"{a}\t{b}" for a, b in PAIRS])
-    for module, name in zip(("tx_jax.main", "tx_jax.prepare"), names, strict=True):
+    for verb, name in zip(("train", "prepare"), names, strict=True):
         ((split, spec),) = corpora[name][0].items()
         commands.append(
             (
-                module,
+                "tx_jax",
                 [
+                    verb,
                     "--config=configs/text.py:debug",
                     f"--workdir={tmp_path / name}",
                     f"--config.data.{split}={spec}",
@@ -325,7 +326,7 @@ def test_the_commands_say_bad_input_in_one_line_and_exit_1(tmp_path):
 
 
 def test_prepare_then_train_evaluate_a_changed_test_set_and_fine_tune(tmp_path, capsys):
-    """`tx_jax.prepare` makes the data and the tokenizer; the run then prepares nothing; its
+    """`tx_jax prepare` makes the data and the tokenizer; the run then prepares nothing; its
     test score follows the test files (a changed file is read anew); translate and export read
     it; train.init_from starts a second run from it."""
     corpus = tmp_path / "corpus"
@@ -356,8 +357,8 @@ def test_prepare_then_train_evaluate_a_changed_test_set_and_fine_tune(tmp_path, 
     ((code, out, err),) = run_modules(
         [
             (
-                "tx_jax.prepare",
-                ["--config=configs/text.py:debug", f"--workdir={workdir}"]
+                "tx_jax",
+                ["prepare", "--config=configs/text.py:debug", f"--workdir={workdir}"]
                 + [f"--config.{k}={v}" for k, v in flags.items()],
             )
         ],

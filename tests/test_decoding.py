@@ -289,7 +289,7 @@ def test_beam_size_one_is_greedy(shallow):
         decoding.translate_greedy(cfg, params, SRC, prompt=none, max_decode_len=T_OUT), greedy
     )
     beam, scores = decoding.translate_beam(
-        cfg, params, SRC, beam_size=1, alpha=0.6, prompt=none, max_decode_len=T_OUT
+        cfg, params, SRC, beam_size=1, length_penalty=0.6, prompt=none, max_decode_len=T_OUT
     )
     np.testing.assert_array_equal(beam[:, 0], greedy)
     assert np.isfinite(scores).all()
@@ -300,7 +300,7 @@ def test_beam_search_with_and_without_cache_agree(request, fixture):
     """The no-cache path keeps no model state, so this checks the beam-shared cache (its
     origin table moving with the hypotheses), with grouped-query heads and d_v != d_k too."""
     cfg, params = request.getfixturevalue(fixture)
-    kw = dict(beam_size=3, alpha=0.6, max_decode_len=T_OUT)
+    kw = dict(beam_size=3, length_penalty=0.6, max_decode_len=T_OUT)
     tokens, scores = decoding.translate_beam(cfg, params, SRC, **kw)
     ref_tokens, ref_scores = decoding.translate_beam(cfg, params, SRC, use_cache=False, **kw)
     np.testing.assert_array_equal(tokens, ref_tokens)
@@ -343,10 +343,10 @@ def small():
     return cfg, params, (hyps, lengths, token_logp.sum(-1))
 
 
-def _exhaustive_scores(hypotheses, alpha, kind):
+def _exhaustive_scores(hypotheses, length_penalty, kind):
     """Every hypothesis' log p(y | x) / penalty(|y|): [B, H], and the hypotheses [H, T]."""
     hyps, lengths, logp = hypotheses
-    return logp / np.asarray(search.length_penalty(lengths, alpha, kind), np.float64), hyps
+    return logp / np.asarray(search.length_divisor(lengths, length_penalty, kind), np.float64), hyps
 
 
 def test_beam_as_wide_as_the_vocabulary_finds_the_exhaustive_best(small):
@@ -354,7 +354,7 @@ def test_beam_as_wide_as_the_vocabulary_finds_the_exhaustive_best(small):
     scores, hyps = _exhaustive_scores(hypotheses, 0.6, "gnmt")
     best = scores.argmax(1)
     tokens, beam_scores = decoding.translate_beam(
-        cfg, params, SMALL_SRC, beam_size=SMALL_V, alpha=0.6, max_decode_len=MAX_LEN
+        cfg, params, SMALL_SRC, beam_size=SMALL_V, length_penalty=0.6, max_decode_len=MAX_LEN
     )
     np.testing.assert_array_equal(tokens[:, 0], hyps[best])
     np.testing.assert_allclose(beam_scores[:, 0], scores.max(1), rtol=1e-5, atol=1e-5)
@@ -362,20 +362,20 @@ def test_beam_as_wide_as_the_vocabulary_finds_the_exhaustive_best(small):
     assert (np.asarray(greedy) != hyps[best]).any(axis=1).sum() >= 2  # greedy misses them
 
 
-@pytest.mark.parametrize("alpha,kind", [(0.6, "gnmt"), (1.0, "fairseq")])
-def test_beam_covering_every_prefix_returns_the_exhaustive_top_n(small, alpha, kind):
+@pytest.mark.parametrize("length_penalty,kind", [(0.6, "gnmt"), (1.0, "fairseq")])
+def test_beam_covering_every_prefix_returns_the_exhaustive_top_n(small, length_penalty, kind):
     """27 = 3^3 beams keep every live prefix, so the N best finished must be exact."""
     cfg, params, hypotheses = small
     N = 27
-    scores, hyps = _exhaustive_scores(hypotheses, alpha, kind)
+    scores, hyps = _exhaustive_scores(hypotheses, length_penalty, kind)
     tokens, beam_scores = decoding.translate_beam(
         cfg,
         params,
         SMALL_SRC,
         beam_size=N,
-        alpha=alpha,
+        length_penalty=length_penalty,
         max_decode_len=MAX_LEN,
-        length_penalty=kind,
+        length_penalty_kind=kind,
     )
     want = -np.sort(-scores, axis=1)[:, :N]
     np.testing.assert_allclose(beam_scores, want, rtol=1e-5, atol=1e-5)
@@ -385,7 +385,7 @@ def test_beam_covering_every_prefix_returns_the_exhaustive_top_n(small, alpha, k
         np.testing.assert_allclose(own, beam_scores[b], rtol=1e-5, atol=1e-5)
 
 
-def _forced_hypotheses(cfg, params, srcs, prompts, alpha):
+def _forced_hypotheses(cfg, params, srcs, prompts, length_penalty):
     """For each source `srcs[b]` [S] and its prompt: every output up to MAX_LEN that starts
     with the prompt (its EOS included), scored as beam search scores a forced prefix: the
     log p of the tokens after it, in float64, / penalty(their count, at least 1) -> a list of
@@ -407,7 +407,7 @@ def _forced_hypotheses(cfg, params, srcs, prompts, alpha):
     token_logp = np.take_along_axis(logp, hyps[..., None], -1)[..., 0]
     prompt_len = np.repeat([len(p) for p in prompts], np.diff(starts))
     scored = (np.arange(MAX_LEN) >= prompt_len[:, None]) & (np.arange(MAX_LEN) < lengths[:, None])
-    penalty = search.length_penalty(np.maximum(lengths - prompt_len, 1), alpha)
+    penalty = search.length_divisor(np.maximum(lengths - prompt_len, 1), length_penalty)
     scores = np.where(scored, token_logp, 0.0).sum(-1) / np.asarray(penalty, np.float64)
     return [(scores[a:b], hyps[a:b]) for a, b in zip(starts[:-1], starts[1:])]
 
@@ -418,16 +418,22 @@ def test_beam_forced_prefix_comes_first_and_leaves_the_score_alone(small):
     it, and the N best are the exhaustive N best of the outputs that start with the prefix,
     scored without the prefix (no log-probability, not counted in the length)."""
     cfg, params, _ = small
-    N, alpha = 27, 0.6
+    N, length_penalty = 27, 0.6
     prefixes = [(4,), (EOS,), (1, 4), ()]
     prompt = np.zeros((len(prefixes), 3), np.int32)
     for b, p in enumerate(prefixes):
         prompt[b, : len(p)] = p
     tokens, beam_scores = decoding.translate_beam(
-        cfg, params, SMALL_SRC, beam_size=N, alpha=alpha, max_decode_len=MAX_LEN, prompt=prompt
+        cfg,
+        params,
+        SMALL_SRC,
+        beam_size=N,
+        length_penalty=length_penalty,
+        max_decode_len=MAX_LEN,
+        prompt=prompt,
     )
     tokens, beam_scores = np.asarray(tokens), np.asarray(beam_scores)
-    forced = _forced_hypotheses(cfg, params, SMALL_SRC, prefixes, alpha)
+    forced = _forced_hypotheses(cfg, params, SMALL_SRC, prefixes, length_penalty)
     for b, (p, (scores, hyps)) in enumerate(zip(prefixes, forced)):
         found = np.isfinite(beam_scores[b])
         assert found.sum() == min(N, len(hyps))
@@ -444,7 +450,7 @@ def test_beam_forced_prefix_as_greedy_and_compaction_see_it(shallow):
     """An all-padding prompt forces nothing; beam 1 with a prompt is greedy with it; moving
     unfinished rows into smaller batches (compaction) carries each row's prefix with it."""
     cfg, params = shallow
-    kw = dict(alpha=0.6, max_decode_len=T_OUT)
+    kw = dict(length_penalty=0.6, max_decode_len=T_OUT)
     prompt = jnp.array([[7, EOS], [5, 0]], jnp.int32)
     plain, plain_scores = decoding.translate_beam(cfg, params, SRC, beam_size=3, **kw)
     none, none_scores = decoding.translate_beam(  # compact=1: forced[1]'s compiled search
@@ -470,20 +476,22 @@ def test_eos_ends_a_sequence_and_padding_follows(small):
     cfg, params, _ = small
     kw = dict(max_decode_len=MAX_LEN)  # greedy: the compiled search of the beam tests above
     greedy = decoding.translate_greedy(cfg, params, SMALL_SRC, **kw)
-    beams, _ = decoding.translate_beam(cfg, params, SMALL_SRC, beam_size=3, alpha=0.6, **kw)
+    beams, _ = decoding.translate_beam(
+        cfg, params, SMALL_SRC, beam_size=3, length_penalty=0.6, **kw
+    )
     sampled = decoding.sample(cfg, params, jax.random.key(0), inputs=SMALL_SRC, **kw)
     assert _check_ends(beams) >= 3
     assert _check_ends(sampled) >= 1
     _check_ends(greedy)
-    with pytest.raises(ValueError, match="length_penalty"):
-        decoding.translate_beam(cfg, params, SMALL_SRC, length_penalty="google", **kw)
+    with pytest.raises(ValueError, match="length_penalty_kind"):
+        decoding.translate_beam(cfg, params, SMALL_SRC, length_penalty_kind="google", **kw)
 
 
 def test_length_penalty_values():
-    np.testing.assert_allclose(search.length_penalty(1, 0.6), 1.0)
-    np.testing.assert_allclose(search.length_penalty(7, 0.6), 2.0**0.6, rtol=1e-6)
-    np.testing.assert_allclose(search.length_penalty(4, 1.0, "fairseq"), 4.0)
-    np.testing.assert_allclose(search.length_penalty(9, 0.0, "fairseq"), 1.0)
+    np.testing.assert_allclose(search.length_divisor(1, 0.6), 1.0)
+    np.testing.assert_allclose(search.length_divisor(7, 0.6), 2.0**0.6, rtol=1e-6)
+    np.testing.assert_allclose(search.length_divisor(4, 1.0, "fairseq"), 4.0)
+    np.testing.assert_allclose(search.length_divisor(9, 0.0, "fairseq"), 1.0)
 
 
 # ------------------------------------------------------------------------ sampling
@@ -560,7 +568,7 @@ def test_decoding_loops_carry_the_cross_attention_cache_unchanged(shallow):
         assert "while" in text and "stablehlo.case" not in text and "stablehlo.if" not in text
 
 
-def _markov_search(table, *, beams, alpha, kind, length):
+def _markov_search(table, *, beams, length_penalty, kind, length):
     """search.beam_search of one row under a hand-made model: log p(next | last token) =
     log table[last] [V, V] (rows sum to 1; zero: -inf) -> (best tokens [T], its score)."""
     logp = jnp.log(jnp.asarray(table, jnp.float32))
@@ -577,7 +585,7 @@ def _markov_search(table, *, beams, alpha, kind, length):
         max_decode_len=length,
         bos_id=BOS,
         eos_id=EOS,
-        alpha=alpha,
+        length_penalty=length_penalty,
         length_penalty_kind=kind,
     )
     return np.asarray(tokens[0, 0]), float(scores[0, 0])
@@ -597,8 +605,8 @@ A, C, D = 4, 5, 6
 
 
 def test_hf_rules_finish_only_the_best_n_candidates():
-    """Transformers (length_penalty='hf') finishes a hypothesis only from the best N of the
-    2N candidates of a step; tx_jax's rules keep any EOS among them. Beam 2, alpha 0 (score
+    """Transformers (length_penalty_kind='hf') finishes a hypothesis only from the best N of the
+    2N candidates of a step; tx_jax's rules keep any EOS among them. Beam 2, length_penalty 0 (score
     = log p): EOS is the third candidate of step 0 (log 0.2 = -1.61) and every 2-token output
     scores below it, so 'fairseq' returns it and 'hf' returns a c (log 0.45 * 0.35)."""
     table = _markov(
@@ -608,7 +616,7 @@ def test_hf_rules_finish_only_the_best_n_candidates():
             C: {1: 0.1, A: 0.27, EOS: 0.28, C: 0.2, D: 0.15},
         }
     )
-    kw = dict(beams=2, alpha=0.0, length=2)
+    kw = dict(beams=2, length_penalty=0.0, length=2)
     tokens, score = _markov_search(table, kind="fairseq", **kw)
     np.testing.assert_array_equal(tokens, [EOS, 0])
     np.testing.assert_allclose(score, np.log(0.2), rtol=1e-6)
@@ -619,7 +627,7 @@ def test_hf_rules_finish_only_the_best_n_candidates():
 
 
 def test_hf_rules_stop_by_transformers_heuristic():
-    """Beam 1, alpha 1 (score = log p / length), limit 3: EOS first (log 0.6 / 1 = -0.51)
+    """Beam 1, length_penalty 1 (score = log p / length), limit 3: EOS first (log 0.6 / 1 = -0.51)
     fills the one finished slot, and the live a (log 0.3 / 1 = -1.20) cannot beat it at
     its length so far, so Transformers' early_stopping False and True close the row ('hf',
     'hf_early'). It is no bound: a c EOS scores log(0.3 * 0.9 * 0.9) / 3 = -0.47, which
@@ -631,7 +639,7 @@ def test_hf_rules_stop_by_transformers_heuristic():
             C: {1: 0.02, EOS: 0.9, A: 0.05, D: 0.03},
         }
     )
-    kw = dict(beams=1, alpha=1.0, length=3)
+    kw = dict(beams=1, length_penalty=1.0, length=3)
     for kind in ("fairseq", "hf_never"):
         tokens, score = _markov_search(table, kind=kind, **kw)
         np.testing.assert_array_equal(tokens, [A, C, EOS], kind)
@@ -643,7 +651,7 @@ def test_hf_rules_stop_by_transformers_heuristic():
 
 
 def test_hf_early_closes_a_row_once_its_finished_slots_are_full():
-    """Beam 2, alpha 1, limit 3: EOS (step 0, -0.80) and a EOS (step 1, log 0.25 / 2 =
+    """Beam 2, length_penalty 1, limit 3: EOS (step 0, -0.80) and a EOS (step 1, log 0.25 / 2 =
     -0.69) fill both finished slots. The live a c (log 0.225 / 2 = -0.75) beats the worst
     of them at its length, so early_stopping=False ('hf') goes on to a c EOS (-0.53), as
     tx_jax's rules do; early_stopping=True ('hf_early') closes the row when they are full."""
@@ -654,7 +662,7 @@ def test_hf_early_closes_a_row_once_its_finished_slots_are_full():
             C: {1: 0.02, EOS: 0.9, A: 0.05, D: 0.03},
         }
     )
-    kw = dict(beams=2, alpha=1.0, length=3)
+    kw = dict(beams=2, length_penalty=1.0, length=3)
     for kind in ("fairseq", "hf", "hf_never"):
         tokens, score = _markov_search(table, kind=kind, **kw)
         np.testing.assert_array_equal(tokens, [A, C, EOS], kind)

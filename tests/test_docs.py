@@ -27,6 +27,7 @@ from pathlib import Path
 import forked
 import pytest
 
+from tx_jax.cli import VERBS
 from tx_jax.config import STUDY_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,16 +124,33 @@ def named_paths(pages: tuple[Path, ...] = tuple(PAGES)) -> list[tuple[str, str]]
     return sorted(found)
 
 
+# A command a page names: `tx_jax VERB ...`, `python -m tx_jax VERB ...`, `python -m
+# tx_jax.main ...` (and any other `python -m tx_jax.X`, which no longer runs) or `./launch.sh X`.
+COMMAND = re.compile(
+    r"(python3? -m tx_jax\b(?:\.\w+)?|(?<![\w/.$-])tx_jax (?=[a-z])|\./launch\.sh [\w*-]+).*"
+)
+
+
+def _is_command(found: str, text: str) -> bool:
+    """Whether `tx_jax WORD ...` found in a code line or span is a command, not prose that
+    names the package: WORD is a verb, or flags follow it, or it starts the line."""
+    m = re.match(r"tx_jax ([\w.-]+)(\s+-)?", found)
+    if not m:
+        return True
+    return m.group(1) in VERBS or bool(m.group(2)) or text.lstrip("$ ").startswith(found)
+
+
 def commands() -> list[tuple[str, str]]:
-    """(page, command) for every `python -m tx_jax.X ...` and `./launch.sh X ...` named."""
+    """(page, command) for every `tx_jax VERB ...` and `./launch.sh X ...` a page names."""
     found = []
     for page in PAGES:
         code, spans, _ = page_parts(page)
         for text in code + spans:
             # One command: up to a pipe, redirection, ';', '&&' or a comment.
             for part in re.split(r"\s(?:\||>|<|;|&&|#)\s|\s#|\s>\s?\S+|\s<\s?\S+", " " + text):
-                for m in re.finditer(r"(python -m tx_jax\.\w+|\./launch\.sh [\w*-]+).*", part):
-                    found.append((page.name, m.group(0).strip()))
+                for m in COMMAND.finditer(part):
+                    if _is_command(m.group(0).strip(), text):
+                        found.append((page.name, m.group(0).strip()))
     return sorted(set(found))
 
 
@@ -143,53 +161,56 @@ def flags(command: str) -> list[str]:
 # ---------------------------------------------------------------------- the module help texts
 
 
-def _help_flags(module: str) -> tuple[str, ...]:
-    """The flags that make `python -m tx_jax.<module>` list every flag it accepts, in the
-    order to try them: --helpfull for an absl command (--help shows only its docstring),
-    --help for the others."""
-    cli = ROOT / "tx_jax" / "cli" / f"{'train' if module == 'main' else module}.py"
+def _help_flags(verb: str) -> tuple[str, ...]:
+    """The flags that make `tx_jax VERB` list every flag it accepts, in the order to try
+    them: --helpfull for an absl command (--help leaves out absl's own flags), --help for
+    the others."""
+    cli = ROOT / "tx_jax" / "cli" / f"{VERBS[verb][0]}.py"
     return ("--helpfull", "--help") if "DEFINE_" in cli.read_text() else ("--help",)
 
 
-def _module(command: str) -> str | None:
-    """The tx_jax module a command runs (./launch.sh sweep runs tx_jax.sweep), or None."""
+def _verb(command: str) -> str | None:
+    """The verb a command runs (`./launch.sh sweep` and `python -m tx_jax.main` run sweep
+    and train; `python -m tx_jax.X` names X as it is, to be found no verb), or None."""
     if command.startswith("./launch.sh sweep"):
         return "sweep"
-    m = re.match(r"python -m tx_jax\.(\w+)", command)
-    return m.group(1) if m else None
+    if command.startswith("./launch.sh"):
+        return None
+    m = re.match(r"python3? -m tx_jax\.(\w+)", command)
+    if m:
+        return "train" if m.group(1) == "main" else f"tx_jax.{m.group(1)}"
+    m = re.match(r"(?:python3? -m )?tx_jax ([\w.-]+)", command)
+    return m.group(1) if m and m.group(1) != "VERB" else None  # VERB: any verb
 
 
 @functools.cache
 def help_texts() -> dict[str, str]:
-    """module -> its help text: each module's first help flag that answers (exit 0 or 1, naming
-    the module, no traceback). The commands run in children of one interpreter that has
-    imported the libraries they share (tests/forked.py): a fresh process's flags, without
-    its start-up per module."""
-    modules = {_module(c) for _, c in commands()} - {None}
-    modules = [m for m in sorted(modules) if (ROOT / "tx_jax" / f"{m}.py").is_file()]
-    if any(c.startswith("./launch.sh sweep") for _, c in commands()):
-        modules = sorted(set(modules) | {"sweep"})
+    """verb -> its help text, for each verb the pages name: its first help flag that answers
+    (exit 0 or 1, naming `tx_jax VERB`, no traceback). The commands run in children of one
+    interpreter that has imported the libraries they share (tests/forked.py): a fresh
+    process's flags, without its start-up per command."""
+    verbs = sorted({_verb(c) for _, c in commands()} & set(VERBS))
     texts: dict[str, str] = {}
     last: dict[str, str] = {}
     for attempt in range(2):
-        asks = [(m, _help_flags(m)) for m in modules if m not in texts]
-        asks = [(m, tries[attempt]) for m, tries in asks if attempt < len(tries)]
+        asks = [(v, _help_flags(v)) for v in verbs if v not in texts]
+        asks = [(v, tries[attempt]) for v, tries in asks if attempt < len(tries)]
         if not asks:
             break
         runs = forked.run_modules(
-            [(f"tx_jax.{m}", [flag]) for m, flag in asks],
+            [("tx_jax", [v, flag]) for v, flag in asks],
             cwd=ROOT,
             env={**os.environ, "JAX_PLATFORMS": "cpu"},
             parallel=2,
             timeout=300,
         )
-        for (m, flag), (code, stdout, stderr) in zip(asks, runs):
+        for (v, flag), (code, stdout, stderr) in zip(asks, runs):
             out = stdout + stderr
-            assert "Traceback" not in out, f"python -m tx_jax.{m} {flag}:\n{out[-3000:]}"
-            last[m] = f"python -m tx_jax.{m} {flag} (exit {code}):\n{out[-3000:]}"
-            if code in (0, 1) and f"tx_jax.{m}" in out:
-                texts[m] = out
-    missing = [last[m] for m in modules if m not in texts]
+            assert "Traceback" not in out, f"tx_jax {v} {flag}:\n{out[-3000:]}"
+            last[v] = f"tx_jax {v} {flag} (exit {code}):\n{out[-3000:]}"
+            if code in (0, 1) and f"tx_jax {v}" in out:
+                texts[v] = out
+    missing = [last[v] for v in verbs if v not in texts]
     assert not missing, "\n".join(missing)
     return texts
 
@@ -482,20 +503,43 @@ def test_every_launch_sh_subcommand_exists():
     assert not bad, "\n".join(bad)
 
 
-def test_every_python_module_answers_help_and_accepts_its_flags():
+def test_every_command_names_a_verb_that_answers_help_and_accepts_its_flags():
     texts = help_texts()
+    assert len(texts) >= 8, f"the extractor sees too few verbs: {sorted(texts)}"
     bad = []
     for page, command in commands():
-        module = _module(command)
-        if module is None:
+        verb = _verb(command)
+        if verb is None:
             continue
-        if module not in texts:
-            bad.append(f"{page}: {command} (no module tx_jax.{module})")
+        if verb not in texts:
+            bad.append(f"{page}: {command} (no verb {verb}; the verbs: {', '.join(VERBS)})")
             continue
         for flag in flags(command):
-            if not flag.startswith("config.") and not _accepts(texts[module], flag):
+            if not flag.startswith("config.") and not _accepts(texts[verb], flag):
                 bad.append(f"{page}: {command} (--{flag})")
     assert not bad, "\n".join(bad)
+
+
+def test_a_command_of_no_verb_is_found():
+    """The extractor reads each form a page may write, and an old or mistyped command is no
+    verb: the test above would name it."""
+    written = {
+        "tx_jax evaluate --workdir=W": "evaluate",
+        "python -m tx_jax translate --workdir=W": "translate",
+        "python -m tx_jax.main --config=C": "train",
+        "python -m tx_jax.evaluate --workdir=W": "tx_jax.evaluate",
+        "tx_jax evalute --workdir=W": "evalute",
+        "./launch.sh sweep experiments/x.py": "sweep",
+        "./launch.sh train": None,
+    }
+    for command, verb in written.items():
+        (found,) = [m.group(0) for m in COMMAND.finditer(f"$ {command}")]
+        assert _is_command(found, f"$ {command}") and _verb(found) == verb, command
+    assert _verb("python -m tx_jax VERB --help") is None  # a placeholder
+    assert not COMMAND.search("import tx_jax; tx_jax.variant('base'); tx_jax/cli/")
+    prose = "python x.py  # tx_jax vs Transformers"
+    assert not _is_command(COMMAND.search(prose).group(0), prose)
+    assert {"evalute", "tx_jax.evaluate"}.isdisjoint(VERBS)
 
 
 def test_every_config_key_exists_in_its_config():
@@ -746,15 +790,15 @@ def _run(args: list[str], stdin: str | None = None, timeout: int = 300) -> str:
     return proc.stdout
 
 
-def _run_modules(commands: list[tuple], timeout: int = 600) -> list[str]:
-    """`python -m tx_jax.<module> *args [< stdin]` for each (module, args[, stdin]), one after
-    another, each a process forked from one interpreter (tests/forked.py) -> their stdouts;
-    each must exit 0."""
+def _run_verbs(commands: list[tuple], timeout: int = 600) -> list[str]:
+    """`tx_jax VERB *args [< stdin]` for each (verb, args[, stdin]), one after another, each
+    a `python -m tx_jax` process forked from one interpreter (tests/forked.py) -> their
+    stdouts; each must exit 0."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    named = [(f"tx_jax.{c[0]}", *c[1:]) for c in commands]
+    named = [("tx_jax", [c[0], *c[1]], *c[2:]) for c in commands]
     runs = forked.run_modules(named, cwd=ROOT, env=env, timeout=timeout)
-    for (module, args, *_), (code, _, stderr) in zip(named, runs):
-        command = shlex.join(["python", "-m", module, *args])
+    for (_, args, *_), (code, _, stderr) in zip(named, runs):
+        command = shlex.join(["tx_jax", *args])
         assert code == 0, f"{command} exited {code}:\n{stderr[-4000:]}"
     return [stdout for _, stdout, _ in runs]
 
@@ -762,25 +806,15 @@ def _run_modules(commands: list[tuple], timeout: int = 600) -> list[str]:
 @pytest.mark.slow
 def test_the_readme_tour_runs_on_debug_configs(tmp_path):
     """The tour's commands 1, 3-8, 10, 11 and 12 on debug configs, one after another
-    (the python -m commands in processes forked from one interpreter, tests/forked.py).
+    (the tx_jax commands in processes forked from one interpreter, tests/forked.py).
 
     Not run: 2 (needs the Multi30k files), 9 (a downloaded OPUS-MT directory; tests/
     test_import_model.py imports tiny ones), 11 for real (gcloud and a TPU VM): only its
     --dry-run."""
     readme = (ROOT / "README.md").read_text()
     tour = readme.split("## A tour", 1)[1].split("\n## ", 1)[0]
-    modules = (
-        "main",
-        "evaluate",
-        "translate",
-        "score",
-        "plan",
-        "export",
-        "import_model",
-        "prepare",
-    )
-    for module in modules:
-        assert f"python -m tx_jax.{module}" in tour or module == "main"
+    for verb in ("train", "evaluate", "translate", "score", "plan", "export", "import", "prepare"):
+        assert f"tx_jax {verb}" in tour or verb == "train"
     for sub in ("train", "sweep", "tpu-run"):
         assert f"./launch.sh {sub}" in tour
     run, debug = tmp_path / "run", "--config=configs/default.py:debug"
@@ -802,9 +836,9 @@ def test_the_readme_tour_runs_on_debug_configs(tmp_path):
         f"--config.data.data_dir={tmp_path / 'tfds'}",
         "--config.data.vocab_size=24",
     ]
-    out, line, _, scores, plan, _, _, prepared = _run_modules(
+    out, line, _, scores, plan, _, _, prepared = _run_verbs(
         [
-            ("main", [debug, f"--workdir={run}"]),  # 1
+            ("train", [debug, f"--workdir={run}"]),  # 1
             ("evaluate", [f"--workdir={run}", "--limit=8", "--beam_size=2"]),  # 3
             ("translate", [f"--workdir={run}"], "the dog sees two cats .\n"),  # 4
             (
@@ -871,8 +905,8 @@ def test_the_tpu_walk_in_the_docs_runs_with_dry_run():
         assert any(line.startswith("+ gcloud ") for line in lines), outs[-1]
     assert "--spot" in outs[0] and "queued-resources create" in outs[1]
     assert "--version=tpu-ubuntu2204-base" in outs[0]  # v4's runtime
-    assert "--worker=0" in outs[3] and "python -m tx_jax.prepare --config=" in outs[3]
-    assert "-m tx_jax.plan --target=tpu:" in outs[4]  # planned first
+    assert "--worker=0" in outs[3] and "python -m tx_jax prepare --config=" in outs[3]
+    assert "-m tx_jax plan --target=tpu:" in outs[4]  # planned first
 
 
 def test_the_tpu_setup_dry_run_in_the_docs_is_what_it_prints():

@@ -11,6 +11,7 @@ import pathlib
 import subprocess
 import sys
 
+import forked
 import jax
 import numpy as np
 import pytest
@@ -47,10 +48,10 @@ def greedy_validation(workdir):
     return record, hyps[:-1], sources
 
 
-def _cli(module: str, *args: str, stdin: bytes = b"") -> subprocess.CompletedProcess:
+def _cli(verb: str, *args: str, stdin: bytes = b"") -> subprocess.CompletedProcess:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     return zygote.run(
-        [sys.executable, "-m", module, *args],
+        [sys.executable, "-m", "tx_jax", verb, *args],
         input=stdin,
         capture_output=True,
         env=env,
@@ -60,14 +61,19 @@ def _cli(module: str, *args: str, stdin: bytes = b"") -> subprocess.CompletedPro
 
 
 def test_evaluate_writes_bleu_with_signature_and_one_line_per_example(workdir):
-    record = evaluation.evaluate(workdir, split="test", beam_size=4, alpha=0.6)
+    record = evaluation.evaluate(workdir, split="test", beam_size=4, length_penalty=0.6)
     saved = json.loads((workdir / "eval_results.jsonl").read_text().splitlines()[-1])
     assert saved == json.loads(json.dumps(record))
     assert saved["signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:")
-    assert (saved["step"], saved["split"], saved["beam"], saved["alpha"]) == (STEPS, "test", 4, 0.6)
+    assert (saved["step"], saved["split"], saved["beam"], saved["length_penalty"]) == (
+        STEPS,
+        "test",
+        4,
+        0.6,
+    )
     assert saved["examples"] == 40 and saved["averaged"] is None  # debug config: 40 test pairs
     path = pathlib.Path(saved["hypotheses"])
-    assert path == workdir / "eval" / f"test_step{STEPS}_beam4_alpha0.6.txt"
+    assert path == workdir / "eval" / f"test_step{STEPS}_beam4_penalty0.6.txt"
     hyps = path.read_text().split("\n")
     assert len(hyps) == 41 and hyps[-1] == ""  # 40 lines, each ended by a newline
     refs = [t for _, t in datasets.load_split(restore.load(workdir).config.data, "test")]
@@ -79,14 +85,14 @@ def test_evaluate_writes_bleu_with_signature_and_one_line_per_example(workdir):
 
 def test_sweep_scores_each_point_as_evaluate_does(workdir):
     """A sweep reads the split once and decodes it per point: each point's BLEU and chrF
-    are evaluate's for that beam and alpha (greedy once, whatever the alphas)."""
+    are evaluate's for that beam and length_penalty (greedy once, whatever the length_penalties)."""
     kw = dict(split="validation", limit=8, write=False)
-    swept = evaluation.sweep(workdir, beams=(1, 2), alphas=(0.6, 1.0), **kw)
-    points = {(p["beam"], p["alpha"]): p for p in swept["points"]}
+    swept = evaluation.sweep(workdir, beams=(1, 2), length_penalties=(0.6, 1.0), **kw)
+    points = {(p["beam"], p["length_penalty"]): p for p in swept["points"]}
     assert sorted(points, key=str) == [(1, None), (2, 0.6), (2, 1.0)]
-    for beam, alpha in ((1, 0.6), (2, 1.0)):
-        one = evaluation.evaluate(workdir, beam_size=beam, alpha=alpha, **kw)
-        point = points[(beam, alpha if beam > 1 else None)]
+    for beam, length_penalty in ((1, 0.6), (2, 1.0)):
+        one = evaluation.evaluate(workdir, beam_size=beam, length_penalty=length_penalty, **kw)
+        point = points[(beam, length_penalty if beam > 1 else None)]
         assert (point["bleu"], point["chrf"]) == (one["bleu"], one["chrf"])
         assert point["loss"] == pytest.approx(one["loss"])
     assert swept["best"]["bleu"] == max(p["bleu"] for p in swept["points"])
@@ -98,7 +104,7 @@ def test_evaluate_loss_matches_training_validation_loss(workdir, greedy_validati
     final = [r for r in logged if r["split"] == "validation" and r["step"] == STEPS][-1]
     assert record["loss"] == pytest.approx(final["loss"], rel=1e-5)
     assert record["accuracy"] == pytest.approx(final["accuracy"], rel=1e-5)
-    assert record["alpha"] is None and record["hypotheses"].endswith(
+    assert record["length_penalty"] is None and record["hypotheses"].endswith(
         f"validation_step{STEPS}_beam1.txt"
     )
     assert len(hyps) == record["examples"] == 40
@@ -152,13 +158,36 @@ def test_translate_keeps_line_count_and_alignment(workdir, greedy_validation):
     stdin = b"\n".join(x if isinstance(x, bytes) else x.encode() for x in lines) + b"\n"
     stdin += (" ".join(sources[:20]) + "\n").encode()  # too long: truncated, with a warning
     proc = _cli(
-        "tx_jax.translate", f"--workdir={workdir}", "--beam_size=1", "--batch_size=16", stdin=stdin
+        "translate", f"--workdir={workdir}", "--beam_size=1", "--batch_size=16", stdin=stdin
     )
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
     got = proc.stdout.decode().split("\n")
     assert got[:-1][: len(lines)] == out and len(got) == len(lines) + 2 and got[-1] == ""
     assert b"line 9 is longer than 32 tokens; truncated" in proc.stderr
     assert b"6/6 lines" in proc.stderr and b"translate:" not in proc.stdout  # 6 non-blank
+
+
+def test_the_length_penalty_s_old_names_work_with_one_warning_each(workdir):
+    """--alpha was the length penalty (alpha is LoRA's scale too), --length_penalty its rule,
+    eval.alpha its key: each old name still works as the new one, saying so in one line."""
+    pairs = list(datasets.load_split(restore.load(workdir).config.data, "validation"))
+    sources = "".join(s + "\n" for s, _ in pairs[:6])
+    beam = ["translate", f"--workdir={workdir}", "--beam_size=3", "--batch_size=8"]
+    new = [*beam, "--length_penalty=1.5", "--length_penalty_kind=fairseq"]
+    old = [*beam, "--alpha=1.5", "--length_penalty=fairseq", "--config.eval.alpha=0.5"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    (code, out, err), (old_code, old_out, old_err) = forked.run_modules(
+        [("tx_jax", new, sources), ("tx_jax", old, sources)], cwd=ROOT, env=env, timeout=600
+    )
+    assert code == old_code == 0, err + old_err
+    assert old_out == out and len(out.splitlines()) == 6
+    warnings = [line for line in old_err.splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        "warning: --alpha is --length_penalty now",
+        "warning: --length_penalty is --length_penalty_kind now",
+        "warning: --config.eval.alpha is --config.eval.length_penalty now",
+    ]
+    assert not [line for line in err.splitlines() if line.startswith("warning:")]
 
 
 def test_translations_do_not_depend_on_order_batching_or_padding(workdir, greedy_validation):
@@ -177,7 +206,7 @@ def test_translations_do_not_depend_on_order_batching_or_padding(workdir, greedy
     # the batches of the length-ordered way (greedy) are recorded: were they really padded to
     # evaluation's buckets (16, 24, 32: 8 is no longer one)?
     shapes = []
-    real = translation.scoring.decode_batches
+    real = translation.quality.decode_batches
 
     def spy(config, params, batches, *args, **kwargs):
         batches = list(batches)
@@ -188,7 +217,7 @@ def test_translations_do_not_depend_on_order_batching_or_padding(workdir, greedy
         if beam != 1 or way is not ways[1]:
             return translation.translate_lines(loaded, sources, beam_size=beam, **way)
         with pytest.MonkeyPatch().context() as m:
-            m.setattr(translation.scoring, "decode_batches", spy)
+            m.setattr(translation.quality, "decode_batches", spy)
             return translation.translate_lines(loaded, sources, beam_size=beam, **way)
 
     for beam in (1, 3):
@@ -340,9 +369,7 @@ def test_clear_errors(workdir, tmp_path):
     with pytest.raises(restore.CheckpointError, match=r"average the last 5 .*only 3"):
         evaluation.evaluate(workdir, average_last=5)
     # the command line says it in one line, without a traceback
-    proc = _cli(
-        "tx_jax.evaluate", f"--workdir={workdir}", "--step=7", "--config.data.max_train_len=9"
-    )
+    proc = _cli("evaluate", f"--workdir={workdir}", "--step=7", "--config.data.max_train_len=9")
     err = proc.stderr.decode()
     assert proc.returncode == 1 and "Traceback" not in err
     assert (

@@ -170,9 +170,9 @@ def test_greedy_translations_identical_in_all_three(hf, loaded, sources, tmp_pat
 
 
 def test_beam_search_agrees_on_most(hf, loaded, sources, tmp_path):
-    """Same beam and alpha; the searches differ in the length penalty (GNMT's ((5 + n) / 6)^a
-    in tx_jax, n^a in Transformers and CTranslate2) and in when they stop."""
-    ours = translate_lines(loaded, sources, beam_size=4, alpha=0.6)
+    """Same beam and length penalty; the searches differ in the penalty's rule (GNMT's
+    ((5 + n) / 6)^a in tx_jax, n^a in Transformers and CTranslate2) and in when they stop."""
+    ours = translate_lines(loaded, sources, beam_size=4, length_penalty=0.6)
     theirs = _hf_greedy(hf, loaded, sources, num_beams=4)
     ct2 = _ct2_translate(_ct2(loaded, tmp_path / "ct2"), loaded, sources, 4, 0.6)
     same_hf = np.mean([a == b for a, b in zip(ours, theirs)])
@@ -218,16 +218,16 @@ def test_ct2_int8_is_smaller_and_mostly_agrees(loaded, sources, tmp_path):
 
 
 def test_cli_writes_both_formats(loaded, tmp_path):
-    """`python -m tx_jax.export` three times, each forked from one interpreter (forked.py)."""
+    """`tx_jax export` three times, each forked from one interpreter (forked.py)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     commands = [
         (
-            "tx_jax.export",
-            [f"--workdir={loaded.workdir}", f"--format={fmt}", f"--out={tmp_path / fmt}"],
+            "tx_jax",
+            ["export", f"--workdir={loaded.workdir}", f"--format={fmt}", f"--out={tmp_path / fmt}"],
         )
         for fmt in ("hf", "ct2")
     ]
-    commands.append(("tx_jax.export", [f"--workdir={loaded.workdir}"]))
+    commands.append(("tx_jax", ["export", f"--workdir={loaded.workdir}"]))
     *runs, (code, _, err) = forked.run_modules(commands, cwd=ROOT, env=env, timeout=600)
     for fmt_code, _, fmt_err in runs:
         assert fmt_code == 0, fmt_err

@@ -57,7 +57,7 @@ def local_run(tmp_path_factory, tfds_dir):
 
 
 def _launch(workdir: str, tfds_dir, steps: int = STEPS, **extra) -> subprocess.Popen:
-    """`python -m tx_jax.main` (what a user runs) on the tiny config."""
+    """`tx_jax train` (what a user runs) on the tiny config."""
     overrides = {**OVERRIDES, "train.num_steps": steps, **extra}
     config = pathlib.Path(str(tfds_dir)).parent / f"gcs_config_{abs(hash(repr(overrides)))}.py"
     config.write_text(
@@ -203,7 +203,7 @@ def test_evaluate_translate_average_and_export_from_gs(gs_run, local_run, tmp_pa
     assert translation.translate(lines, workdir, beam_size=1) == translation.translate(
         lines, str(local_run), beam_size=1
     )
-    # export from the gs:// workdir to gs:// as `python -m tx_jax.export --out=gs://...` does
+    # export from the gs:// workdir to gs:// as `tx_jax export --out=gs://...` does
     # it (the checkpoint loaded, the files written locally and copied up; the command line
     # itself is tests/test_export.py's): the same files as the local run's export
     out = f"{BUCKET}/exported/hf"

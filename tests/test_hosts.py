@@ -6,7 +6,7 @@ One launch of the pair: a local workdir (a relative path: another directory on e
 is refused on both processes; data too large to prepare at a multi-host start is refused
 with the command that prepares it; then the real run on gs://, each process preparing its own
 copy of the corpus, stops on SIGTERM after a checkpoint. A second launch resumes it. Its losses
-are the 1-process run's. `tx_jax.prepare` then publishes the data to a gs:// data_dir, which
+are the 1-process run's. `tx_jax prepare` then publishes the data to a gs:// data_dir, which
 another "host" reads from its own staged copy.
 """
 
@@ -160,7 +160,7 @@ def test_two_hosts_without_a_shared_disk_train_stop_resume_and_match_one_process
         )
         assert "give a gs:// workdir" in refused[0]
         assert refused[1].startswith("REFUSED large not prepared: text train (0 MiB)")
-        assert "run `python -m tx_jax.prepare` once first" in refused[1]
+        assert "run `tx_jax prepare` once first" in refused[1]
     # each host prepared its own copy of the corpus, in its own TFDS_DATA_DIR
     for i in range(2):
         assert list((tmp_path / f"host{i}" / "tfds" / "text_translation").glob("train-*"))

@@ -5,7 +5,7 @@ Tiny random checkpoints are built here with transformers' own classes and writte
 embedding row (padding's included) is randomised first, so that a wrong mapping cannot hide
 behind zeros and ones. Asserted: tx_jax's teacher-forced log-probabilities equal
 transformers' (float32, a padded batch of pairs of different lengths), greedy and beam-4
-decoding (length_penalty='hf') equal `generate`, export(import(x)) reproduces x bit for
+decoding (length_penalty_kind='hf') equal `generate`, export(import(x)) reproduces x bit for
 bit, and each refusal names what it refuses.
 """
 
@@ -286,7 +286,7 @@ MORE_BEAMS = {
 
 
 def test_beam4_decoding_equals_generate(request, checkpoint, imported):
-    """translate_beam(length_penalty='hf') is generate(num_beams=4) token for token, with
+    """translate_beam(length_penalty_kind='hf') is generate(num_beams=4) token for token, with
     its score (sequences_scores), for every case, at generate's defaults (early_stopping
     False, length_penalty 1.0) and at the case's MORE_BEAMS setting ('hf_early': True,
     'hf_never': "never"; M2M100 with a forced first token, forced_bos_token_id, as tx_jax's
@@ -314,8 +314,8 @@ def test_beam4_decoding_equals_generate(request, checkpoint, imported):
             params,
             jnp.asarray(perm[src]),
             beam_size=N,
-            alpha=alpha,
-            length_penalty=rule,
+            length_penalty=alpha,
+            length_penalty_kind=rule,
             max_decode_len=T,
             eos_id=ids.eos,
             prompt=prompt,

@@ -1,4 +1,4 @@
-"""`tx_jax.import_model` end to end: a Hugging Face directory built here with transformers'
+"""`tx_jax import` end to end: a Hugging Face directory built here with transformers'
 own classes (tiny random weights, SentencePiece models trained in the test) becomes a
 workdir that restore, score, translate and fine-tuning read as any run's."""
 
@@ -98,33 +98,52 @@ def cli(marian, m2m_100, multi30k, tmp_path_factory):
 
     def corpus(out, lang):
         return (
-            "tx_jax.translate",
-            [f"--workdir={w}", f"--input={d / 'en.txt'}", f"--output_dir={out}"]
+            "tx_jax",
+            ["translate", f"--workdir={w}", f"--input={d / 'en.txt'}", f"--output_dir={out}"]
             + ["--shard_lines=3", "--beam_size=2", "--scores", "--source_lang=en"]
             + [f"--target_lang={lang}"],
         )
 
     commands = {
         "score": (
-            "tx_jax.score",
-            ["--workdir", str(mw), "--source", str(d / "src")] + ["--target", str(d / "tgt")],
+            "tx_jax",
+            ["score", "--workdir", str(mw), "--source", str(d / "src")]
+            + ["--target", str(d / "tgt")],
         ),
-        "export": ("tx_jax.export", [f"--workdir={mw}", f"--out={d / 'export'}"]),
+        "export": ("tx_jax", ["export", f"--workdir={mw}", f"--out={d / 'export'}"]),
         "evaluate": (
-            "tx_jax.evaluate",
-            [f"--workdir={mw}", "--split=test_2016_flickr", "--beam_size=1", *data_flags],
+            "tx_jax",
+            [
+                "evaluate",
+                f"--workdir={mw}",
+                "--split=test_2016_flickr",
+                "--beam_size=1",
+                *data_flags,
+            ],
         ),
         "attention": (
-            "tx_jax.visualize",
-            ["attention", f"--workdir={mw}", f"--source={pf.EN[1]}", f"--target={pf.DE[1]}"]
+            "tx_jax",
+            [
+                "visualize",
+                "attention",
+                f"--workdir={mw}",
+                f"--source={pf.EN[1]}",
+                f"--target={pf.DE[1]}",
+            ]
             + [f"--out={d / 'attention'}"],
         ),
         "translate": (
-            "tx_jax.translate",
-            [f"--workdir={w}", "--beam_size=1", "--source_lang=en", "--target_lang=fr"],
+            "tx_jax",
+            [
+                "translate",
+                f"--workdir={w}",
+                "--beam_size=1",
+                "--source_lang=en",
+                "--target_lang=fr",
+            ],
             "\n".join(pf.EN) + "\n",
         ),
-        "evaluate_xx": ("tx_jax.evaluate", [f"--workdir={w}", "--target_lang=xx", *data_flags]),
+        "evaluate_xx": ("tx_jax", ["evaluate", f"--workdir={w}", "--target_lang=xx", *data_flags]),
         "corpus_fr": corpus(d / "fr", "fr"),
         "corpus_de": corpus(d / "de", "de"),
         "corpus_fr_again_as_de": corpus(d / "fr", "de"),  # a relaunch: refused
@@ -437,7 +456,7 @@ def test_finetuning_m2m_100_trains_the_language_tokens_and_lowers_the_loss(
 
 
 def test_an_imported_multilingual_model_translates_a_corpus_into_the_forced_language(m2m_100, cli):
-    """`tx_jax.translate --input --output_dir --target_lang --scores` on an imported M2M100:
+    """`tx_jax translate --input --output_dir --target_lang --scores` on an imported M2M100:
     the shards' text equals the stdin mode's translation with the same language tokens (a blank
     line kept), another --target_lang gives other scores (this random model's text barely
     depends on it), and a relaunch into the same directory with another language is refused,

@@ -4,7 +4,7 @@
         <- planning <- launch <- cli
 
 A module may import its own layer and any layer to its left, never one to its right; only the
-entry points (tx_jax/main.py, evaluate.py, ...) import cli/. The modules are read with `ast`,
+entry points (tx_jax/__main__.py, tx_jax/main.py) import cli/. The modules are read with `ast`,
 every import counted, also those inside functions, so a lazy import cannot hide a cycle.
 """
 
@@ -28,23 +28,11 @@ RANK = {
     "cli": 8,
     "entry": 9, "api": 9,
 }  # fmt: skip
-ENTRY_POINTS = {
-    "main",
-    "evaluate",
-    "translate",
-    "generate",
-    "visualize",
-    "sweep",
-    "export",
-    "plan",
-    "import_model",
-    "score",
-    "prepare",
-}
+ENTRY_POINTS = {"main", "__main__"}  # python -m tx_jax.main, python -m tx_jax
 
 
 def layer_of(module: str) -> str:
-    """'tx_jax.inference.restore' -> 'inference'; the forwarding modules -> 'entry'."""
+    """'tx_jax.inference.restore' -> 'inference'; tx_jax/__main__.py and main.py -> 'entry'."""
     parts = module.split(".")[1:]
     if not parts:
         return "api"

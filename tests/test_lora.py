@@ -264,11 +264,11 @@ def test_the_merged_export_translates_as_the_adapted_run(runs, tmp_path):
     valid = labels != 0
     assert np.abs(ours_logits - hf_logits)[valid].max() < 1e-4
     assert np.abs(base_logits - hf_logits)[valid].max() > 1e-2  # the adapters are in it
-    # `tx_jax.export --format=peft`: the adapters alone, which PEFT puts on the base's export
+    # `tx_jax export --format=peft`: the adapters alone, which PEFT puts on the base's export
     peft = pytest.importorskip("peft")
     base_dir = huggingface.export(restore.load(runs / "base"), tmp_path / "base_hf")
     args = [f"--workdir={runs / 'lora'}", "--format=peft", f"--out={tmp_path / 'peft'}"]
-    [(code, _, err)] = forked.run_modules([("tx_jax.export", args)], cwd=ROOT, timeout=600)
+    [(code, _, err)] = forked.run_modules([("tx_jax", ["export", *args])], cwd=ROOT, timeout=600)
     assert code == 0, err[-3000:]
     base_model = transformers.AutoModelForSeq2SeqLM.from_pretrained(str(base_dir)).eval()
     tuned = peft.PeftModel.from_pretrained(base_model, str(tmp_path / "peft")).eval()

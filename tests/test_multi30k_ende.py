@@ -90,7 +90,7 @@ def test_budgets_choose_among_the_checkpoints_saved_in_time(two_seeds, tmp_path)
     assert sorted(minutes) == [4, 8, 12]
     assert minutes[4] < minutes[8] < minutes[12]
     cut = (minutes[8] + minutes[12]) / 2  # checkpoints 4 and 8 fit, 12 does not
-    argv = [*common, f"--budgets={cut!r},1000", "--beams=1,2", "--alphas=0.6,1.0"]
+    argv = [*common, f"--budgets={cut!r},1000", "--beams=1,2", "--length_penalties=0.6,1.0"]
     assert multi30k_ende.main(argv) == 0  # the finished run is reused
     row = json.loads((root / "results.json").read_text())["seeds"][0]
     early, whole = row["budgets"]
@@ -98,9 +98,10 @@ def test_budgets_choose_among_the_checkpoints_saved_in_time(two_seeds, tmp_path)
     assert {c["step"] for c in early["candidates"]} <= {4, 8}
     assert [c["step"] for c in whole["candidates"]][1:] == [12, 12]  # last, average to 12
     assert early["chosen_minutes"] <= cut
-    # beam 1 once and beam 2 at both alphas, on validation; the best point decodes the test
+    # beam 1 once and beam 2 at both length penalties, on validation; the best point decodes
+    # the test
     for b in (early, whole):
-        grid = [(p["beam"], p["alpha"]) for p in b["decode_grid"]]
+        grid = [(p["beam"], p["length_penalty"]) for p in b["decode_grid"]]
         assert grid == [(1, None), (2, 0.6), (2, 1.0)]
         best = max(b["decode_grid"], key=lambda p: p["bleu"])
         assert b["decode"]["beam_size"] == best["beam"]

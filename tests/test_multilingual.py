@@ -181,8 +181,8 @@ def test_the_tag_routes_the_output_language(loaded):
 
 def test_zero_shot_direct_and_through_a_pivot(loaded, workdir):
     """de->fr was never trained: directly (the <2fr> tag on German) and through English."""
-    direct = multilingual.score_direction(loaded, "de-fr", split="test", beam_size=1)
-    pivot = multilingual.score_direction(loaded, "de-fr", split="test", beam_size=1, pivot="en")
+    direct = multilingual.measure_direction(loaded, "de-fr", split="test", beam_size=1)
+    pivot = multilingual.measure_direction(loaded, "de-fr", split="test", beam_size=1, pivot="en")
     assert len(direct.hypotheses) == len(pivot.hypotheses) == SPLITS["test_2016_flickr"]
     assert direct.sources[0].split()[0] in LEXICON["de"]
     assert direct.references[0].split()[0] in LEXICON["fr"]

@@ -28,10 +28,12 @@ def test_the_old_run_translates_and_scores_as_it_did(workdir, tmp_path):
     (tmp_path / "src.txt").write_text(sources)
     (tmp_path / "tgt.txt").write_text("".join(target + "\n" for _, target in EXPECTED["pairs"]))
     commands = [
-        ("tx_jax.translate", [f"--workdir={workdir}", "--beam_size=4", "--alpha=0.6"], sources),
+        # --alpha: the length penalty's name then, still read (as --length_penalty)
+        ("tx_jax", ["translate", f"--workdir={workdir}", "--beam_size=4", "--alpha=0.6"], sources),
         (
-            "tx_jax.score",
+            "tx_jax",
             [
+                "score",
                 f"--workdir={workdir}",
                 f"--source={tmp_path}/src.txt",
                 f"--target={tmp_path}/tgt.txt",
@@ -40,6 +42,7 @@ def test_the_old_run_translates_and_scores_as_it_did(workdir, tmp_path):
     ]
     (code, out, err), (score_code, scores, score_err) = run_modules(commands, cwd=ROOT)
     assert code == 0, err
+    assert "warning: --alpha is --length_penalty now" in err.splitlines()
     assert out.split("\n")[: len(EXPECTED["pairs"])] == EXPECTED["beam4_translations"]
     assert score_code == 0, score_err
     got = [line.split("\t") for line in scores.splitlines()]

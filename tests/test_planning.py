@@ -319,7 +319,7 @@ def test_two_slices_plan_as_one_mesh():
 
 
 def _plan_cli(*args, cache_dir) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "tx_jax.plan", "--config=configs/default.py:debug"]
+    cmd = [sys.executable, "-m", "tx_jax", "plan", "--config=configs/default.py:debug"]
     cmd += [f"--target={TARGET}", f"--cache_dir={cache_dir}", *args]
     return zygote.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
 
@@ -349,7 +349,8 @@ def test_bad_target_and_key_are_named(tmp_path):
         [
             sys.executable,
             "-m",
-            "tx_jax.plan",
+            "tx_jax",
+            "plan",
             "--config=configs/default.py:debug",
             "--target=tpu:v5e-3",
         ],

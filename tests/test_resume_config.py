@@ -157,6 +157,7 @@ def test_the_command_line_says_a_refusal_in_one_line(trained, tfds_dir):
             f"--workdir={trained}",
             f"--config.data.data_dir={tfds_dir}",
             "--config.model.d_ff=128",
+            "--config.eval.alpha=0.6",  # the length penalty's old name: read as the new
         ],
         capture_output=True,
         text=True,
@@ -168,6 +169,8 @@ def test_the_command_line_says_a_refusal_in_one_line(trained, tfds_dir):
     assert len(errors) == 1 and "Traceback" not in cli.stderr, cli.stderr
     assert errors[0].startswith(f"error: cannot resume {trained}/checkpoints/2 under this config")
     assert "model.d_ff (64 in the checkpoint, 128 now)" in errors[0]
+    warnings = [line for line in cli.stderr.splitlines() if line.startswith("warning:")]
+    assert warnings == ["warning: --config.eval.alpha is --config.eval.length_penalty now"]
     print(errors[0])
 
 
@@ -201,6 +204,7 @@ OLD_NAMES = {
     "data.backtranslation": "data.synthetic_corpora",
     "data.backtranslation_tag": "data.synthetic_tag",
     "eval.score_test": "eval.test_split",
+    "eval.length_penalty": "eval.alpha",
 }
 OLD_DEFAULTS = {
     "directions": "",

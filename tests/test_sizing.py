@@ -144,7 +144,7 @@ def test_counts_of_what_max_train_len_drops_and_max_eval_len_truncates():
 def test_a_config_left_to_the_data_is_not_planned_without_it():
     config = load_config("configs/text.py")
     with pytest.raises(
-        ValueError, match="model.d_model, .* are left to the data .* tx_jax.prepare"
+        ValueError, match="model.d_model, .* are left to the data .* tx_jax prepare"
     ):
         validate_config(config)
     validate_config(sizing.with_placeholders(config))  # the rest is checked before the data
@@ -177,15 +177,15 @@ def corpus(tmp_path):
 
 
 def test_prepare_prints_the_choices_and_a_run_records_and_keeps_them(tmp_path, capsys):
-    """`tx_jax.prepare` prints what a run of configs/text.py would choose (and as flags); a
+    """`tx_jax prepare` prints what a run of configs/text.py would choose (and as flags); a
     run with the model shrunk by hand chooses the same data sizes, prints them with the
     counts, records them in config.json, and keeps them when resumed."""
     files = corpus(tmp_path)
     ((code, out, err),) = run_modules(
         [
             (
-                "tx_jax.prepare",
-                ["--config=configs/text.py", f"--workdir={tmp_path / 'prep'}"]
+                "tx_jax",
+                ["prepare", "--config=configs/text.py", f"--workdir={tmp_path / 'prep'}"]
                 + [f"--config.{k}={v}" for k, v in files.items()],
             )
         ],

@@ -16,6 +16,12 @@ from tx_jax.config import apply_overrides, load_config, load_module
 from tx_jax.launch import local, sweeps
 from tx_jax.model.config import ModelConfig
 
+
+def cli_sweep(argv: list[str]) -> int:
+    """`tx_jax sweep ARGV...` in this process -> its exit status."""
+    return sweep_cli.main(["tx_jax sweep", *argv])
+
+
 TABLE3 = ROOT / "experiments" / "table3.py"
 SMOKE = ROOT / "experiments" / "default_smoke.py"
 DEBUG = "configs/default.py:debug"
@@ -87,7 +93,7 @@ def test_unknown_key_is_an_error_naming_it_and_the_point(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"point 1 \(model.num_hedas=2\).*'model.num_hedas'"):
         sweeps.expand(bad, tmp_path)
     assert not list(tmp_path.iterdir())  # nothing ran, nothing written
-    assert sweep_cli.main([str(SMOKE), f"--root={tmp_path}", "--override=train.num_stpes=2"]) == 2
+    assert cli_sweep([str(SMOKE), f"--root={tmp_path}", "--override=train.num_stpes=2"]) == 2
 
 
 def test_command_quotes_values_and_routes_lists_through_a_config_file(tmp_path):
@@ -132,7 +138,7 @@ def test_runner_trains_both_points_tabulates_and_skips_them_on_rerun(
     }
     args = [str(SMOKE), f"--root={root}", "--parallel=2", "--test_split_eval", "--beam_size=2"]
     args += [f"--override={k}={v}" for k, v in tiny.items()]
-    assert sweep_cli.main(args) == 0
+    assert cli_sweep(args) == 0
     with open(root / "results.csv") as f:
         rows = list(csv.DictReader(f))
     assert [r["name"] for r in rows] == ["model.dropout_rate=0.0", "model.dropout_rate=0.1"]
@@ -140,7 +146,7 @@ def test_runner_trains_both_points_tabulates_and_skips_them_on_rerun(
         assert row["status"] == "ok" and int(row["steps"]) == 2
         for key in ("wall_s", "val_bleu", "val_loss", "test_bleu"):
             float(row[key])  # numeric
-        # --test_split_eval: test_bleu is tx_jax.evaluate's beam-2 score of the final checkpoint,
+        # --test_split_eval: test_bleu is tx_jax evaluate's beam-2 score of the final checkpoint,
         # recorded in the point's DONE file, not the greedy score written during training.
         evaluated = json.loads(
             (pathlib.Path(row["workdir"]) / "eval_results.jsonl").read_text().splitlines()[-1]

@@ -98,7 +98,7 @@ def test_run_quotes_user_arguments_as_one_word():
     assert r"'\''--workdir=gs://b/run 1'\''" in line  # exact, quoted inside the --command
     words = shlex.split(line[2:])  # what the local shell passes to gcloud
     remote = shlex.split(words[-1].removeprefix("--command="))  # what each worker's shell runs
-    start = remote.index("tx_jax.main")
+    start = remote.index("train")
     assert remote[start + 1 : start + 5] == [
         big,
         TRICKY,
@@ -141,7 +141,7 @@ def test_run_plans_the_slice_first():
     args = ("--", big, TRICKY, "--config.train.num_steps=10")
     plan, ssh = dry_run("tpu-run", "tx1", "--dry-run", "--accelerator-type=v5litepod-16", *args)
     assert plan == (
-        "+ .venv/bin/python -m tx_jax.plan --target=tpu:v5e-16 --programs=train,eval "
+        "+ .venv/bin/python -m tx_jax plan --target=tpu:v5e-16 --programs=train,eval "
         f"{big} --config.train.num_steps=10"
     )  # the config flags only, in order; the workdir is not the plan's
     assert ssh.startswith("+ gcloud compute tpus tpu-vm ssh tx1 --worker=all")
@@ -206,7 +206,8 @@ def test_run_wait_runs_in_the_foreground():
     assert remote[3:] == [
         ".venv/bin/python",
         "-m",
-        "tx_jax.main",
+        "tx_jax",
+        "train",
         TRICKY,
         "--config.parallel.distributed=True",
     ]

@@ -27,6 +27,12 @@ from helpers import ROOT, forced_devices
 from tx_jax.cli import sweep as sweep_cli
 from tx_jax.launch import tpu_vms
 
+
+def cli_sweep(argv: list[str]) -> int:
+    """`tx_jax sweep ARGV...` in this process -> its exit status."""
+    return sweep_cli.main(["tx_jax sweep", *argv])
+
+
 pytestmark = [pytest.mark.slow]
 
 BUCKET = "gs://tx-jax-test/sweeps"
@@ -109,7 +115,7 @@ def cloud_env(fleet, monkeypatch):
 
 def sweep(fleet, capsys, root: str, *args: str) -> tuple[int, list[str]]:
     argv = [str(fleet.sweep_file), "--tpu=tx-a,tx-b", "--zone=z", f"--root={root}", *args]
-    rc = sweep_cli.main(argv)
+    rc = cli_sweep(argv)
     out = capsys.readouterr()
     print(out.out, out.err)
     return rc, out.out.splitlines() + out.err.splitlines()
@@ -135,7 +141,7 @@ def first(fleet, gcs):
     try:
         use_standin(mp, fleet)
         root = f"{BUCKET}/first"
-        rc = sweep_cli.main(
+        rc = cli_sweep(
             [str(fleet.sweep_file), "--tpu=tx-a,tx-b", "--zone=z", f"--root={root}", "--no-plan"]
         )
         return rc, root, list(fleet.calls("ssh"))
@@ -159,7 +165,7 @@ def test_two_vms_run_three_points_to_the_end(first, fleet):
     assert set(on.values()) == {"tx-a", "tx-b"}
     assert len(ssh) == 3 and all("--worker=all" in c and "--zone=z" in c for c in ssh)
     command = next(c for c in ssh if c[4] == "tx-a")[-1]
-    assert command.startswith("--command=cd ~/tx_jax && .venv/bin/python -m tx_jax.main ")
+    assert command.startswith("--command=cd ~/tx_jax && .venv/bin/python -m tx_jax train ")
     assert f"--workdir={root}/00_seed=0" in command and "--config.seed=0" in command
     assert command.endswith("--config.parallel.distributed=True")
     # every worker of tx-a ran its points: each prepared the data on its own disk
@@ -232,7 +238,7 @@ def test_dry_run_needs_no_gcloud_and_deals_points_round_robin(tmp_path, monkeypa
     assert shutil.which("gcloud") is None
     root = "gs://BUCKET/sweeps/table3"
     argv = ["experiments/table3.py", "--tpu=tx-a,tx-b", "--zone=us-central2-b", f"--root={root}"]
-    assert sweep_cli.main([*argv, "--dry-run"]) == 0
+    assert cli_sweep([*argv, "--dry-run"]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert lines[0].startswith("19 point(s) over 2 TPU VM(s), round-robin")
@@ -249,7 +255,7 @@ def test_dry_run_needs_no_gcloud_and_deals_points_round_robin(tmp_path, monkeypa
     docs = (ROOT / "docs" / "tpu_and_cloud.md").read_text()
     assert out.strip() in docs
     # without --dry-run: no gcloud is a one-line error
-    assert sweep_cli.main(argv) == 2
+    assert cli_sweep(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "gcloud is not on PATH" in err[0], err
 
@@ -271,7 +277,7 @@ def test_dry_run_needs_no_gcloud_and_deals_points_round_robin(tmp_path, monkeypa
         (
             {"tx-d": {**VMS["tx-b"], "acceleratorType": "v3-8"}},
             ["--tpu=tx-d"],
-            "TPU VM tx-d: tx_jax.plan cannot plan for v3-8 (v4, v5e, v5p, v6e slices); "
+            "TPU VM tx-d: tx_jax plan cannot plan for v3-8 (v4, v5e, v5p, v6e slices); "
             "pass --no-plan",
         ),
     ],
@@ -279,7 +285,7 @@ def test_dry_run_needs_no_gcloud_and_deals_points_round_robin(tmp_path, monkeypa
 def test_a_users_mistake_is_one_line(cloud_env, capsys, change, args, message):
     (cloud_env.dir / "vms.json").write_text(json.dumps({**VMS, **change}))
     argv = [str(cloud_env.sweep_file), "--zone=z", f"--root={BUCKET}/mistakes", *args]
-    assert sweep_cli.main(argv) == 2
+    assert cli_sweep(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
 
@@ -298,7 +304,7 @@ def test_a_point_that_does_not_fit_is_listed_and_the_rest_run(
     cloud_env.sweep_file.write_text(text)
     try:
         argv = [str(cloud_env.sweep_file), "--tpu=tx-b", "--zone=z", f"--root={root}"]
-        rc = sweep_cli.main(argv)
+        rc = cli_sweep(argv)
     finally:
         cloud_env.sweep_file.write_text(SWEEP)
     out = capsys.readouterr()

@@ -1,4 +1,4 @@
-"""`python -m tx_jax.translate --input=... --output_dir=...` (inference/corpus.py): a corpus
+"""`tx_jax translate --input=... --output_dir=...` (inference/corpus.py): a corpus
 translated in fixed shards equals the stdin mode's translation line for line, whatever kills,
 relaunches, process counts, devices, shard sizes or storage (gs://) it went through.
 
@@ -7,6 +7,7 @@ killed or several must run (jax.distributed on 127.0.0.1), in this process elsew
 """
 
 import gzip
+import json
 import os
 import pathlib
 import random
@@ -72,7 +73,7 @@ def _env(**extra) -> dict:
 def _launch(run, out, *flags, env=None, log=None) -> subprocess.Popen:
     args = [f"--workdir={run.workdir}", f"--input={_inputs(run)}", f"--output_dir={out}", *flags]
     return zygote.Popen(
-        [sys.executable, "-m", "tx_jax.translate", *args],
+        [sys.executable, "-m", "tx_jax", "translate", *args],
         cwd=ROOT,
         env=env or _env(),
         stdout=subprocess.DEVNULL,
@@ -99,10 +100,10 @@ def _flags(**kw) -> types.SimpleNamespace:
     """The CLI's flag values, for its decoder in this process."""
     base = dict(
         beam_size=2,
-        alpha=0.6,
+        length_penalty=0.6,
         batch_size=8,
         max_len=None,
-        length_penalty="gnmt",
+        length_penalty_kind="gnmt",
         length_buckets=None,
         nbest=1,
         scores=False,
@@ -161,7 +162,12 @@ def test_sharded_job_killed_and_relaunched_equals_stdin_mode_line_for_line(run, 
     ]  # 23 lines: 7 shards of 3, then 2
     assert len(list((state / "b.txt").glob("*.done"))) == 5  # 15 lines
     # a relaunch (in this process: the same job's settings) finds everything done, decodes
-    # no line and writes the same files
+    # no line and writes the same files, also when the first launch named the length penalty
+    # `alpha` and its rule `length_penalty`
+    job = json.loads((state / "job.json").read_text())
+    named_then = {k: v for k, v in job.items() if not k.startswith("length_penalty")}
+    named_then.update(alpha=job["length_penalty"], length_penalty=job["length_penalty_kind"])
+    (state / "job.json").write_text(json.dumps(named_then))
     real, decoded = cli._decoder, []
 
     def counting(*args):

@@ -289,7 +289,8 @@ def test_cli_on_a_trained_checkpoint(tmp_path, tfds_dir, capsys):
         [
             sys.executable,
             "-m",
-            "tx_jax.visualize",
+            "tx_jax",
+            "visualize",
             "curves",
             f"--metrics={workdir / 'metrics.jsonl'}",
             f"--out={png}",

@@ -8,8 +8,9 @@ the keys only a study's configs define, each with the neutral value a config wit
 (`study_value`); and every rename of a stored config (config.json, a checkpoint's meta), in
 this module alone: RENAMED_KEYS, old key names read under the new ones (`upgrade_stored`),
 REMOVED_KEYS, keys that are gone, and REPLACED_VALUES, values that load as another
-(`upgrade_section`, which ModelConfig.from_config also applies to a model section). An override
-of a key STUDY_KEYS or RENAMED_KEYS names gets an error saying where the key is now
+(`upgrade_section`, which ModelConfig.from_config also applies to a model section). An
+override of an old name whose values carry over sets the new key, with a warning; of any other
+key STUDY_KEYS or RENAMED_KEYS names, an error saying where the key is now
 (`unknown_key_message`).
 """
 
@@ -90,9 +91,14 @@ def apply_overrides(
     config: ml_collections.ConfigDict, overrides: Mapping[str, Any], *, from_text: bool = False
 ) -> None:
     """Set dotted keys ('model.d_model': 256) in place. With `from_text`, text values are
-    converted to the type of the value they replace (`convert_text`). KeyError names an
-    unknown key, ValueError a value that does not convert."""
+    converted to the type of the value they replace (`convert_text`). An old name of
+    RENAMED_KEYS sets its new key, with a warning. KeyError names an unknown key, ValueError
+    a value that does not convert."""
     for dotted, value in overrides.items():
+        new = new_name(dotted)
+        if new and missing_keys(config, [dotted]) and not missing_keys(config, [new]):
+            warnings.warn(f"config override {dotted!r}: the key is {new!r} now", stacklevel=2)
+            dotted = new
         node = config
         *parents, leaf = dotted.split(".")
         for i, part in enumerate(parents):
@@ -174,14 +180,21 @@ STUDY_KEYS = {
     "data.backtranslation_tag": StudyKey("<BT>", "experiments/backtranslation.py"),
 }
 
+
+def _same(value: Any) -> Any:
+    return value
+
+
 # Old key -> (new key, the old value as the new one's): names a run may have stored in its
-# config (config.json, a checkpoint's meta), read under the new names by `upgrade_stored`.
+# config (config.json, a checkpoint's meta), read under the new names by `upgrade_stored`; a
+# key renamed with its values unchanged (`_same`) is also set by an override of its old name.
 RENAMED_KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
-    "data.max_len": ("data.max_train_len", lambda v: v),  # not model.max_len, the table's size
-    "data.synthetic_corpora": ("data.backtranslation", lambda v: v),
-    "data.synthetic_tag": ("data.backtranslation_tag", lambda v: v),
+    "data.max_len": ("data.max_train_len", _same),  # not model.max_len, the table's size
+    "data.synthetic_corpora": ("data.backtranslation", _same),
+    "data.synthetic_tag": ("data.backtranslation_tag", _same),
     # a split to score at the end, '' for none: every config named data.test_split's
     "eval.test_split": ("eval.score_test", bool),
+    "eval.alpha": ("eval.length_penalty", _same),  # alpha is LoRA's scale (train.lora.alpha)
 }
 # Keys that are gone -> the values that meant what the code now does (the model's one way):
 # `upgrade_section` drops them (from a stored config, and from a model section a config names);
@@ -274,6 +287,12 @@ def upgrade_stored(config: Mapping) -> dict:
             stacklevel=1,
         )
     return out
+
+
+def new_name(dotted: str) -> str | None:
+    """The key's name now if RENAMED_KEYS renamed it with its values unchanged, else None."""
+    new, convert = RENAMED_KEYS.get(dotted, (None, None))
+    return new if convert is _same else None
 
 
 def unknown_key_message(dotted: str, where: str = "this config") -> str:

@@ -1,15 +1,11 @@
-"""`python -m tx_jax.main`: training: flags -> runner.loop.train_and_evaluate.
+"""`python -m tx_jax.main`: `tx_jax train` under the name flax's examples give it.
 
-The short command for tx_jax.cli.train, which holds the flags and the code.
+python -m tx_jax.main --config=configs/default.py --workdir=runs/default
 """
 
-from absl import app
+import sys
 
-from tx_jax.cli import train as _cli
-from tx_jax.cli.common import parse_config_flags
-from tx_jax.cli.train import main
-
-__doc__ = _cli.__doc__  # `--help` shows the command's usage, which the CLI module holds
+from tx_jax.cli import run
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=parse_config_flags)
+    sys.exit(run("train", sys.argv[1:]))

@@ -7,7 +7,7 @@ TensorBoard: the XLA operations (fusions, dots, copies) of the traced programs, 
 On CPU, XLA's thunk executor records one event per operation run on its worker threads,
 named as in the compiled HLO (`jax.jit(f).lower(...).compile().as_text()` shows what each
 fusion holds); the same operation is counted once per loop iteration. Events of the
-executor itself and of Python are left out. `python -m tx_jax.evaluate --profile` prints
+executor itself and of Python are left out. `tx_jax evaluate --profile` prints
 this for a decode.
 """
 

@@ -10,9 +10,9 @@ the language-similarity matrices of similarity.py.
 
 Command line (tx_jax/cli/visualize.py):
 
-    python -m tx_jax.visualize attention --workdir=DIR [--step=N] --source="..." \
+    tx_jax visualize attention --workdir=DIR [--step=N] --source="..." \
         [--target="..."] --out=DIR_PNG [--kinds=cross,encoder,decoder] [--noaverage_heads]
-    python -m tx_jax.visualize curves --metrics=a/metrics.jsonl,b/metrics.jsonl --out=x.png \
+    tx_jax visualize curves --metrics=a/metrics.jsonl,b/metrics.jsonl --out=x.png \
         [--keys=loss,bleu] [--labels=a,b] [--x=step|elapsed|train_seconds]
 
 Three kinds of attention, each stored as [N, H, Q, K] (layers, heads, queries, keys):

@@ -7,9 +7,19 @@ import sys
 
 from absl import app, flags, logging
 
-from tx_jax.config import load_config, missing_keys, parse_assignments, unknown_key_message
+from tx_jax.config import (
+    load_config,
+    missing_keys,
+    new_name,
+    parse_assignments,
+    unknown_key_message,
+)
 from tx_jax.inference import compilation, restore
+from tx_jax.inference.search import LENGTH_PENALTIES
 from tx_jax.ops import backend
+
+# Old flag -> its name now: the decoding length penalty was --alpha, which is LoRA's scale.
+RENAMED_FLAGS = {"alpha": "length_penalty", "alphas": "length_penalties"}
 
 
 def define_checkpoint_flags() -> None:
@@ -32,6 +42,30 @@ def define_checkpoint_flags() -> None:
     )
 
 
+def renamed_args(argv: list[str]) -> list[str]:
+    """The command line under today's names, one warning line on stderr per old one: a
+    renamed flag (RENAMED_FLAGS) of this command, `--length_penalty=RULE` (now
+    --length_penalty_kind; --length_penalty is the penalty's value) and `--config.KEY=` of
+    a key config.RENAMED_KEYS renamed."""
+    out = []
+    for arg in argv:
+        name, eq, value = arg.partition("=")
+        old = name.removeprefix("--")
+        new = None
+        if name.startswith("--config."):
+            key = new_name(name.removeprefix("--config."))
+            new = f"config.{key}" if key else None
+        elif old in RENAMED_FLAGS and RENAMED_FLAGS[old] in flags.FLAGS:
+            new = RENAMED_FLAGS[old]
+        elif old == "length_penalty" and value in LENGTH_PENALTIES:
+            new = "length_penalty_kind" if "length_penalty_kind" in flags.FLAGS else None
+        if name.startswith("--") and new:
+            print(f"warning: --{old} is --{new} now", file=sys.stderr, flush=True)
+            arg = f"--{new}{eq}{value}"
+        out.append(arg)
+    return out
+
+
 def split_config_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     """Separate '--config.key=value' arguments (stored-config overrides) from absl's."""
     rest = [a for a in argv if not a.startswith("--config.")]
@@ -39,12 +73,26 @@ def split_config_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     return rest, parse_assignments(items, what="config override", prefix="--config.")
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+    """app.run's flag parsing, with the verb's own flags (those of the cli/ modules imported,
+    which are the verb's and this module's) shown by --help: absl lists there the flags of
+    the module named sys.argv[0], which is `tx_jax VERB`."""
+    by_module = flags.FLAGS.flags_by_module_dict()
+    for module in [m for m in by_module if m.startswith("tx_jax.cli.")]:
+        for flag in by_module[module]:
+            flags.FLAGS.register_flag_by_module(sys.argv[0], flag)
+    return app.parse_flags_with_usage(argv)
+
+
 def parse_config_flags(argv: list[str]) -> list[str]:
     """app.run's flag parsing for the commands with --config=FILE (train, prepare): an
     override of a key that FILE's config lacks stops in one line saying why (a renamed key,
-    or one a study's config defines), where ml_collections raises a bare AttributeError."""
+    or one a study's config defines), where ml_collections raises a bare AttributeError. An
+    old key's name is read as its new one (`renamed_args`); in sys.argv too, where
+    ml_collections finds the overrides to define."""
+    argv = sys.argv = renamed_args(argv)
     try:
-        return app.parse_flags_with_usage(argv)
+        return parse_flags(argv)
     except (AttributeError, KeyError):
         spec = next((a.partition("=")[2] for a in argv if a.startswith("--config=")), None)
         keys = [a.partition("=")[0].removeprefix("--config.") for a in argv]
@@ -65,7 +113,7 @@ def run_cli(main, argv: list[str] | None = None) -> None:
     backend.skip_absent_tpu()
     compilation.use_persistent_cache()
     try:
-        argv, overrides = split_config_args(argv)
+        argv, overrides = split_config_args(renamed_args(argv))
     except ValueError as e:
         sys.exit(f"error: {e}")
 
@@ -79,7 +127,7 @@ def run_cli(main, argv: list[str] | None = None) -> None:
                 message = message[:2000] + " ..."
             sys.exit(f"error: {message}")
 
-    app.run(guarded, argv=argv)
+    app.run(guarded, argv=argv, flags_parser=parse_flags)
 
 
 def checkpoint_args(argv: list[str], what: str = "") -> dict:

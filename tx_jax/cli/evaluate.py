@@ -1,11 +1,11 @@
-"""`python -m tx_jax.evaluate`: flags -> inference.evaluation (its docstring has the details).
+"""`tx_jax evaluate`: flags -> inference.evaluation (its docstring has the details).
 
-python -m tx_jax.evaluate --workdir=runs/default                  test split, beam 4, alpha 0.6
-python -m tx_jax.evaluate --workdir=runs/default --average_last=3
-python -m tx_jax.evaluate --workdir=runs/default --sweep --beams=1,4 --alphas=0.6,1.0
-python -m tx_jax.evaluate --workdir=runs/multi --direction=de-fr [--pivot=en]
-python -m tx_jax.evaluate --workdir=runs/default --profile         where decoding's time goes
-python -m tx_jax.evaluate --workdir=runs/m2m100 --config.data.dataset=multi30k --target_lang=de
+tx_jax evaluate --workdir=runs/default                  test split, beam 4, length penalty 0.6
+tx_jax evaluate --workdir=runs/default --average_last=3
+tx_jax evaluate --workdir=runs/default --sweep --beams=1,4 --length_penalties=0.6,1.0
+tx_jax evaluate --workdir=runs/multi --direction=de-fr [--pivot=en]
+tx_jax evaluate --workdir=runs/default --profile         where decoding's time goes
+tx_jax evaluate --workdir=runs/m2m100 --config.data.dataset=multi30k --target_lang=de
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from absl import app, flags
 
 from tx_jax.cli import common as common_flags
 from tx_jax.inference.evaluation import (
-    SWEEP_ALPHAS,
     SWEEP_BEAMS,
+    SWEEP_LENGTH_PENALTIES,
     evaluate,
     evaluate_directions,
     result_line,
@@ -38,7 +38,12 @@ def _main(argv: list[str], overrides: dict[str, str]) -> None:
         if f.sweep:
             raise app.UsageError("--sweep takes one --direction")
         records = evaluate_directions(
-            f.workdir, pivot=f.pivot, split=f.split, beam_size=f.beam_size, alpha=f.alpha, **common
+            f.workdir,
+            pivot=f.pivot,
+            split=f.split,
+            beam_size=f.beam_size,
+            length_penalty=f.length_penalty,
+            **common,
         )
         for record in records:
             print(result_line(record))
@@ -55,7 +60,7 @@ def _main(argv: list[str], overrides: dict[str, str]) -> None:
             f.workdir,
             split=split,
             beams=[int(b) for b in f.beams],
-            alphas=[float(a) for a in f.alphas],
+            length_penalties=[float(a) for a in f.length_penalties],
             **langs,
             **common,
         )
@@ -64,7 +69,9 @@ def _main(argv: list[str], overrides: dict[str, str]) -> None:
         print(sweep_table(out["points"]))
         best = out["best"]
         search = (
-            "greedy" if best["alpha"] is None else f"beam {best['beam']} alpha {best['alpha']:g}"
+            "greedy"
+            if best["length_penalty"] is None
+            else f"beam {best['beam']} length penalty {best['length_penalty']:g}"
         )
         print(f"best: {search}, BLEU {best['bleu']:.2f}")
         return
@@ -72,7 +79,7 @@ def _main(argv: list[str], overrides: dict[str, str]) -> None:
         f.workdir,
         split=f.split,
         beam_size=f.beam_size,
-        alpha=f.alpha,
+        length_penalty=f.length_penalty,
         pivot=f.pivot,
         profile=f.profile,
         **langs,
@@ -91,13 +98,17 @@ def _main(argv: list[str], overrides: dict[str, str]) -> None:
         print(trace_summary.format_rows(rows, wall=record["decode_seconds"]))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     common_flags.define_checkpoint_flags()
     flags.DEFINE_string("split", "test", "validation | test | any split name of the dataset.")
     flags.DEFINE_integer("beam_size", 4, "Beam size; 1 is greedy (paper: 4).")
-    flags.DEFINE_float("alpha", 0.6, "GNMT length penalty alpha (paper: 0.6).")
+    flags.DEFINE_float(
+        "length_penalty", 0.6, "Beam search's length penalty, GNMT's alpha (paper: 0.6)."
+    )
     flags.DEFINE_integer("limit", None, "Evaluate only the first N examples.")
-    flags.DEFINE_bool("sweep", False, "Decode the validation split over --beams x --alphas.")
+    flags.DEFINE_bool(
+        "sweep", False, "Decode the validation split over --beams x --length_penalties."
+    )
     flags.DEFINE_bool(
         "profile",
         False,
@@ -105,7 +116,9 @@ def main() -> None:
         "print the XLA operations that took the most time.",
     )
     flags.DEFINE_list("beams", [str(b) for b in SWEEP_BEAMS], "Sweep: beam sizes.")
-    flags.DEFINE_list("alphas", [str(a) for a in SWEEP_ALPHAS], "Sweep: length penalties.")
+    flags.DEFINE_list(
+        "length_penalties", [str(a) for a in SWEEP_LENGTH_PENALTIES], "Sweep: length penalties."
+    )
     flags.DEFINE_string(
         "direction",
         None,
@@ -131,8 +144,4 @@ def main() -> None:
         "(default: data.target_lang); multi-target OPUS-MT: its >>xx<< source token. The "
         "references stay data.target_lang's (--config.data.target_lang picks them).",
     )
-    common_flags.run_cli(_main)
-
-
-if __name__ == "__main__":
-    main()
+    common_flags.run_cli(_main, argv)

@@ -1,13 +1,13 @@
 """Export a translation checkpoint to Hugging Face Transformers or CTranslate2.
 
-    python -m tx_jax.export --workdir=runs/default --format=hf --out=exported/hf
-    python -m tx_jax.export --workdir=runs/default --format=ct2 --out=exported/ct2 \
+    tx_jax export --workdir=runs/default --format=hf --out=exported/hf
+    tx_jax export --workdir=runs/default --format=ct2 --out=exported/ct2 \
         [--quantization=int8] [--average_last=5] [--step=N]
-    python -m tx_jax.export --workdir=runs/opus-lora --format=peft --out=exported/opus-lora
+    tx_jax export --workdir=runs/opus-lora --format=peft --out=exported/opus-lora
 
 --format=hf writes a MarianMT directory (model.safetensors, config.json, the SentencePiece
 tokenizer as MarianTokenizer files, generation_config.json with the run's beam size and
-alpha) that `transformers` loads with AutoModelForSeq2SeqLM / AutoTokenizer and
+length penalty) that `transformers` loads with AutoModelForSeq2SeqLM / AutoTokenizer and
 pipeline("translation"); --format=ct2 writes a CTranslate2 model (weights as --quantization)
 with the SentencePiece model beside it. A model the formats cannot represent exactly
 (pre-LN, RoPE, grouped-query attention, SwiGLU, RMSNorm, untied output, ...) is refused with
@@ -51,14 +51,18 @@ def _main(argv: list[str], overrides: dict[str, str]) -> None:
         elif f.format == "hf":  # an imported model (or one tuned from it) goes back as it came
             merged = restore.merged(loaded)
             huggingface.export(
-                merged, local, beam_size=f.beam_size, alpha=f.alpha, hf_config=hf_config
+                merged,
+                local,
+                beam_size=f.beam_size,
+                length_penalty=f.length_penalty,
+                hf_config=hf_config,
             )
         else:
             ct2_export.export(restore.merged(loaded), local, quantization=f.quantization)
     print(f"export: {what}", file=sys.stderr)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     common.define_checkpoint_flags()
     flags.DEFINE_enum(
         "format",
@@ -73,7 +77,9 @@ def main() -> None:
         "beam_size", None, "hf: generation_config num_beams (default: the run's test beam)."
     )
     flags.DEFINE_float(
-        "alpha", None, "hf: generation_config length_penalty (default: the run's eval.alpha)."
+        "length_penalty",
+        None,
+        "hf: generation_config length_penalty (default: the run's eval.length_penalty).",
     )
     flags.DEFINE_enum(
         "quantization", "float32", ct2_export.QUANTIZATIONS, "ct2: how weights are stored."
@@ -81,8 +87,4 @@ def main() -> None:
     flags.DEFINE_bool(
         "adapters_only", False, "A LoRA run's adapters alone, as safetensors with their config."
     )
-    common.run_cli(_main)
-
-
-if __name__ == "__main__":
-    main()
+    common.run_cli(_main, argv)

@@ -1,9 +1,9 @@
-r"""`python -m tx_jax.generate`: sample continuations of prompts from a language-model checkpoint.
+r"""`tx_jax generate`: sample continuations of prompts from a language-model checkpoint.
 
-    python -m tx_jax.generate --workdir=DIR [--step=N] --prompt="the cat" \
+    tx_jax generate --workdir=DIR [--step=N] --prompt="the cat" \
         [--num_samples=4 --max_new_tokens=64 --temperature=0.8 --top_k=0 --top_p=0.95 \
          --seed=0] [--json]
-    python -m tx_jax.generate --workdir=DIR < prompts.txt      (one prompt per line)
+    tx_jax generate --workdir=DIR < prompts.txt      (one prompt per line)
 
 Output: one line per sample, `num_samples` lines per prompt in prompt order; with --json,
 one JSON object per line (prompt, sample, text, tokens, finished). inference.generation
@@ -99,7 +99,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}\n(--help lists the flags)", file=sys.stderr)
         return 2
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,9 +1,9 @@
 """Import a pretrained translator (Hugging Face directory) as a tx_jax workdir.
 
-    python -m tx_jax.import_model --source=opus-mt-en-de --workdir=runs/opus-mt-en-de
-    python -m tx_jax.import_model --source=nllb-200-distilled-600M --workdir=runs/nllb \
+    tx_jax import --source=opus-mt-en-de --workdir=runs/opus-mt-en-de
+    tx_jax import --source=nllb-200-distilled-600M --workdir=runs/nllb \
         --dtype=bfloat16
-    python -m tx_jax.import_model --source=DIR --workdir=W --allow_pickle   (pytorch_model.bin)
+    tx_jax import --source=DIR --workdir=W --allow_pickle   (pytorch_model.bin)
 
 --source is a directory as `save_pretrained` writes it (config.json, model.safetensors or a
 sharded index, the tokenizer files) of model_type marian (OPUS-MT) or m2m_100 (M2M100,
@@ -39,7 +39,7 @@ def _main(argv: list[str], overrides: dict[str, str]) -> None:
     print(f"import_model: {f.source} -> {out} (step 0, {f.dtype})", file=sys.stderr)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     flags.DEFINE_string("source", None, "A Hugging Face model directory (marian or m2m_100).")
     flags.DEFINE_string("workdir", None, "The tx_jax workdir to write (new, local or gs://).")
     flags.DEFINE_enum("dtype", "float32", importer.DTYPES, "Parameter and compute dtype.")
@@ -54,8 +54,4 @@ def main() -> None:
         "The config the workdir's data, train and eval sections start from (its model section "
         "is replaced by the imported one); --config.key=value overrides it.",
     )
-    common.run_cli(_main)
-
-
-if __name__ == "__main__":
-    main()
+    common.run_cli(_main, argv)

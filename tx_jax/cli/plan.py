@@ -1,7 +1,7 @@
-r"""`python -m tx_jax.plan`: compile a run for the accelerator it targets, on this host, and
+r"""`tx_jax plan`: compile a run for the accelerator it targets, on this host, and
 print its plan (tx_jax/planning/plan.py has what each figure means).
 
-    python -m tx_jax.plan --config=configs/wmt14_ende.py:variant=big --target=tpu:v5e-256 \
+    tx_jax plan --config=configs/wmt14_ende.py:variant=big --target=tpu:v5e-256 \
         [--config.key=value ...] [--json=PATH] [--programs=train,eval,greedy,beam] [--search]
 
 Targets: tpu:v4-8, tpu:v5e-16, tpu:v5p-128, tpu:v6e-256, tpu:v5e-256x2 (two slices), gpu:h100-8,
@@ -24,10 +24,11 @@ from tx_jax.config import apply_overrides, load_config, parse_assignments
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """`tx_jax plan`: argv as sys.argv holds it (the program's name first)."""
+    prog, *argv = list(sys.argv if argv is None else argv)
     overrides_argv = [a for a in argv if a.startswith("--config.")]
     parser = argparse.ArgumentParser(
-        prog="python -m tx_jax.plan",
+        prog=prog,
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -77,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             plan = make_plan(config, target, programs, config_name=args.config)
             search_lib.store(cache_dir, key, plan)
     except (ValueError, KeyError, FileNotFoundError) as e:
-        print(f"tx_jax.plan: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
+        print(f"tx_jax plan: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         return 2
     if not args.quiet:
         print(format_plan(plan), file=sys.stderr if args.json == "-" else sys.stdout)
@@ -118,7 +119,3 @@ def _search(args, config, overrides, target, cache_dir) -> int:
     for i, p in enumerate(ranked[: args.top]):
         print(f"{i + 1}. {search_lib.describe(p).strip()}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 r"""Command line: prepare what a run reads before it starts, and say what was made.
 
-    python -m tx_jax.prepare --config=configs/text.py --workdir=gs://bucket/runs/mine \
+    tx_jax prepare --config=configs/text.py --workdir=gs://bucket/runs/mine \
         --config.data.train=gs://bucket/corpus/train --config.data.validation=... \
         --config.data.data_dir=gs://bucket/tfds
 
@@ -8,7 +8,7 @@ The dataset (every split the run reads) goes into data.data_dir, local or gs:// 
 here, then published there for every host), and the tokenizer into WORKDIR/tokenizer.model
 (trained on the train split, or data.tokenizer_path's, or train.init_from's). A config that
 leaves sizes to the data (configs/text.py) gets them here as a run would, printed in one line
-and as --config flags (for tx_jax.plan and tpu-run, which read no data). A run started
+and as --config flags (for tx_jax plan and tpu-run, which read no data). A run started
 afterwards with the same --config and --workdir finds both and starts at once; a multi-host
 run needs this first when its data is large (tx_jax/data/preparation.py).
 """
@@ -51,7 +51,7 @@ def report(config) -> list[str]:
     return lines
 
 
-def main(argv):
+def _main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.set_verbosity(logging.WARNING)
@@ -67,10 +67,11 @@ def main(argv):
     for line in lines:
         print(line)
     print(f"tokenizer: {workdir / 'tokenizer.model'} ({sized.task.tokenizer.vocab_size:,} pieces)")
-    if sized.chosen:  # what tx_jax.plan, tpu-run and sweeps need to build this run without data
+    if sized.chosen:  # what tx_jax plan, tpu-run and sweeps need to build this run without data
         chosen = {k: sizing.get(sized.config, k) for k in sized.chosen}
         print(f"as flags: {sizing.as_flags(chosen)}")
 
 
-if __name__ == "__main__":
-    app.run(main, flags_parser=common.parse_config_flags)
+def main(argv: list[str]) -> None:
+    """`tx_jax prepare`: argv as sys.argv holds it (the program's name first)."""
+    app.run(_main, argv=argv, flags_parser=common.parse_config_flags)

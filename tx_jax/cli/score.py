@@ -1,14 +1,14 @@
 """Score given translations: one line per pair, ln p(target | source) and its token count.
 
-    python -m tx_jax.score --workdir=runs/default --source=src.txt --target=hyp.txt > scores.tsv
-    python -m tx_jax.score --workdir=runs/opus-mt-en-de --source=en.txt --target=de.txt \
+    tx_jax score --workdir=runs/default --source=src.txt --target=hyp.txt > scores.tsv
+    tx_jax score --workdir=runs/opus-mt-en-de --source=en.txt --target=de.txt \
         [--target_lang=de] [--source_lang=en] [--batch_size=32] [--step=N | --average_last=K]
 
 Output line i is `LOGPROB<TAB>TOKENS` for pair i (input order): the natural-log probability
 of target line i's tokens and EOS given source line i, and how many tokens that is (EOS
 included; a forced target-language token of M2M100/NLLB neither counted nor scored).
 LOGPROB / TOKENS is the per-token score corpus filters use. Works on any translation workdir,
-trained here or imported (tx_jax.import_model). Lines are UTF-8 (invalid bytes replaced) and
+trained here or imported (tx_jax import). Lines are UTF-8 (invalid bytes replaced) and
 scored whole, never truncated. Local or gs:// files.
 """
 
@@ -69,7 +69,7 @@ def _main(argv: list[str], overrides: dict[str, str]) -> None:
     sys.stdout.flush()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     common.define_checkpoint_flags()
     flags.DEFINE_string("source", None, "Source sentences, one per line (local or gs://).")
     flags.DEFINE_string("target", None, "Their translations, line i pairs with source line i.")
@@ -83,8 +83,4 @@ def main() -> None:
         "source_lang", None, "The source's language (M2M100/NLLB; default: the checkpoint's)."
     )
     flags.DEFINE_integer("batch_size", 32, "Pairs per forward pass.")
-    common.run_cli(_main)
-
-
-if __name__ == "__main__":
-    main()
+    common.run_cli(_main, argv)

@@ -1,8 +1,8 @@
-"""`python -m tx_jax.sweep`: flags -> launch.local.run_sweep (its docstring has the details).
+"""`tx_jax sweep`: flags -> launch.local.run_sweep (its docstring has the details).
 
-python -m tx_jax.sweep experiments/table3.py --root=runs/sweeps/table3 [--parallel=2]
+tx_jax sweep experiments/table3.py --root=runs/sweeps/table3 [--parallel=2]
     [--dry_run] [--only=0,3] [--test_split_eval] [--override=train.num_steps=100 ...]
-python -m tx_jax.sweep experiments/table3.py --tpu=NAME[,NAME...] --root=gs://B/sweeps/table3
+tx_jax sweep experiments/table3.py --tpu=NAME[,NAME...] --root=gs://B/sweeps/table3
     [--zone=Z] [--project=P] [--recreate] [--no_plan] [--dry_run] [--only=0,3] [--override=...]
     (launch.tpu_queue: each point on a free TPU VM)
 """
@@ -20,8 +20,10 @@ from tx_jax.launch.sweeps import parse_overrides
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """`tx_jax sweep`: argv as sys.argv holds it (the program's name first)."""
+    prog, *argv = list(sys.argv if argv is None else argv)
     parser = argparse.ArgumentParser(
-        prog="python -m tx_jax.sweep",
+        prog=prog,
         description="\n".join(m.__doc__ for m in (local, sweeps, results, tpu_queue)),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -39,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--test_split_eval",
         "--test-split-eval",
         action="store_true",
-        help="score the test split with tx_jax.evaluate after each run",
+        help="score the test split with tx_jax evaluate after each run",
     )
     parser.add_argument("--beam_size", type=int, default=4, help="--test_split_eval's beam")
     parser.add_argument(
@@ -94,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             overrides=parse_overrides(args.override),
         )
     except ValueError as e:
-        print(f"tx_jax.sweep: {e}", file=sys.stderr)
+        print(f"tx_jax sweep: {e}", file=sys.stderr)
         return 2
     return _exit_status(rows)
 
@@ -104,7 +106,7 @@ def _exit_status(rows) -> int:
     failed = [r for r in rows if r["status"].startswith(("failed", "not run", "does not fit"))]
     if failed:
         print(
-            f"tx_jax.sweep: {len(failed)} point(s) failed or not run: "
+            f"tx_jax sweep: {len(failed)} point(s) failed or not run: "
             + ", ".join(
                 f"[{r['index']}] {r['name']} ({r['status']}; {r['workdir']}/{LOG_FILE})"
                 for r in failed
@@ -112,7 +114,3 @@ def _exit_status(rows) -> int:
             file=sys.stderr,
         )
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

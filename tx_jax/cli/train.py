@@ -1,6 +1,6 @@
 r"""Command line: flags -> runner.loop.train_and_evaluate(config, workdir). Nothing else.
 
-    python -m tx_jax.main --config=configs/default.py --workdir=runs/default \
+    tx_jax train --config=configs/default.py --workdir=runs/default \
         --config.train.num_steps=2000 --config.model.d_model=256
 """
 
@@ -23,7 +23,7 @@ config_flags.DEFINE_config_file(
 flags.mark_flags_as_required(["config", "workdir"])
 
 
-def main(argv):
+def _main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.set_verbosity(logging.WARNING)
@@ -45,5 +45,6 @@ def main(argv):
         os._exit(1)
 
 
-if __name__ == "__main__":
-    app.run(main, flags_parser=common.parse_config_flags)
+def main(argv: list[str]) -> None:
+    """`tx_jax train`: argv as sys.argv holds it (the program's name first)."""
+    app.run(_main, argv=argv, flags_parser=common.parse_config_flags)

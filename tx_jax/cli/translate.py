@@ -1,12 +1,12 @@
 """Translate stdin to stdout with a checkpoint: output line i translates input line i.
 
-    python -m tx_jax.translate --workdir=runs/default < source.txt > hypotheses.txt
-    python -m tx_jax.translate --workdir=runs/default --average_last=5 --beam_size=4 \
-        --alpha=0.6 --batch_size=64 < source.txt
-    python -m tx_jax.translate --checkpoint=runs/default/averaged/last5/600 < source.txt
-    python -m tx_jax.translate --workdir=runs/multi --target_lang=fr [--pivot=en] < de.txt
-    python -m tx_jax.translate --workdir=runs/nllb --source_lang=eng_Latn --target_lang=deu_Latn
-    python -m tx_jax.translate --workdir=runs/default --input='corpus/*.en.gz,extra.en' \
+    tx_jax translate --workdir=runs/default < source.txt > hypotheses.txt
+    tx_jax translate --workdir=runs/default --average_last=5 --beam_size=4 \
+        --length_penalty=0.6 --batch_size=64 < source.txt
+    tx_jax translate --checkpoint=runs/default/averaged/last5/600 < source.txt
+    tx_jax translate --workdir=runs/multi --target_lang=fr [--pivot=en] < de.txt
+    tx_jax translate --workdir=runs/nllb --source_lang=eng_Latn --target_lang=deu_Latn
+    tx_jax translate --workdir=runs/default --input='corpus/*.en.gz,extra.en' \
         --output_dir=out [--shard_lines=2000] [--nbest=4 --scores] [--sampling=topk:10 \
         --temperature=0.8 --seed=1]
 
@@ -25,7 +25,7 @@ relaunch resumes (inference/corpus.py; README: "Translating a corpus").
 
 Output format (both modes): one line per input line; --nbest=N gives N lines per input line
 (best first; N samples with --sampling), --scores adds two tab-separated columns,
-ln p(output | source) and its token count (as tx_jax.score prints them). A blank input line
+ln p(output | source) and its token count (as tx_jax score prints them). A blank input line
 gives N empty lines (with --scores: <TAB>nan<TAB>0).
 """
 
@@ -40,7 +40,7 @@ from absl import app, flags
 
 from tx_jax.cli import common
 from tx_jax.data import directions
-from tx_jax.inference import corpus, languages, restore, scoring, translation
+from tx_jax.inference import corpus, languages, quality, restore, translation
 from tx_jax.inference.search import LENGTH_PENALTIES
 from tx_jax.inference.translation import translate_lines
 from tx_jax.training import parallel
@@ -56,16 +56,16 @@ def read_lines(stream: BinaryIO) -> list[str]:
     return corpus.split_lines(stream.read())
 
 
-def _sampling(f) -> scoring.Sampling | None:
+def _sampling(f) -> quality.Sampling | None:
     """--sampling=topk:K | topp:P (with --temperature, --seed) -> Sampling; None: search."""
     if not f.sampling:
         return None
     kind, _, value = f.sampling.partition(":")
     try:
         if kind == "topk" and int(value) >= 0:
-            return scoring.Sampling(f.temperature, int(value), 1.0, f.seed)
+            return quality.Sampling(f.temperature, int(value), 1.0, f.seed)
         if kind == "topp" and 0.0 < float(value) <= 1.0:
-            return scoring.Sampling(f.temperature, 0, float(value), f.seed)
+            return quality.Sampling(f.temperature, 0, float(value), f.seed)
     except ValueError:
         pass
     raise app.UsageError(
@@ -74,7 +74,7 @@ def _sampling(f) -> scoring.Sampling | None:
     )
 
 
-def _decoder(f, loaded: restore.Loaded, sampling: scoring.Sampling | None):
+def _decoder(f, loaded: restore.Loaded, sampling: quality.Sampling | None):
     """decode(lines, line_ids, progress(done), line_name) -> each line's hypotheses, with the
     flags' search, languages and output options (translation.decode_lines)."""
     if f.nbest < 1:
@@ -91,10 +91,10 @@ def _decoder(f, loaded: restore.Loaded, sampling: scoring.Sampling | None):
         raise app.UsageError("--pivot needs --target_lang (a multilingual checkpoint)")
     kwargs = dict(
         beam_size=f.beam_size,
-        alpha=f.alpha,
+        length_penalty=f.length_penalty,
         batch_size=f.batch_size,
         max_len=f.max_len,
-        length_penalty=f.length_penalty,
+        length_penalty_kind=f.length_penalty_kind,
         sampling=sampling,
         length_buckets=None if f.length_buckets is None else [int(x) for x in f.length_buckets],
     )
@@ -131,8 +131,8 @@ def _settings(f, loaded: restore.Loaded, sampling, overrides) -> dict:
         step=int(loaded.step),
         overrides=dict(overrides),
         beam_size=None if sampling else f.beam_size,
-        alpha=None if sampling else f.alpha,
         length_penalty=None if sampling else f.length_penalty,
+        length_penalty_kind=None if sampling else f.length_penalty_kind,
         sampling=None if sampling is None else [f.sampling, f.temperature, f.seed],
         nbest=f.nbest,
         scores=f.scores,
@@ -201,14 +201,14 @@ def _main(argv: list[str], overrides: dict[str, str]) -> None:
 
     kwargs = dict(
         beam_size=f.beam_size,
-        alpha=f.alpha,
+        length_penalty=f.length_penalty,
         batch_size=f.batch_size,
         max_len=f.max_len,
         progress=progress,
         length_buckets=None if f.length_buckets is None else [int(x) for x in f.length_buckets],
     )
-    if f.length_penalty != "gnmt":
-        kwargs["length_penalty"] = f.length_penalty
+    if f.length_penalty_kind != "gnmt":
+        kwargs["length_penalty_kind"] = f.length_penalty_kind
     if languages.is_imported(loaded.tokenizer):  # M2M100/NLLB, multi-target OPUS-MT
         if f.pivot:
             raise app.UsageError("--pivot is for tx_jax's multilingual runs")
@@ -231,10 +231,12 @@ def _main(argv: list[str], overrides: dict[str, str]) -> None:
     sys.stdout.flush()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     common.define_checkpoint_flags()
     flags.DEFINE_integer("beam_size", 4, "Beam size; 1 is greedy (paper: 4).")
-    flags.DEFINE_float("alpha", 0.6, "GNMT length penalty alpha (paper: 0.6).")
+    flags.DEFINE_float(
+        "length_penalty", 0.6, "Beam search's length penalty, GNMT's alpha (paper: 0.6)."
+    )
     flags.DEFINE_integer(
         "batch_size", None, "Source lines per decoding batch (default: data.eval_batch_size)."
     )
@@ -261,12 +263,12 @@ def main() -> None:
         "source_lang", None, "Imported M2M100/NLLB: the sources' language (default: its config's)."
     )
     flags.DEFINE_enum(
-        "length_penalty",
+        "length_penalty_kind",
         "gnmt",
         list(LENGTH_PENALTIES),
-        "Beam search divides log p by ((5 + length) / 6)^alpha (gnmt) or length^alpha "
-        "(fairseq: CTranslate2's); hf / hf_early / hf_never: Transformers' generate with "
-        "early_stopping=False / True / 'never', token for token.",
+        "Beam search divides log p by ((5 + length) / 6)^a (gnmt) or length^a (fairseq: "
+        "CTranslate2's), a = --length_penalty; hf / hf_early / hf_never: Transformers' "
+        "generate with early_stopping=False / True / 'never', token for token.",
     )
     flags.DEFINE_string(
         "pivot",
@@ -303,8 +305,4 @@ def main() -> None:
     )
     flags.DEFINE_float("temperature", 1.0, "With --sampling: softmax temperature (0: greedy).")
     flags.DEFINE_integer("seed", 0, "With --sampling: the seed of every line's samples.")
-    common.run_cli(_main)
-
-
-if __name__ == "__main__":
-    main()
+    common.run_cli(_main, argv)

@@ -1,4 +1,4 @@
-"""`python -m tx_jax.visualize attention | curves`: attention heatmaps and training curves (PNG).
+"""`tx_jax visualize attention | curves`: attention heatmaps and training curves (PNG).
 
 analysis.visualize has the functions and the details.
 """
@@ -21,9 +21,9 @@ from tx_jax.analysis.visualize import (
 from tx_jax.inference import restore
 
 USAGE = """usage:
-  python -m tx_jax.visualize attention --workdir=DIR [--step=N] --source="..." [--target="..."]
+  tx_jax visualize attention --workdir=DIR [--step=N] --source="..." [--target="..."]
       --out=DIR_PNG [--kinds=cross,encoder,decoder] [--noaverage_heads]
-  python -m tx_jax.visualize curves --metrics=A/metrics.jsonl[,B/metrics.jsonl] --out=x.png
+  tx_jax visualize curves --metrics=A/metrics.jsonl[,B/metrics.jsonl] --out=x.png
       [--keys=loss,bleu] [--labels=a,b] [--x=step|elapsed|train_seconds]"""
 
 
@@ -86,7 +86,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     for path in paths:
         print(path)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

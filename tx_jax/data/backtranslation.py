@@ -13,7 +13,7 @@
 A synthetic corpus is two plain-text files (or globs with wildcards in the file name, or lists
 of them, read in sorted order one after another; '.gz' files are decompressed) of aligned
 lines: line k of `source` is the source of line k of `target`. Back-translation (Sennrich et
-al., 2016) sends target-language monolingual text through a reverse model: `tx_jax.translate
+al., 2016) sends target-language monolingual text through a reverse model: `tx_jax translate
 --input` reads mono.de and writes mono.de.en beside it, so the synthetic source is the
 translation and the target its input.
 Local or gs:// paths (paths.py); the line counts must match, and an error names both files.

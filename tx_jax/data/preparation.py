@@ -12,7 +12,7 @@ the workdir (gs://) and the data's own location are common. So in a multi-proces
   host, or gs://, where process 0 published it) reads process 0's;
 - so no process waits long at that barrier, data that is not prepared yet and takes more than
   `MULTI_HOST_PREPARE_BYTES` to prepare (or a download) stops the run at once, on every
-  process, with the command that prepares it first (`python -m tx_jax.prepare`).
+  process, with the command that prepares it first (`tx_jax prepare`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from jax.experimental import multihost_utils
 from tx_jax.data import datasets
 
 # A run of several processes prepares data itself up to this size (seconds of reading);
-# anything larger, or a download, is prepared first with `python -m tx_jax.prepare`.
+# anything larger, or a download, is prepared first with `tx_jax prepare`.
 MULTI_HOST_PREPARE_BYTES = 64 << 20
 _TOKEN_FILE = ".tx_jax_processes"
 
@@ -114,6 +114,6 @@ def check_hosts(workdir: epath.Path, datas: Sequence[Any]) -> None:
 
 
 def prepare_command() -> str:
-    """`python -m tx_jax.prepare` with this command line's --config and --workdir flags."""
+    """`tx_jax prepare` with this command line's --config and --workdir flags."""
     keep = [a for a in sys.argv[1:] if a.startswith(("--config", "--workdir"))]
-    return " ".join(["python -m tx_jax.prepare", *keep]) if keep else "python -m tx_jax.prepare"
+    return " ".join(["tx_jax prepare", *keep]) if keep else "tx_jax prepare"

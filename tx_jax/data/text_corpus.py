@@ -383,7 +383,7 @@ def check_required(data: Any) -> None:
     """At a run's start (`extra_splits`, before anything is prepared, on every process): the
     splits a run cannot do without have files (data.train and the split data.eval_split
     names; a test split is optional: without files a run skips its test score); CorpusError
-    naming the key. A config without files still plans (tx_jax.plan reads no data)."""
+    naming the key. A config without files still plans (tx_jax plan reads no data)."""
     specs = config_builder_kwargs(data)["specs"]
     for split in ("train", base_split(data.eval_split)):
         if split not in specs:

@@ -5,8 +5,8 @@ obtained by averaging the last 5 checkpoints" and the big ones the last 20 (fair
 `average_checkpoints.py`, tensor2tensor's `avg_checkpoints.py`).
 
     averaged = average_checkpoints("runs/default", 5)   # -> Averaged(path, step, steps)
-    python -m tx_jax.evaluate --workdir=runs/default --average_last=5
-    python -m tx_jax.evaluate --checkpoint=runs/default/averaged/last5/600
+    tx_jax evaluate --workdir=runs/default --average_last=5
+    tx_jax evaluate --checkpoint=runs/default/averaged/last5/600
 
 Parameters are averaged elementwise: summed on the host in float64, one checkpoint at a
 time, divided by K and rounded once to the parameter dtype (float32), so the mean of K equal

@@ -136,6 +136,15 @@ def layout(line_counts: Sequence[int], shard_lines: int) -> list[Shard]:
     return shards
 
 
+def _renamed(old: dict[str, Any]) -> dict[str, Any]:
+    """A job.json written when the length penalty was `alpha` and its rule `length_penalty`,
+    under today's names: a relaunch across the rename resumes."""
+    if "alpha" not in old:
+        return old
+    out = {k: v for k, v in old.items() if k not in ("alpha", "length_penalty")}
+    return {**out, "length_penalty": old["alpha"], "length_penalty_kind": old["length_penalty"]}
+
+
 def _check_job(job: Job) -> None:
     """Write job.json, or refuse a relaunch whose settings differ from the first launch's
     (its shards would mix two configurations in one output)."""
@@ -146,7 +155,7 @@ def _check_job(job: Job) -> None:
     }
     path = job.state / "job.json"
     if path.exists():
-        old = json.loads(path.read_text())
+        old = _renamed(json.loads(path.read_text()))
         changed = sorted(k for k in set(old) | set(record) if old.get(k) != record.get(k))
         if changed:
             diffs = "; ".join(f"{k}: {old.get(k)!r} then, {record.get(k)!r} now" for k in changed)

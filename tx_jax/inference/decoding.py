@@ -313,9 +313,9 @@ def translate_greedy(
     static_argnames=(
         "config",
         "beam_size",
-        "alpha",
-        "eos_id",
         "length_penalty",
+        "eos_id",
+        "length_penalty_kind",
         "use_cache",
         *_LIMIT_ARGS,
     ),
@@ -326,10 +326,10 @@ def translate_beam(
     inputs: Array,
     *,
     beam_size: int = 4,
-    alpha: float = 0.6,
+    length_penalty: float = 0.6,
     max_decode_len: int | None = None,
     eos_id: int = EOS_ID,
-    length_penalty: str = "gnmt",
+    length_penalty_kind: str = "gnmt",
     prompt: Array | None = None,
     use_cache: bool = True,
     max_len_a: float = MAX_LEN_A,
@@ -337,10 +337,11 @@ def translate_beam(
     compact: int | None = None,
 ) -> tuple[Array, Array]:
     """Beam-search translation of inputs [B, S] -> tokens [B, N, T], scores [B, N], best
-    first. Defaults are the paper's (beam 4, alpha 0.6, output limit n + 50 per row, as
-    translate_greedy's); `length_penalty` is 'gnmt' or 'fairseq' (see `length_penalty` and
-    `beam_search`; compact as translate_greedy's), or 'hf' / 'hf_early' / 'hf_never' for
-    Transformers' beam search token for token (generate's length_penalty=alpha,
+    first. Defaults are the paper's (beam 4, length penalty 0.6, output limit n + 50 per row,
+    as translate_greedy's); `length_penalty_kind` is 'gnmt' or 'fairseq' (see
+    search.length_divisor and `beam_search`; compact as translate_greedy's), or 'hf' /
+    'hf_early' / 'hf_never' for Transformers' beam search token for token (generate's same
+    length_penalty,
     early_stopping=False / True / "never"; search.beam_search). prompt [B, P]: forced first
     tokens in every beam, scored as search.beam_search says (no log-probability, not counted;
     counted by the 'hf' rules, as forced_bos_token_id is)."""
@@ -356,8 +357,8 @@ def translate_beam(
         max_decode_len=T,
         bos_id=config.bos_id,
         eos_id=eos_id,
-        alpha=alpha,
-        length_penalty_kind=length_penalty,
+        length_penalty=length_penalty,
+        length_penalty_kind=length_penalty_kind,
         prompt=prompt,
         limits=limits,
         grow_at=grow_at,

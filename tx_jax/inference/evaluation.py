@@ -1,25 +1,25 @@
 """Evaluate a checkpoint: decode a split, score it with sacreBLEU, log the result.
 
-    python -m tx_jax.evaluate --workdir=runs/default                  test split, beam 4, alpha 0.6
-    python -m tx_jax.evaluate --workdir=runs/default --step=400 --split=validation --beam_size=1
-    python -m tx_jax.evaluate --workdir=runs/default --average_last=3     (saved, then reused)
-    python -m tx_jax.evaluate --checkpoint=runs/default/averaged/last3/600
-    python -m tx_jax.evaluate --workdir=runs/default --sweep --beams=1,4 --alphas=0.6,1.0
-    python -m tx_jax.evaluate --workdir=runs/default --config.data.data_dir=/data/tfds
-    python -m tx_jax.evaluate --workdir=runs/multi --direction=de-fr [--pivot=en]   multilingual
-    python -m tx_jax.evaluate --workdir=runs/multi --direction=all      every trained direction
-    python -m tx_jax.evaluate --workdir=runs/nllb --config.data.dataset=multi30k \
+    tx_jax evaluate --workdir=runs/default                  test split, beam 4, length penalty 0.6
+    tx_jax evaluate --workdir=runs/default --step=400 --split=validation --beam_size=1
+    tx_jax evaluate --workdir=runs/default --average_last=3     (saved, then reused)
+    tx_jax evaluate --checkpoint=runs/default/averaged/last3/600
+    tx_jax evaluate --workdir=runs/default --sweep --beams=1,4 --length_penalties=0.6,1.0
+    tx_jax evaluate --workdir=runs/default --config.data.data_dir=/data/tfds
+    tx_jax evaluate --workdir=runs/multi --direction=de-fr [--pivot=en]   multilingual
+    tx_jax evaluate --workdir=runs/multi --direction=all      every trained direction
+    tx_jax evaluate --workdir=runs/nllb --config.data.dataset=multi30k \
         --config.data.source_lang=en --config.data.target_lang=de       an imported NLLB model
 
 The model, tokenizer and config come from the checkpoint (restore.py), restored onto one
 local device whatever layout trained it; `--config.key=value` overrides the stored config
-(data paths, eval batch size). Beam search defaults to the paper's beam 4, alpha 0.6
+(data paths, eval batch size). Beam search defaults to the paper's beam 4, length penalty 0.6
 (section 6.1); beam 1 is greedy. Outputs, WORKDIR being the run directory:
 
-    WORKDIR/eval/<split>[_<src>-<tgt>[_via-<pivot>]]_step<N>[_avg<K>]_beam<b>[_alpha<a>][_first<n>].txt
-        detokenized hypotheses, one line per example, in corpus order (no alpha for greedy)
+    WORKDIR/eval/<split>[_<src>-<tgt>[_via-<pivot>]]_step<N>[_avg<K>]_beam<b>[_penalty<p>][_first<n>].txt
+        detokenized hypotheses, one line per example, in corpus order (no length penalty for greedy)
     WORKDIR/eval_results.jsonl
-        one JSON record appended per evaluation: step, split, beam, alpha, bleu, signature
+        one JSON record appended per evaluation: step, split, beam, length_penalty, bleu, signature
         (sacreBLEU's), chrf, chrf_signature, loss, accuracy, perplexity (teacher-forced on
         the split), examples, averaged (K or null), averaged_steps, seconds (wall, all of
         it), decode_seconds, compile_seconds (tracing and compiling, or loading from the
@@ -36,7 +36,7 @@ and en<->fr), or 'all' (the trained directions, then their mean BLEU). Sources g
 '<2xx>' tag id; --pivot=en translates into English first, then into the target (multilingual.py).
 The loss, accuracy and perplexity are teacher-forced on the direction itself (tagged).
 
-An imported M2M100/NLLB model (tx_jax.import_model) reads [source language token] + pieces +
+An imported M2M100/NLLB model (tx_jax import) reads [source language token] + pieces +
 EOS and its hypotheses are forced to start with the target's language token (left out of
 the text BLEU scores): for data.source_lang/target_lang by default, or for --source_lang /
 --target_lang (inference/languages.py, as translate and score; NLLB takes `de` or `deu_Latn`).
@@ -45,7 +45,7 @@ The teacher-forced loss scores targets as fine-tuning trains them: [language tok
 --config.data.target_lang=fr for French references); a checkpoint trained here refuses other
 languages there.
 
-`--sweep` decodes the validation split (or --split) over --beams x --alphas, appends every
+`--sweep` decodes the validation split (or --split) over --beams x --length_penalties, appends every
 point to eval_results.jsonl, prints the grid and the best pair.
 """
 
@@ -66,14 +66,14 @@ from etils import epath
 
 from tx_jax import paths
 from tx_jax.data import directions, tasks
-from tx_jax.inference import compilation, languages, multilingual, restore, scoring
+from tx_jax.inference import compilation, languages, multilingual, quality, restore
 from tx_jax.training.step import eval_sums, model_inputs
 from tx_jax.training.step import loss_metrics as reduce_loss_metrics
 
 RESULTS_FILE = "eval_results.jsonl"
 EVAL_DIR = "eval"
 SWEEP_BEAMS = (1, 2, 4, 6)
-SWEEP_ALPHAS = (0.0, 0.6, 1.0)
+SWEEP_LENGTH_PENALTIES = (0.0, 0.6, 1.0)
 
 
 # ---------------------------------------------------------------------- pieces
@@ -160,18 +160,18 @@ def hypotheses_path(
     split: str,
     step: int,
     beam_size: int,
-    alpha: float,
+    length_penalty: float,
     *,
     averaged: int | None = None,
     limit: int | None = None,
     direction: str | None = None,
     pivot: str | None = None,
 ) -> epath.Path:
-    """WORKDIR/eval/<split>[_<dir>[_via-<pivot>]]_step<N>[_avg<K>]_beam<b>[_alpha<a>][_first<n>].txt"""
+    """WORKDIR/eval/<split>[_<dir>[_via-<pivot>]]_step<N>[_avg<K>]_beam<b>[_penalty<p>][_first<n>].txt"""
     name = split + (f"_{direction}" if direction else "") + (f"_via-{pivot}" if pivot else "")
     name += f"_step{step}"
     name += f"_avg{averaged}" if averaged else ""
-    name += f"_beam{beam_size}" + (f"_alpha{alpha:g}" if beam_size > 1 else "")
+    name += f"_beam{beam_size}" + (f"_penalty{length_penalty:g}" if beam_size > 1 else "")
     name += f"_first{limit}" if limit is not None else ""
     return workdir / EVAL_DIR / (re.sub(r"[^\w.+-]", "_", name) + ".txt")  # 'train[:8]'...
 
@@ -186,7 +186,7 @@ def append_record(workdir: epath.Path, record: Mapping[str, Any]) -> None:
     paths.append_text(workdir / RESULTS_FILE, json.dumps(record) + "\n")
 
 
-class _Split(scoring.Split):
+class _Split(quality.Split):
     """One split of a loaded checkpoint's dataset (of one direction of a multilingual
     checkpoint: its sources tagged) and its teacher-forced loss metrics."""
 
@@ -245,13 +245,13 @@ def _decode(
     loaded: restore.Loaded,
     data: _Split,
     beam_size: int,
-    alpha: float,
+    length_penalty: float,
     *,
     write: bool,
     pivot: str | None = None,
     profile_dir: str | epath.Path | None = None,
 ) -> dict[str, Any]:
-    """Translate and score one split (scoring.score_split); write the hypotheses -> the
+    """Translate and score one split (quality.measure_split); write the hypotheses -> the
     record (no totals yet). With `profile_dir`, the split is decoded a second time under
     jax.profiler, compiled by then, so that the trace (profile_dir/plugins/profile/<time>/)
     shows decoding alone."""
@@ -260,15 +260,17 @@ def _decode(
         if not data.direction:
             raise restore.CheckpointError("a pivot needs a direction of a multilingual model")
         target = data.direction.split("-")[1]
-        via = multilingual.through(loaded, target, pivot, beam_size=beam_size, alpha=alpha)
+        via = multilingual.through(
+            loaded, target, pivot, beam_size=beam_size, length_penalty=length_penalty
+        )
     model = (loaded.model_config, loaded.params, loaded.tokenizer, data)
-    kw = dict(beam_size=beam_size, alpha=alpha, translate=via)
-    result = scoring.score_split(*model, **kw)
+    kw = dict(beam_size=beam_size, length_penalty=length_penalty, translate=via)
+    result = quality.measure_split(*model, **kw)
     seconds = result.decode_seconds
     if profile_dir is not None:
         with jax.profiler.trace(str(profile_dir)):
             start = time.time()
-            scoring.translate_split(*model, **kw)
+            quality.translate_split(*model, **kw)
             seconds = time.time() - start  # the traced (compiled) pass's
     averaged = len(loaded.averaged_steps) if loaded.averaged_steps else None
     path = hypotheses_path(
@@ -276,7 +278,7 @@ def _decode(
         data.name,
         loaded.step,
         beam_size,
-        alpha,
+        length_penalty,
         averaged=averaged,
         limit=data.limit,
         direction=data.direction or data.languages,
@@ -289,7 +291,7 @@ def _decode(
         "split": data.name,
         "dataset_split": data.dataset_split,
         "beam": beam_size,
-        "alpha": alpha if beam_size > 1 else None,
+        "length_penalty": length_penalty if beam_size > 1 else None,
         "bleu": result.bleu,
         "signature": result.signature,
         "chrf": result.chrf,
@@ -325,7 +327,9 @@ def _compiled(r: Mapping[str, Any]) -> str:
 
 
 def result_line(r: Mapping[str, Any]) -> str:
-    search = f"beam {r['beam']}" + (f" alpha {r['alpha']:g}" if r["alpha"] is not None else "")
+    search = f"beam {r['beam']}" + (
+        f" length penalty {r['length_penalty']:g}" if r["length_penalty"] is not None else ""
+    )
     avg = f" (average of {r['averaged']})" if r["averaged"] else ""
     way = f" {r['direction']}" if r.get("direction") else ""
     way += f" via {r['pivot']}" if r.get("pivot") else ""
@@ -347,7 +351,7 @@ def evaluate(
     average_last: int | None = None,
     split: str = "test",
     beam_size: int = 4,
-    alpha: float = 0.6,
+    length_penalty: float = 0.6,
     limit: int | None = None,
     overrides: Mapping[str, Any] | None = None,
     write: bool = True,
@@ -372,7 +376,7 @@ def evaluate(
         loaded,
         split=split,
         beam_size=beam_size,
-        alpha=alpha,
+        length_penalty=length_penalty,
         limit=limit,
         write=write,
         direction=direction,
@@ -389,7 +393,7 @@ def evaluate_loaded(
     *,
     split: str = "test",
     beam_size: int = 4,
-    alpha: float = 0.6,
+    length_penalty: float = 0.6,
     limit: int | None = None,
     write: bool = True,
     direction: str | None = None,
@@ -406,7 +410,7 @@ def evaluate_loaded(
         langs = dict(source_lang=source_lang, target_lang=target_lang)
         data = _Split(loaded, split, limit, direction, **langs)
         record = _decode(
-            loaded, data, beam_size, alpha, write=write, pivot=pivot, profile_dir=trace
+            loaded, data, beam_size, length_penalty, write=write, pivot=pivot, profile_dir=trace
         )
     record.update(_compile_fields(compiled), profile=str(trace) if trace else None)
     return _finish(record, start, write=write, sweep=False, workdir=loaded.workdir)
@@ -449,7 +453,7 @@ def sweep(
     average_last: int | None = None,
     split: str = "validation",
     beams: Sequence[int] = SWEEP_BEAMS,
-    alphas: Sequence[float] = SWEEP_ALPHAS,
+    length_penalties: Sequence[float] = SWEEP_LENGTH_PENALTIES,
     limit: int | None = None,
     overrides: Mapping[str, Any] | None = None,
     write: bool = True,
@@ -457,9 +461,9 @@ def sweep(
     source_lang: str | None = None,
     target_lang: str | None = None,
 ) -> dict[str, Any]:
-    """Decode `split` for every beam size x alpha (greedy once: alpha does not apply) ->
+    """Decode `split` for every beam size x length penalty (greedy once: it does not apply) ->
     {'best': record, 'points': [record, ...]}; the best is the highest BLEU, ties going to
-    the smaller beam, then the smaller alpha. `direction`, `source_lang`, `target_lang`: as
+    the smaller beam, then the smaller length penalty. `direction`, `source_lang`, `target_lang`: as
     for `evaluate`."""
     start = time.time()
     loaded = load(workdir, checkpoint, step, average_last, overrides)
@@ -467,9 +471,9 @@ def sweep(
     data = _Split(loaded, split, limit, direction, **langs)
     points = []
     for beam in sorted(set(beams)):
-        for alpha in sorted(set(alphas)) if beam > 1 else [None]:
+        for length_penalty in sorted(set(length_penalties)) if beam > 1 else [None]:
             with compilation.CompileTimer() as compiled:
-                record = _decode(loaded, data, beam, alpha or 0.0, write=write)
+                record = _decode(loaded, data, beam, length_penalty or 0.0, write=write)
             record.update(_compile_fields(compiled))
             points.append(_finish(record, start, write=write, sweep=True, workdir=loaded.workdir))
     best = points[int(np.argmax([p["bleu"] for p in points]))]
@@ -477,13 +481,14 @@ def sweep(
 
 
 def sweep_table(points: Sequence[Mapping[str, Any]]) -> str:
-    """BLEU as a grid: one row per beam size, one column per alpha (greedy: every column)."""
-    alphas = sorted({p["alpha"] for p in points if p["alpha"] is not None}) or [None]
+    """BLEU as a grid: one row per beam size, one column per length penalty (greedy: every
+    column)."""
+    penalties = sorted({p["length_penalty"] for p in points} - {None}) or [None]
     lines = [
-        "beam \\ alpha " + "".join(f"{a:>8g}" if a is not None else "       -" for a in alphas)
+        "beam \\ penalty " + "".join(f"{a:>8g}" if a is not None else "       -" for a in penalties)
     ]
     for beam in sorted({p["beam"] for p in points}):
-        row = {p["alpha"]: p["bleu"] for p in points if p["beam"] == beam}
-        cells = [row.get(a, row.get(None, float("nan"))) for a in alphas]
-        lines.append(f"{beam:>12} " + "".join(f"{c:>8.2f}" for c in cells))
+        row = {p["length_penalty"]: p["bleu"] for p in points if p["beam"] == beam}
+        cells = [row.get(a, row.get(None, float("nan"))) for a in penalties]
+        lines.append(f"{beam:>14} " + "".join(f"{c:>8.2f}" for c in cells))
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-r"""Sampling from a language model: prompts in, continuations out (`python -m tx_jax.generate`).
+r"""Sampling from a language model: prompts in, continuations out (`tx_jax generate`).
 
 The checkpoint must hold a DecoderOnly model (config['task'] == 'lm'). Each prompt is
 encoded without BOS or EOS, forced as the start of `num_samples` rows, and continued by

@@ -3,14 +3,14 @@
     loaded = restore.load("runs/multi")                 a model trained with data.directions
     multilingual.translate_to(loaded, german, "fr")                zero-shot de -> fr (direct)
     multilingual.translate_to(loaded, german, "fr", pivot="en")    de -> en -> fr, same model
-    multilingual.score_direction(loaded, "de-fr", split="test", pivot="en")   sacreBLEU
+    multilingual.measure_direction(loaded, "de-fr", split="test", pivot="en")   sacreBLEU
 
 A multilingual model reads [id of '<2xx>'] + source pieces + [EOS] and answers in language xx
 (data/directions.py; Johnson et al., 2017). Any direction whose target language has a tag can
 be asked for, trained or not: a model trained on en<->de and en<->fr translates de -> fr
 "zero-shot" from the tag alone, or through English with two supervised passes ("pivot").
-`python -m tx_jax.evaluate --workdir=runs/multi --direction=de-fr [--pivot=en]` and
-`python -m tx_jax.translate --workdir=runs/multi --target_lang=fr [--pivot=en]` use these.
+`tx_jax evaluate --workdir=runs/multi --direction=de-fr [--pivot=en]` and
+`tx_jax translate --workdir=runs/multi --target_lang=fr [--pivot=en]` use these.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 from tx_jax.data import directions, tasks
 from tx_jax.data.tokenizer import Tokenizer
-from tx_jax.inference import restore, scoring, translation
+from tx_jax.inference import quality, restore, translation
 
 
 def tag_prefix(tokenizer: Tokenizer, lang: str) -> list[int]:
@@ -39,7 +39,7 @@ def translate_to(
     *,
     pivot: str | None = None,
     beam_size: int = 4,
-    alpha: float = 0.6,
+    length_penalty: float = 0.6,
     batch_size: int | None = None,
     **kwargs: Any,
 ) -> list[str]:
@@ -50,10 +50,10 @@ def translate_to(
       sources: sentences in any language the model reads (the tag names only the target).
       target_lang: 'fr' -> the sources are tagged '<2fr>'.
       pivot: translate into this language first ('en'), then that output into target_lang.
-      beam_size, alpha, batch_size, **kwargs: translation.translate_lines' (beam 1: greedy;
+      beam_size, length_penalty, batch_size, **kwargs: translation.translate_lines' (beam 1: greedy;
         max_len, sort_by_length, warn, progress).
     """
-    kw = dict(beam_size=beam_size, alpha=alpha, batch_size=batch_size, **kwargs)
+    kw = dict(beam_size=beam_size, length_penalty=length_penalty, batch_size=batch_size, **kwargs)
     if pivot:
         sources = translate_to(loaded, sources, pivot, **kw)
     prefix = tag_prefix(loaded.tokenizer, target_lang)
@@ -76,24 +76,24 @@ class DirectionScore:
 
 
 def through(
-    loaded: restore.Loaded, target_lang: str, pivot: str, *, beam_size: int, alpha: float
-) -> scoring.Translator:
+    loaded: restore.Loaded, target_lang: str, pivot: str, *, beam_size: int, length_penalty: float
+) -> quality.Translator:
     """sources -> `translate_to` target_lang through `pivot`, in batches of the checkpoint's
     data.eval_batch_size, long sources truncated as in evaluation (no warning): how a split
-    is decoded through a pivot (scoring.score_split's `translate`)."""
+    is decoded through a pivot (quality.measure_split's `translate`)."""
     return functools.partial(
         translate_to,
         loaded,
         target_lang=target_lang,
         pivot=pivot,
         beam_size=beam_size,
-        alpha=alpha,
+        length_penalty=length_penalty,
         batch_size=loaded.config.data.eval_batch_size,
         warn=lambda message: None,
     )
 
 
-def score_direction(
+def measure_direction(
     loaded: restore.Loaded,
     direction: str,
     *,
@@ -101,11 +101,11 @@ def score_direction(
     pivot: str | None = None,
     limit: int | None = None,
     beam_size: int = 4,
-    alpha: float = 0.6,
+    length_penalty: float = 0.6,
 ) -> DirectionScore:
     """Translate the first `limit` pairs of `split` of `direction` ('de-fr': the dataset of
     the checkpoint's config read in that direction) and score them with sacreBLEU
-    (scoring.score_split, as evaluation and training's validation BLEU do).
+    (quality.measure_split, as evaluation and training's validation BLEU do).
 
     Direct: the split's eval batches, tagged. Through `pivot`: `translate_to` twice
     (sources -> pivot -> target)."""
@@ -115,15 +115,19 @@ def score_direction(
     task = tasks.direction_task(
         loaded.config.data, loaded.tokenizer, loaded.config.seed, (src, tgt)
     )
-    data = scoring.Split(task, split, limit)
-    via = through(loaded, tgt, pivot, beam_size=beam_size, alpha=alpha) if pivot else None
-    r = scoring.score_split(
+    data = quality.Split(task, split, limit)
+    via = (
+        through(loaded, tgt, pivot, beam_size=beam_size, length_penalty=length_penalty)
+        if pivot
+        else None
+    )
+    r = quality.measure_split(
         loaded.model_config,
         loaded.params,
         loaded.tokenizer,
         data,
         beam_size=beam_size,
-        alpha=alpha,
+        length_penalty=length_penalty,
         translate=via,
     )
     return DirectionScore(

@@ -49,7 +49,7 @@ LogitsFn = Callable[[Array, Cache], tuple[Array, Cache]]
 PAD_ID = 0
 EOS_ID = 3
 LENGTH_PENALTIES = ("gnmt", "fairseq", "hf", "hf_early", "hf_never")
-# Transformers' beam search (generate(num_beams=N), length_penalty=alpha) with its
+# Transformers' beam search (generate(num_beams=N), the same length_penalty) with its
 # early_stopping=False (generate's default), True and "never": `beam_search`.
 HF_EARLY_STOPPING = {"hf": False, "hf_early": True, "hf_never": "never"}
 
@@ -279,18 +279,18 @@ def greedy_decode(
 # -------------------------------------------------------------------- beam search
 
 
-def length_penalty(length: int | Array, alpha: float, kind: str = "gnmt") -> Array:
+def length_divisor(length: int | Array, length_penalty: float, kind: str = "gnmt") -> Array:
     """Divisor of a hypothesis' log-probability; `length` counts its tokens, EOS included.
 
-    gnmt: ((5 + length) / 6)^alpha (GNMT, Wu et al. 2016, section 7; the paper: alpha 0.6).
-    fairseq, and Transformers' rules (hf, hf_early, hf_never): length^alpha.
+    gnmt: ((5 + length) / 6)^a, a = length_penalty (GNMT's alpha, Wu et al. 2016, section 7;
+    the paper: 0.6). fairseq, and Transformers' rules (hf, hf_early, hf_never): length^a.
     """
     length = jnp.asarray(length, jnp.float32)
     if kind == "gnmt":
-        return ((5.0 + length) / 6.0) ** alpha
+        return ((5.0 + length) / 6.0) ** length_penalty
     if kind == "fairseq" or kind in HF_EARLY_STOPPING:
-        return length**alpha
-    raise ValueError(f"length_penalty={kind!r}; expected one of {LENGTH_PENALTIES}")
+        return length**length_penalty
+    raise ValueError(f"length_penalty_kind={kind!r}; expected one of {LENGTH_PENALTIES}")
 
 
 class _Beams(NamedTuple):
@@ -334,7 +334,7 @@ def _forcing(
 
 
 def _beam_step(
-    state: _Beams, tokens_to_logits: LogitsFn, bos_id, eos_id, penalty, hf=None, alpha=0.0
+    state: _Beams, tokens_to_logits: LogitsFn, bos_id, eos_id, penalty, hf=None, length_penalty=0.0
 ) -> _Beams:
     """Extend every live beam by every token; keep the best N live and N finished.
 
@@ -380,18 +380,18 @@ def _beam_step(
         fin_scores=fin_scores,
         cache=cache,
     )
-    return state if hf is None else _hf_stop(state, penalty, hf, alpha)
+    return state if hf is None else _hf_stop(state, penalty, hf, length_penalty)
 
 
-def _hf_stop(state: _Beams, penalty, early_stopping, alpha: float) -> _Beams:
+def _hf_stop(state: _Beams, penalty, early_stopping, length_penalty: float) -> _Beams:
     """Transformers' stopping rule after a step (`_check_early_stop_heuristic`): a row closes
     for good once its N finished slots are full and its best live log p / penalty(L) is no
     more than the worst of them. L is the length so far (early_stopping False or True): a
     heuristic, not a bound, since a longer beam may still score higher, but the row keeps what
-    it has (why 'hf' can differ from 'fairseq'). early_stopping="never" with alpha > 0 takes
-    the row's limit for L (tx_jax's bound); early_stopping=True also closes a row as soon as
-    its N slots are full."""
-    bound = early_stopping == "never" and alpha > 0
+    it has (why 'hf' can differ from 'fairseq'). early_stopping="never" with
+    length_penalty > 0 takes the row's limit for L (tx_jax's bound); early_stopping=True also
+    closes a row as soon as its N slots are full."""
+    bound = early_stopping == "never" and length_penalty > 0
     divisor = state.best_possible if bound else penalty(state.i)
     best_live = state.live_logp[:, 0] / divisor
     worst_finished = state.fin_scores[:, -1]
@@ -410,7 +410,7 @@ def beam_search(
     max_decode_len: int,
     bos_id: int,
     eos_id: int = EOS_ID,
-    alpha: float = 0.6,
+    length_penalty: float = 0.6,
     length_penalty_kind: str = "gnmt",
     prompt: Array | None = None,
     limits: Array | None = None,
@@ -420,12 +420,12 @@ def beam_search(
     """Beam search (section 6.1) -> tokens [B, N, T] and scores [B, N], best first.
 
     `tokens_to_logits` and `cache` work on B * N rows (row b * N + n = beam n of example b).
-    A hypothesis' score is its log-probability / length_penalty(length, alpha, kind);
+    A hypothesis' score is its log-probability / length_divisor(length, length_penalty, kind);
     finished hypotheses (EOS, or cut at the row's limit, default T) are kept apart from the
     N live ones. A row stops once no live beam can beat the worst of its N finished: with
-    alpha >= 0 the penalty only grows with length and log-probabilities only fall, so a live
-    beam's score is at most log p / penalty(limit) (the bound of flax's WMT beam search, with
-    the row's own limit for T); the loop stops when every row has.
+    length_penalty >= 0 the divisor only grows with length and log-probabilities only fall,
+    so a live beam's score is at most log p / penalty(limit) (the bound of flax's WMT beam
+    search, with the row's own limit for T); the loop stops when every row has.
 
     prompt [B, P] (right-padded with 0), as sample_decode's: row b's first
     (prompt[b] != 0).sum() tokens are forced in every beam, appear in the output and a forced
@@ -435,20 +435,23 @@ def beam_search(
     are in the output. Without a prompt the search is the same program as before it existed.
 
     length_penalty_kind 'hf', 'hf_early', 'hf_never': Transformers' beam search
-    (generate(num_beams=N, length_penalty=alpha, early_stopping=False, True, "never"); 'hf'
-    is generate's default), token for token: the penalty is length^alpha (computed in float64,
-    as Python does there); only EOS among the best N of the 2N candidates of a step finishes a
-    hypothesis (the other N are spares that keep N beams live); a row closes by
-    Transformers' heuristic (`_hf_stop`), not a bound, and keeps its finished ones from then
-    on. A forced prompt token counts in the length (as forced_bos_token_id's does) and adds
-    no log-probability. Any alpha is allowed, as Transformers allows it.
+    (generate(num_beams=N, length_penalty=length_penalty, early_stopping=False, True,
+    "never"); 'hf' is generate's default), token for token: the divisor is
+    length^length_penalty (computed in float64, as Python does there); only EOS among the
+    best N of the 2N candidates of a step finishes a hypothesis (the other N are spares that
+    keep N beams live); a row closes by Transformers' heuristic (`_hf_stop`), not a bound,
+    and keeps its finished ones from then on. A forced prompt token counts in the length (as
+    forced_bos_token_id's does) and adds no log-probability. Any length_penalty is allowed,
+    as Transformers allows it.
     """
-    length_penalty(1, alpha, length_penalty_kind)  # validate the kind
+    length_divisor(1, length_penalty, length_penalty_kind)  # validate the kind
     hf = HF_EARLY_STOPPING.get(length_penalty_kind)
-    if alpha < 0 and hf is None:
-        raise ValueError(f"alpha={alpha} must be >= 0 (the early-stopping bound needs it)")
+    if length_penalty < 0 and hf is None:
+        raise ValueError(
+            f"length_penalty={length_penalty} must be >= 0 (the early-stopping bound needs it)"
+        )
     B, N, T = batch_size, beam_size, max_decode_len
-    penalty = _penalty_of_length(alpha, length_penalty_kind, T)
+    penalty = _penalty_of_length(length_penalty, length_penalty_kind, T)
     limits = _row_limits(limits, B, T)
     forced = None if prompt is None else _forced(prompt, B, T)
 
@@ -467,20 +470,20 @@ def beam_search(
         eos_id=eos_id,
         penalty=penalty,
         hf=hf,
-        alpha=alpha,
+        length_penalty=length_penalty,
     )
     outputs = lambda s: (s.fin_seqs, s.fin_scores)  # noqa: E731
     return _staged(init, step, going, outputs, T=T, grow_at=grow_at, compact=compact, beams=N)
 
 
-def _penalty_of_length(alpha: float, kind: str, length: int) -> Callable[[Array], Array]:
-    """lengths [...] (each <= `length`, T) -> length_penalty(lengths, alpha, kind) [...];
+def _penalty_of_length(length_penalty: float, kind: str, length: int) -> Callable[[Array], Array]:
+    """lengths [...] (each <= `length`, T) -> length_divisor(lengths, length_penalty, kind) [...];
     Transformers' rules ('hf', ...) look it up in a table computed as Python computes it."""
     if kind not in HF_EARLY_STOPPING:
-        return functools.partial(length_penalty, alpha=alpha, kind=kind)
-    # Transformers divides by the Python float length ** alpha (float64), cast to
+        return functools.partial(length_divisor, length_penalty=length_penalty, kind=kind)
+    # Transformers divides by the Python float length ** length_penalty (float64), cast to
     # float32; XLA's float32 power can differ in the last bit, which can swap near-ties.
-    table = np.maximum(np.arange(length + 1), 1) ** float(alpha)
+    table = np.maximum(np.arange(length + 1), 1) ** float(length_penalty)
     return jnp.asarray(table.astype(np.float32)).__getitem__
 
 

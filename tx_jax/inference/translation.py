@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from tx_jax.data import eval_pipeline
-from tx_jax.inference import likelihood, restore, scoring
+from tx_jax.inference import likelihood, quality, restore
 
 # Batches encoded and decoded between progress reports: few and large, since each chunk's tail
 # runs on fewer threads than there are cores.
@@ -73,7 +73,7 @@ def decode_lines(
     lines: Sequence[str | bytes],
     *,
     beam_size: int = 4,
-    alpha: float = 0.6,
+    length_penalty: float = 0.6,
     batch_size: int | None = None,
     max_len: int | None = None,
     sort_by_length: bool = True,
@@ -81,10 +81,10 @@ def decode_lines(
     progress: Callable[[int, int], None] | None = None,
     source_prefix: Sequence[int] = (),
     target_prefix: Sequence[int] = (),
-    length_penalty: str = "gnmt",
+    length_penalty_kind: str = "gnmt",
     length_buckets: Sequence[int] | None = None,
     nbest: int = 1,
-    sampling: scoring.Sampling | None = None,
+    sampling: quality.Sampling | None = None,
     line_ids: Sequence[int] | None = None,
     scores: bool = False,
     line_name: Callable[[int], str] | None = None,
@@ -98,8 +98,9 @@ def decode_lines(
     batches. `source_prefix`: ids before every source, e.g. a multilingual model's
     target-language tag (multilingual.py); `target_prefix`: ids each output is forced to
     start with (an M2M100/NLLB target-language token: inference/languages.py gives both).
-    `length_penalty`: beam search's, 'gnmt' or 'fairseq' (Transformers' length^alpha).
-    `sampling` (scoring.Sampling) samples instead of searching; line i's k-th sample draws
+    `length_penalty_kind`: beam search's, 'gnmt' or 'fairseq' (length^length_penalty, as
+    Transformers divides).
+    `sampling` (quality.Sampling) samples instead of searching; line i's k-th sample draws
     from the key of (seed, line_ids[i], k) (default line_ids: 0, 1, ...). `scores`: each
     hypothesis' log-probability (Hypothesis). `line_name(i)`: how warnings name line i
     (default 'line {i + 1}'; a corpus shard's: 'FILE:LINE').
@@ -136,8 +137,8 @@ def decode_lines(
             source_prefix=source_prefix,
             target_prefix=target_prefix,
             beam_size=beam_size,
-            alpha=alpha,
             length_penalty=length_penalty,
+            length_penalty_kind=length_penalty_kind,
             nbest=nbest,
             sampling=sampling,
             scores=scores,
@@ -200,10 +201,10 @@ def _decode_chunk(
     source_prefix: Sequence[int],
     target_prefix: Sequence[int],
     beam_size: int,
-    alpha: float,
-    length_penalty: str,
+    length_penalty: float,
+    length_penalty_kind: str,
     nbest: int,
-    sampling: scoring.Sampling | None,
+    sampling: quality.Sampling | None,
     scores: bool,
 ) -> list[list[Hypothesis]]:
     """Each example (line i, sample k) of `part`'s hypotheses, aligned with `part`: the
@@ -220,16 +221,16 @@ def _decode_chunk(
     if sampling is not None:
         keys = np.array([(line_ids[i], k) for i, k in part], np.int32).reshape(-1, 2)
         batches = [_with_keys(b, keys) for b in batches]
-    decoded = scoring.decode_batches(
+    decoded = quality.decode_batches(
         loaded.model_config,
         loaded.params,
         batches,
         loaded.tokenizer.eos_id,
         len(part),
         beam_size=1 if sampling is not None else beam_size,
-        alpha=alpha,
-        target_prefix=target_prefix,
         length_penalty=length_penalty,
+        target_prefix=target_prefix,
+        length_penalty_kind=length_penalty_kind,
         nbest=1 if sampling is not None else nbest,
         sampling=sampling,
     )
@@ -254,7 +255,7 @@ def _hypotheses(
     skip: int,
     batch_size: int,
 ) -> list[list[Hypothesis]]:
-    """Each example's Hypothesis list from `scoring.decode_batches`' (source ids [S'], output
+    """Each example's Hypothesis list from `quality.decode_batches`' (source ids [S'], output
     ids [T'] each) per example: each output's text on one line and, with `scores`, its
     log-probability (likelihood.score_ids, `skip` forced ids left out; all of a chunk's outputs
     scored together, `batch_size` a batch)."""

@@ -1,6 +1,6 @@
 """An adapted run's LoRA adapters alone, in two forms.
 
-`python -m tx_jax.export --adapters_only` (`write`): OUT/adapters.safetensors holds A [K, r]
+`tx_jax export --adapters_only` (`write`): OUT/adapters.safetensors holds A [K, r]
 and B [r, N] of every adapted projection, named by its tx_jax path
 ('decoder/layer_0/self_attention/query_lora_a'; the attention's N is heads x head_dim, its out
 projection's K the same); OUT/adapter_config.json their rank, alpha, dropout and targets, the
@@ -8,7 +8,7 @@ step, and the base they were trained on (path, step and digest of its parameters
 checkpoints record it). A weight W [K, N] of the base becomes W + (alpha / rank) A B
 (model/lora.py's merge).
 
-`python -m tx_jax.export --format=peft` (`write_peft`): a PEFT LoRA directory
+`tx_jax export --format=peft` (`write_peft`): a PEFT LoRA directory
 (adapter_model.safetensors, adapter_config.json) for the base as `--format=hf` exports it (an
 imported model: the model it was imported from), so that
 `peft.PeftModel.from_pretrained(base, OUT)` computes what the adapted run does. Which rows and

@@ -116,9 +116,12 @@ def model_config(loaded: restore.Loaded) -> dict[str, Any]:
     }
 
 
-def generation_config(loaded: restore.Loaded, beam_size: int, alpha: float) -> dict[str, Any]:
+def generation_config(
+    loaded: restore.Loaded, beam_size: int, length_penalty: float
+) -> dict[str, Any]:
     """The run's test-time search. Transformers divides a beam's log-probability by
-    length^alpha (tx_jax's 'fairseq' penalty), not GNMT's ((5 + length) / 6)^alpha."""
+    length^length_penalty (tx_jax's 'fairseq' rule), not GNMT's
+    ((5 + length) / 6)^length_penalty."""
     out = {
         "decoder_start_token_id": loaded.model_config.bos_id,
         "eos_token_id": EOS_ID,
@@ -128,7 +131,7 @@ def generation_config(loaded: restore.Loaded, beam_size: int, alpha: float) -> d
         "suppress_tokens": [PAD_ID],  # tx_jax's search never emits padding
     }
     if beam_size > 1:  # transformers warns about a length penalty without beams
-        out["length_penalty"] = alpha
+        out["length_penalty"] = length_penalty
     return out
 
 
@@ -163,13 +166,13 @@ def export(
     out: str | epath.PathLike,
     *,
     beam_size: int | None = None,
-    alpha: float | None = None,
+    length_penalty: float | None = None,
     hf_config: dict[str, Any] | None = None,
 ) -> epath.Path:
     """Writes the Hugging Face directory `out` (created; files in it are replaced).
 
-    beam_size / alpha default to the run's test-time search (eval.test_beam_size or
-    eval.beam_size, eval.alpha). A model imported from Transformers (`hf_config`: the
+    beam_size / length_penalty default to the run's test-time search (eval.test_beam_size or
+    eval.beam_size, eval.length_penalty). A model imported from Transformers (`hf_config`: the
     config.json it came with) goes back in its own family's format through
     interop.pretrained (model.safetensors and config.json; the tokenizer's files are the
     tokenizer's to write)."""
@@ -189,13 +192,13 @@ def export(
     tensors = state_dict(weights_lib.extract(loaded.params, cfg, loaded.task), cfg)
     ev = loaded.config.eval
     beam_size = beam_size or ev.get("test_beam_size") or ev.beam_size
-    alpha = ev.alpha if alpha is None else alpha
+    length_penalty = ev.length_penalty if length_penalty is None else length_penalty
     out = epath.Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(model_config(loaded), indent=2))
     (out / "generation_config.json").write_text(
-        json.dumps(generation_config(loaded, beam_size, alpha), indent=2)
+        json.dumps(generation_config(loaded, beam_size, length_penalty), indent=2)
     )
     write_tokenizer(loaded, out)
     return out

@@ -7,7 +7,7 @@ or pytorch_model.bin with allow_pickle: torch.load(weights_only=True)) and the t
 files. The workdir written is an ordinary run's: WORKDIR/checkpoints/0 (Orbax: the parameters
 as the `state` item's params, the config and the tokenizer in `meta`, checksums),
 WORKDIR/tokenizer.model and WORKDIR/config.json. The tokenizer keeps the source's config.json
-and tokenizer files, so `tx_jax.export --format=hf` writes the family's format back from this
+and tokenizer files, so `tx_jax export --format=hf` writes the family's format back from this
 workdir or any run fine-tuned from it. Everything that reads a workdir then works on it:
 translate, score, evaluate, export, plan, visualize, init_from.
 

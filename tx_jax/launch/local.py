@@ -1,6 +1,6 @@
 """Run a sweep on this host: every point of an experiments/*.py file in its own workdir.
 
-    python -m tx_jax.sweep experiments/table3.py --root=runs/sweeps/table3 [--parallel=2]
+    tx_jax sweep experiments/table3.py --root=runs/sweeps/table3 [--parallel=2]
         [--dry_run] [--only=0,3] [--test_split_eval] [--override=train.num_steps=100 ...]
     ./launch.sh sweep experiments/table3.py [--parallel 2] [...]     (the same, via the venv)
 
@@ -10,7 +10,7 @@ N > 1, the first point to run goes alone, preparing the shared TFDS data, then t
 time). After a successful run the sweep writes WORKDIR/sweep_done.json (overrides, wall time,
 command, test BLEU of --test_split_eval); a rerun skips the points that have it, and resumes
 the others from their checkpoints. At the end, ROOT/results.csv, results.md and curves.png
-(launch/results.py). With --test_split_eval, `python -m tx_jax.evaluate --split=test
+(launch/results.py). With --test_split_eval, `tx_jax evaluate --split=test
 --beam_size=B` scores the final checkpoint. A failed point is reported (status 'failed (rc
 N)') and the others go on; the exit status is 1 if any point failed (2 for a bad sweep file
 or override). ROOT may be a gs:// path (tx_jax/paths.py): a point's log is then copied there
@@ -121,11 +121,12 @@ def run_logged(argv: list[str], point: Point, parallel: int) -> int:
 
 
 def _evaluate_test(point: Point, beam_size: int, parallel: int) -> dict | None:
-    """tx_jax.evaluate on the test split in a subprocess (the sweep never holds a device)."""
+    """`tx_jax evaluate` on the test split in a subprocess (the sweep never holds a device)."""
     argv = [
         sys.executable,
         "-m",
-        "tx_jax.evaluate",
+        "tx_jax",
+        "evaluate",
         f"--workdir={point.workdir}",
         "--split=test",
         f"--beam_size={beam_size}",
@@ -135,7 +136,7 @@ def _evaluate_test(point: Point, beam_size: int, parallel: int) -> dict | None:
     if rc != 0 or not path.exists():
         return None
     record = json.loads(path.read_text().splitlines()[-1])
-    return {k: record.get(k) for k in ("bleu", "step", "split", "beam", "alpha")}
+    return {k: record.get(k) for k in ("bleu", "step", "split", "beam", "length_penalty")}
 
 
 def run_sweep(

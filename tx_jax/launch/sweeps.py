@@ -7,7 +7,7 @@ base model, fewer steps; a point's own overrides win, and only they name it). Ev
 key of every point is checked against the base config before anything runs: a typo is an
 error naming the key and point.
 
-Point i trains as `python -m tx_jax.main --config=... --workdir=ROOT/<i>_<slug> --config.k=v
+Point i trains as `tx_jax train --config=... --workdir=ROOT/<i>_<slug> --config.k=v
 ...`. Values that absl's config flags cannot parse (lists, None, dicts) go through a generated
 WORKDIR/sweep_config.py instead (the base config plus those overrides); for a gs:// workdir it
 is loaded from a local copy, since a config is Python imported from a file.
@@ -135,7 +135,7 @@ def command(point: Point, config: str, python: str = sys.executable) -> tuple[li
             "    return config\n"
         )
         config = config_file(point)
-    argv = [python, "-m", "tx_jax.main", f"--config={config}", f"--workdir={point.workdir}"]
+    argv = [python, "-m", "tx_jax", "train", f"--config={config}", f"--workdir={point.workdir}"]
     return argv + [f"--config.{k}={_flag_value(v)}" for k, v in flag_items.items()], wrapper
 
 

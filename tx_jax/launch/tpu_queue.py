@@ -5,7 +5,7 @@
 
 This host (a workstation, or any machine with gcloud) is the controller; the VMs run the
 points. Each free VM gets the next unfinished point: it is planned for the VM's slice here
-first (python -m tx_jax.plan, as tpu-run plans; the plan goes to WORKDIR/plan_<type>.txt and
+first (tx_jax plan, as tpu-run plans; the plan goes to WORKDIR/plan_<type>.txt and
 a point that does not fit is reported and left, the rest still run), then started on every
 worker through scripts/tpu.sh (`tpu-run --wait`: gcloud ssh --worker=all, in the foreground)
 with its workdir ROOT/<i>_<name> on gs://. The point's output goes to WORKDIR/sweep.log when
@@ -68,7 +68,7 @@ REMOTE_PYTHON = ".venv/bin/python"  # on each worker, relative to tpu.sh's REMOT
 
 
 def _remote_args(point: Point, config: str) -> list[str]:
-    """tx_jax.main's arguments for a point (tpu.sh adds parallel.distributed)."""
+    """`tx_jax train`'s arguments for a point (tpu.sh adds parallel.distributed)."""
     argv, wrapper = command(point, config, python=REMOTE_PYTHON)
     if wrapper:  # a generated config file would exist here, not on the VMs
         keys = [k for k, v in point.overrides.items() if not isinstance(v, FLAG_TYPES)]
@@ -117,7 +117,7 @@ class TpuSweep:
         key = (point.index, vm.accelerator_type)
         if key not in self.fits:
             target = plan_target(vm.accelerator_type)  # not None: checked at the start
-            argv = [sys.executable, "-m", "tx_jax.plan", f"--target={target}"]
+            argv = [sys.executable, "-m", "tx_jax", "plan", f"--target={target}"]
             argv += ["--programs=train,eval"]
             argv += [a for a in _remote_args(point, self.sweep.config) if a.startswith("--config")]
             proc = subprocess.run(argv, capture_output=True, text=True)

@@ -72,7 +72,7 @@ class Cloud:
         return ["bash", str(TPU_SH), command, name, *self.where, *args]
 
     def start_command(self, name: str, args: Sequence[str]) -> list[str]:
-        """scripts/tpu.sh's command that runs tx_jax.main ARGS on every worker and waits."""
+        """scripts/tpu.sh's command that runs tx_jax train ARGS on every worker and waits."""
         return self.tpu_sh("tpu-run", name, "--no-plan", "--wait", "--", *args)
 
     def printed(self, argv: Sequence[str]) -> str:
@@ -86,7 +86,7 @@ class Cloud:
 
 
 def plan_target(accelerator_type: str) -> str | None:
-    """Cloud's accelerator type -> tx_jax.plan's target (as scripts/tpu.sh's plan_target)."""
+    """Cloud's accelerator type -> tx_jax plan's target (as scripts/tpu.sh's plan_target)."""
     if accelerator_type.startswith("v5litepod-"):
         return "tpu:v5e-" + accelerator_type.removeprefix("v5litepod-")
     if accelerator_type.split("-")[0] in ("v4", "v5p", "v5e", "v6e"):
@@ -95,7 +95,7 @@ def plan_target(accelerator_type: str) -> str | None:
 
 
 def ready_vms(cloud: Cloud, names: Sequence[str], plan: bool) -> list[VM]:
-    """The named VMs, each READY and (with `plan`) of a slice tx_jax.plan knows, else the
+    """The named VMs, each READY and (with `plan`) of a slice tx_jax plan knows, else the
     first mistake as a SweepError."""
     vms = []
     for name in dict.fromkeys(names):  # each once
@@ -112,7 +112,7 @@ def ready_vms(cloud: Cloud, names: Sequence[str], plan: bool) -> list[VM]:
         vms.append(VM.from_describe(name, node))
         if plan and plan_target(vms[-1].accelerator_type) is None:
             raise SweepError(
-                f"TPU VM {name}: tx_jax.plan cannot plan for {vms[-1].accelerator_type} "
+                f"TPU VM {name}: tx_jax plan cannot plan for {vms[-1].accelerator_type} "
                 "(v4, v5e, v5p, v6e slices); pass --no-plan to start its points unplanned"
             )
     if plan and importlib.util.find_spec("libtpu") is None:

@@ -143,7 +143,7 @@ class ModelConfig:
         overrides = {
             f"lora_{k}": lora[k] for k in ("rank", "alpha", "dropout", "targets") if k in lora
         } | overrides
-        # train.deterministic sets XLA:GPU's flag (tx_jax.main); a flag set by hand counts too
+        # train.deterministic sets XLA:GPU's flag (tx_jax train); a flag set by hand counts too
         deterministic = bool(train.get("deterministic", False)) or backend.deterministic_ops()
         return cls.from_config(config.model, **overrides).resolved(
             platform, longest=longest, deterministic=deterministic

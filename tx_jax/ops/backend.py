@@ -32,7 +32,7 @@ def require_deterministic_ops() -> None:
     if xla_bridge.backends_are_initialized() and any(d.platform == "gpu" for d in jax.devices()):
         raise ValueError(
             "train.deterministic=True: JAX's GPU backend started without XLA_FLAGS="
-            f"{DETERMINISTIC_FLAG}; set it before the process uses JAX (tx_jax.main does)"
+            f"{DETERMINISTIC_FLAG}; set it before the process uses JAX (tx_jax train does)"
         )
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {DETERMINISTIC_FLAG}".strip()
 

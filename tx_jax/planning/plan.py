@@ -229,7 +229,7 @@ def advice(built: programs_lib.Built, plan: dict[str, Any]) -> list[str]:
     mesh, n = plan["mesh"], plan["num_devices"]
     worst = next(r for r in plan["programs"] if r["name"] == b["program"])
     if worst["kind"] in ("greedy", "beam"):
-        # every device decodes the whole eval batch (scoring.py): its rows set the caches
+        # every device decodes the whole eval batch (quality.py): its rows set the caches
         size = built.config.data.eval_batch_size
         out.append(
             f"decoding {worst['name']} needs {b['temp'] / GiB:.2f} GiB of temporaries (KV "

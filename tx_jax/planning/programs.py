@@ -330,7 +330,7 @@ def decode_beam_size(config: ml_collections.ConfigDict) -> int:
 
 
 def compile_decoding(built: Built, beam_size: int) -> Program:
-    """Greedy (beam_size 1) or beam decoding of one eval batch, as scoring.py calls it: the
+    """Greedy (beam_size 1) or beam decoding of one eval batch, as quality.py calls it: the
     run's sharded parameters, the sources given whole to every device."""
     d = built.config.data
     shape = (d.eval_batch_size, d.max_eval_len)
@@ -350,7 +350,7 @@ def compile_decoding(built: Built, beam_size: int) -> Program:
             params,
             sources,
             beam_size=beam_size,
-            alpha=float(built.config.eval.alpha),
+            length_penalty=float(built.config.eval.length_penalty),
             eos_id=EOS_ID,
         )
         name, kind = f"beam {beam_size} {shape[0]}x{shape[1]}", "beam"

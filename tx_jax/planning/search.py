@@ -121,7 +121,7 @@ def plan_in_subprocess(
 ) -> dict[str, Any]:
     """One candidate's plan (train step only) in a fresh process, through the cache; a
     candidate the config refuses comes back as {'error': ...}."""
-    cmd = [sys.executable, "-m", "tx_jax.plan", f"--config={config_spec}", f"--target={target}"]
+    cmd = [sys.executable, "-m", "tx_jax", "plan", f"--config={config_spec}", f"--target={target}"]
     cmd += ["--programs=train", f"--cache_dir={cache_dir}", "--json=-", "--quiet"]
     cmd += [f"--config.{k}={v}" for k, v in overrides.items()]
     proc = subprocess.run(cmd, capture_output=True, text=True)

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 
 from tx_jax.config import task_of
-from tx_jax.inference import scoring
+from tx_jax.inference import quality
 from tx_jax.runner import console
 from tx_jax.runner.setup import Run
 from tx_jax.training.step import eval_step, loss_metrics, model_inputs
@@ -54,14 +54,14 @@ class Evaluator:
         task = self.run.task
         if jax.process_count() > 1:  # the parameters span all processes: decode the same
             task = dataclasses.replace(task, shard_eval=False)  # examples everywhere
-        return scoring.bleu_metrics(  # multilingual: also bleu/<direction>, chrf/<direction>
+        return quality.bleu_metrics(  # multilingual: also bleu/<direction>, chrf/<direction>
             self.run.model_config,
             params,
             task,
             split,
             limit=limit,
             beam_size=beam_size or self.run.config.eval.beam_size,
-            alpha=self.run.config.eval.alpha,
+            length_penalty=self.run.config.eval.length_penalty,
         )
 
     def test_metrics(self, state, step: int, logger) -> dict[str, Any]:

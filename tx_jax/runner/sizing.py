@@ -379,13 +379,13 @@ def unset_message(unset: Sequence[str]) -> str:
     """Why a config with keys left to the data cannot be planned or checked without it."""
     return (
         f"{', '.join(unset)} are left to the data (None): a run chooses them when it reads the "
-        "corpus; to plan or check the config without data, run `python -m tx_jax.prepare` with "
+        "corpus; to plan or check the config without data, run `tx_jax prepare` with "
         "the same --config flags and add the --config flags it prints"
     )
 
 
 def as_flags(values: dict[str, Any]) -> str:
-    """The chosen values as command-line flags (`python -m tx_jax.prepare` prints them)."""
+    """The chosen values as command-line flags (`tx_jax prepare` prints them)."""
     return " ".join(
         f"--config.{k}={json.dumps(v) if isinstance(v, list) else v}" for k, v in values.items()
     )

@@ -1,12 +1,13 @@
-"""Translating a split and scoring it with sacreBLEU (BLEU and chrF, with signatures): the one
-path every BLEU of tx_jax takes.
+"""Translation quality of a decoded split: the split translated, then measured against its
+references with sacreBLEU (BLEU and chrF, with signatures); the one path every BLEU of tx_jax
+takes. (ln p(target | source) of given pairs, `tx_jax score`, is inference/likelihood.py.)
 
-    split = scoring.Split(task, "validation", limit=100)     pairs and eval batches, read once
-    result = scoring.score_split(model_config, params, tokenizer, split, beam_size=4)
+    split = quality.Split(task, "validation", limit=100)     pairs and eval batches, read once
+    result = quality.measure_split(model_config, params, tokenizer, split, beam_size=4)
     result.bleu, result.chrf, result.signature, result.hypotheses, result.decode_seconds
 
-`score_split` is what evaluation.py (the evaluate CLI, sweeps), training's validation and test
-BLEU (`bleu_metrics`, runner/evaluator.py) and multilingual.score_direction (the
+`measure_split` is what evaluation.py (the evaluate CLI, sweeps), training's validation and test
+BLEU (`bleu_metrics`, runner/evaluator.py) and multilingual.measure_direction (the
 language-similarity study) call: the split's eval batches decoded by `translate_batches`
 (or, through a pivot language, the sources translated by a given text-to-text function),
 then scored against its references. `translate_batches` also serves translation.py.
@@ -34,7 +35,7 @@ from tx_jax.model.config import ModelConfig
 
 
 @dataclasses.dataclass
-class BleuResult:
+class SplitQuality:
     bleu: float
     chrf: float
     signature: str  # sacreBLEU's BLEU signature (tokenizer, smoothing, version)
@@ -103,7 +104,9 @@ _DETOKENIZE_WARNING_ONCE = _OncePerProcess()
 logging.getLogger("sacrebleu").addFilter(_DETOKENIZE_WARNING_ONCE)
 
 
-def score(hypotheses: Sequence[str], references: Sequence[str]) -> tuple[float, float, str, str]:
+def bleu_chrf(
+    hypotheses: Sequence[str], references: Sequence[str]
+) -> tuple[float, float, str, str]:
     """Corpus BLEU and chrF of detokenized text -> (bleu, chrf, bleu_sig, chrf_sig)."""
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references")
@@ -168,11 +171,11 @@ def decode_batches(
     num_examples: int,
     *,
     beam_size: int = 1,
-    alpha: float = 0.6,
+    length_penalty: float = 0.6,
     max_decode_len: int | None = None,
     devices: Sequence[jax.Device] | None = None,
     target_prefix: Sequence[int] = (),
-    length_penalty: str = "gnmt",
+    length_penalty_kind: str = "gnmt",
     nbest: int = 1,
     sampling: Sampling | None = None,
 ) -> list[tuple[np.ndarray, list[np.ndarray]]]:
@@ -194,8 +197,8 @@ def decode_batches(
         eos_id,
         max_decode_len,
         beam_size=beam_size,
-        alpha=alpha,
         length_penalty=length_penalty,
+        length_penalty_kind=length_penalty_kind,
         target_prefix=target_prefix,
         sampling=sampling,
     )
@@ -217,8 +220,8 @@ def _decoder(
     max_decode_len: int | None,
     *,
     beam_size: int,
-    alpha: float,
-    length_penalty: str,
+    length_penalty: float,
+    length_penalty_kind: str,
     target_prefix: Sequence[int],
     sampling: Sampling | None,
 ) -> tuple[Callable[..., jax.Array], dict[str, Any]]:
@@ -235,9 +238,9 @@ def _decoder(
         )
     elif beam_size > 1:
         fn = _beam
-        static.update(beam_size=beam_size, alpha=alpha)
-        if length_penalty != "gnmt":
-            static.update(length_penalty=length_penalty)
+        static.update(beam_size=beam_size, length_penalty=length_penalty)
+        if length_penalty_kind != "gnmt":
+            static.update(length_penalty_kind=length_penalty_kind)
     else:
         fn = _greedy
     if target_prefix:
@@ -310,17 +313,17 @@ def translate_batches(
     num_examples: int,
     *,
     beam_size: int = 1,
-    alpha: float = 0.6,
+    length_penalty: float = 0.6,
     max_decode_len: int | None = None,
     devices: Sequence[jax.Device] | None = None,
     target_prefix: Sequence[int] = (),
-    length_penalty: str = "gnmt",
+    length_penalty_kind: str = "gnmt",
 ) -> list[str]:
     """Decode every batch (greedy when beam_size == 1) -> hypotheses in corpus order.
 
     `target_prefix`: ids every output is forced to start with (an M2M100/NLLB target-language
-    token; the tokenizer drops it from the text). `length_penalty`: beam search's, 'gnmt' or
-    'fairseq' (length^alpha, as Transformers and CTranslate2 divide).
+    token; the tokenizer drops it from the text). `length_penalty_kind`: beam search's, 'gnmt' or
+    'fairseq' (length^length_penalty, as Transformers and CTranslate2 divide).
 
     Batches carry 'inputs' [B, S], 'example_index' [B] and 'example_mask' [B]. Parameters on
     one device are decoded on every local device of its platform (data_parallel.py:
@@ -334,11 +337,11 @@ def translate_batches(
         tokenizer.eos_id,
         num_examples,
         beam_size=beam_size,
-        alpha=alpha,
+        length_penalty=length_penalty,
         max_decode_len=max_decode_len,
         devices=devices,
         target_prefix=target_prefix,
-        length_penalty=length_penalty,
+        length_penalty_kind=length_penalty_kind,
     )
     return [tokenizer.decode(hyps[0].tolist()) for _, hyps in decoded]
 
@@ -353,7 +356,7 @@ def translate_split(
     split: Split,
     *,
     beam_size: int = 1,
-    alpha: float = 0.6,
+    length_penalty: float = 0.6,
     translate: Translator | None = None,
 ) -> list[str]:
     """The split's hypotheses in corpus order: its eval batches decoded (`translate_batches`,
@@ -368,21 +371,21 @@ def translate_split(
         tokenizer,
         len(split.references),
         beam_size=beam_size,
-        alpha=alpha,
+        length_penalty=length_penalty,
         target_prefix=split.target_prefix,
     )
 
 
-def score_split(
+def measure_split(
     model_config: ModelConfig,
     params: Any,
     tokenizer: Tokenizer,
     split: Split,
     *,
     beam_size: int = 1,
-    alpha: float = 0.6,
+    length_penalty: float = 0.6,
     translate: Translator | None = None,
-) -> BleuResult:
+) -> SplitQuality:
     """Translate a split (`translate_split`: greedy when beam_size == 1) and score it against
     its references with sacreBLEU."""
     start = time.time()
@@ -392,12 +395,12 @@ def score_split(
         tokenizer,
         split,
         beam_size=beam_size,
-        alpha=alpha,
+        length_penalty=length_penalty,
         translate=translate,
     )
     seconds = time.time() - start
-    bleu, chrf, sig, chrf_sig = score(hyps, split.references)
-    return BleuResult(bleu, chrf, sig, chrf_sig, hyps, split.references, seconds)
+    bleu, chrf, sig, chrf_sig = bleu_chrf(hyps, split.references)
+    return SplitQuality(bleu, chrf, sig, chrf_sig, hyps, split.references, seconds)
 
 
 def bleu_metrics(
@@ -408,17 +411,22 @@ def bleu_metrics(
     *,
     limit: int | None = None,
     beam_size: int = 1,
-    alpha: float = 0.6,
+    length_penalty: float = 0.6,
 ) -> dict[str, Any]:
     """{'bleu', 'chrf', 'bleu_signature'} of a split; for a multilingual task (one with
     `directions`, data/tasks.py) also 'bleu/en-de', 'chrf/en-de', ... per direction
     (the first `limit` pairs of each), and 'bleu' / 'chrf' are the means over its training
     directions (`task.directions`; extra, e.g. zero-shot, directions are reported only)."""
 
-    def result(task: Any) -> BleuResult:
+    def result(task: Any) -> SplitQuality:
         data = Split(task, split, limit)
-        return score_split(
-            model_config, params, task.tokenizer, data, beam_size=beam_size, alpha=alpha
+        return measure_split(
+            model_config,
+            params,
+            task.tokenizer,
+            data,
+            beam_size=beam_size,
+            length_penalty=length_penalty,
         )
 
     if not task.directions:

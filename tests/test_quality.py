@@ -1,11 +1,12 @@
-"""Scoring with sacreBLEU: the "forgot to detokenize" warning once per process, same scores."""
+"""inference/quality.py's sacreBLEU call: the "forgot to detokenize" warning once per process,
+the same scores."""
 
 import logging
 
 import pytest
 import sacrebleu
 
-from tx_jax.inference import scoring
+from tx_jax.inference import quality
 
 # Like the synthetic pair: every line ends in a separated period, more than 100 lines.
 REFERENCES = [f"the {n} cats sat on {m} mats ." for n in range(12) for m in range(10)]
@@ -13,10 +14,10 @@ HYPOTHESES = [r if i % 3 else r.replace("cats", "dogs") for i, r in enumerate(RE
 
 
 def test_detokenize_warning_is_shown_once_and_scores_are_sacrebleus(caplog, monkeypatch):
-    monkeypatch.setattr(scoring._DETOKENIZE_WARNING_ONCE, "seen", set())  # as in a new process
+    monkeypatch.setattr(quality._DETOKENIZE_WARNING_ONCE, "seen", set())  # as in a new process
     with caplog.at_level(logging.WARNING, logger="sacrebleu"):
-        first = scoring.score(HYPOTHESES, REFERENCES)
-        second = scoring.score(HYPOTHESES, REFERENCES)
+        first = quality.bleu_chrf(HYPOTHESES, REFERENCES)
+        second = quality.bleu_chrf(HYPOTHESES, REFERENCES)
     messages = [r.getMessage() for r in caplog.records if r.name == "sacrebleu"]
     assert len(messages) == 3 and len(set(messages)) == 3
     assert any("forgot to detokenize" in m for m in messages)
@@ -35,6 +36,6 @@ def test_other_sacrebleu_warnings_are_not_filtered(caplog):
     assert [r.getMessage() for r in caplog.records] == ["something else"] * 2
 
 
-def test_score_rejects_unequal_lengths():
+def test_bleu_chrf_rejects_unequal_lengths():
     with pytest.raises(ValueError, match="2 hypotheses but 1 references"):
-        scoring.score(["a .", "b ."], ["a ."])
+        quality.bleu_chrf(["a .", "b ."], ["a ."])
