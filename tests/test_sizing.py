@@ -144,7 +144,7 @@ def test_counts_of_what_max_train_len_drops_and_max_eval_len_truncates():
 def test_a_config_left_to_the_data_is_not_planned_without_it():
     config = load_config("configs/text.py")
     with pytest.raises(
-        ValueError, match="model.d_model, .* are left to the data .* tx_jax prepare"
+        ValueError, match="model.d_model, .* are left to the data .* `tx_jax prepare`"
     ):
         validate_config(config)
     validate_config(sizing.with_placeholders(config))  # the rest is checked before the data
@@ -260,7 +260,7 @@ def test_the_sizing_step_completes_a_copy_once_and_the_run_reads_no_data_again(
     def prepared_again(*args, **kwargs):
         raise AssertionError("build_run prepared the data a second time")
 
-    monkeypatch.setattr(setup.tasks, "prepare_translation_task", prepared_again)
+    monkeypatch.setattr(setup.tasks, "prepare_task", prepared_again)
     monkeypatch.setattr(setup.preparation, "open_train_splits", prepared_again)
     run = setup.build_run(sized)
     assert (run.config, run.task, run.sized) == (sized.config, sized.task, sized.chosen)

@@ -108,8 +108,8 @@ def test_command_quotes_values_and_routes_lists_through_a_config_file(tmp_path):
         tmp_path / "p",
     )
     argv, wrapper = sweeps.command(point, DEBUG, python="python")
-    assert argv[3] == f"--config={tmp_path / 'p' / 'sweep_config.py'}"
-    assert argv[5:] == ["--config.data.data_dir=/a b/$c", "--config.model.share_embeddings=False"]
+    assert argv[4] == f"--config={tmp_path / 'p' / 'sweep_config.py'}"
+    assert argv[6:] == ["--config.data.data_dir=/a b/$c", "--config.model.share_embeddings=False"]
     assert "{'data.bucket_boundaries': [32]}" in wrapper and "default.py:debug" in wrapper
     assert sweeps.parse_overrides(["a.b=3", "c=/x y", "d=[1, 2]", "e=None"]) == {
         "a.b": 3,

@@ -76,7 +76,7 @@ def _remote_args(point: Point, config: str) -> list[str]:
             f"sweep point {point.index} ({point.name}): {', '.join(keys)} cannot be passed as a "
             "--config flag to the TPU VMs (a list, None or dict); set it in the base config"
         )
-    return argv[3:]
+    return argv[4:]  # after PYTHON -m tx_jax train
 
 
 @dataclasses.dataclass
