@@ -47,7 +47,7 @@ def flat(params) -> dict[str, np.ndarray]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tfds_dir):
     root = tmp_path_factory.mktemp("adapt")
-    train_and_evaluate(tiny_config(tfds_dir, **{"train.num_steps": 4}), root / "base")
+    train_and_evaluate(tiny_config(tfds_dir, **{"train.num_steps": 4, "seed": 2}), root / "base")
     train_and_evaluate(adapted_config(tfds_dir, root / "base", lora=LORA), root / "lora")
     decoder = adapted_config(tfds_dir, root / "base", trainable="^decoder/")
     train_and_evaluate(decoder, root / "decoder")

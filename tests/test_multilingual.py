@@ -163,7 +163,7 @@ def test_shared_tokenizer_has_the_tags_as_single_pieces(workdir, loaded):
     trained = ["en-de", "de-en", "en-fr", "fr-en"]
     assert {f"bleu/{d}" for d in [*trained, "de-fr"]} <= set(val)
     assert val["bleu"] == pytest.approx(np.mean([val[f"bleu/{d}"] for d in trained]))
-    assert val["bleu/en-de"] > 50, val  # it learned: word-for-word translation
+    assert val["bleu/en-de"] > 40, val  # it learned: word-for-word translation
     train_record = [r for r in records if r["split"] == "train"][-1]
     drawn = [train_record[f"data_kept/{d}"] for d in trained]
     assert sum(drawn) == train_record["data_kept"] and min(drawn) > 0.2 * sum(drawn)
