@@ -105,10 +105,8 @@ def attention_maps(
     *,
     max_decode_len: int | None = None,
 ) -> dict[str, Any]:
-    """The attention of one sentence pair, for plotting.
-
-    target=None translates `source` greedily first (decoding.translate_greedy) and uses its
-    output ids as they are. Returns a dict:
+    """The attention of one sentence pair (target=None: `source` translated greedily first)
+    -> a dict:
       'source', 'target': the texts.
       'source_pieces': S pieces, the source's and '</s>' (key axis of encoder and cross).
       'target_pieces': L pieces, the decoder inputs '<s>', t_1 .. t_{L-1} (query axis of
@@ -175,26 +173,24 @@ def plot_attention(
         weights = np.asarray(maps[kind])  # [N, H, Q, K]
         rows = maps["source_pieces"] if kind == "encoder" else maps["target_pieces"]
         cols = maps["target_pieces"] if kind == "decoder" else maps["source_pieces"]
-        for layer, heads in enumerate(weights):
-            fig = heatmap_grid(
-                heads,
-                rows,
-                cols,
-                [f"layer {layer}, head {h}" for h in range(len(heads))],
-                title=f"{_TITLES[kind]}, layer {layer}",
-                axis_labels=_AXES[kind],
-            )
-            paths.append(_save(fig, out_dir / f"{kind}_layer{layer}.png", dpi))
+        N, H = weights.shape[:2]
+        figures = [  # (panels [G, Q, K], panel titles, title, file name)
+            (heads, [f"layer {i}, head {h}" for h in range(H)], f"layer {i}", f"layer{i}")
+            for i, heads in enumerate(weights)
+        ]
         if average_heads:
+            titles = [f"layer {i}, mean of {H} heads" for i in range(N)]
+            figures.append((weights.mean(axis=1), titles, "mean over heads", "mean"))
+        for panels, titles, title, name in figures:
             fig = heatmap_grid(
-                weights.mean(axis=1),
+                panels,
                 rows,
                 cols,
-                [f"layer {i}, mean of {weights.shape[1]} heads" for i in range(len(weights))],
-                title=f"{_TITLES[kind]}, mean over heads",
+                titles,
+                title=f"{_TITLES[kind]}, {title}",
                 axis_labels=_AXES[kind],
             )
-            paths.append(_save(fig, out_dir / f"{kind}_mean.png", dpi))
+            paths.append(_save(fig, out_dir / f"{kind}_{name}.png", dpi))
     return paths
 
 
@@ -221,15 +217,10 @@ def heatmap_grid(
     y_label = 0.3 + y_font / 72 * 0.6 * max(map(len, row_labels), default=1)
     width = ncols * (max(2.0, x_cell * K) + 0.3) + y_label + 1.2
     height = nrows * (max(2.0, y_cell * Q) + x_label + 0.4) + 0.5
-    fig = Figure(figsize=(width, height), layout="constrained")
     # Shared rows: y labels on the first column only; every panel keeps its x labels.
-    axes = fig.subplots(nrows, ncols, squeeze=False, sharey=True)
+    fig, axes, used = _panels((width, height), G, ncols, sharey=True)
     vmax = max(float(weights.max()), 1e-6)
-    image = None
-    for g, ax in enumerate(axes.flat):
-        if g >= G:
-            ax.set_axis_off()
-            continue
+    for g, ax in enumerate(used):
         image = ax.imshow(weights[g], cmap="viridis", vmin=0.0, vmax=vmax, aspect="auto")
         ax.set_title(panel_titles[g], fontsize=9)
         ax.set_xticks(range(K), col_labels, rotation=90, fontsize=x_font)
@@ -252,6 +243,16 @@ def heatmap_grid(
     return fig
 
 
+def _panels(size: tuple[float, float], g: int, ncols: int, **kw: Any) -> tuple[Figure, Any, list]:
+    """A figure of `size` inches with g panels, ncols a row -> (figure, axes grid, the g
+    axes in use); the grid's unused axes are turned off."""
+    fig = Figure(figsize=size, layout="constrained")
+    axes = fig.subplots(math.ceil(g / ncols), ncols, squeeze=False, **kw)
+    for ax in axes.flat[g:]:
+        ax.set_axis_off()
+    return fig, axes, list(axes.flat[:g])
+
+
 def _cell(tokens: int) -> tuple[float, int]:
     """(inches per token, label font size) for an axis of `tokens` labels."""
     return (0.24, 7) if tokens <= 40 else (0.16, 5)
@@ -268,13 +269,9 @@ def _save(fig: Figure, path: PathLike, dpi: int) -> pathlib.Path:
 
 
 def read_metrics(path: PathLike) -> list[dict[str, Any]]:
-    """The records of one metrics.jsonl, sorted by (step, file order).
-
-    A resumed run logs the steps after its last checkpoint again: for each (split, step)
-    the last record wins. 'elapsed' restarts at 0 with every process; it is made
-    cumulative over restarts (a record whose elapsed falls below the previous one starts a
-    new segment offset by the previous segment's end).
-    """
+    """The records of one metrics.jsonl, sorted by (step, file order); for each (split,
+    step) the last record wins (a resumed run logs steps again), and 'elapsed', which restarts
+    at 0 with every process, is made cumulative over restarts."""
     records: dict[tuple[str, int], dict] = {}
     offset, last = 0.0, 0.0
     for i, line in enumerate(paths_lib.Path(path).read_text().splitlines()):  # or gs://
@@ -381,8 +378,6 @@ def plot_curves(
     if len(labels) != len(paths) or len(set(labels)) < len(labels):
         raise ValueError(f"need one distinct label per metrics file: {labels} for {paths}")
     runs = {label: read_metrics(p) for label, p in zip(labels, paths, strict=True)}
-    out_png = pathlib.Path(out_png)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
     return _save(curves_figure(runs, keys=keys, x=x), out_png, dpi)
 
 
@@ -428,16 +423,11 @@ def plot_similarity_heatmaps(
     hi = vmax if vmax is not None else (float(finite.max()) if finite.size else 1.0)
     hi = hi if hi > lo else lo + 1e-6
     ncols = min(g, max_cols)
-    nrows = math.ceil(g / ncols)
     side = max(2.4, 0.5 * k + 1.0)
-    fig = Figure(figsize=(ncols * side + 1.2, nrows * side + 0.6), layout="constrained")
-    axes = fig.subplots(nrows, ncols, squeeze=False)
-    image = None
+    size = (ncols * side + 1.2, math.ceil(g / ncols) * side + 0.6)
+    fig, axes, used = _panels(size, g, ncols)
     font = 8 if k <= 8 else 6
-    for p, ax in enumerate(axes.flat):
-        if p >= g:
-            ax.set_axis_off()
-            continue
+    for p, ax in enumerate(used):
         image = ax.imshow(m[p], cmap="viridis", vmin=lo, vmax=hi)
         for i, j in itertools.product(range(k), range(k)):
             shade = (m[p, i, j] - lo) / (hi - lo) if np.isfinite(m[p, i, j]) else 0.0
@@ -487,13 +477,8 @@ def plot_similarity_vs_surface(
     xs, labels = off_diagonal(surf), pair_labels(languages)
     titles = list(panel_titles) if panel_titles is not None else _layer_titles(g)
     ncols = min(g, max_cols)
-    nrows = math.ceil(g / ncols)
-    fig = Figure(figsize=(ncols * 3.6 + 0.4, nrows * 3.4 + 0.6), layout="constrained")
-    axes = fig.subplots(nrows, ncols, squeeze=False)
-    for p, ax in enumerate(axes.flat):
-        if p >= g:
-            ax.set_axis_off()
-            continue
+    fig, _, used = _panels((ncols * 3.6 + 0.4, math.ceil(g / ncols) * 3.4 + 0.6), g, ncols)
+    for p, ax in enumerate(used):
         ys = off_diagonal(rep[p])
         stats = correlation(xs, ys)
         ax.scatter(xs, ys, s=24, color="tab:blue")
