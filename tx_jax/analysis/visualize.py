@@ -15,13 +15,10 @@ Command line (tx_jax/cli/visualize.py):
     tx_jax visualize curves --metrics=a/metrics.jsonl,b/metrics.jsonl --out=x.png \
         [--keys=loss,bleu] [--labels=a,b] [--x=step|elapsed|train_seconds]
 
-Three kinds of attention, each stored as [N, H, Q, K] (layers, heads, queries, keys):
-    encoder   encoder self-attention          [N_enc, H, S, S]
-    decoder   masked decoder self-attention   [N_dec, H, L, L]
-    cross     decoder-encoder attention       [N_dec, H, L, S]
-S counts the source pieces and EOS; L the decoder inputs (BOS, then the target pieces:
-teacher forcing, so row t is the position that predicts target piece t). Figures are built
-on `matplotlib.figure.Figure` with the Agg canvas: no pyplot, no display, no global backend.
+Attention is [N, H, Q, K] (layers, heads, queries, keys): encoder [N_enc, H, S, S], decoder
+[N_dec, H, L, L], cross [N_dec, H, L, S]; S counts the source pieces and EOS, L the decoder
+inputs (BOS, then the target pieces: row t predicts target piece t). Figures use the Agg
+canvas of `matplotlib.figure.Figure`: no pyplot, no display, no global backend.
 """
 
 from __future__ import annotations
@@ -76,11 +73,8 @@ def attention_weights(
     model_config: ModelConfig, params: Any, inputs: Array, targets: Array
 ) -> dict[str, Array]:
     """Teacher-forced EncoderDecoder pass over inputs [B, S] and targets [B, L] (0-padded)
-    -> {'encoder': [N, B, H, S, S], 'decoder': [N, B, H, L, L], 'cross': [N, B, H, L, S]}.
-
-    Rows are softmax weights over the keys a query may see (they sum to 1); padded keys,
-    future positions (decoder) and padded query rows hold exactly 0.
-    """
+    -> {'encoder': [N, B, H, S, S], 'decoder': [N, B, H, L, L], 'cross': [N, B, H, L, S]}:
+    softmax rows (summing to 1), exactly 0 at padded keys, future positions and padded rows."""
     cfg = model_config.replace(
         sow_attention_weights=True, attention_impl="xla", decode=False, remat="none"
     )
@@ -160,9 +154,8 @@ def plot_attention(
     average_heads: bool = True,
     dpi: int = 110,
 ) -> list[pathlib.Path]:
-    """Write one PNG per kind and layer, OUT_DIR/{kind}_layer{i}.png, with a panel per head
-    (and, with average_heads, OUT_DIR/{kind}_mean.png: a panel per layer, mean over heads).
-    `maps` is what `attention_maps` returns. Returns the paths written, in that order."""
+    """`attention_maps`' maps -> the paths written: OUT_DIR/{kind}_layer{i}.png, a panel per
+    head, and with average_heads OUT_DIR/{kind}_mean.png, a panel per layer."""
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
         raise ValueError(f"unknown attention kind(s) {unknown}; expected some of {KINDS}")
@@ -364,11 +357,8 @@ def plot_curves(
     x: str = "step",
     dpi: int = 110,
 ) -> pathlib.Path:
-    """Training curves of one or more runs (their metrics.jsonl files) -> out_png.
-
-    labels default to each file's directory name (the workdir; its path if names repeat).
-    x: 'step', 'elapsed' (wall-clock, cumulative over restarts) or 'train_seconds' (the
-    run's training time, summed over its segments, as the time-to-BLEU budgets count it)."""
+    """Training curves of one or more runs (their metrics.jsonl files) -> out_png; labels
+    default to each file's directory name (its path if names repeat); x: one of X_AXES."""
     paths = [metrics] if isinstance(metrics, (str, pathlib.Path)) else list(metrics)
     paths = [paths_lib.Path(p) for p in paths]  # local or gs://
     if labels is None:
@@ -409,10 +399,8 @@ def plot_similarity_heatmaps(
     max_cols: int = 4,
     dpi: int = 110,
 ) -> pathlib.Path:
-    """One PNG: a language x language heatmap per layer of matrices [G, K, K] (or one
-    [K, K]), each cell annotated with its value, one shared colour scale (default: the
-    data's range) and colorbar. Panels are titled 'layer 0 (embeddings)', 'layer 1', ...
-    unless `panel_titles` says otherwise. Returns the path written."""
+    """One PNG -> its path: a language x language heatmap per layer of matrices [G, K, K] (or
+    one [K, K]), cells annotated, one colour scale (default: the data's range)."""
     m = _as_stack(matrices)
     g, k = m.shape[0], m.shape[1]
     if len(languages) != k:
@@ -466,10 +454,8 @@ def plot_similarity_vs_surface(
     max_cols: int = 4,
     dpi: int = 110,
 ) -> pathlib.Path:
-    """One PNG: for each layer of representation [G, K, K] (or one [K, K]), a scatter of its
-    language pairs (off-diagonal, i < j), surface similarity [K, K] on x against
-    representation similarity on y, points labelled 'a-b', with `correlation` in the panel
-    title (and the figure title when there is one panel). Returns the path written."""
+    """One PNG -> its path: per layer of representation [G, K, K] (or one [K, K]), a scatter
+    of its language pairs, surface similarity [K, K] on x, with `correlation` in the title."""
     rep, surf = _as_stack(representation), np.asarray(surface, np.float64)
     g, k = rep.shape[0], rep.shape[1]
     if surf.shape != (k, k) or len(languages) != k:

@@ -17,15 +17,8 @@ overrides the stored config. Beam 1 is greedy. Outputs, WORKDIR being the run di
     WORKDIR/eval/<split>[_<src>-<tgt>[_via-<pivot>]]_step<N>[_avg<K>]_beam<b>[_penalty<p>][_first<n>].txt
         detokenized hypotheses, one line per example, in corpus order (no length penalty for greedy)
     WORKDIR/eval_results.jsonl
-        one JSON record appended per evaluation: step, split, beam, length_penalty, bleu, signature
-        (sacreBLEU's), chrf, chrf_signature, loss, accuracy, perplexity (teacher-forced on
-        the split), examples, averaged (K or null), averaged_steps, seconds (wall, all of
-        it), decode_seconds, compile_seconds (tracing and compiling, or loading from the
-        persistent cache, summed over the threads that build programs side by side),
-        compiled_programs, compile_cache_hits, profile (the trace directory, or null),
-        hypotheses (path), checkpoint, limit, sweep, time, direction and pivot
-        (multilingual; else null), languages ('SRC-TGT' when --source_lang/--target_lang
-        were given; else null)
+        one JSON record appended per evaluation (BLEU, chrF, teacher-forced loss, times, ...;
+        docs/evaluation.md lists its fields)
     stdout: one result line per evaluation (and the grid for --sweep)
 
 A multilingual checkpoint needs --direction: any SRC-TGT whose target language has a tag,

@@ -35,6 +35,7 @@ class SplitQuality:
     chrf_signature: str
     hypotheses: list[str]
     references: list[str]
+    sources: list[str]
     decode_seconds: float = 0.0  # wall time of the translation alone
 
 
@@ -172,40 +173,7 @@ def decode_batches(
     out: list = [None] * num_examples
     params = nn.meta.unbox(params)
     devices = data_parallel.devices_for(params) if devices is None else list(devices)
-    fn, static = _decoder(
-        model_config,
-        eos_id,
-        max_decode_len,
-        beam_size=beam_size,
-        length_penalty=length_penalty,
-        length_penalty_kind=length_penalty_kind,
-        target_prefix=target_prefix,
-        sampling=sampling,
-    )
-    if sampling is not None:
-        batches = _with_key_columns(batches)
-    batches, pending = _dispatch(fn, static, params, batches, devices)
-    for batch, result in zip(batches, pending):
-        tokens = _host_outputs(result, beams=fn is _beam, nbest=nbest)
-        _store_rows(out, batch, tokens, skip=2 if sampling is not None else 0)  # the key columns
-    missing = [i for i, h in enumerate(out) if h is None]
-    if missing:
-        raise RuntimeError(f"{len(missing)} examples were not decoded (first: {missing[:5]})")
-    return out
-
-
-def _decoder(
-    model_config: ModelConfig,
-    eos_id: int,
-    max_decode_len: int | None,
-    *,
-    beam_size: int,
-    length_penalty: float,
-    length_penalty_kind: str,
-    target_prefix: Sequence[int],
-    sampling: Sampling | None,
-) -> tuple[Callable[..., jax.Array], dict[str, Any]]:
-    """`_sample`, `_beam` or `_greedy`, and its static keyword arguments (the program's key)."""
+    # The decoding function and its static keyword arguments (the compiled program's key).
     static: dict[str, Any] = dict(config=model_config, max_decode_len=max_decode_len, eos_id=eos_id)
     if sampling is not None:
         fn = _sample
@@ -215,6 +183,11 @@ def _decoder(
             top_k=int(sampling.top_k),
             top_p=float(sampling.top_p),
         )
+        # 'sample_key' [B, 2] goes before the source: group_batches pads on the right.
+        batches = [
+            {**b, "inputs": np.concatenate([b["sample_key"], b["inputs"]], 1).astype(np.int32)}
+            for b in batches
+        ]
     elif beam_size > 1:
         fn = _beam
         static.update(beam_size=beam_size, length_penalty=length_penalty)
@@ -224,15 +197,20 @@ def _decoder(
         fn = _greedy
     if target_prefix:
         static.update(prefix=tuple(int(i) for i in target_prefix))
-    return fn, static
-
-
-def _with_key_columns(batches: Iterable[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-    """'inputs' [B, S] -> [B, 2 + S], 'sample_key' first: group_batches pads on the right."""
-    return [
-        {**b, "inputs": np.concatenate([b["sample_key"], b["inputs"]], 1).astype(np.int32)}
-        for b in batches
-    ]
+    batches, pending = _dispatch(fn, static, params, batches, devices)
+    skip = 2 if sampling is not None else 0  # the key columns before the source
+    for batch, result in zip(batches, pending):
+        # [B, nbest, T] on the host: beam search gives (tokens, scores)
+        tokens = np.asarray(jax.device_get(result[0] if fn is _beam else result))
+        tokens = tokens[:, :nbest] if fn is _beam else tokens[:, None]
+        for row, (index, valid) in enumerate(zip(batch["example_index"], batch["example_mask"])):
+            if valid:
+                source = batch["inputs"][row, skip:]
+                out[int(index)] = (source[source != 0], [t[t != 0] for t in tokens[row]])
+    missing = [i for i, h in enumerate(out) if h is None]
+    if missing:
+        raise RuntimeError(f"{len(missing)} examples were not decoded (first: {missing[:5]})")
+    return out
 
 
 def _dispatch(
@@ -262,21 +240,6 @@ def _dispatch(
         workers=None if devices else 1,
     )
     return batches, pending
-
-
-def _host_outputs(result: Any, *, beams: bool, nbest: int) -> np.ndarray:
-    """A batch's result (beam search's (tokens, scores), else tokens) -> host [B, nbest, T]."""
-    tokens = np.asarray(jax.device_get(result[0] if beams else result))
-    return tokens[:, :nbest] if beams else tokens[:, None]
-
-
-def _store_rows(out: list, batch: dict[str, np.ndarray], tokens: np.ndarray, *, skip: int) -> None:
-    """out[example_index] = (source ids, [output ids, ...]) of each real row, padding dropped;
-    the source is batch['inputs'] after its first `skip` columns."""
-    for row, (index, valid) in enumerate(zip(batch["example_index"], batch["example_mask"])):
-        if valid:
-            source = batch["inputs"][row, skip:]
-            out[int(index)] = (source[source != 0], [t[t != 0] for t in tokens[row]])
 
 
 def translate_batches(
@@ -332,7 +295,7 @@ def measure_split(
     hyps = translate_split(model_config, params, tokenizer, split, **kwargs)
     seconds = time.time() - start
     bleu, chrf, sig, chrf_sig = bleu_chrf(hyps, split.references)
-    return SplitQuality(bleu, chrf, sig, chrf_sig, hyps, split.references, seconds)
+    return SplitQuality(bleu, chrf, sig, chrf_sig, hyps, split.references, split.sources, seconds)
 
 
 def bleu_metrics(
