@@ -3,19 +3,10 @@ r"""Representation and surface similarity between languages on parallel sentence
 How alike two languages look to the encoder, per layer, against how alike they look on the
 page: both sides of the claim that language similarity shapes cross-lingual transfer.
 
-Pure functions (NumPy, float64):
-
-    mean_pool(hidden [B, L, M], mask [B, L]) -> [B, M]     mean over real tokens only
-    linear_cka(x [N, D1], y [N, D2]) -> float             Kornblith et al. (2019), linear CKA
-    sentence_cosines(x [N, M], y [N, M]) -> [N]            cosine of each parallel pair
-    mean_pooled_cosine(x [N, M], y [N, M]) -> float        their mean
-    char_ngram_overlap(a, b) -> float                      Jaccard / Dice of char 1-4 grams
-    char_ngram_similarity(texts_a, texts_b) -> float       its mean over parallel sentences
-    chrf_similarity(texts_a, texts_b) -> float             sacreBLEU chrF (0-100), symmetrised
-    surface_similarity_matrix(texts_by_lang) -> [K, K]      either of the two, every pair
-    similarity_matrices(reps_by_lang) -> {'cka', 'cosine': [G, K, K]}   every layer and pair
-    off_diagonal(matrix [K, K]) -> [K(K-1)/2]              the i < j entries (pair_labels)
-    correlation(x [P], y [P]) -> {'pearson', 'spearman', p-values, 'n'}
+Pure functions (NumPy, float64): representation similarity (mean_pool, linear_cka,
+sentence_cosines, similarity_matrices: every layer and language pair), surface similarity
+(char_ngram_overlap, chrf_similarity, surface_similarity_matrix) and their correlation
+(off_diagonal, pair_labels, correlation).
 
 Model side: `encoder_layer_representations` -> [N, M] mean-pooled sentence vectors per
 encoder depth. The plots are visualize.py's.

@@ -8,12 +8,7 @@ the language-similarity matrices of similarity.py.
     plot_similarity_heatmaps(matrices, languages, out)   a language x language panel per layer
     plot_similarity_vs_surface(reps, surface, languages, out)  a scatter per layer
 
-Command line (tx_jax/cli/visualize.py):
-
-    tx_jax visualize attention --workdir=DIR [--step=N] --source="..." \
-        [--target="..."] --out=DIR_PNG [--kinds=cross,encoder,decoder] [--noaverage_heads]
-    tx_jax visualize curves --metrics=a/metrics.jsonl,b/metrics.jsonl --out=x.png \
-        [--keys=loss,bleu] [--labels=a,b] [--x=step|elapsed|train_seconds]
+Command line: `tx_jax visualize attention | curves` (tx_jax/cli/visualize.py's USAGE).
 
 Attention is [N, H, Q, K] (layers, heads, queries, keys): encoder [N_enc, H, S, S], decoder
 [N_dec, H, L, L], cross [N_dec, H, L, S]; S counts the source pieces and EOS, L the decoder

@@ -7,11 +7,10 @@ how much time a piece of work spent compiling.
     compilation.dispatch(calls, keys)            calls on one thread per core, programs built once
     with compilation.CompileTimer() as t: ...    t.seconds, t.programs, t.cache_hits
 
-Decoding compiles one program per (search, batch shape), each longer to build than decoding
-a test set takes once compiled. The persistent cache keeps every program (JAX's default skips
-those under 1 s), and `cached_call` keeps each traced program too (jax.export, keyed by the
-function, its static arguments, the shapes, tx_jax's source and the JAX version), so that a
-later process neither traces nor compiles.
+Decoding compiles a program per (search, batch shape), each longer to build than the decoding
+takes. The persistent cache keeps every program (JAX's default skips those under 1 s), and
+`cached_call` keeps each traced program too (jax.export, keyed by the function, its static
+arguments, the shapes, tx_jax's source and JAX), so a later process neither traces nor compiles.
 """
 
 from __future__ import annotations
@@ -124,18 +123,8 @@ def program(fn: Callable, static: dict[str, Any], *args: Any) -> Callable:
 
 def _key(fn: Callable, static: dict[str, Any], args: Any) -> str:
     specs = jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), args)
-    key_text = repr(
-        (
-            fn.__module__,
-            fn.__qualname__,
-            sorted(static.items()),
-            jax.tree.structure(args),
-            specs,
-            jax.__version__,
-            jax.default_backend(),
-            _source_digest(),
-        )
-    )
+    call = (fn.__module__, fn.__qualname__, sorted(static.items()), jax.tree.structure(args))
+    key_text = repr((*call, specs, jax.__version__, jax.default_backend(), _source_digest()))
     return hashlib.sha256(key_text.encode()).hexdigest()[:32]
 
 

@@ -224,8 +224,8 @@ def _translation_setup(
     num_beams: int,
     use_cache: bool,
 ):
-    """-> (T, each row's limit [B], logits function, cache of the first stage's length T1,
-    T1 or None: search.py's `grow_at`)."""
+    """-> (logits function, cache of the first stage's length T1, the search's batch_size,
+    max_decode_len T, bos_id, each row's limit [B] and grow_at T1 or None)."""
     T = decode_length(
         inputs.shape[1], max_decode_len, config, max_len_a=max_len_a, max_len_b=max_len_b
     )
@@ -234,7 +234,8 @@ def _translation_setup(
     fn, cache = encoder_decoder_logits_fn(
         config, params, inputs, max_decode_len=first, num_beams=num_beams, use_cache=use_cache
     )
-    return T, limits, fn, cache, (first if first < T else None)
+    search = dict(batch_size=inputs.shape[0], max_decode_len=T, bos_id=config.bos_id)
+    return fn, cache, dict(search, limits=limits, grow_at=first if first < T else None)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -251,29 +252,16 @@ def translate_greedy(
     max_len_b: int = MAX_LEN_B,
     compact: int | None = None,
 ) -> Array:
-    """Greedy translation of inputs [B, S] (0-padded) -> tokens [B, T].
-
-    A row's output limit is a * n + b (n: its source tokens, EOS included), capped by
-    max_decode_len; an all-padding row decodes nothing. compact=c: once at most B // c rows
-    are unfinished they go on in batches of B // c (None: COMPACT on CPU, else off; 1: off).
-    prompt [B, P] (0-padded on the right): forced first output tokens, counted by the limit.
-    """
-    B = inputs.shape[0]
-    T, limits, fn, cache, grow_at = _translation_setup(
+    """Greedy translation of inputs [B, S] (0-padded) -> tokens [B, T]. A row's output limit
+    is a * n + b (n: its source tokens, EOS included), capped by max_decode_len; an all-padding
+    row decodes nothing. compact=c: once at most B // c rows are unfinished they go on in batches of
+    B // c (None: COMPACT on CPU, else off; 1: off). prompt [B, P] (0-padded on the right):
+    forced first output tokens, counted by the limit."""
+    fn, cache, kw = _translation_setup(
         config, params, inputs, max_decode_len, max_len_a, max_len_b, 1, use_cache
     )
-    return greedy_decode(
-        fn,
-        cache,
-        batch_size=B,
-        max_decode_len=T,
-        bos_id=config.bos_id,
-        eos_id=eos_id,
-        prompt=prompt,
-        limits=limits,
-        grow_at=grow_at,
-        compact=_compaction(compact, use_cache, config),
-    )
+    compact = _compaction(compact, use_cache, config)
+    return greedy_decode(fn, cache, eos_id=eos_id, prompt=prompt, compact=compact, **kw)
 
 
 @functools.partial(
@@ -298,24 +286,19 @@ def translate_beam(
     """Beam-search translation of inputs [B, S] -> tokens [B, N, T], scores [B, N], best
     first; the paper's defaults, limits, prompt and compact as translate_greedy's.
     `length_penalty_kind`: one of search.LENGTH_PENALTIES (search.beam_search)."""
-    B = inputs.shape[0]
-    T, limits, fn, cache, grow_at = _translation_setup(
+    fn, cache, kw = _translation_setup(
         config, params, inputs, max_decode_len, max_len_a, max_len_b, beam_size, use_cache
     )
     return beam_search(
         fn,
         cache,
-        batch_size=B,
         beam_size=beam_size,
-        max_decode_len=T,
-        bos_id=config.bos_id,
         eos_id=eos_id,
         length_penalty=length_penalty,
         length_penalty_kind=length_penalty_kind,
         prompt=prompt,
-        limits=limits,
-        grow_at=grow_at,
         compact=_compaction(compact, use_cache, config),
+        **kw,
     )
 
 
@@ -338,18 +321,13 @@ def sample(
     max_len_b: int = MAX_LEN_B,
     compact: int = 1,
 ) -> Array:
-    """Sample tokens [B, T] from a language model (inputs=None: DecoderOnly) or a
-    translation model (inputs [B, S]: EncoderDecoder).
-
-    prompt [B, P] (0-padded on the right) is forced first and is part of the output; B comes
-    from inputs, prompt or batch_size. T = max_decode_len (required for a language model;
-    translation's limits as translate_greedy's). temperature is traced (0: greedy). compact
-    is off by default: a row's random draws follow its place in the batch.
-    """
-    limits = grow_at = None
+    """Sample tokens [B, T] from a language model (inputs=None) or a translation model
+    (inputs [B, S]). prompt [B, P] (0-padded on the right) is forced first and is part of the
+    output; B comes from inputs, prompt or batch_size. T = max_decode_len (required for a
+    language model; translation's limits as translate_greedy's). temperature is traced (0:
+    greedy). compact is off by default: a row's random draws follow its place in the batch."""
     if inputs is not None:
-        B = inputs.shape[0]
-        T, limits, fn, cache, grow_at = _translation_setup(
+        fn, cache, kw = _translation_setup(
             config, params, inputs, max_decode_len, max_len_a, max_len_b, 1, use_cache
         )
     else:
@@ -358,19 +336,16 @@ def sample(
             raise ValueError("give prompt [B, P] or batch_size")
         T = decode_length(None, max_decode_len, config)
         fn, cache = decoder_only_logits_fn(config, params, B, max_decode_len=T, use_cache=use_cache)
+        kw = dict(batch_size=B, max_decode_len=T, bos_id=config.bos_id)
     return sample_decode(
         fn,
         cache,
         rng,
-        batch_size=B,
-        max_decode_len=T,
-        bos_id=config.bos_id,
         eos_id=eos_id,
         prompt=prompt,
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
-        limits=limits,
-        grow_at=grow_at,
         compact=_compaction(compact, use_cache, config),
+        **kw,
     )

@@ -1,15 +1,8 @@
-"""Evaluate a checkpoint: decode a split, score it with sacreBLEU, log the result.
+"""Evaluate a checkpoint: decode a split, score it with sacreBLEU, log the result (the
+commands: cli/evaluate.py).
 
-    tx_jax evaluate --workdir=runs/default                  test split, beam 4, length penalty 0.6
-    tx_jax evaluate --workdir=runs/default --step=400 --split=validation --beam_size=1
-    tx_jax evaluate --workdir=runs/default --average_last=3     (saved, then reused)
-    tx_jax evaluate --checkpoint=runs/default/averaged/last3/600
-    tx_jax evaluate --workdir=runs/default --sweep --beams=1,4 --length_penalties=0.6,1.0
-    tx_jax evaluate --workdir=runs/default --config.data.data_dir=/data/tfds
-    tx_jax evaluate --workdir=runs/multi --direction=de-fr [--pivot=en]   multilingual
-    tx_jax evaluate --workdir=runs/multi --direction=all      every trained direction
-    tx_jax evaluate --workdir=runs/nllb --config.data.dataset=multi30k \
-        --config.data.source_lang=en --config.data.target_lang=de       an imported NLLB model
+    record = evaluation.evaluate("runs/default", split="validation", beam_size=4)
+    swept = evaluation.sweep("runs/default", beams=(1, 4), length_penalties=(0.6, 1.0))
 
 The model, tokenizer and config come from the checkpoint (restore.py); `--config.key=value`
 overrides the stored config. Beam 1 is greedy. Outputs, WORKDIR being the run directory:

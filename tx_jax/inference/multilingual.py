@@ -6,11 +6,9 @@
     multilingual.measure_direction(loaded, "de-fr", split="test", pivot="en")   sacreBLEU
 
 A multilingual model reads [id of '<2xx>'] + source pieces + [EOS] and answers in language xx
-(data/directions.py; Johnson et al., 2017). Any direction whose target language has a tag can
-be asked for, trained or not: a model trained on en<->de and en<->fr translates de -> fr
-"zero-shot" from the tag alone, or through English with two supervised passes ("pivot").
-`tx_jax evaluate --workdir=runs/multi --direction=de-fr [--pivot=en]` and
-`tx_jax translate --workdir=runs/multi --target_lang=fr [--pivot=en]` use these.
+(Johnson et al., 2017), for any direction whose target has a tag: de -> fr "zero-shot" from a
+model trained on en<->de and en<->fr, or through English ("pivot"). `tx_jax evaluate
+--direction` and `tx_jax translate --target_lang` use these.
 """
 
 from __future__ import annotations

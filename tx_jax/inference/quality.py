@@ -161,13 +161,12 @@ def decode_batches(
     sampling: Sampling | None = None,
 ) -> list[tuple[np.ndarray, list[np.ndarray]]]:
     """Decode every batch -> per example, in corpus order: (its source ids [S'], its `nbest`
-    outputs [T'] with forced prefix and EOS, best first), padding dropped.
-
-    Batches carry 'inputs' [B, S], 'example_index' [B], 'example_mask' [B] (and with
-    `sampling`, 'sample_key' [B, 2]: line id, sample number). Greedy when beam_size == 1 and
-    `sampling` is None. `target_prefix`: forced first output ids. Parameters on one device
-    are decoded on every local device of its platform (`devices`: data_parallel.py),
-    parameters over a mesh on that mesh; batch shapes compile concurrently."""
+    outputs [T'] with forced prefix and EOS, best first), padding dropped. Batches carry
+    'inputs' [B, S], 'example_index' [B], 'example_mask' [B] (and with `sampling`, 'sample_key'
+    [B, 2]: line id, sample number). Greedy when beam_size == 1 and `sampling` is None.
+    `target_prefix`: forced first output ids. Parameters on one device are decoded on every
+    local device of its platform (`devices`: data_parallel.py), parameters over a mesh on that
+    mesh; batch shapes compile concurrently."""
     if nbest > 1 and sampling is None and nbest > beam_size:
         raise ValueError(f"nbest={nbest} needs beam_size >= {nbest} (beam_size={beam_size})")
     out: list = [None] * num_examples

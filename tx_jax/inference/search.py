@@ -381,15 +381,10 @@ def beam_search(
         return ~((worst_finished > best_live) | (best_live == -jnp.inf))
 
     init = _initial_beams(cache, limits, forced, penalty, shape=(B, N, T), hf=hf)
-    step = functools.partial(
-        _beam_step,
-        tokens_to_logits=tokens_to_logits,
-        bos_id=bos_id,
-        eos_id=eos_id,
-        penalty=penalty,
-        hf=hf,
-        length_penalty=length_penalty,
-    )
+
+    def step(state: _Beams) -> _Beams:
+        return _beam_step(state, tokens_to_logits, bos_id, eos_id, penalty, hf, length_penalty)
+
     outputs = lambda s: (s.fin_seqs, s.fin_scores)  # noqa: E731
     return _staged(init, step, going, outputs, T=T, grow_at=grow_at, compact=compact, beams=N)
 

@@ -71,17 +71,16 @@ def decode_lines(
     scores: bool = False,
     line_name: Callable[[int], str] | None = None,
 ) -> list[list[Hypothesis]]:
-    """Each line's hypotheses, aligned with `lines`: `nbest` of them (best first for beam
-    search, sample 0, 1, ... with `sampling`), none for a blank line.
-
-    `batch_size` defaults to data.eval_batch_size, `max_len` (source tokens) to
-    `max_source_len`; `progress(done, total)` is called after every chunk of CHUNK_BATCHES
-    batches. `source_prefix`: ids before every source (a multilingual model's tag);
-    `target_prefix`: forced first output ids (an M2M100/NLLB language token: languages.py).
-    `sampling` samples instead of searching, line i's k-th sample from (seed, line_ids[i], k).
-    `scores`: each hypothesis' log-probability. `line_name(i)`: how warnings name line i.
-    `length_buckets`: the lengths batches are padded to (default evaluation's). The outputs
-    depend on none of `length_buckets`, `batch_size` or `sort_by_length`."""
+    """Each line's hypotheses, aligned with `lines`: `nbest` of them (best first for beam search,
+    sample 0, 1, ... with `sampling`), none for a blank line. `batch_size` defaults to
+    data.eval_batch_size, `max_len` (source tokens) to `max_source_len`; `progress(done, total)`
+    is called after every chunk of CHUNK_BATCHES batches. `source_prefix`: ids before every
+    source (a multilingual model's tag); `target_prefix`: forced first output ids (an
+    M2M100/NLLB language token: languages.py). `sampling` samples instead of searching, line i's
+    k-th sample from (seed, line_ids[i], k). `scores`: each hypothesis' log-probability.
+    `line_name(i)`: how warnings name line i. `length_buckets`: the lengths batches are padded
+    to (default evaluation's). The outputs depend on none of `length_buckets`, `batch_size` or
+    `sort_by_length`."""
     if nbest < 1:
         raise ValueError(f"nbest={nbest}: expected >= 1")
     max_len = max_len or max_source_len(loaded)
