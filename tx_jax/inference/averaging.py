@@ -73,8 +73,8 @@ def choose_steps(
 
 
 def average_params(ckpt: Checkpointer, steps: Sequence[int], abstract: Any) -> Any:
-    """Mean of `state.params` over `steps`, accumulated in float64, in `abstract`'s dtypes
-    and placement. Holds one checkpoint's parameters plus the float64 sum at a time."""
+    """Mean of `state.params` over `steps` (a float64 sum, one checkpoint at a time), in
+    `abstract`'s dtypes and placement."""
     total = None
     for step in steps:
         params = jax.device_get(ckpt.restore_params(step, abstract))

@@ -106,10 +106,9 @@ def _map(fn: Callable[[_Layout | None, Array], Array], cache: Cache) -> Cache:
 
 
 def share_beams(cache: Cache, batch: int, beams: int, length: int) -> Cache:
-    """A [batch * beams]-row cache -> the beam-shared one, reordered without moving keys and
-    values: every self-attention cache gets a 'beam_origin' [B, N, T] table (all zeros: no
-    position written yet) and its keys and values are viewed per example, [B, N, K, ...];
-    cross-attention keys and values are kept once per example, [B, ...]."""
+    """A [batch * beams]-row cache -> the beam-shared one: self-attention keys and values
+    viewed per example, [B, N, K, ...], with a 'beam_origin' [B, N, T] table of zeros;
+    cross-attention keys and values kept once per example, [B, ...]."""
 
     def visit(node):
         if not isinstance(node, dict):
@@ -134,8 +133,8 @@ def take_beams(x: Array, index: Array) -> Array:
 
 def gather_beams(cache: Cache, beam_index: Array) -> Cache:
     """Hypothesis n of example b continues beam beam_index[b, n] [B, N]: its entries take that
-    beam's rows. What is the same for every beam (cross-attention, the source) stays, and so
-    do a beam-shared cache's keys and values: only its origin table is reordered."""
+    beam's rows, but for those the same for every beam and a beam-shared cache's keys and
+    values (only its origin table is reordered)."""
     B, N = beam_index.shape
     rows = (jnp.arange(B)[:, None] * N + beam_index).reshape(-1)
 

@@ -198,9 +198,7 @@ def run(
     progress_every: float = 5.0,
 ) -> list[str]:
     """Translate this process's unfinished shards of `job`, then assemble every input whose
-    shards are all done -> the output files this process wrote (module docstring).
-
-    fmt(hypotheses) -> one input line's output text, newline-ended (format_line)."""
+    shards are all done -> the output files this process wrote; fmt: `format_line`'s kind."""
     _check_job(job)
     counts = [len(split_lines(paths.read_bytes(p))) for p in job.inputs]
     shards = layout(counts, job.shard_lines)

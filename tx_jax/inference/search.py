@@ -240,8 +240,7 @@ class _Beams(NamedTuple):
     fin_scores: Array  # [B, N] their penalised scores, descending; -inf: empty slot
     cache: Cache  # rows b * N + n: cache.py's
     limits: Array  # [B] each row's output limit
-    best_possible: Array  # [B] penalty(longest scored length): a live beam's score is at
-    # most logp / this
+    best_possible: Array  # [B] penalty(longest scored length): a live beam scores <= logp / it
     forced: _Forced | None  # each row's forced prefix (None: no prompt)
     stopped: Array | None = None  # [B] Transformers' rules: rows whose finished are final
 
