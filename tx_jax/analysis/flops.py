@@ -15,8 +15,7 @@ paper's MFU). Forward pass:
                   + 2BL M HD + 2BL HE M + 2BS M K(D+E) + 2B H L S (D+E)          (cross)
     output          2BL M V                         (logits; tied or not, the same matmul)
 
-    train step    = 3 x forward (the backward pass computes two matmuls for each forward one:
-                    the gradient with respect to the input and to the other operand)
+    train step    = 3 x forward (the backward pass: two matmuls for each forward one)
 
 Attention terms count the whole L x L (or L x S) score matrix, causal or padded positions
 included, because that is what the dense implementation computes. Embedding lookups are

@@ -1,28 +1,15 @@
 r"""Representation and surface similarity between languages on parallel sentences.
 
-How alike two languages look to the encoder (representation similarity, per layer) against
-how alike they look on the page (surface similarity): language similarity is thought to shape
-cross-lingual transfer (English and German share vocabulary and grammar, so a model may
-represent them alike), and this measures both sides of that claim.
+How alike two languages look to the encoder, per layer, against how alike they look on the
+page: both sides of the claim that language similarity shapes cross-lingual transfer.
 
-Pure functions (NumPy, float64):
+Pure functions (NumPy, float64): representation similarity (mean_pool, linear_cka,
+sentence_cosines, similarity_matrices: every layer and language pair), surface similarity
+(char_ngram_overlap, chrf_similarity, surface_similarity_matrix) and their correlation
+(off_diagonal, pair_labels, correlation).
 
-    mean_pool(hidden [B, L, M], mask [B, L]) -> [B, M]     mean over real tokens only
-    linear_cka(x [N, D1], y [N, D2]) -> float             Kornblith et al. (2019), linear CKA
-    sentence_cosines(x [N, M], y [N, M]) -> [N]            cosine of each parallel pair
-    mean_pooled_cosine(x [N, M], y [N, M]) -> float        their mean
-    char_ngram_overlap(a, b) -> float                      Jaccard / Dice of char 1-4 grams
-    char_ngram_similarity(texts_a, texts_b) -> float       its mean over parallel sentences
-    chrf_similarity(texts_a, texts_b) -> float             sacreBLEU chrF (0-100), symmetrised
-    surface_similarity_matrix(texts_by_lang) -> [K, K]      either of the two, every pair
-    similarity_matrices(reps_by_lang) -> {'cka', 'cosine': [G, K, K]}   every layer and pair
-    off_diagonal(matrix [K, K]) -> [K(K-1)/2]              the i < j entries (pair_labels)
-    correlation(x [P], y [P]) -> {'pearson', 'spearman', p-values, 'n'}
-
-Model side: `encoder_layer_representations(model, params, tokenizer, sentences)` -> one
-[N, M] array of mean-pooled sentence vectors per encoder depth (G = num_encoder_layers + 1).
-The plots of these matrices are in visualize.py (`plot_similarity_heatmaps`,
-`plot_similarity_vs_surface`).
+Model side: `encoder_layer_representations` -> [N, M] mean-pooled sentence vectors per
+encoder depth. The plots are visualize.py's.
 
 Letters: N parallel sentences (rows aligned across languages), B batch, L source length,
 M d_model, D feature width, K languages, G encoder depths (embedding + layers), P pairs.
@@ -58,10 +45,8 @@ SURFACE_METRICS = ("chrf", "char_ngram")
 
 
 def mean_pool(hidden: Any, mask: Any) -> Any:
-    """hidden [B, L, M], mask [B, L] (1 = real token, 0 = padding) -> [B, M].
-
-    The mean over the positions the mask keeps, so padding never changes a row; a row with
-    no kept position gives zeros. Works on NumPy and JAX arrays alike (used inside jit)."""
+    """hidden [B, L, M], mask [B, L] (1 = kept) -> [B, M], the mean over kept positions
+    (zeros for a row with none); NumPy or JAX arrays (used inside jit)."""
     mask = mask.astype(hidden.dtype)
     counts = mask.sum(axis=1, keepdims=True)  # [B, 1]
     return (hidden * mask[..., None]).sum(axis=1) / (counts + (counts == 0))
@@ -75,12 +60,9 @@ def _centre(x: np.ndarray) -> np.ndarray:
 
 
 def linear_cka(x: Any, y: Any) -> float:
-    """Linear centred kernel alignment of x [N, D1] and y [N, D2] (rows: the same N inputs).
-
-    Kornblith et al. (2019), eq. 1-3 with linear kernels K = X X^T, L = Y Y^T on column-centred
-    X, Y: CKA = HSIC(K, L) / sqrt(HSIC(K, K) HSIC(L, L)) = ||Y^T X||_F^2 / (||X^T X||_F
-    ||Y^T Y||_F). In [0, 1]; invariant to orthogonal transforms and isotropic scaling of
-    either side, not to arbitrary invertible maps. NaN when a side has no variance."""
+    """Linear CKA of x [N, D1] and y [N, D2] (rows: the same N inputs), Kornblith et al.
+    (2019): ||Y^T X||_F^2 / (||X^T X||_F ||Y^T Y||_F) on column-centred X, Y. In [0, 1]; NaN
+    when a side has no variance."""
     x, y = _centre(x), _centre(y)
     if x.shape[0] != y.shape[0]:
         raise ValueError(f"x and y must have the same rows: {x.shape[0]} != {y.shape[0]}")
@@ -96,11 +78,8 @@ def linear_cka(x: Any, y: Any) -> float:
 
 
 def sentence_cosines(x: Any, y: Any, *, center: bool = False) -> np.ndarray:
-    """Cosine similarity of each parallel pair: x [N, M], y [N, M] -> [N].
-
-    center=True first subtracts each side's mean vector (over its N rows), removing the
-    component shared by every sentence of a language (Libovický et al., 2019). A zero vector
-    has cosine 0 with anything."""
+    """Cosine similarity of each parallel pair: x [N, M], y [N, M] -> [N] (0 for a zero
+    vector). center=True first removes each side's mean vector (Libovický et al., 2019)."""
     x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
     if x.shape != y.shape or x.ndim != 2:
         raise ValueError(f"expected two [N, M] arrays of one shape, got {x.shape}, {y.shape}")
@@ -112,18 +91,15 @@ def sentence_cosines(x: Any, y: Any, *, center: bool = False) -> np.ndarray:
 
 
 def mean_pooled_cosine(x: Any, y: Any, *, center: bool = False) -> float:
-    """Mean over sentences of the cosine of mean-pooled vectors x [N, M], y [N, M] (rows are
-    parallel sentences, e.g. one layer of `encoder_layer_representations` per language)."""
+    """Mean of `sentence_cosines` of x [N, M], y [N, M]."""
     return float(sentence_cosines(x, y, center=center).mean())
 
 
 def similarity_matrices(
     reps_by_lang: Mapping[str, Sequence[Any]], *, center_cosine: bool = False
 ) -> dict[str, Any]:
-    """{language: [G arrays [N, M]]} -> {'languages': [K names, in the mapping's order],
-    'cka': [G, K, K], 'cosine': [G, K, K]} (float64, symmetric, diagonal 1 where defined).
-
-    Every language needs the same G layers and the same N parallel sentences, row by row."""
+    """{language: [G arrays [N, M]], the same G and N for each} -> {'languages': [K names],
+    'cka': [G, K, K], 'cosine': [G, K, K]} (float64, symmetric)."""
     languages = list(reps_by_lang)
     if not languages:
         raise ValueError("reps_by_lang is empty")
@@ -169,11 +145,8 @@ def char_ngram_overlap(
     metric: str = "jaccard",
     lowercase: bool = False,
 ) -> float:
-    """Character n-gram overlap of two strings, averaged over n = n_min .. n_max.
-
-    Per order: Jaccard |A & B| / |A | B| or Dice 2 |A & B| / (|A| + |B|) of the n-gram sets
-    (whitespace removed). Orders neither string is long enough for are left out; two strings
-    with no n-gram at all score 0. Identical strings -> 1, no shared character -> 0."""
+    """Jaccard or Dice overlap of two strings' character n-gram sets, averaged over
+    n = n_min .. n_max; orders neither string is long enough for are left out (none: 0)."""
     if metric not in NGRAM_METRICS:
         raise ValueError(f"metric={metric!r}; expected one of {NGRAM_METRICS}")
     scores = []
@@ -204,9 +177,8 @@ def char_ngram_similarity(texts_a: Sequence[str], texts_b: Sequence[str], **kwar
 def chrf_similarity(
     texts_a: Sequence[str], texts_b: Sequence[str], *, symmetric: bool = True
 ) -> float:
-    """Corpus chrF (sacreBLEU defaults: char 6-grams, beta 2, whitespace removed), 0-100, of
-    language A's sentences scored against B's as references. chrF weighs recall above
-    precision, so it is asymmetric; symmetric=True returns the mean of A->B and B->A."""
+    """Corpus chrF (sacreBLEU's defaults), 0-100, of A's sentences against B's as references;
+    chrF is asymmetric, so symmetric=True returns the mean of A->B and B->A."""
     _check_parallel(texts_a, texts_b)
     metric = sacrebleu.metrics.CHRF()
     forward = metric.corpus_score(list(texts_a), [list(texts_b)]).score
@@ -219,9 +191,8 @@ def chrf_similarity(
 def surface_similarity_matrix(
     texts_by_lang: Mapping[str, Sequence[str]], *, metric: str = "chrf", **kwargs: Any
 ) -> np.ndarray:
-    """{language: N parallel sentences} -> [K, K] (languages in the mapping's order):
-    `chrf_similarity` (metric='chrf', 0-100) or `char_ngram_similarity` ('char_ngram', 0-1)
-    of every pair; symmetric (chrF symmetrised unless symmetric=False is passed)."""
+    """{language: N parallel sentences} -> [K, K]: `chrf_similarity` (metric='chrf') or
+    `char_ngram_similarity` ('char_ngram') of every pair."""
     if metric not in SURFACE_METRICS:
         raise ValueError(f"metric={metric!r}; expected one of {SURFACE_METRICS}")
     fn = chrf_similarity if metric == "chrf" else char_ngram_similarity
@@ -240,8 +211,7 @@ def surface_similarity_matrix(
 
 
 def off_diagonal(matrix: Any) -> np.ndarray:
-    """[K, K] -> [K(K-1)/2]: the entries above the diagonal (i < j) in row order, one per
-    language pair (the matrices here are symmetric); `pair_labels` names them."""
+    """[K, K] -> [K(K-1)/2]: the entries above the diagonal in row order (`pair_labels`)."""
     m = np.asarray(matrix, np.float64)
     if m.ndim != 2 or m.shape[0] != m.shape[1]:
         raise ValueError(f"expected a square matrix, got shape {m.shape}")
@@ -254,19 +224,13 @@ def pair_labels(languages: Sequence[str]) -> list[str]:
 
 
 def correlation(x: Any, y: Any) -> dict[str, float]:
-    """Pearson and Spearman (average ranks for ties) correlation of x [P] and y [P], with
-    two-sided p-values (scipy.stats). NaN where undefined: fewer than 3 points or a constant
-    side. -> {'pearson', 'pearson_p', 'spearman', 'spearman_p', 'n'}."""
+    """Pearson and Spearman correlation of x [P] and y [P] with two-sided p-values -> {'pearson',
+    'pearson_p', 'spearman', 'spearman_p', 'n'}; NaN under 3 points or for a constant side."""
     x, y = np.asarray(x, np.float64).ravel(), np.asarray(y, np.float64).ravel()
     if x.shape != y.shape:
         raise ValueError(f"x and y must have the same length: {x.size} != {y.size}")
-    out = {
-        "pearson": math.nan,
-        "pearson_p": math.nan,
-        "spearman": math.nan,
-        "spearman_p": math.nan,
-        "n": int(x.size),
-    }
+    out = dict.fromkeys(("pearson", "pearson_p", "spearman", "spearman_p"), math.nan)
+    out["n"] = int(x.size)
     if x.size < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
         return out
     pearson = scipy.stats.pearsonr(x, y)
@@ -290,12 +254,9 @@ def source_ids(
     tag: str | Sequence[int] | None = None,
     max_len: int | None = None,
 ) -> tuple[list[list[int]], int]:
-    """Sentences -> (id lists `prefix + pieces + [EOS]`, prefix length), as the input pipeline
-    encodes sources (tx_jax.data.features: pieces then EOS), with an optional prefix.
-
-    `tag`: a piece such as '<2de>' (a `user_defined_symbols` entry of the tokenizer), giving
-    [its id] as the training pipeline's `source_prefix` does, or a list of ids used as is.
-    Longer than `max_len`: the pieces are cut, keeping the prefix and EOS."""
+    """Sentences -> (id lists `prefix + pieces + [EOS]`, as the input pipeline encodes
+    sources; prefix length). `tag`: a piece such as '<2de>' or a list of ids. Longer than
+    `max_len`: the pieces are cut, keeping the prefix and EOS."""
     if tag is None:
         prefix: list[int] = []
     elif isinstance(tag, str):
@@ -360,33 +321,16 @@ def encoder_layer_representations(
     max_len: int | None = None,
     pad_to_multiple: int = 16,
 ) -> list[np.ndarray]:
-    """Mean-pooled encoder representations of N sentences: G = num_encoder_layers + 1
-    arrays [N, M] (float32, row n for sentences[n]).
+    """Mean-pooled encoder representations of N sentences by an EncoderDecoder: G =
+    num_encoder_layers + 1 arrays [N, M] (float32, row n for sentences[n]), no dropout.
 
-    Depth 0 is the embedding layer's output (token embeddings, times sqrt(M) when the config
-    scales them, plus sinusoidal or learned positions; RoPE models have none to add); depth i
-    is the output of encoder layer i, i.e. the residual stream after its FFN sub-layer: for
-    post-LN (the paper) that is after the layer's final LayerNorm, so the last depth equals
-    the encoder output; for pre-LN it is the un-normalised residual stream, before the
-    encoder's final norm (final_norm=True puts the encoder output, after that norm, in the
-    last depth instead; it changes nothing for post-LN). Deterministic: no dropout.
-
-    Args:
-      model: an `EncoderDecoder` (e.g. `inference.restore.load(...).model`).
-      params: its 'params' collection, boxed (fresh from init) or not (`load`).
-      tokenizer: the model's SentencePiece tokenizer; a source is its pieces then EOS.
-      sentences: N source sentences.
-      tag: an optional source prefix: a piece such as '<2de>' or a list of ids (`source_ids`).
-      batch_size: sentences per forward pass (the last batch is filled with EOS-only rows).
-      pool: 'text' averages over the sentence's own pieces only (not the prefix, not EOS,
-        which every language shares); 'all' over every non-padding token. A sentence with no
-        piece of its own (empty) gives zeros under 'text'.
-      final_norm: see above.
-      max_len: longer sources are cut (default: the config's max_len, the size of a learned
-        position table).
-      pad_to_multiple: batches are padded to a multiple of this length (fewer compilations);
-        padding never changes a representation.
-    """
+    Depth 0 is the embedding layer's output (with positions); depth i is encoder layer i's
+    output, the residual stream (pre-LN: before the encoder's final norm, which
+    final_norm=True applies to the last depth). `tag`: a source prefix (`source_ids`).
+    pool='text' averages over the sentence's own pieces (not the prefix or EOS, which every
+    language shares; an empty sentence gives zeros), 'all' over every non-padding token.
+    Sources are cut at `max_len` (default the config's); batches of `batch_size` are padded
+    to a multiple of `pad_to_multiple` (fewer compilations)."""
     if pool not in POOLS:
         raise ValueError(f"pool={pool!r}; expected one of {POOLS}")
     if not isinstance(model, EncoderDecoder):

@@ -4,11 +4,8 @@ TensorBoard: the XLA operations (fusions, dots, copies) of the traced programs, 
     rows = trace_summary.top_ops(trace_dir)            [(name, total ms, calls), ...]
     print(trace_summary.format_rows(rows, wall=...))
 
-On CPU, XLA's thunk executor records one event per operation run on its worker threads,
-named as in the compiled HLO (`jax.jit(f).lower(...).compile().as_text()` shows what each
-fusion holds); the same operation is counted once per loop iteration. Events of the
-executor itself and of Python are left out. `tx_jax evaluate --profile` prints
-this for a decode.
+On CPU, XLA's thunk executor records one event per operation run, named as in the compiled
+HLO, once per loop iteration; the executor's own and Python's events are left out.
 """
 
 from __future__ import annotations

@@ -8,20 +8,12 @@ the language-similarity matrices of similarity.py.
     plot_similarity_heatmaps(matrices, languages, out)   a language x language panel per layer
     plot_similarity_vs_surface(reps, surface, languages, out)  a scatter per layer
 
-Command line (tx_jax/cli/visualize.py):
+Command line: `tx_jax visualize attention | curves` (tx_jax/cli/visualize.py's USAGE).
 
-    tx_jax visualize attention --workdir=DIR [--step=N] --source="..." \
-        [--target="..."] --out=DIR_PNG [--kinds=cross,encoder,decoder] [--noaverage_heads]
-    tx_jax visualize curves --metrics=a/metrics.jsonl,b/metrics.jsonl --out=x.png \
-        [--keys=loss,bleu] [--labels=a,b] [--x=step|elapsed|train_seconds]
-
-Three kinds of attention, each stored as [N, H, Q, K] (layers, heads, queries, keys):
-    encoder   encoder self-attention          [N_enc, H, S, S]
-    decoder   masked decoder self-attention   [N_dec, H, L, L]
-    cross     decoder-encoder attention       [N_dec, H, L, S]
-S counts the source pieces and EOS; L the decoder inputs (BOS, then the target pieces:
-teacher forcing, so row t is the position that predicts target piece t). Figures are built
-on `matplotlib.figure.Figure` with the Agg canvas: no pyplot, no display, no global backend.
+Attention is [N, H, Q, K] (layers, heads, queries, keys): encoder [N_enc, H, S, S], decoder
+[N_dec, H, L, L], cross [N_dec, H, L, S]; S counts the source pieces and EOS, L the decoder
+inputs (BOS, then the target pieces: row t predicts target piece t). Figures use the Agg
+canvas of `matplotlib.figure.Figure`: no pyplot, no display, no global backend.
 """
 
 from __future__ import annotations
@@ -76,11 +68,8 @@ def attention_weights(
     model_config: ModelConfig, params: Any, inputs: Array, targets: Array
 ) -> dict[str, Array]:
     """Teacher-forced EncoderDecoder pass over inputs [B, S] and targets [B, L] (0-padded)
-    -> {'encoder': [N, B, H, S, S], 'decoder': [N, B, H, L, L], 'cross': [N, B, H, L, S]}.
-
-    Rows are softmax weights over the keys a query may see (they sum to 1); padded keys,
-    future positions (decoder) and padded query rows hold exactly 0.
-    """
+    -> {'encoder': [N, B, H, S, S], 'decoder': [N, B, H, L, L], 'cross': [N, B, H, L, S]}:
+    softmax rows (summing to 1), exactly 0 at padded keys, future positions and padded rows."""
     cfg = model_config.replace(
         sow_attention_weights=True, attention_impl="xla", decode=False, remat="none"
     )
@@ -105,10 +94,8 @@ def attention_maps(
     *,
     max_decode_len: int | None = None,
 ) -> dict[str, Any]:
-    """The attention of one sentence pair, for plotting.
-
-    target=None translates `source` greedily first (decoding.translate_greedy) and uses its
-    output ids as they are. Returns a dict:
+    """The attention of one sentence pair (target=None: `source` translated greedily first)
+    -> a dict:
       'source', 'target': the texts.
       'source_pieces': S pieces, the source's and '</s>' (key axis of encoder and cross).
       'target_pieces': L pieces, the decoder inputs '<s>', t_1 .. t_{L-1} (query axis of
@@ -162,9 +149,8 @@ def plot_attention(
     average_heads: bool = True,
     dpi: int = 110,
 ) -> list[pathlib.Path]:
-    """Write one PNG per kind and layer, OUT_DIR/{kind}_layer{i}.png, with a panel per head
-    (and, with average_heads, OUT_DIR/{kind}_mean.png: a panel per layer, mean over heads).
-    `maps` is what `attention_maps` returns. Returns the paths written, in that order."""
+    """`attention_maps`' maps -> the paths written: OUT_DIR/{kind}_layer{i}.png, a panel per
+    head, and with average_heads OUT_DIR/{kind}_mean.png, a panel per layer."""
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
         raise ValueError(f"unknown attention kind(s) {unknown}; expected some of {KINDS}")
@@ -175,26 +161,24 @@ def plot_attention(
         weights = np.asarray(maps[kind])  # [N, H, Q, K]
         rows = maps["source_pieces"] if kind == "encoder" else maps["target_pieces"]
         cols = maps["target_pieces"] if kind == "decoder" else maps["source_pieces"]
-        for layer, heads in enumerate(weights):
-            fig = heatmap_grid(
-                heads,
-                rows,
-                cols,
-                [f"layer {layer}, head {h}" for h in range(len(heads))],
-                title=f"{_TITLES[kind]}, layer {layer}",
-                axis_labels=_AXES[kind],
-            )
-            paths.append(_save(fig, out_dir / f"{kind}_layer{layer}.png", dpi))
+        N, H = weights.shape[:2]
+        figures = [  # (panels [G, Q, K], panel titles, title, file name)
+            (heads, [f"layer {i}, head {h}" for h in range(H)], f"layer {i}", f"layer{i}")
+            for i, heads in enumerate(weights)
+        ]
         if average_heads:
+            titles = [f"layer {i}, mean of {H} heads" for i in range(N)]
+            figures.append((weights.mean(axis=1), titles, "mean over heads", "mean"))
+        for panels, titles, title, name in figures:
             fig = heatmap_grid(
-                weights.mean(axis=1),
+                panels,
                 rows,
                 cols,
-                [f"layer {i}, mean of {weights.shape[1]} heads" for i in range(len(weights))],
-                title=f"{_TITLES[kind]}, mean over heads",
+                titles,
+                title=f"{_TITLES[kind]}, {title}",
                 axis_labels=_AXES[kind],
             )
-            paths.append(_save(fig, out_dir / f"{kind}_mean.png", dpi))
+            paths.append(_save(fig, out_dir / f"{kind}_{name}.png", dpi))
     return paths
 
 
@@ -221,15 +205,10 @@ def heatmap_grid(
     y_label = 0.3 + y_font / 72 * 0.6 * max(map(len, row_labels), default=1)
     width = ncols * (max(2.0, x_cell * K) + 0.3) + y_label + 1.2
     height = nrows * (max(2.0, y_cell * Q) + x_label + 0.4) + 0.5
-    fig = Figure(figsize=(width, height), layout="constrained")
     # Shared rows: y labels on the first column only; every panel keeps its x labels.
-    axes = fig.subplots(nrows, ncols, squeeze=False, sharey=True)
+    fig, axes, used = _panels((width, height), G, ncols, sharey=True)
     vmax = max(float(weights.max()), 1e-6)
-    image = None
-    for g, ax in enumerate(axes.flat):
-        if g >= G:
-            ax.set_axis_off()
-            continue
+    for g, ax in enumerate(used):
         image = ax.imshow(weights[g], cmap="viridis", vmin=0.0, vmax=vmax, aspect="auto")
         ax.set_title(panel_titles[g], fontsize=9)
         ax.set_xticks(range(K), col_labels, rotation=90, fontsize=x_font)
@@ -252,6 +231,16 @@ def heatmap_grid(
     return fig
 
 
+def _panels(size: tuple[float, float], g: int, ncols: int, **kw: Any) -> tuple[Figure, Any, list]:
+    """A figure of `size` inches with g panels, ncols a row -> (figure, axes grid, the g
+    axes in use); the grid's unused axes are turned off."""
+    fig = Figure(figsize=size, layout="constrained")
+    axes = fig.subplots(math.ceil(g / ncols), ncols, squeeze=False, **kw)
+    for ax in axes.flat[g:]:
+        ax.set_axis_off()
+    return fig, axes, list(axes.flat[:g])
+
+
 def _cell(tokens: int) -> tuple[float, int]:
     """(inches per token, label font size) for an axis of `tokens` labels."""
     return (0.24, 7) if tokens <= 40 else (0.16, 5)
@@ -268,13 +257,9 @@ def _save(fig: Figure, path: PathLike, dpi: int) -> pathlib.Path:
 
 
 def read_metrics(path: PathLike) -> list[dict[str, Any]]:
-    """The records of one metrics.jsonl, sorted by (step, file order).
-
-    A resumed run logs the steps after its last checkpoint again: for each (split, step)
-    the last record wins. 'elapsed' restarts at 0 with every process; it is made
-    cumulative over restarts (a record whose elapsed falls below the previous one starts a
-    new segment offset by the previous segment's end).
-    """
+    """The records of one metrics.jsonl, sorted by (step, file order); for each (split,
+    step) the last record wins (a resumed run logs steps again), and 'elapsed', which restarts
+    at 0 with every process, is made cumulative over restarts."""
     records: dict[tuple[str, int], dict] = {}
     offset, last = 0.0, 0.0
     for i, line in enumerate(paths_lib.Path(path).read_text().splitlines()):  # or gs://
@@ -367,11 +352,8 @@ def plot_curves(
     x: str = "step",
     dpi: int = 110,
 ) -> pathlib.Path:
-    """Training curves of one or more runs (their metrics.jsonl files) -> out_png.
-
-    labels default to each file's directory name (the workdir; its path if names repeat).
-    x: 'step', 'elapsed' (wall-clock, cumulative over restarts) or 'train_seconds' (the
-    run's training time, summed over its segments, as the time-to-BLEU budgets count it)."""
+    """Training curves of one or more runs (their metrics.jsonl files) -> out_png; labels
+    default to each file's directory name (its path if names repeat); x: one of X_AXES."""
     paths = [metrics] if isinstance(metrics, (str, pathlib.Path)) else list(metrics)
     paths = [paths_lib.Path(p) for p in paths]  # local or gs://
     if labels is None:
@@ -381,8 +363,6 @@ def plot_curves(
     if len(labels) != len(paths) or len(set(labels)) < len(labels):
         raise ValueError(f"need one distinct label per metrics file: {labels} for {paths}")
     runs = {label: read_metrics(p) for label, p in zip(labels, paths, strict=True)}
-    out_png = pathlib.Path(out_png)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
     return _save(curves_figure(runs, keys=keys, x=x), out_png, dpi)
 
 
@@ -414,10 +394,8 @@ def plot_similarity_heatmaps(
     max_cols: int = 4,
     dpi: int = 110,
 ) -> pathlib.Path:
-    """One PNG: a language x language heatmap per layer of matrices [G, K, K] (or one
-    [K, K]), each cell annotated with its value, one shared colour scale (default: the
-    data's range) and colorbar. Panels are titled 'layer 0 (embeddings)', 'layer 1', ...
-    unless `panel_titles` says otherwise. Returns the path written."""
+    """One PNG -> its path: a language x language heatmap per layer of matrices [G, K, K] (or
+    one [K, K]), cells annotated, one colour scale (default: the data's range)."""
     m = _as_stack(matrices)
     g, k = m.shape[0], m.shape[1]
     if len(languages) != k:
@@ -428,16 +406,11 @@ def plot_similarity_heatmaps(
     hi = vmax if vmax is not None else (float(finite.max()) if finite.size else 1.0)
     hi = hi if hi > lo else lo + 1e-6
     ncols = min(g, max_cols)
-    nrows = math.ceil(g / ncols)
     side = max(2.4, 0.5 * k + 1.0)
-    fig = Figure(figsize=(ncols * side + 1.2, nrows * side + 0.6), layout="constrained")
-    axes = fig.subplots(nrows, ncols, squeeze=False)
-    image = None
+    size = (ncols * side + 1.2, math.ceil(g / ncols) * side + 0.6)
+    fig, axes, used = _panels(size, g, ncols)
     font = 8 if k <= 8 else 6
-    for p, ax in enumerate(axes.flat):
-        if p >= g:
-            ax.set_axis_off()
-            continue
+    for p, ax in enumerate(used):
         image = ax.imshow(m[p], cmap="viridis", vmin=lo, vmax=hi)
         for i, j in itertools.product(range(k), range(k)):
             shade = (m[p, i, j] - lo) / (hi - lo) if np.isfinite(m[p, i, j]) else 0.0
@@ -476,10 +449,8 @@ def plot_similarity_vs_surface(
     max_cols: int = 4,
     dpi: int = 110,
 ) -> pathlib.Path:
-    """One PNG: for each layer of representation [G, K, K] (or one [K, K]), a scatter of its
-    language pairs (off-diagonal, i < j), surface similarity [K, K] on x against
-    representation similarity on y, points labelled 'a-b', with `correlation` in the panel
-    title (and the figure title when there is one panel). Returns the path written."""
+    """One PNG -> its path: per layer of representation [G, K, K] (or one [K, K]), a scatter
+    of its language pairs, surface similarity [K, K] on x, with `correlation` in the title."""
     rep, surf = _as_stack(representation), np.asarray(surface, np.float64)
     g, k = rep.shape[0], rep.shape[1]
     if surf.shape != (k, k) or len(languages) != k:
@@ -487,13 +458,8 @@ def plot_similarity_vs_surface(
     xs, labels = off_diagonal(surf), pair_labels(languages)
     titles = list(panel_titles) if panel_titles is not None else _layer_titles(g)
     ncols = min(g, max_cols)
-    nrows = math.ceil(g / ncols)
-    fig = Figure(figsize=(ncols * 3.6 + 0.4, nrows * 3.4 + 0.6), layout="constrained")
-    axes = fig.subplots(nrows, ncols, squeeze=False)
-    for p, ax in enumerate(axes.flat):
-        if p >= g:
-            ax.set_axis_off()
-            continue
+    fig, _, used = _panels((ncols * 3.6 + 0.4, math.ceil(g / ncols) * 3.4 + 0.6), g, ncols)
+    for p, ax in enumerate(used):
         ys = off_diagonal(rep[p])
         stats = correlation(xs, ys)
         ax.scatter(xs, ys, s=24, color="tab:blue")

@@ -1,24 +1,19 @@
-"""Checkpoint averaging: one model from the mean parameters of the last K checkpoints.
-
-The paper (Vaswani et al., 2017, section 6.1) evaluates the base models as "a single model
-obtained by averaging the last 5 checkpoints" and the big ones the last 20 (fairseq's
-`average_checkpoints.py`, tensor2tensor's `avg_checkpoints.py`).
+"""Checkpoint averaging: one model from the mean parameters of the last K checkpoints, as the
+paper evaluates its models (section 6.1: the last 5, or 20 for the big ones).
 
     averaged = average_checkpoints("runs/default", 5)   # -> Averaged(path, step, steps)
     tx_jax evaluate --workdir=runs/default --average_last=5
     tx_jax evaluate --checkpoint=runs/default/averaged/last5/600
 
-Parameters are averaged elementwise: summed on the host in float64, one checkpoint at a
-time, divided by K and rounded once to the parameter dtype (float32), so the mean of K equal
-checkpoints is that checkpoint bit for bit. The result is saved as a real Orbax checkpoint
-(the same `state` / `data` / `meta` items as training's) at
+Parameters are summed on the host in float64, one checkpoint at a time, divided by K and
+rounded once to their dtype, so the mean of K equal checkpoints is that checkpoint bit for
+bit. The result is a real Orbax checkpoint (training's items; the last checkpoint's state
+with the averaged parameters, its meta plus 'averaged': {'steps', 'k'}) at
 
     WORKDIR/averaged/last<K>/<last step>              the last K checkpoints
     WORKDIR/averaged/steps_<a>_<b>_.../<last step>    explicit steps
 
-holding the last checkpoint's state (step, optimizer, rng) with the averaged parameters,
-its iterator state, and its meta plus 'averaged': {'steps': [...], 'k': K}. A later call
-for the same steps reuses it. Training never reads WORKDIR/averaged.
+and a later call for the same steps reuses it. Training never reads WORKDIR/averaged.
 """
 
 from __future__ import annotations
@@ -78,8 +73,8 @@ def choose_steps(
 
 
 def average_params(ckpt: Checkpointer, steps: Sequence[int], abstract: Any) -> Any:
-    """Mean of `state.params` over `steps`, accumulated in float64, in `abstract`'s dtypes
-    and placement. Holds one checkpoint's parameters plus the float64 sum at a time."""
+    """Mean of `state.params` over `steps` (a float64 sum, one checkpoint at a time), in
+    `abstract`'s dtypes and placement."""
     total = None
     for step in steps:
         params = jax.device_get(ckpt.restore_params(step, abstract))

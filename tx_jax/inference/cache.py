@@ -1,24 +1,14 @@
 """The decoding cache's layout, known here alone: the searches (search.py) treat a cache as
 opaque and change it only through these functions (T5X's decoding.cache_map plays this part).
 
-Shape letters: B batch (examples), N beams (hypotheses per example; 1 for greedy and
-sampling), R = B * N rows, T decode positions, S source length.
-
-A logits function's cache (decoding.py builds them) is one of
-
-    of_model(model_cache, inputs)   {'model': Flax's 'cache' collection, 'inputs': the per-row
-                                     arguments the model is applied to (encoder output, source)}
-    prefix(R, T)                    {'tokens': [R, T] the tokens so far, 'index': the step}: the
-                                     no-cache reference's, which reruns the full model on them
-
-and every array in it is laid out as its name says (`_LAYOUT`): per hypothesis, row b * N + n
-of [R, ...]; or, in a beam-shared cache (`share_beams`), per example, [B, ...] or [B, N, ...];
-or a scalar (an index, a flag), which belongs to no row. The four operations:
-
-    share_beams(cache, B, N, T)       an [R]-row cache -> the beam-shared one beam search runs on
-    gather_beams(cache, beam_index)   each hypothesis takes its source beam's history
-    grow(cache, old=T1, new=T)        more empty positions (the two-stage loop of search.py)
-    take_rows(cache, idx, B, N)       the examples idx only (search.py's compaction)
+Shape letters: B batch (examples), N beams, R = B * N rows, T decode positions, S source
+length. A logits function's cache is `of_model(model_cache, inputs)` (Flax's 'cache'
+collection and the per-row arguments of the model) or `prefix(R, T)` (the no-cache
+reference's tokens so far). Every array is laid out as its name says (`_LAYOUT`): per
+hypothesis, row b * N + n of [R, ...]; in a beam-shared cache (`share_beams`), per example,
+[B, ...] or [B, N, ...]; or a scalar, which belongs to no row. The operations:
+share_beams, gather_beams (each hypothesis takes its source beam's history), grow (more
+empty positions) and take_rows (some examples only: compaction).
 """
 
 from __future__ import annotations
@@ -66,8 +56,7 @@ _SHARED = {
 
 def of_model(model_cache: Any, inputs: tuple[Array, ...]) -> Cache:
     """The cache of a Flax model applied in decode mode: its 'cache' collection and the per-row
-    arguments it is applied to. They travel in the cache, not in the logits function's closure,
-    so that a search may move rows between batches."""
+    arguments it is applied to (here, so that a search may move rows between batches)."""
     return {"model": model_cache, "inputs": inputs}
 
 
@@ -117,10 +106,9 @@ def _map(fn: Callable[[_Layout | None, Array], Array], cache: Cache) -> Cache:
 
 
 def share_beams(cache: Cache, batch: int, beams: int, length: int) -> Cache:
-    """A [batch * beams]-row cache -> the beam-shared one, reordered without moving keys and
-    values: every self-attention cache gets a 'beam_origin' [B, N, T] table (all zeros: no
-    position written yet) and its keys and values are viewed per example, [B, N, K, ...];
-    cross-attention keys and values are kept once per example, [B, ...]."""
+    """A [batch * beams]-row cache -> the beam-shared one: self-attention keys and values
+    viewed per example, [B, N, K, ...], with a 'beam_origin' [B, N, T] table of zeros;
+    cross-attention keys and values kept once per example, [B, ...]."""
 
     def visit(node):
         if not isinstance(node, dict):
@@ -138,15 +126,15 @@ def share_beams(cache: Cache, batch: int, beams: int, length: int) -> Cache:
     return visit(cache)
 
 
-def _take_beams(x: Array, index: Array) -> Array:
+def take_beams(x: Array, index: Array) -> Array:
     """x [B, N, ...], index [B, K] -> [B, K, ...]."""
     return jax.vmap(lambda row, i: row[i])(x, index)
 
 
 def gather_beams(cache: Cache, beam_index: Array) -> Cache:
     """Hypothesis n of example b continues beam beam_index[b, n] [B, N]: its entries take that
-    beam's rows. What is the same for every beam (cross-attention, the source) stays, and so
-    do a beam-shared cache's keys and values: only its origin table is reordered."""
+    beam's rows, but for those the same for every beam and a beam-shared cache's keys and
+    values (only its origin table is reordered)."""
     B, N = beam_index.shape
     rows = (jnp.arange(B)[:, None] * N + beam_index).reshape(-1)
 
@@ -154,7 +142,7 @@ def gather_beams(cache: Cache, beam_index: Array) -> Cache:
         if layout is None or not layout.reorder:
             return x
         if layout.reorder == "beams":
-            return _take_beams(x, beam_index)
+            return take_beams(x, beam_index)
         return jnp.take(x, rows, axis=0)
 
     return _map(reorder, cache)

@@ -7,18 +7,10 @@ how much time a piece of work spent compiling.
     compilation.dispatch(calls, keys)            calls on one thread per core, programs built once
     with compilation.CompileTimer() as t: ...    t.seconds, t.programs, t.cache_hits
 
-Decoding compiles one program per (search, batch shape): a handful per evaluation, each 1-3 s
-on a 2-core CPU for the default model, more than decoding the test set takes once compiled.
-The persistent cache (JAX's, keyed by the program, the compiler and the device) makes the
-second process load them instead. Programs are cached whatever their compile time (JAX's
-default skips those under 1 s: most of an evaluation's).
-
-Loading a compiled program still needs the program, and building it means tracing the Flax
-model through the search loops: about 0.7 s per decoding program on that CPU, most of a warm
-evaluation's start-up. `cached_call` keeps each traced program too, serialized with
-jax.export beside the compilation cache (keyed by the function, its static arguments, the
-argument shapes, tx_jax's source and the JAX version), so a later process neither traces
-nor compiles.
+Decoding compiles a program per (search, batch shape), each longer to build than the decoding
+takes. The persistent cache keeps every program (JAX's default skips those under 1 s), and
+`cached_call` keeps each traced program too (jax.export, keyed by the function, its static
+arguments, the shapes, tx_jax's source and JAX), so a later process neither traces nor compiles.
 """
 
 from __future__ import annotations
@@ -88,9 +80,8 @@ def on_one_device(args: Any) -> bool:
 
 
 def clear() -> None:
-    """Forget the programs this process holds (traced, kept, compiled): the next call builds
-    its program again, from the persistent cache if it is there (a profile or a compile-time
-    measurement that must see that step)."""
+    """Forget the programs this process holds (traced, kept, compiled), for a measurement that
+    must see them built again."""
     _calls.clear()
     jax.clear_caches()
 
@@ -108,9 +99,8 @@ def cached_call(fn: Callable, static: dict[str, Any], *args: Any) -> Any:
 
 def program(fn: Callable, static: dict[str, Any], *args: Any) -> Callable:
     """The traceable function behind cached_call for arguments shaped as `args` (arrays or
-    jax.ShapeDtypeStructs): jax.jit of the traced program kept on disk when the persistent
-    cache is on, else fn with `static` bound. Callable inside other transformations (a
-    shard_map over devices: data_parallel.py)."""
+    ShapeDtypeStructs): the kept program when the persistent cache is on, else fn with
+    `static` bound; callable inside other transformations (data_parallel.py's shard_map)."""
     if _export_dir is None:
         return functools.partial(fn, **static)
     key = _key(fn, static, args)
@@ -133,18 +123,8 @@ def program(fn: Callable, static: dict[str, Any], *args: Any) -> Callable:
 
 def _key(fn: Callable, static: dict[str, Any], args: Any) -> str:
     specs = jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), args)
-    key_text = repr(
-        (
-            fn.__module__,
-            fn.__qualname__,
-            sorted(static.items()),
-            jax.tree.structure(args),
-            specs,
-            jax.__version__,
-            jax.default_backend(),
-            _source_digest(),
-        )
-    )
+    call = (fn.__module__, fn.__qualname__, sorted(static.items()), jax.tree.structure(args))
+    key_text = repr((*call, specs, jax.__version__, jax.default_backend(), _source_digest()))
     return hashlib.sha256(key_text.encode()).hexdigest()[:32]
 
 
@@ -170,17 +150,11 @@ _build_slots = threading.BoundedSemaphore(BUILDS)
 
 
 def dispatch(calls: Sequence[Callable[[], Any]], keys: Sequence[Hashable], workers=None) -> list:
-    """[calls[i]() for i] on `workers` threads (default: the usable cores), where each call
-    runs jitted work and returns its result (unfetched where JAX dispatches asynchronously),
-    and calls with the same key (argument shapes) share one program.
-
-    The first call of each key builds its program (traces, compiles or loads it); at most
-    BUILDS programs are built at a time in the process (XLA:CPU's compiler already uses the
-    cores: two compiles side by side take as long as one after the other), and the other
-    threads meanwhile run the calls whose program is ready. On CPU, XLA runs a program in the
-    thread that calls it, and a small decoding batch keeps about one core busy: the threads
-    are what runs batches side by side there. Programs with collectives (a mesh's) need
-    workers=1: every device must receive them in one order."""
+    """[calls[i]() for i] on `workers` threads (default: the usable cores); calls with the same
+    key (argument shapes) share one program. The first call of a key builds it, at most
+    BUILDS at a time, while the other threads run the calls whose program is ready: on CPU,
+    XLA runs a program in the calling thread, so threads run batches side by side. Programs
+    with collectives (a mesh's) need workers=1: every device must see them in one order."""
     queues: dict[Hashable, collections.deque[int]] = {}
     for i, key in enumerate(keys):
         queues.setdefault(key, collections.deque()).append(i)
@@ -283,10 +257,9 @@ def _register() -> None:
 
 
 class CompileTimer:
-    """What the code inside `with CompileTimer() as t:` spent on compilation, from JAX's
-    monitoring events (any thread): t.seconds (tracing, lowering, compiling or loading
-    from the persistent cache), t.programs (executables built or loaded), t.cache_hits (of
-    those, loaded from the persistent cache)."""
+    """What the code inside `with CompileTimer() as t:` spent on compilation (JAX's monitoring
+    events, any thread): t.seconds (tracing, lowering, compiling or loading), t.programs
+    (executables built or loaded), t.cache_hits (of those, loaded from the persistent cache)."""
 
     def __enter__(self) -> CompileTimer:
         _register()

@@ -4,27 +4,19 @@
                      shard_lines=2000, settings={...})
     corpus.run(job, decode, fmt, process_index=0, process_count=1)
 
-Each input file's lines are cut into shards of `shard_lines` lines (the last one shorter),
-numbered across the inputs in order: the layout depends on the inputs and shard_lines only,
-so a relaunch with another number of processes or devices finds the same shards. Process p
-of P takes the shards i with i % P == p. A shard's output is written whole (paths.write_atomic),
-then its marker; a shard is done when its marker exists, and a relaunch redoes the others.
-Every process, once its own shards are written, looks at the markers: an input whose shards
-are all done is assembled into OUT/<name> (the input's name without .gz) by concatenating
-them, atomically. The last process to finish sees every marker (each writes its own before
-looking), so the outputs are assembled without any process waiting for another; two that
-see them together write the same bytes.
+Each input's lines are cut into shards of `shard_lines` lines, numbered across the inputs: the
+layout depends on the inputs and shard_lines only, so a relaunch on other processes finds the
+same shards. Process p of P takes the shards i with i % P == p; a shard's output is written
+whole, then its marker, and a relaunch redoes the shards without one. Once its own shards are
+written, every process assembles each input whose markers all exist (the last one to finish
+sees them all; two that see them together write the same bytes).
 
     OUT/<name>                     the translations of input <name>[.gz], line i for line i
-    OUT/.shards/job.json           what decides the output (checkpoint, search, inputs,
-                                   shard_lines): a relaunch with other settings is refused
-    OUT/.shards/<name>/NNNNN.txt   shard NNNNN's lines (the file's shard number, from 0)
-    OUT/.shards/<name>/NNNNN.done  its marker: {"lines": n, "bytes": size of the .txt}
+    OUT/.shards/job.json           what decides the output: a relaunch with others is refused
+    OUT/.shards/<name>/NNNNN.txt   shard NNNNN's lines; NNNNN.done its marker {"lines", "bytes"}
 
-`decode(lines, line_ids, progress, line_name)` gives each line's hypotheses
-(translation.decode_lines with the job's search bound); a line's id is its index over all
-inputs in order (sampling draws line i's samples from it), so an output never depends on the
-shard or batch it fell in.
+A line's id is its index over all inputs (sampling draws from it), so an output never
+depends on the shard or batch it fell in.
 """
 
 from __future__ import annotations
@@ -148,11 +140,7 @@ def _renamed(old: dict[str, Any]) -> dict[str, Any]:
 def _check_job(job: Job) -> None:
     """Write job.json, or refuse a relaunch whose settings differ from the first launch's
     (its shards would mix two configurations in one output)."""
-    record = {
-        "inputs": list(job.inputs),
-        "shard_lines": job.shard_lines,
-        **job.settings,
-    }
+    record = {"inputs": list(job.inputs), "shard_lines": job.shard_lines, **job.settings}
     path = job.state / "job.json"
     if path.exists():
         old = _renamed(json.loads(path.read_text()))
@@ -210,9 +198,7 @@ def run(
     progress_every: float = 5.0,
 ) -> list[str]:
     """Translate this process's unfinished shards of `job`, then assemble every input whose
-    shards are all done -> the output files this process wrote (module docstring).
-
-    fmt(hypotheses) -> one input line's output text, newline-ended (format_line)."""
+    shards are all done -> the output files this process wrote; fmt: `format_line`'s kind."""
     _check_job(job)
     counts = [len(split_lines(paths.read_bytes(p))) for p in job.inputs]
     shards = layout(counts, job.shard_lines)

@@ -5,17 +5,12 @@
     run = data_parallel.Rows(devices, params)
     tokens = run(fn, static, group["inputs"])       # fn(params, inputs [b, S], **static)
 
-A translation depends on its own source only (decoding.output_limits), so a batch's rows can
-be split across devices, each running its own search loop over its share: a shard_map with
-no collective, so a device whose rows are finished stops while the others go on. Evaluation
-and `translate` use every local device of the parameters' platform when the parameters sit on
-one device: a GPU host's or TPU VM's chips, or forced CPU devices
-(XLA_FLAGS=--xla_force_host_platform_device_count=N). A CPU host keeps its one device by
-default: threads (compilation.dispatch) already run its batches side by side.
-
-`group_batches` stacks D consecutive eval batches (sorted by length, so of like lengths) into
-one batch of D x B rows, batch k's rows on device k: a device decodes exactly what it would
-have decoded alone, and the outputs are the same for any D (tests/test_data_parallel.py).
+A translation depends on its own source only, so a batch's rows can be split across devices,
+each running its own search loop (a shard_map with no collective: a device whose rows are
+finished stops). Parameters on one device are decoded on every local device of their
+platform; a CPU host keeps its one device by default, threads (compilation.dispatch)
+running its batches side by side. `group_batches` stacks D consecutive eval batches, batch
+k's rows on device k, so the outputs are the same for any D.
 """
 
 from __future__ import annotations
@@ -36,8 +31,7 @@ _programs: dict[Any, Callable] = {}  # (devices, fn, static, shape) -> the shard
 
 def devices_for(params: Any) -> list[jax.Device]:
     """Where to decode with `params`: every local device of their platform when they all sit on
-    one device (a restored checkpoint); [] for parameters spread over a mesh (a training
-    run's: decode on the mesh as it is)."""
+    one device (a restored checkpoint); [] for parameters over a mesh (decode on it)."""
     placed = {d for x in jax.tree.leaves(params) if isinstance(x, jax.Array) for d in x.devices()}
     if len(placed) != 1:
         return []
@@ -47,8 +41,8 @@ def devices_for(params: Any) -> list[jax.Device]:
 
 def group_batches(batches: Sequence[dict[str, np.ndarray]], n: int) -> list[dict[str, np.ndarray]]:
     """Eval batches (inputs [B, S_i], example_index [B], example_mask [B]) -> batches of n x B
-    rows: n consecutive ones, their inputs padded to the longest S among them (padding changes
-    no output), a last short group filled with padding rows (example_mask 0: nothing decoded)."""
+    rows: n consecutive ones padded to their longest S, a last short group filled with
+    padding rows (example_mask 0: nothing decoded)."""
     if n <= 1:
         return list(batches)
     out = []
@@ -68,11 +62,8 @@ def group_batches(batches: Sequence[dict[str, np.ndarray]], n: int) -> list[dict
 
 
 class Rows:
-    """fn(params, inputs [D * b, S], **static) with each device's b rows decoded there alone.
-
-    fn's outputs are pytrees of [rows, ...] arrays. The per-device program is
-    compilation.program's (kept on disk with the persistent cache); one sharded program per
-    (devices, fn, static, shape), built on first use."""
+    """fn(params, inputs [D * b, S], **static) -> pytrees of [rows, ...], each device's b rows
+    decoded there alone; one sharded program per (devices, fn, static, shape)."""
 
     def __init__(self, devices: Sequence[jax.Device], params: Any):
         self.devices = list(devices)

@@ -1,28 +1,13 @@
 """Autoregressive decoding over a KV cache: logits functions and the jitted entry points.
 
 Shape letters: B batch, S source length, P prompt length, T decode length, V vocabulary,
-N beams.
-
-Everything is written against one abstraction, the *logits function*
-
-    tokens_to_logits(tokens [B, 1], cache) -> (logits [B, V] float32, new cache)
-
-which takes the previous token of every row and returns the scores of the next one.
-`encoder_decoder_logits_fn` and `decoder_only_logits_fn` build it, with its initial cache,
-for the two model families. With `use_cache=False` they build the no-cache reference
-instead: its "cache" is the token prefix, which it runs through the full (non-decode) model
-at every step. Benchmarks compare the two for speed and tests check that they agree. What
-a cache holds and how its rows are laid out is cache.py's alone (beam search's shared
-cache: cache.share_beams).
-
-The searches (search.py: `greedy_decode`, `beam_search`, `sample_decode`) see only the
-logits function; each is a `lax.while_loop` with static shapes that stops as soon as every
-row is finished (two, for translation: the cache starts short and grows only if needed).
-`translate_greedy`, `translate_beam` and `sample` are the jitted entry points: a
-ModelConfig, the 'params' collection and token arrays in, tokens out.
-
-Conventions: outputs never contain BOS. A sequence ends with its EOS and holds padding (0)
-after it. Padding is never generated: its log-probability is set to -inf.
+N beams. A *logits function* tokens_to_logits(tokens [B, 1], cache) -> (logits [B, V]
+float32, new cache) scores the next token of every row; `encoder_decoder_logits_fn` and
+`decoder_only_logits_fn` build it, with its initial cache, for the two model families
+(use_cache=False: the no-cache reference, whose "cache" is the prefix run through the full
+model every step). The searches (search.py) see only it; `translate_greedy`,
+`translate_beam` and `sample` are the jitted entry points. Outputs never contain BOS and
+hold padding (0) after their EOS; padding is never generated.
 """
 
 from __future__ import annotations
@@ -48,7 +33,6 @@ Array = jax.Array
 # and max_len_b generalise it to a * length + b).
 MAX_LEN_A = 1.0
 MAX_LEN_B = 50
-EXTRA_DECODE_LEN = MAX_LEN_B
 
 
 def decode_length(
@@ -59,10 +43,8 @@ def decode_length(
     max_len_a: float = MAX_LEN_A,
     max_len_b: int = MAX_LEN_B,
 ) -> int:
-    """T, the static length of the output arrays: the output limit of the longest possible
-    source, a * source_length + b (section 6.1: a = 1, b = 50), capped by max_decode_len
-    (alone when source_length is None: language models) and, for learned positions, by the
-    position table (config.max_len)."""
+    """T, the output arrays' length: a * source_length + b, capped by max_decode_len (alone
+    for a language model: source_length None) and a learned position table."""
     lengths = [max_decode_len]
     if source_length is not None:
         lengths.append(_limit(source_length, max_len_a, max_len_b))
@@ -102,15 +84,10 @@ def _cached_logits_fn(
     method: str | None = None,
     beams: int = 1,
 ) -> tuple[LogitsFn, Cache]:
-    """A decode-mode `model.apply(variables, *args, tokens)` as a logits function.
-
-    The first call, without a cache, creates it; its [batch, length] dummy input fixes the
-    cache length. Inside jit only the cache survives, the rest is dead code. The per-row
-    `args` (encoder output, source tokens) travel in the cache (cache.of_model), not in the
-    function's closure: a search may then move rows between batches (search.py's compaction).
-    With beams N > 1 (row b * N + n: beam n of example b) the cache becomes the beam-shared
-    one (cache.share_beams) and the steps run the model made for it (config.decode_beams).
-    """
+    """A decode-mode `model.apply(variables, *args, tokens)` as a logits function; a first
+    call on a [batch, length] dummy creates the cache. The per-row `args` travel in the cache,
+    not the closure, so that a search may move rows between batches (compaction); beams > 1
+    share the cache across beams (cache.share_beams, config.decode_beams)."""
 
     def run(model, variables, inputs, tokens):
         return model.apply(variables, *inputs, tokens, method=method, mutable=["cache"])
@@ -153,13 +130,9 @@ def encoder_decoder_logits_fn(
     num_beams: int = 1,
     use_cache: bool = True,
 ) -> tuple[LogitsFn, Cache]:
-    """Logits function and initial cache for translating `inputs` [B, S] with EncoderDecoder.
-
-    The source is encoded once; the encoder output and source tokens (for the padding mask)
-    are closed over. Row b * N + n of the logits function's batch [B * N] is beam n of
-    example b. The cache holds max_decode_len positions; cross-attention keys/values enter
-    it on the first step. `params` is the 'params' collection (boxed or not).
-    """
+    """Logits function and initial cache (max_decode_len positions) for translating `inputs`
+    [B, S] with EncoderDecoder, the source encoded once; row b * N + n is beam n of example b.
+    `params` is the 'params' collection (boxed or not)."""
     params = nn.meta.unbox(params)
     model = EncoderDecoder(config.replace(decode=False))
     encoded = model.apply({"params": params}, inputs, method="encode")  # [B, S, M]
@@ -220,7 +193,7 @@ def decoder_only_logits_fn(
 # ------------------------------------------------------------------- entry points
 
 
-_LIMIT_ARGS = ("max_decode_len", "max_len_a", "max_len_b", "compact")
+_STATIC = ("config", "eos_id", "use_cache", "max_decode_len", "max_len_a", "max_len_b", "compact")
 # The searches first run with a cache of S + FIRST_STAGE positions (S: the padded source
 # length) and grow it to T only if a row is still unfinished there: attention's cost per step
 # follows the cache's length, and translations are rarely much longer than their sources.
@@ -251,9 +224,8 @@ def _translation_setup(
     num_beams: int,
     use_cache: bool,
 ):
-    """What every translation search starts from -> (T, each row's limit [B], logits
-    function, cache of the first stage's length T1, T1 or None): search.py's two-stage loop
-    (`grow_at`)."""
+    """-> (logits function, cache of the first stage's length T1, the search's batch_size,
+    max_decode_len T, bos_id, each row's limit [B] and grow_at T1 or None)."""
     T = decode_length(
         inputs.shape[1], max_decode_len, config, max_len_a=max_len_a, max_len_b=max_len_b
     )
@@ -262,10 +234,11 @@ def _translation_setup(
     fn, cache = encoder_decoder_logits_fn(
         config, params, inputs, max_decode_len=first, num_beams=num_beams, use_cache=use_cache
     )
-    return T, limits, fn, cache, (first if first < T else None)
+    search = dict(batch_size=inputs.shape[0], max_decode_len=T, bos_id=config.bos_id)
+    return fn, cache, dict(search, limits=limits, grow_at=first if first < T else None)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "eos_id", "use_cache", *_LIMIT_ARGS))
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def translate_greedy(
     config: ModelConfig,
     params: Any,
@@ -279,46 +252,20 @@ def translate_greedy(
     max_len_b: int = MAX_LEN_B,
     compact: int | None = None,
 ) -> Array:
-    """Greedy translation of inputs [B, S] (0-padded) -> tokens [B, T].
-
-    A row's output limit is a * n + b (n: its source tokens, EOS included; the paper's
-    n + 50), capped by max_decode_len; T = decode_length(S, ...) holds every row's. An
-    all-padding row decodes nothing. use_cache=False recomputes the whole prefix each step (the
-    reference, for benchmarks). compact=c: once at most B // c rows are unfinished they go
-    on in batches of B // c (search.py; None: COMPACT where `config` was resolved for a CPU,
-    else off; 1: off).
-    prompt [B, P] (0-padded on the right): each row's forced first output tokens, e.g. an
-    M2M100/NLLB target-language token (search.sample_decode); the limit counts them.
-    """
-    B = inputs.shape[0]
-    T, limits, fn, cache, grow_at = _translation_setup(
+    """Greedy translation of inputs [B, S] (0-padded) -> tokens [B, T]. A row's output limit
+    is a * n + b (n: its source tokens, EOS included), capped by max_decode_len; an all-padding
+    row decodes nothing. compact=c: once at most B // c rows are unfinished they go on in batches of
+    B // c (None: COMPACT on CPU, else off; 1: off). prompt [B, P] (0-padded on the right):
+    forced first output tokens, counted by the limit."""
+    fn, cache, kw = _translation_setup(
         config, params, inputs, max_decode_len, max_len_a, max_len_b, 1, use_cache
     )
-    return greedy_decode(
-        fn,
-        cache,
-        batch_size=B,
-        max_decode_len=T,
-        bos_id=config.bos_id,
-        eos_id=eos_id,
-        prompt=prompt,
-        limits=limits,
-        grow_at=grow_at,
-        compact=_compaction(compact, use_cache, config),
-    )
+    compact = _compaction(compact, use_cache, config)
+    return greedy_decode(fn, cache, eos_id=eos_id, prompt=prompt, compact=compact, **kw)
 
 
 @functools.partial(
-    jax.jit,
-    static_argnames=(
-        "config",
-        "beam_size",
-        "length_penalty",
-        "eos_id",
-        "length_penalty_kind",
-        "use_cache",
-        *_LIMIT_ARGS,
-    ),
+    jax.jit, static_argnames=(*_STATIC, "beam_size", "length_penalty", "length_penalty_kind")
 )
 def translate_beam(
     config: ModelConfig,
@@ -337,50 +284,25 @@ def translate_beam(
     compact: int | None = None,
 ) -> tuple[Array, Array]:
     """Beam-search translation of inputs [B, S] -> tokens [B, N, T], scores [B, N], best
-    first. Defaults are the paper's (beam 4, length penalty 0.6, output limit n + 50 per row,
-    as translate_greedy's); `length_penalty_kind` is 'gnmt' or 'fairseq' (see
-    search.length_divisor and `beam_search`; compact as translate_greedy's), or 'hf' /
-    'hf_early' / 'hf_never' for Transformers' beam search token for token (generate's same
-    length_penalty,
-    early_stopping=False / True / "never"; search.beam_search). prompt [B, P]: forced first
-    tokens in every beam, scored as search.beam_search says (no log-probability, not counted;
-    counted by the 'hf' rules, as forced_bos_token_id is)."""
-    B = inputs.shape[0]
-    T, limits, fn, cache, grow_at = _translation_setup(
+    first; the paper's defaults, limits, prompt and compact as translate_greedy's.
+    `length_penalty_kind`: one of search.LENGTH_PENALTIES (search.beam_search)."""
+    fn, cache, kw = _translation_setup(
         config, params, inputs, max_decode_len, max_len_a, max_len_b, beam_size, use_cache
     )
     return beam_search(
         fn,
         cache,
-        batch_size=B,
         beam_size=beam_size,
-        max_decode_len=T,
-        bos_id=config.bos_id,
         eos_id=eos_id,
         length_penalty=length_penalty,
         length_penalty_kind=length_penalty_kind,
         prompt=prompt,
-        limits=limits,
-        grow_at=grow_at,
         compact=_compaction(compact, use_cache, config),
+        **kw,
     )
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "config",
-        "max_decode_len",
-        "batch_size",
-        "top_k",
-        "top_p",
-        "eos_id",
-        "use_cache",
-        "max_len_a",
-        "max_len_b",
-        "compact",
-    ),
-)
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "batch_size", "top_k", "top_p"))
 def sample(
     config: ModelConfig,
     params: Any,
@@ -399,20 +321,13 @@ def sample(
     max_len_b: int = MAX_LEN_B,
     compact: int = 1,
 ) -> Array:
-    """Sample tokens [B, T] from a language model (inputs=None: DecoderOnly) or a
-    translation model (inputs [B, S]: EncoderDecoder).
-
-    prompt [B, P] (0-padded on the right) is forced first and is part of the output; B comes
-    from inputs, prompt or batch_size. T = max_decode_len (required for a language model;
-    for translation each row's limit is a * n + b, as translate_greedy's). temperature is
-    traced (0: greedy); top_k and top_p are static. The same rng gives the same samples.
-    compact (translate_greedy's) is off by default: a row's random draws follow its place in
-    the batch, which compaction changes.
-    """
-    limits = grow_at = None
+    """Sample tokens [B, T] from a language model (inputs=None) or a translation model
+    (inputs [B, S]). prompt [B, P] (0-padded on the right) is forced first and is part of the
+    output; B comes from inputs, prompt or batch_size. T = max_decode_len (required for a
+    language model; translation's limits as translate_greedy's). temperature is traced (0:
+    greedy). compact is off by default: a row's random draws follow its place in the batch."""
     if inputs is not None:
-        B = inputs.shape[0]
-        T, limits, fn, cache, grow_at = _translation_setup(
+        fn, cache, kw = _translation_setup(
             config, params, inputs, max_decode_len, max_len_a, max_len_b, 1, use_cache
         )
     else:
@@ -421,19 +336,16 @@ def sample(
             raise ValueError("give prompt [B, P] or batch_size")
         T = decode_length(None, max_decode_len, config)
         fn, cache = decoder_only_logits_fn(config, params, B, max_decode_len=T, use_cache=use_cache)
+        kw = dict(batch_size=B, max_decode_len=T, bos_id=config.bos_id)
     return sample_decode(
         fn,
         cache,
         rng,
-        batch_size=B,
-        max_decode_len=T,
-        bos_id=config.bos_id,
         eos_id=eos_id,
         prompt=prompt,
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
-        limits=limits,
-        grow_at=grow_at,
         compact=_compaction(compact, use_cache, config),
+        **kw,
     )

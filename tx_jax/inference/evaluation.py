@@ -1,52 +1,25 @@
-"""Evaluate a checkpoint: decode a split, score it with sacreBLEU, log the result.
+"""Evaluate a checkpoint: decode a split, score it with sacreBLEU, log the result (the
+commands: cli/evaluate.py).
 
-    tx_jax evaluate --workdir=runs/default                  test split, beam 4, length penalty 0.6
-    tx_jax evaluate --workdir=runs/default --step=400 --split=validation --beam_size=1
-    tx_jax evaluate --workdir=runs/default --average_last=3     (saved, then reused)
-    tx_jax evaluate --checkpoint=runs/default/averaged/last3/600
-    tx_jax evaluate --workdir=runs/default --sweep --beams=1,4 --length_penalties=0.6,1.0
-    tx_jax evaluate --workdir=runs/default --config.data.data_dir=/data/tfds
-    tx_jax evaluate --workdir=runs/multi --direction=de-fr [--pivot=en]   multilingual
-    tx_jax evaluate --workdir=runs/multi --direction=all      every trained direction
-    tx_jax evaluate --workdir=runs/nllb --config.data.dataset=multi30k \
-        --config.data.source_lang=en --config.data.target_lang=de       an imported NLLB model
+    record = evaluation.evaluate("runs/default", split="validation", beam_size=4)
+    swept = evaluation.sweep("runs/default", beams=(1, 4), length_penalties=(0.6, 1.0))
 
-The model, tokenizer and config come from the checkpoint (restore.py), restored onto one
-local device whatever layout trained it; `--config.key=value` overrides the stored config
-(data paths, eval batch size). Beam search defaults to the paper's beam 4, length penalty 0.6
-(section 6.1); beam 1 is greedy. Outputs, WORKDIR being the run directory:
+The model, tokenizer and config come from the checkpoint (restore.py); `--config.key=value`
+overrides the stored config. Beam 1 is greedy. Outputs, WORKDIR being the run directory:
 
     WORKDIR/eval/<split>[_<src>-<tgt>[_via-<pivot>]]_step<N>[_avg<K>]_beam<b>[_penalty<p>][_first<n>].txt
         detokenized hypotheses, one line per example, in corpus order (no length penalty for greedy)
     WORKDIR/eval_results.jsonl
-        one JSON record appended per evaluation: step, split, beam, length_penalty, bleu, signature
-        (sacreBLEU's), chrf, chrf_signature, loss, accuracy, perplexity (teacher-forced on
-        the split), examples, averaged (K or null), averaged_steps, seconds (wall, all of
-        it), decode_seconds, compile_seconds (tracing and compiling, or loading from the
-        persistent cache, summed over the threads that build programs side by side),
-        compiled_programs, compile_cache_hits, profile (the trace directory, or null),
-        hypotheses (path), checkpoint, limit, sweep, time, direction and pivot
-        (multilingual; else null), languages ('SRC-TGT' when --source_lang/--target_lang
-        were given; else null)
+        one JSON record appended per evaluation (BLEU, chrF, teacher-forced loss, times, ...;
+        docs/evaluation.md lists its fields)
     stdout: one result line per evaluation (and the grid for --sweep)
 
-A multilingual checkpoint (trained with data.directions) needs --direction: any SRC-TGT whose
-target language has a tag, trained or not (zero-shot, e.g. de-fr of a model trained on en<->de
-and en<->fr), or 'all' (the trained directions, then their mean BLEU). Sources get the target's
-'<2xx>' tag id; --pivot=en translates into English first, then into the target (multilingual.py).
-The loss, accuracy and perplexity are teacher-forced on the direction itself (tagged).
-
-An imported M2M100/NLLB model (tx_jax import) reads [source language token] + pieces +
-EOS and its hypotheses are forced to start with the target's language token (left out of
-the text BLEU scores): for data.source_lang/target_lang by default, or for --source_lang /
---target_lang (inference/languages.py, as translate and score; NLLB takes `de` or `deu_Latn`).
-The teacher-forced loss scores targets as fine-tuning trains them: [language token] + pieces
-+ EOS. The dataset's sides stay data.source_lang/target_lang (e.g.
---config.data.target_lang=fr for French references); a checkpoint trained here refuses other
-languages there.
-
-`--sweep` decodes the validation split (or --split) over --beams x --length_penalties, appends every
-point to eval_results.jsonl, prints the grid and the best pair.
+A multilingual checkpoint needs --direction: any SRC-TGT whose target language has a tag,
+trained or zero-shot, or 'all' (the trained directions, then their mean BLEU); --pivot=en
+translates through English (multilingual.py). An imported M2M100/NLLB model's language
+tokens are data.source_lang/target_lang's or --source_lang/--target_lang's
+(inference/languages.py); the dataset's sides stay data.source_lang/target_lang.
+`--sweep` decodes over --beams x --length_penalties and prints the grid and the best pair.
 """
 
 from __future__ import annotations
@@ -79,17 +52,15 @@ SWEEP_LENGTH_PENALTIES = (0.0, 0.6, 1.0)
 # ---------------------------------------------------------------------- pieces
 
 
-# The teacher-forced pass runs one program: its rows restacked into batches of this many
-# times data.eval_batch_size, all padded to the longest of the split's buckets. One forward
-# pass costs little beside decoding, and a program per bucket cost more to compile (about
-# 0.6 s each on 2 cores) than the padding costs to run.
+# The teacher-forced pass runs one program (rows restacked into batches of this many times
+# data.eval_batch_size, padded to the longest bucket): a program per bucket compiles for
+# longer than the padding runs.
 LOSS_BATCH_FACTOR = 4
 
 
 def loss_batches(batches: Sequence[dict], rows: int) -> list[dict[str, np.ndarray]]:
     """Eval batches of any lengths -> the same rows (model inputs only, in order) in batches
-    of `rows`, every array padded to the longest length among them; the last batch is
-    filled with all-padding rows, which weigh nothing in the sums."""
+    of `rows`, padded to the longest length and filled with all-padding rows."""
     if not batches:
         return []
     keys = list(model_inputs(batches[0]))
@@ -187,8 +158,8 @@ def append_record(workdir: epath.Path, record: Mapping[str, Any]) -> None:
 
 
 class _Split(quality.Split):
-    """One split of a loaded checkpoint's dataset (of one direction of a multilingual
-    checkpoint: its sources tagged) and its teacher-forced loss metrics."""
+    """One split of a loaded checkpoint's dataset (or direction's) and its teacher-forced
+    loss metrics."""
 
     def __init__(
         self,
@@ -251,10 +222,9 @@ def _decode(
     pivot: str | None = None,
     profile_dir: str | epath.Path | None = None,
 ) -> dict[str, Any]:
-    """Translate and score one split (quality.measure_split); write the hypotheses -> the
-    record (no totals yet). With `profile_dir`, the split is decoded a second time under
-    jax.profiler, compiled by then, so that the trace (profile_dir/plugins/profile/<time>/)
-    shows decoding alone."""
+    """Translate and score one split; write the hypotheses -> the record (no totals yet).
+    With `profile_dir`, the split is decoded again under jax.profiler, compiled by then, so
+    that the trace shows decoding alone."""
     via = None
     if pivot:
         if not data.direction:
@@ -349,43 +319,14 @@ def evaluate(
     checkpoint: str | epath.Path | None = None,
     step: int | None = None,
     average_last: int | None = None,
-    split: str = "test",
-    beam_size: int = 4,
-    length_penalty: float = 0.6,
-    limit: int | None = None,
     overrides: Mapping[str, Any] | None = None,
-    write: bool = True,
-    direction: str | None = None,
-    pivot: str | None = None,
-    profile: bool = False,
-    source_lang: str | None = None,
-    target_lang: str | None = None,
+    **kwargs: Any,
 ) -> dict[str, Any]:
-    """Decode `split` of a checkpoint (restore.load's arguments) and score it -> the record
-    appended to WORKDIR/eval_results.jsonl (module docstring); `write=False` writes nothing.
-    `split` is 'validation', 'test' (the config's eval/test splits) or any split name;
-    `limit` keeps the first N examples. A multilingual checkpoint needs `direction`
-    ('de-fr', trained or zero-shot); `pivot` ('en') translates through that language.
-    `source_lang`/`target_lang`: an imported M2M100/NLLB model's language tokens (default:
-    data.source_lang/target_lang's; inference/languages.py). `profile`: decode once more
-    under jax.profiler, into WORKDIR/tensorboard (the record's 'profile'; TensorBoard's
-    Profile tab, or analysis/trace_summary.py)."""
+    """Load a checkpoint (restore.load's arguments) and `evaluate_loaded` it (its keyword
+    arguments) -> the record."""
     start = time.time()
     loaded = load(workdir, checkpoint, step, average_last, overrides)
-    return evaluate_loaded(
-        loaded,
-        split=split,
-        beam_size=beam_size,
-        length_penalty=length_penalty,
-        limit=limit,
-        write=write,
-        direction=direction,
-        pivot=pivot,
-        start=start,
-        profile=profile,
-        source_lang=source_lang,
-        target_lang=target_lang,
-    )
+    return evaluate_loaded(loaded, start=start, **kwargs)
 
 
 def evaluate_loaded(
@@ -403,7 +344,12 @@ def evaluate_loaded(
     source_lang: str | None = None,
     target_lang: str | None = None,
 ) -> dict[str, Any]:
-    """`evaluate` of an already loaded checkpoint (load once, evaluate many directions)."""
+    """Decode `split` of a loaded checkpoint and score it -> the record appended to
+    WORKDIR/eval_results.jsonl (module docstring); `write=False` writes nothing. `split` is
+    'validation', 'test' or any split name; `limit` keeps the first N examples. A
+    multilingual checkpoint needs `direction` ('de-fr'); `pivot` ('en') translates through
+    that language. `source_lang`/`target_lang`: an imported M2M100/NLLB model's languages.
+    `profile`: decode once more under jax.profiler, into WORKDIR/tensorboard."""
     start = time.time() if start is None else start
     trace = loaded.workdir / "tensorboard" if profile else None
     with compilation.CompileTimer() as compiled:
@@ -461,10 +407,9 @@ def sweep(
     source_lang: str | None = None,
     target_lang: str | None = None,
 ) -> dict[str, Any]:
-    """Decode `split` for every beam size x length penalty (greedy once: it does not apply) ->
-    {'best': record, 'points': [record, ...]}; the best is the highest BLEU, ties going to
-    the smaller beam, then the smaller length penalty. `direction`, `source_lang`, `target_lang`: as
-    for `evaluate`."""
+    """Decode `split` for every beam size x length penalty (greedy once) -> {'best': record,
+    'points': [record, ...]}; the best is the highest BLEU, ties going to the smaller beam,
+    then the smaller length penalty. Other arguments as `evaluate`'s."""
     start = time.time()
     loaded = load(workdir, checkpoint, step, average_last, overrides)
     langs = dict(source_lang=source_lang, target_lang=target_lang)
@@ -481,8 +426,7 @@ def sweep(
 
 
 def sweep_table(points: Sequence[Mapping[str, Any]]) -> str:
-    """BLEU as a grid: one row per beam size, one column per length penalty (greedy: every
-    column)."""
+    """BLEU as a grid: a row per beam size, a column per length penalty (greedy: every one)."""
     penalties = sorted({p["length_penalty"] for p in points} - {None}) or [None]
     lines = [
         "beam \\ penalty " + "".join(f"{a:>8g}" if a is not None else "       -" for a in penalties)

@@ -1,13 +1,9 @@
 r"""Sampling from a language model: prompts in, continuations out (`tx_jax generate`).
 
-The checkpoint must hold a DecoderOnly model (config['task'] == 'lm'). Each prompt is
-encoded without BOS or EOS, forced as the start of `num_samples` rows, and continued by
-`decoding.sample` (temperature 0: greedy); only the continuation is detokenized. Output:
-one line per sample, `num_samples` lines per prompt in prompt order; with --json, one JSON
-object per line (prompt, sample, text, tokens, finished).
-
-Shape letters: P prompt length, T decode length (prompt included), N new tokens,
-R rows = prompts x samples.
+The checkpoint must hold a DecoderOnly model. Each prompt is encoded without BOS or EOS,
+forced as the start of `num_samples` rows and continued by `decoding.sample` (temperature 0:
+greedy); only the continuation is detokenized. Shape letters: P prompt length, T decode
+length (prompt included), R rows = prompts x samples.
 """
 
 from __future__ import annotations
@@ -44,11 +40,9 @@ def sample_rows(
     top_p: float = 1.0,
     eos_id: int = search.EOS_ID,
 ) -> np.ndarray:
-    """Token rows [R, T], R = len(prompt_ids) * num_samples: row i * num_samples + k is
-    sample k of prompt i, starting with that prompt's ids (forced), then the sampled tokens,
-    EOS and padding. T = P + max_new_tokens with P the longest prompt rounded up to a
-    multiple of 16 (capped by the position table for learned positions); rows with shorter
-    prompts may run past max_new_tokens (`generate` cuts them)."""
+    """Token rows [R, T]: row i * num_samples + k is sample k of prompt i, its ids forced,
+    then the sampled tokens, EOS and padding. T = P + max_new_tokens, P the longest prompt
+    rounded up to PROMPT_MULTIPLE; shorter prompts may run past max_new_tokens."""
     if num_samples < 1 or max_new_tokens < 1:
         raise ValueError(f"num_samples={num_samples}, max_new_tokens={max_new_tokens}: need >= 1")
     longest = max((len(p) for p in prompt_ids), default=0)

@@ -6,9 +6,7 @@ language pair, whatever kind of checkpoint: one place for translate, score and e
     a multilingual run of tx_jax     source: [<2xx>] (the target's tag); nothing forced
     any other run                    nothing (--target_lang is refused: it would be ignored)
 
-Training and validation put the same ids on their pairs for data.source_lang/target_lang
-(data/tasks.Task, from the same tokenizer methods, data/ being below inference/);
-evaluate's --source_lang/--target_lang come through here.
+Training puts the same ids on its pairs (data/tasks.Task, from the same tokenizer methods).
 """
 
 from __future__ import annotations

@@ -3,12 +3,10 @@
     scores = likelihood.score_pairs(loaded, sources, targets, target_lang="de")
     scores[i].logprob, scores[i].tokens   ln p(target_i + EOS | source_i), its token count
 
-What fairseq's --score-reference, CTranslate2's score_batch and marian-scorer give, used to
-filter corpora. A forced prefix (an M2M100/NLLB target-language token) is fed to the decoder
-but neither counted nor scored: the model did not choose it. Pairs are sorted by length and
-padded to a few shapes (one compiled program each); the scores come back in input order. No
-truncation: a pair is scored whole, whatever its length (a learned position table's size
-excepted, which is an error naming the line).
+What fairseq's --score-reference and CTranslate2's score_batch give, used to filter corpora.
+A forced prefix (an M2M100/NLLB language token) is fed but not scored. Pairs are sorted by
+length and padded to a few shapes; the scores come back in input order. No truncation (a
+pair longer than a learned position table is an error naming the line).
 """
 
 from __future__ import annotations
@@ -104,9 +102,8 @@ def score_ids(
     progress=None,
 ) -> list[PairScore]:
     """One PairScore per (source ids, target ids) pair, in order: ln p(target | source) of
-    the target's ids after its first `skip` (a forced prefix: fed, not scored). Ids as the
-    model reads them: EOS included where it ends the sequence (translation.py scores its
-    outputs as decoded, without re-encoding their text)."""
+    the target's ids after its first `skip` (a forced prefix: fed, not scored); ids as the
+    model reads them, EOS included."""
     params = nn.meta.unbox(loaded.params)
     config = loaded.model_config.replace(dropout_rate=0.0)
     order = sorted(range(len(pairs)), key=lambda i: (len(pairs[i][1]), len(pairs[i][0])))

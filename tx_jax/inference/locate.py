@@ -163,10 +163,8 @@ def config_differences(stored: Mapping, current: Mapping) -> dict[str, tuple[Any
 def abstract_params(
     model_config: ModelConfig, sharding: jax.sharding.Sharding, task: str = "translation"
 ) -> Any:
-    """The model's unboxed parameters as ShapeDtypeStructs placed by `sharding`. Tracing the
-    model's init is the slow part of opening a checkpoint (evaluating, averaging, translating
-    from one run opens several): the shapes are kept per (config, sharding, task), and each
-    caller gets its own tree of them."""
+    """The model's unboxed parameters as ShapeDtypeStructs placed by `sharding`, kept per
+    (config, sharding, task): tracing init is the slow part of opening a checkpoint."""
     return jax.tree_util.tree_map(lambda x: x, _abstract_params(model_config, sharding, task))
 
 
@@ -180,9 +178,8 @@ def _abstract_params(model_config: ModelConfig, sharding: jax.sharding.Sharding,
 
 
 def leaf_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
-    """Leaf path -> shape, every key written as a dict key ("['params']['encoder']..."): a
-    TrainState's fields and an optax state's tuples read as Orbax's metadata of them (nested
-    dicts and lists) does. Leaves without a shape (empty optimizer states) are left out."""
+    """Leaf path -> shape, every key written as a dict key ("['params']['encoder']...") as
+    Orbax's metadata writes them; leaves without a shape are left out."""
     leaves = jax.tree_util.tree_leaves_with_path(tree)
     return {_path(p): tuple(x.shape) for p, x in leaves if hasattr(x, "shape")}
 

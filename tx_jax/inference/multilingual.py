@@ -6,16 +6,13 @@
     multilingual.measure_direction(loaded, "de-fr", split="test", pivot="en")   sacreBLEU
 
 A multilingual model reads [id of '<2xx>'] + source pieces + [EOS] and answers in language xx
-(data/directions.py; Johnson et al., 2017). Any direction whose target language has a tag can
-be asked for, trained or not: a model trained on en<->de and en<->fr translates de -> fr
-"zero-shot" from the tag alone, or through English with two supervised passes ("pivot").
-`tx_jax evaluate --workdir=runs/multi --direction=de-fr [--pivot=en]` and
-`tx_jax translate --workdir=runs/multi --target_lang=fr [--pivot=en]` use these.
+(Johnson et al., 2017), for any direction whose target has a tag: de -> fr "zero-shot" from a
+model trained on en<->de and en<->fr, or through English ("pivot"). `tx_jax evaluate
+--direction` and `tx_jax translate --target_lang` use these.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -43,16 +40,9 @@ def translate_to(
     batch_size: int | None = None,
     **kwargs: Any,
 ) -> list[str]:
-    """Hypotheses in `target_lang`, one per source ('' for a blank one), in order.
-
-    Args:
-      loaded: a restored multilingual checkpoint (restore.load): model, parameters, tokenizer.
-      sources: sentences in any language the model reads (the tag names only the target).
-      target_lang: 'fr' -> the sources are tagged '<2fr>'.
-      pivot: translate into this language first ('en'), then that output into target_lang.
-      beam_size, length_penalty, batch_size, **kwargs: translation.translate_lines' (beam 1: greedy;
-        max_len, sort_by_length, warn, progress).
-    """
+    """Hypotheses in `target_lang` ('fr': the sources tagged '<2fr>'), one per source ('' for
+    a blank one), in order; with `pivot` ('en') translated into that language first. Other
+    arguments: translation.translate_lines'."""
     kw = dict(beam_size=beam_size, length_penalty=length_penalty, batch_size=batch_size, **kwargs)
     if pivot:
         sources = translate_to(loaded, sources, pivot, **kw)
@@ -60,27 +50,11 @@ def translate_to(
     return translation.translate_lines(loaded, sources, source_prefix=prefix, **kw)
 
 
-@dataclasses.dataclass
-class DirectionScore:
-    """sacreBLEU of one direction of a split."""
-
-    direction: str  # 'de-fr'
-    pivot: str | None  # 'en' when translated through English
-    bleu: float
-    chrf: float
-    signature: str
-    chrf_signature: str
-    sources: list[str]
-    hypotheses: list[str]
-    references: list[str]
-
-
 def through(
     loaded: restore.Loaded, target_lang: str, pivot: str, *, beam_size: int, length_penalty: float
 ) -> quality.Translator:
-    """sources -> `translate_to` target_lang through `pivot`, in batches of the checkpoint's
-    data.eval_batch_size, long sources truncated as in evaluation (no warning): how a split
-    is decoded through a pivot (quality.measure_split's `translate`)."""
+    """sources -> `translate_to` target_lang through `pivot`, batched and truncated as in
+    evaluation, without warnings (quality.measure_split's `translate`)."""
     return functools.partial(
         translate_to,
         loaded,
@@ -102,42 +76,19 @@ def measure_direction(
     limit: int | None = None,
     beam_size: int = 4,
     length_penalty: float = 0.6,
-) -> DirectionScore:
-    """Translate the first `limit` pairs of `split` of `direction` ('de-fr': the dataset of
-    the checkpoint's config read in that direction) and score them with sacreBLEU
-    (quality.measure_split, as evaluation and training's validation BLEU do).
-
-    Direct: the split's eval batches, tagged. Through `pivot`: `translate_to` twice
-    (sources -> pivot -> target)."""
+) -> quality.SplitQuality:
+    """Translate the first `limit` pairs of `split` of `direction` ('de-fr': the checkpoint's
+    dataset read in that direction), directly (its eval batches, tagged) or through `pivot`,
+    and score them with sacreBLEU."""
     (src, tgt) = directions.parse_directions(direction, "direction")[0]
     if pivot in (src, tgt):
         raise ValueError(f"pivot={pivot!r} is an end of the direction {direction!r}")
     task = tasks.direction_task(
         loaded.config.data, loaded.tokenizer, loaded.config.seed, (src, tgt)
     )
+    kw = dict(beam_size=beam_size, length_penalty=length_penalty)
+    via = through(loaded, tgt, pivot, **kw) if pivot else None
     data = quality.Split(task, split, limit)
-    via = (
-        through(loaded, tgt, pivot, beam_size=beam_size, length_penalty=length_penalty)
-        if pivot
-        else None
-    )
-    r = quality.measure_split(
-        loaded.model_config,
-        loaded.params,
-        loaded.tokenizer,
-        data,
-        beam_size=beam_size,
-        length_penalty=length_penalty,
-        translate=via,
-    )
-    return DirectionScore(
-        f"{src}-{tgt}",
-        pivot,
-        r.bleu,
-        r.chrf,
-        r.signature,
-        r.chrf_signature,
-        data.sources,
-        r.hypotheses,
-        r.references,
+    return quality.measure_split(
+        loaded.model_config, loaded.params, loaded.tokenizer, data, translate=via, **kw
     )

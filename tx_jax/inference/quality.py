@@ -1,18 +1,11 @@
-"""Translation quality of a decoded split: the split translated, then measured against its
-references with sacreBLEU (BLEU and chrF, with signatures); the one path every BLEU of tx_jax
-takes. (ln p(target | source) of given pairs, `tx_jax score`, is inference/likelihood.py.)
+"""Translation quality of a decoded split: translated, then scored against its references
+with sacreBLEU (BLEU and chrF, with signatures); the one path every BLEU of tx_jax takes
+(evaluation.py, training's validation BLEU, multilingual.py). Likelihood of given pairs is
+likelihood.py's.
 
     split = quality.Split(task, "validation", limit=100)     pairs and eval batches, read once
     result = quality.measure_split(model_config, params, tokenizer, split, beam_size=4)
     result.bleu, result.chrf, result.signature, result.hypotheses, result.decode_seconds
-
-`measure_split` is what evaluation.py (the evaluate CLI, sweeps), training's validation and test
-BLEU (`bleu_metrics`, runner/evaluator.py) and multilingual.measure_direction (the
-language-similarity study) call: the split's eval batches decoded by `translate_batches`
-(or, through a pivot language, the sources translated by a given text-to-text function),
-then scored against its references. `translate_batches` also serves translation.py.
-Decoding runs in one process on that process's local devices (or on the mesh the
-parameters live on).
 """
 
 from __future__ import annotations
@@ -42,14 +35,13 @@ class SplitQuality:
     chrf_signature: str
     hypotheses: list[str]
     references: list[str]
+    sources: list[str]
     decode_seconds: float = 0.0  # wall time of the translation alone
 
 
 class Split:
-    """The first `limit` pairs of a split of a translation task (a direction's, for a
-    multilingual one: its sources tagged; an imported M2M100/NLLB model's: its language
-    tokens, the target's forced), each part read when first asked for and kept:
-    a split decoded several times (a sweep) is read once."""
+    """The first `limit` pairs of a split of a translation task, each part read when first
+    asked for and kept: a split decoded several times (a sweep) is read once."""
 
     def __init__(self, task: Any, name: str, limit: int | None = None):
         self.task, self.name, self.limit = task, name, limit
@@ -68,23 +60,18 @@ class Split:
 
     @property
     def target_prefix(self) -> list[int]:
-        """Ids every hypothesis is forced to start with (an imported M2M100/NLLB model's
-        target-language token, as its targets were trained: data/tasks.py); none else."""
+        """Ids every hypothesis is forced to start with (an M2M100/NLLB target-language token)."""
         return list(getattr(self.task, "target_prefix", ()))
 
     @functools.cached_property
     def batches(self) -> list[dict[str, np.ndarray]]:
-        """Eval batches: sources as the model reads them, sorted by length and bucketed, each
-        row's place in the corpus in 'example_index'."""
+        """Eval batches, each row's place in the corpus in 'example_index'."""
         return list(self.task.eval_batches(self.name, 1, self.limit))
 
 
 class _OncePerProcess(logging.Filter):
-    """Lets each of sacreBLEU's "forgot to detokenize" lines through the first time only.
-
-    sacreBLEU logs them (three lines) from every BLEU corpus_score where 100 or more
-    hypotheses end in " ."; the synthetic pair's references do, so every evaluation would
-    repeat them. Once per process is enough; the scores do not depend on the warning."""
+    """Lets each of sacreBLEU's "forgot to detokenize" lines through once per process: the
+    synthetic pair's references end in " .", so every evaluation would repeat them."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -124,8 +111,7 @@ def _prompt(inputs: jax.Array, prefix: tuple[int, ...]) -> jax.Array | None:
 
 
 def _greedy(params: Any, inputs: jax.Array, *, config: ModelConfig, prefix=(), **kw: Any):
-    prompt = _prompt(inputs, prefix)
-    return decoding.translate_greedy(config, params, inputs, prompt=prompt, **kw)
+    return decoding.translate_greedy(config, params, inputs, prompt=_prompt(inputs, prefix), **kw)
 
 
 def _beam(params: Any, inputs: jax.Array, *, config: ModelConfig, prefix=(), **kw: Any):
@@ -134,10 +120,8 @@ def _beam(params: Any, inputs: jax.Array, *, config: ModelConfig, prefix=(), **k
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """Ancestral sampling instead of search: softmax(filtered logits / temperature), top_k
-    (0: off) and top_p (1.0: off) filtered (search.filter_logits). Row r's draws come from
-    key fold_in(fold_in(key(seed), line), k) for its line's id and sample number k, so a
-    line's samples do not depend on which lines share its batch, or on its place in it."""
+    """Ancestral sampling instead of search (top_k 0 and top_p 1.0: off). A row's draws come
+    from fold_in(fold_in(key(seed), line id), sample number): not from its batch or place."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -146,11 +130,8 @@ class Sampling:
 
 
 def _sample(params: Any, inputs: jax.Array, *, config: ModelConfig, seed: int, prefix=(), **kw):
-    """inputs [B, 2 + S]: each row's line id, sample number, then its source -> tokens [B, T].
-
-    Each row is sampled alone (vmap over batches of one) with its own key: search.py's
-    sampling draws one key per step for the whole batch, so a row's draws would otherwise
-    follow its place in the batch."""
+    """inputs [B, 2 + S]: each row's line id, sample number, then its source -> tokens [B, T];
+    each row sampled alone (vmap) with its own key, search.py's being the whole batch's."""
     base = jax.random.key(seed)
 
     def one(line: jax.Array, k: jax.Array, source: jax.Array) -> jax.Array:
@@ -179,54 +160,19 @@ def decode_batches(
     nbest: int = 1,
     sampling: Sampling | None = None,
 ) -> list[tuple[np.ndarray, list[np.ndarray]]]:
-    """Decode every batch -> per example, in corpus order: (its source ids [S'] as decoded,
-    padding dropped; its `nbest` outputs, each token ids [T'] with forced prefix and EOS,
-    padding dropped), best first for beam search.
-
-    Greedy when beam_size == 1 and `sampling` is None; beam search keeps its `nbest` best
-    (nbest <= beam_size). With `sampling`, batches also carry 'sample_key' [B, 2] (each row's
-    line id and sample number, Sampling's key), and every row is one sample. Devices and
-    compilation as `translate_batches` says."""
+    """Decode every batch -> per example, in corpus order: (its source ids [S'], its `nbest`
+    outputs [T'] with forced prefix and EOS, best first), padding dropped. Batches carry
+    'inputs' [B, S], 'example_index' [B], 'example_mask' [B] (and with `sampling`, 'sample_key'
+    [B, 2]: line id, sample number). Greedy when beam_size == 1 and `sampling` is None.
+    `target_prefix`: forced first output ids. Parameters on one device are decoded on every
+    local device of its platform (`devices`: data_parallel.py), parameters over a mesh on that
+    mesh; batch shapes compile concurrently."""
     if nbest > 1 and sampling is None and nbest > beam_size:
         raise ValueError(f"nbest={nbest} needs beam_size >= {nbest} (beam_size={beam_size})")
     out: list = [None] * num_examples
     params = nn.meta.unbox(params)
     devices = data_parallel.devices_for(params) if devices is None else list(devices)
-    fn, static = _decoder(
-        model_config,
-        eos_id,
-        max_decode_len,
-        beam_size=beam_size,
-        length_penalty=length_penalty,
-        length_penalty_kind=length_penalty_kind,
-        target_prefix=target_prefix,
-        sampling=sampling,
-    )
-    if sampling is not None:
-        batches = _with_key_columns(batches)
-    batches, pending = _dispatch(fn, static, params, batches, devices)
-    for batch, result in zip(batches, pending):
-        tokens = _host_outputs(result, beams=fn is _beam, nbest=nbest)
-        _store_rows(out, batch, tokens, skip=2 if sampling is not None else 0)  # the key columns
-    missing = [i for i, h in enumerate(out) if h is None]
-    if missing:
-        raise RuntimeError(f"{len(missing)} examples were not decoded (first: {missing[:5]})")
-    return out
-
-
-def _decoder(
-    model_config: ModelConfig,
-    eos_id: int,
-    max_decode_len: int | None,
-    *,
-    beam_size: int,
-    length_penalty: float,
-    length_penalty_kind: str,
-    target_prefix: Sequence[int],
-    sampling: Sampling | None,
-) -> tuple[Callable[..., jax.Array], dict[str, Any]]:
-    """The decoding function of `decode_batches`' arguments (`_sample`, `_beam` or `_greedy`)
-    and its static keyword arguments (the compiled program's key)."""
+    # The decoding function and its static keyword arguments (the compiled program's key).
     static: dict[str, Any] = dict(config=model_config, max_decode_len=max_decode_len, eos_id=eos_id)
     if sampling is not None:
         fn = _sample
@@ -236,6 +182,11 @@ def _decoder(
             top_k=int(sampling.top_k),
             top_p=float(sampling.top_p),
         )
+        # 'sample_key' [B, 2] goes before the source: group_batches pads on the right.
+        batches = [
+            {**b, "inputs": np.concatenate([b["sample_key"], b["inputs"]], 1).astype(np.int32)}
+            for b in batches
+        ]
     elif beam_size > 1:
         fn = _beam
         static.update(beam_size=beam_size, length_penalty=length_penalty)
@@ -245,17 +196,20 @@ def _decoder(
         fn = _greedy
     if target_prefix:
         static.update(prefix=tuple(int(i) for i in target_prefix))
-    return fn, static
-
-
-def _with_key_columns(batches: Iterable[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-    """Batches whose 'inputs' [B, S] become [B, 2 + S]: 'sample_key' [B, 2] then the source
-    (`_sample`'s inputs)."""
-    # The key columns go before the source: group_batches pads sources on the right.
-    return [
-        {**b, "inputs": np.concatenate([b["sample_key"], b["inputs"]], 1).astype(np.int32)}
-        for b in batches
-    ]
+    batches, pending = _dispatch(fn, static, params, batches, devices)
+    skip = 2 if sampling is not None else 0  # the key columns before the source
+    for batch, result in zip(batches, pending):
+        # [B, nbest, T] on the host: beam search gives (tokens, scores)
+        tokens = np.asarray(jax.device_get(result[0] if fn is _beam else result))
+        tokens = tokens[:, :nbest] if fn is _beam else tokens[:, None]
+        for row, (index, valid) in enumerate(zip(batch["example_index"], batch["example_mask"])):
+            if valid:
+                source = batch["inputs"][row, skip:]
+                out[int(index)] = (source[source != 0], [t[t != 0] for t in tokens[row]])
+    missing = [i for i, h in enumerate(out) if h is None]
+    if missing:
+        raise RuntimeError(f"{len(missing)} examples were not decoded (first: {missing[:5]})")
+    return out
 
 
 def _dispatch(
@@ -265,9 +219,7 @@ def _dispatch(
     batches: Iterable[dict[str, np.ndarray]],
     devices: list[jax.Device],
 ) -> tuple[list[dict[str, np.ndarray]], list[Any]]:
-    """Every batch's decoding started -> (the batches as decoded, their unfetched results):
-    on `devices` (data_parallel.py, batches grouped D at a time) or, with none, on the mesh
-    the parameters live on."""
+    """Every batch's decoding started -> (the batches as decoded, their unfetched results)."""
     if devices:
         rows = data_parallel.Rows(devices, params)
         batches = data_parallel.group_batches(list(batches), len(devices))
@@ -289,59 +241,18 @@ def _dispatch(
     return batches, pending
 
 
-def _host_outputs(result: Any, *, beams: bool, nbest: int) -> np.ndarray:
-    """A batch's decoding result (beam search's (tokens, scores), else tokens) -> its `nbest`
-    outputs per row on the host: [B, n, T], n = 1 but for beam search's n-best."""
-    tokens = np.asarray(jax.device_get(result[0] if beams else result))
-    return tokens[:, :nbest] if beams else tokens[:, None]
-
-
-def _store_rows(out: list, batch: dict[str, np.ndarray], tokens: np.ndarray, *, skip: int) -> None:
-    """out[example_index] = (source ids, [output ids, ...]) of each real row of `batch`, padding
-    dropped; tokens [B, n, T]; the source is batch['inputs'] after its first `skip` columns."""
-    for row, (index, valid) in enumerate(zip(batch["example_index"], batch["example_mask"])):
-        if valid:
-            source = batch["inputs"][row, skip:]
-            out[int(index)] = (source[source != 0], [t[t != 0] for t in tokens[row]])
-
-
 def translate_batches(
     model_config: ModelConfig,
     params: Any,
     batches: Iterable[dict[str, np.ndarray]],
     tokenizer: Tokenizer,
     num_examples: int,
-    *,
-    beam_size: int = 1,
-    length_penalty: float = 0.6,
-    max_decode_len: int | None = None,
-    devices: Sequence[jax.Device] | None = None,
-    target_prefix: Sequence[int] = (),
-    length_penalty_kind: str = "gnmt",
+    **kwargs: Any,
 ) -> list[str]:
-    """Decode every batch (greedy when beam_size == 1) -> hypotheses in corpus order.
-
-    `target_prefix`: ids every output is forced to start with (an M2M100/NLLB target-language
-    token; the tokenizer drops it from the text). `length_penalty_kind`: beam search's, 'gnmt' or
-    'fairseq' (length^length_penalty, as Transformers and CTranslate2 divide).
-
-    Batches carry 'inputs' [B, S], 'example_index' [B] and 'example_mask' [B]. Parameters on
-    one device are decoded on every local device of its platform (data_parallel.py:
-    `devices`, default all of them; D consecutive batches at a time, batch k on device k);
-    parameters spread over a mesh, on that mesh. The programs of different batch shapes
-    compile concurrently (compilation.dispatch)."""
+    """Each example's best hypothesis as text, in corpus order (`decode_batches`' keyword
+    arguments; the tokenizer drops a forced target-language token)."""
     decoded = decode_batches(
-        model_config,
-        params,
-        batches,
-        tokenizer.eos_id,
-        num_examples,
-        beam_size=beam_size,
-        length_penalty=length_penalty,
-        max_decode_len=max_decode_len,
-        devices=devices,
-        target_prefix=target_prefix,
-        length_penalty_kind=length_penalty_kind,
+        model_config, params, batches, tokenizer.eos_id, num_examples, **kwargs
     )
     return [tokenizer.decode(hyps[0].tolist()) for _, hyps in decoded]
 
@@ -359,9 +270,8 @@ def translate_split(
     length_penalty: float = 0.6,
     translate: Translator | None = None,
 ) -> list[str]:
-    """The split's hypotheses in corpus order: its eval batches decoded (`translate_batches`,
-    each output forced to start with `split.target_prefix`, which the text leaves out), or
-    `translate(sources)` when given (e.g. through a pivot language: multilingual.py)."""
+    """The split's hypotheses in corpus order: its eval batches decoded (greedy when
+    beam_size == 1), or `translate(sources)` when given (a pivot: multilingual.py)."""
     if translate is not None:
         return translate(split.sources)
     return translate_batches(
@@ -377,30 +287,14 @@ def translate_split(
 
 
 def measure_split(
-    model_config: ModelConfig,
-    params: Any,
-    tokenizer: Tokenizer,
-    split: Split,
-    *,
-    beam_size: int = 1,
-    length_penalty: float = 0.6,
-    translate: Translator | None = None,
+    model_config: ModelConfig, params: Any, tokenizer: Tokenizer, split: Split, **kwargs: Any
 ) -> SplitQuality:
-    """Translate a split (`translate_split`: greedy when beam_size == 1) and score it against
-    its references with sacreBLEU."""
+    """Translate a split (`translate_split`'s keyword arguments) and score it with sacreBLEU."""
     start = time.time()
-    hyps = translate_split(
-        model_config,
-        params,
-        tokenizer,
-        split,
-        beam_size=beam_size,
-        length_penalty=length_penalty,
-        translate=translate,
-    )
+    hyps = translate_split(model_config, params, tokenizer, split, **kwargs)
     seconds = time.time() - start
     bleu, chrf, sig, chrf_sig = bleu_chrf(hyps, split.references)
-    return SplitQuality(bleu, chrf, sig, chrf_sig, hyps, split.references, seconds)
+    return SplitQuality(bleu, chrf, sig, chrf_sig, hyps, split.references, split.sources, seconds)
 
 
 def bleu_metrics(
@@ -413,21 +307,14 @@ def bleu_metrics(
     beam_size: int = 1,
     length_penalty: float = 0.6,
 ) -> dict[str, Any]:
-    """{'bleu', 'chrf', 'bleu_signature'} of a split; for a multilingual task (one with
-    `directions`, data/tasks.py) also 'bleu/en-de', 'chrf/en-de', ... per direction
-    (the first `limit` pairs of each), and 'bleu' / 'chrf' are the means over its training
-    directions (`task.directions`; extra, e.g. zero-shot, directions are reported only)."""
+    """{'bleu', 'chrf', 'bleu_signature'} of a split; for a multilingual task also
+    'bleu/en-de', 'chrf/en-de', ... per direction, 'bleu' / 'chrf' being the means over its
+    training directions (extra, e.g. zero-shot, directions are reported only)."""
 
     def result(task: Any) -> SplitQuality:
         data = Split(task, split, limit)
-        return measure_split(
-            model_config,
-            params,
-            task.tokenizer,
-            data,
-            beam_size=beam_size,
-            length_penalty=length_penalty,
-        )
+        kw = dict(beam_size=beam_size, length_penalty=length_penalty)
+        return measure_split(model_config, params, task.tokenizer, data, **kw)
 
     if not task.directions:
         r = result(task)

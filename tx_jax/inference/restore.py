@@ -8,15 +8,10 @@
     source = restore.open_init_source("runs/multi")              train.init_from: another
     source.load_params(abstract, config, vocab_size)              run's parameters, checked
 
-Only what decoding needs is read: the `meta` item (config, SentencePiece model) and the
-parameters of the `state` item (an Orbax partial restore: no optimizer moments, no iterator
-state). Parameters are restored onto one local device whatever layout saved them (a pmap
-replica, or a (data, fsdp, tensor) mesh of 8 devices), so any checkpoint evaluates on one CPU.
-
-The config is the checkpoint's own, never a config file. `overrides` change it, e.g. the data
-paths on another machine ({'data.data_dir': '/data/tfds'}; text values are converted to the
-stored value's type). An override under which the stored parameters no longer fit the model
-is a `CheckpointError` naming the config keys that differ from the checkpoint's.
+Only the `meta` item and the parameters are read (an Orbax partial restore), onto one local
+device whatever layout saved them. The config is the checkpoint's own; `overrides` change it
+({'data.data_dir': '/data/tfds'}), and one under which the stored parameters no longer fit is
+a `CheckpointError` naming the config keys that differ from the checkpoint's.
 """
 
 from __future__ import annotations
@@ -100,18 +95,12 @@ def load(
     device: jax.Device | None = None,
     task: str | None = None,
 ) -> Loaded:
-    """Config, tokenizer, model config and parameters of one checkpoint.
-
-    Args:
-      workdir: a training run directory (its checkpoints are WORKDIR/checkpoints).
-      checkpoint: instead, a checkpoint manager directory or one step directory of it.
-      step: which step (default: the latest, or the one `checkpoint` names).
-      average_last: average the last K checkpoints (up to `step` if given): computed once
-        with averaging.average_checkpoints, saved under WORKDIR/averaged and reused.
-      overrides: dotted config keys -> values (text is converted to the stored type).
-      device: where the parameters go (default: the first local device).
-      task: 'translation' or 'lm' to insist on (the stored config's `task` decides the model).
-    """
+    """Config, tokenizer, model config and parameters of one checkpoint: a run's `workdir`
+    (WORKDIR/checkpoints) or a `checkpoint` manager or step directory; `step` (default the
+    latest, or the one `checkpoint` names); `average_last` K: the average of the last K
+    (up to `step`), saved under WORKDIR/averaged and reused; `overrides`: dotted config keys
+    -> values; `device` (default the first local one); `task` ('translation' or 'lm') to
+    insist on."""
     if average_last is not None:
         if checkpoint is not None or workdir is None:
             raise CheckpointError("average_last averages a workdir's checkpoints: give workdir")

@@ -1,32 +1,13 @@
 """The searches of autoregressive decoding: greedy, beam search and sampling.
 
-Shape letters: B batch, T decode length, V vocabulary, N beams.
-
-Each search sees only a *logits function*
-
-    tokens_to_logits(tokens [B, 1], cache) -> (logits [B, V] float32, new cache)
-
-(decoding.py builds it for the two model families) and is one `lax.while_loop` with static
-shapes that stops as soon as every row is finished. Outputs never contain BOS; a sequence
-ends with its EOS and holds padding (0) after it; padding is never generated (its
-log-probability is -inf).
-
-Every search keeps a named loop state (`_Sampling`, `_Beams`: the step `i`, the `cache`,
-per-row entries) and treats the cache as opaque: cache.py alone knows its layout, and the
-searches change it only through cache.gather_beams, cache.grow and cache.take_rows.
-
-`grow_at` = T1 runs the loop in two stages: first with a cache of T1 positions, then, only
-while a row is unfinished at T1, with the cache grown to all T (cache.grow): the per-step
-cost of attention follows the cache's length, and most outputs end well before T.
-`compact` = c > 1 moves the rows still unfinished once at most B / c are (or at T1) into
-batches of B / c that run on alone (`_staged`), so that finished rows stop costing steps;
-a search's per-row values (limits, forced prefix, the cache, the source in it) are its
-state for that.
-
-`limits` [B] gives every row its own output limit (<= T, the arrays' length): a row that
-reaches it is cut there, as if T were its length, and a row with limit 0 (a padding row) is
-finished before the first step. A row's output thus depends on its own limit only, not on the
-T its batch was compiled for (decoding.output_limits derives it from the row's source).
+Shape letters: B batch, T decode length, V vocabulary, N beams. Each search sees only a
+logits function (decoding.py) and is one `lax.while_loop` with static shapes over a named
+state (`_Sampling`, `_Beams`) that stops once every row is finished; the cache is opaque
+(cache.py). `grow_at` = T1 runs a first stage with a cache of T1 positions and grows it to T
+only while a row is unfinished: attention's cost per step follows the cache's length.
+`compact` = c > 1 moves the rows still unfinished once at most B / c are into batches of
+B / c that run on alone (`_staged`). `limits` [B] gives each row its own output limit (<= T;
+0: finished before the first step), so a row's output never depends on its batch's T.
 """
 
 from __future__ import annotations
@@ -58,11 +39,8 @@ HF_EARLY_STOPPING = {"hf": False, "hf_early": True, "hf_never": "never"}
 
 
 def filter_logits(logits: Array, top_k: int = 0, top_p: float = 1.0) -> Array:
-    """[B, V] -> [B, V] with the tokens outside the top-k and the nucleus set to -inf.
-
-    top_k: keep the k highest (0: off). top_p: keep the smallest set of highest tokens whose
-    probability reaches top_p (Holtzman et al. 2019; 1.0: off). The best token always stays.
-    """
+    """[B, V] -> [B, V] with the tokens outside the top_k highest (0: off) and the nucleus
+    of mass top_p (Holtzman et al. 2019; 1.0: off) set to -inf; the best token always stays."""
     if top_k:
         kth = lax.top_k(logits, top_k)[0][:, -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
@@ -132,13 +110,9 @@ def sample_decode(
     grow_at: int | None = None,
     compact: int = 1,
 ) -> Array:
-    """Ancestral sampling (greedy at temperature 0) -> tokens [B, T].
-
-    prompt [B, P]: right-padded with 0; row b's first (prompt[b] != 0).sum() tokens are
-    forced (they appear in the output) before sampling starts. Step i draws with the key
-    fold_in(rng, i). A row ends at its first non-forced EOS or at its limit (module
-    docstring; default T); padding follows.
-    """
+    """Ancestral sampling (greedy at temperature 0) -> tokens [B, T]. prompt [B, P]
+    (right-padded with 0): forced first tokens, in the output. Step i draws with the key
+    fold_in(rng, i). A row ends at its first non-forced EOS or at its limit."""
     B, T = batch_size, max_decode_len
 
     def step(s: _Sampling) -> _Sampling:
@@ -167,19 +141,10 @@ def sample_decode(
 
 
 def _staged(init, step, going, outputs, *, T: int, grow_at: int | None, compact: int, beams: int):
-    """lax.while_loop over `step` from the state `init` (a search's NamedTuple: the step `i`,
-    the `cache`, per-row [B, ...] entries) until step T or until no row is going (going(state)
-    -> [B]), in stages:
-
-    - with `grow_at` = T1, the cache holds T1 positions up to step T1 and is grown to T
-      (cache.grow) only for rows still going then;
-    - with compact = c > 1, once at most B // c rows are going (or at T1), those rows are
-      gathered into batches of B // c rows (`_take_rows`) that run on alone, one after
-      another: finished rows are no longer computed, which is most of a sorted batch's late
-      steps (CTranslate2 drops finished rows the same way).
-
-    -> outputs(state): the final [B, ...] outputs of every row. A row's result depends on it
-    alone, so its stage and batch-mates do not change it (tests/test_decoding.py)."""
+    """lax.while_loop over `step` from the state `init` (the step `i`, the `cache`, per-row
+    [B, ...] entries) until step T or until no row is going (going(state) -> [B]), in the
+    stages of `grow_at` and `compact` (module docstring) -> outputs(state), every row's. A
+    row's result depends on it alone, not on its stage or batch-mates."""
     # The barriers keep XLA from sinking loop-invariant entries' producers (the transposes
     # that lay out the cross-attention cache) into a loop body, to run every step.
     init = lax.optimization_barrier(init)
@@ -246,45 +211,17 @@ def _row_limits(limits: Array | None, batch: int, length: int) -> Array:
     return jnp.minimum(jnp.asarray(limits, jnp.int32), length)
 
 
-def greedy_decode(
-    tokens_to_logits: LogitsFn,
-    cache: Cache,
-    *,
-    batch_size: int,
-    max_decode_len: int,
-    bos_id: int,
-    eos_id: int = EOS_ID,
-    prompt: Array | None = None,
-    limits: Array | None = None,
-    grow_at: int | None = None,
-    compact: int = 1,
-) -> Array:
-    """Greedy search (argmax every step) -> tokens [B, T]; see `sample_decode`."""
-    return sample_decode(
-        tokens_to_logits,
-        cache,
-        jax.random.key(0),
-        batch_size=batch_size,
-        max_decode_len=max_decode_len,
-        bos_id=bos_id,
-        eos_id=eos_id,
-        prompt=prompt,
-        temperature=0.0,
-        limits=limits,
-        grow_at=grow_at,
-        compact=compact,
-    )
+def greedy_decode(tokens_to_logits: LogitsFn, cache: Cache, **kwargs: Any) -> Array:
+    """Greedy search (argmax every step) -> tokens [B, T]; `sample_decode`'s keyword arguments."""
+    return sample_decode(tokens_to_logits, cache, jax.random.key(0), temperature=0.0, **kwargs)
 
 
 # -------------------------------------------------------------------- beam search
 
 
 def length_divisor(length: int | Array, length_penalty: float, kind: str = "gnmt") -> Array:
-    """Divisor of a hypothesis' log-probability; `length` counts its tokens, EOS included.
-
-    gnmt: ((5 + length) / 6)^a, a = length_penalty (GNMT's alpha, Wu et al. 2016, section 7;
-    the paper: 0.6). fairseq, and Transformers' rules (hf, hf_early, hf_never): length^a.
-    """
+    """Divisor of a hypothesis' log-probability (`length`: its tokens, EOS included); gnmt:
+    ((5 + length) / 6)^a (Wu et al. 2016), fairseq and Transformers' rules: length^a."""
     length = jnp.asarray(length, jnp.float32)
     if kind == "gnmt":
         return ((5.0 + length) / 6.0) ** length_penalty
@@ -303,24 +240,17 @@ class _Beams(NamedTuple):
     fin_scores: Array  # [B, N] their penalised scores, descending; -inf: empty slot
     cache: Cache  # rows b * N + n: cache.py's
     limits: Array  # [B] each row's output limit
-    best_possible: Array  # [B] penalty(longest scored length): a live beam's score is at
-    # most logp / this
+    best_possible: Array  # [B] penalty(longest scored length): a live beam scores <= logp / it
     forced: _Forced | None  # each row's forced prefix (None: no prompt)
     stopped: Array | None = None  # [B] Transformers' rules: rows whose finished are final
-
-
-def _take_beams(x: Array, index: Array) -> Array:
-    """x [B, N, ...], index [B, K] -> [B, K, ...]."""
-    return jax.vmap(lambda row, i: row[i])(x, index)
 
 
 def _forcing(
     state: _Beams, logp: Array, count_forced: bool = False
 ) -> tuple[Array, Array | None, Array]:
-    """logp [B, N, V] of the step -> (logp with a forced row's every beam given its forced
-    token at log-probability 0 and every other token -inf, forced [B] or None, the length
-    the penalty counts after this step: tokens after the forced prefix, EOS included; all
-    tokens with count_forced, as Transformers' forced_bos_token_id counts its token)."""
+    """logp [B, N, V] -> (logp with a forced row's forced token at 0 and every other -inf,
+    forced [B] or None, the length the penalty counts after this step: tokens after the
+    forced prefix, or all with count_forced, as Transformers counts forced_bos_token_id)."""
     if state.forced is None:
         return logp, None, state.i + 1
     forced = state.i < state.forced.length  # [B]
@@ -336,10 +266,8 @@ def _forcing(
 def _beam_step(
     state: _Beams, tokens_to_logits: LogitsFn, bos_id, eos_id, penalty, hf=None, length_penalty=0.0
 ) -> _Beams:
-    """Extend every live beam by every token; keep the best N live and N finished.
-
-    hf (None: tx_jax's rules): Transformers' early_stopping (False, True or "never") for its
-    rules (beam_search)."""
+    """Extend every live beam by every token; keep the best N live and N finished. hf: None,
+    or Transformers' early_stopping (False, True or "never") for its rules."""
     B, N, T = state.live_seqs.shape
     i = state.i
     prev = jnp.where(i == 0, bos_id, state.live_seqs[:, :, jnp.maximum(i - 1, 0)])
@@ -351,7 +279,7 @@ def _beam_step(
     # At most N of the best 2N candidates end in EOS, so at least N stay live.
     top_logp, top_index = lax.top_k(candidates, 2 * N)  # [B, 2N]
     source_beam, token = top_index // V, top_index % V
-    seqs = _take_beams(state.live_seqs, source_beam)  # [B, 2N, T]
+    seqs = cache_lib.take_beams(state.live_seqs, source_beam)  # [B, 2N, T]
     seqs = lax.dynamic_update_slice(seqs, token[..., None].astype(jnp.int32), (0, 0, i))
 
     # Finished: ended with EOS (not a forced one), or reached the row's length limit (scored
@@ -367,14 +295,14 @@ def _beam_step(
         ended = ended & (jnp.arange(2 * N) < N) & ~state.stopped[:, None]
     new_scores = jnp.where(ended, top_logp / penalty(length), -jnp.inf)
     fin_scores, k = lax.top_k(jnp.concatenate([state.fin_scores, new_scores], 1), N)
-    fin_seqs = _take_beams(jnp.concatenate([state.fin_seqs, seqs], 1), k)
+    fin_seqs = cache_lib.take_beams(jnp.concatenate([state.fin_seqs, seqs], 1), k)
 
     live_logp, k = lax.top_k(jnp.where(eos, -jnp.inf, top_logp), N)
     live_logp = jnp.where(last, -jnp.inf, live_logp)  # nothing may grow past the limit
     cache = cache_lib.gather_beams(cache, jnp.take_along_axis(source_beam, k, axis=1))
     state = state._replace(
         i=i + 1,
-        live_seqs=_take_beams(seqs, k),
+        live_seqs=cache_lib.take_beams(seqs, k),
         live_logp=live_logp,
         fin_seqs=fin_seqs,
         fin_scores=fin_scores,
@@ -386,11 +314,9 @@ def _beam_step(
 def _hf_stop(state: _Beams, penalty, early_stopping, length_penalty: float) -> _Beams:
     """Transformers' stopping rule after a step (`_check_early_stop_heuristic`): a row closes
     for good once its N finished slots are full and its best live log p / penalty(L) is no
-    more than the worst of them. L is the length so far (early_stopping False or True): a
-    heuristic, not a bound, since a longer beam may still score higher, but the row keeps what
-    it has (why 'hf' can differ from 'fairseq'). early_stopping="never" with
-    length_penalty > 0 takes the row's limit for L (tx_jax's bound); early_stopping=True also
-    closes a row as soon as its N slots are full."""
+    more than the worst of them; L is the length so far (a heuristic: why 'hf' can differ
+    from 'fairseq'), or with "never" and length_penalty > 0 the row's limit. early_stopping
+    True also closes a row as soon as its N slots are full."""
     bound = early_stopping == "never" and length_penalty > 0
     divisor = state.best_possible if bound else penalty(state.i)
     best_live = state.live_logp[:, 0] / divisor
@@ -420,29 +346,20 @@ def beam_search(
     """Beam search (section 6.1) -> tokens [B, N, T] and scores [B, N], best first.
 
     `tokens_to_logits` and `cache` work on B * N rows (row b * N + n = beam n of example b).
-    A hypothesis' score is its log-probability / length_divisor(length, length_penalty, kind);
-    finished hypotheses (EOS, or cut at the row's limit, default T) are kept apart from the
-    N live ones. A row stops once no live beam can beat the worst of its N finished: with
-    length_penalty >= 0 the divisor only grows with length and log-probabilities only fall,
-    so a live beam's score is at most log p / penalty(limit) (the bound of flax's WMT beam
-    search, with the row's own limit for T); the loop stops when every row has.
+    A hypothesis' score is its log-probability / length_divisor(length, ...); finished ones
+    (EOS, or cut at the row's limit) are kept apart from the N live ones. A row stops once no
+    live beam can beat its worst finished one: with length_penalty >= 0 a live beam scores
+    at most log p / penalty(limit) (flax WMT's bound, with the row's own limit).
 
-    prompt [B, P] (right-padded with 0), as sample_decode's: row b's first
-    (prompt[b] != 0).sum() tokens are forced in every beam, appear in the output and a forced
-    EOS does not end the row. The model did not choose them, so they leave the score alone
-    (as likelihood.py scores a forced prefix): they add no log-probability and the length
-    the penalty counts starts after them (at least 1); the row's limit counts them, as they
-    are in the output. Without a prompt the search is the same program as before it existed.
+    prompt [B, P], as sample_decode's, is forced in every beam; it adds no log-probability
+    and the length the penalty counts starts after it (as likelihood.py scores a forced
+    prefix), while the row's limit counts it.
 
-    length_penalty_kind 'hf', 'hf_early', 'hf_never': Transformers' beam search
-    (generate(num_beams=N, length_penalty=length_penalty, early_stopping=False, True,
-    "never"); 'hf' is generate's default), token for token: the divisor is
-    length^length_penalty (computed in float64, as Python does there); only EOS among the
-    best N of the 2N candidates of a step finishes a hypothesis (the other N are spares that
-    keep N beams live); a row closes by Transformers' heuristic (`_hf_stop`), not a bound,
-    and keeps its finished ones from then on. A forced prompt token counts in the length (as
-    forced_bos_token_id's does) and adds no log-probability. Any length_penalty is allowed,
-    as Transformers allows it.
+    length_penalty_kind 'hf', 'hf_early', 'hf_never': Transformers' beam search token for
+    token (generate(num_beams=N, early_stopping=False, True, "never")): the divisor
+    length^length_penalty in float64, only EOS among the best N of a step's 2N candidates
+    finishes a hypothesis, a row closes by `_hf_stop`, a forced token counts in the length,
+    and any length_penalty is allowed.
     """
     length_divisor(1, length_penalty, length_penalty_kind)  # validate the kind
     hf = HF_EARLY_STOPPING.get(length_penalty_kind)
@@ -463,22 +380,16 @@ def beam_search(
         return ~((worst_finished > best_live) | (best_live == -jnp.inf))
 
     init = _initial_beams(cache, limits, forced, penalty, shape=(B, N, T), hf=hf)
-    step = functools.partial(
-        _beam_step,
-        tokens_to_logits=tokens_to_logits,
-        bos_id=bos_id,
-        eos_id=eos_id,
-        penalty=penalty,
-        hf=hf,
-        length_penalty=length_penalty,
-    )
+
+    def step(state: _Beams) -> _Beams:
+        return _beam_step(state, tokens_to_logits, bos_id, eos_id, penalty, hf, length_penalty)
+
     outputs = lambda s: (s.fin_seqs, s.fin_scores)  # noqa: E731
     return _staged(init, step, going, outputs, T=T, grow_at=grow_at, compact=compact, beams=N)
 
 
 def _penalty_of_length(length_penalty: float, kind: str, length: int) -> Callable[[Array], Array]:
-    """lengths [...] (each <= `length`, T) -> length_divisor(lengths, length_penalty, kind) [...];
-    Transformers' rules ('hf', ...) look it up in a table computed as Python computes it."""
+    """lengths [...] (each <= `length`) -> length_divisor(lengths, length_penalty, kind)."""
     if kind not in HF_EARLY_STOPPING:
         return functools.partial(length_divisor, length_penalty=length_penalty, kind=kind)
     # Transformers divides by the Python float length ** length_penalty (float64), cast to
@@ -496,8 +407,8 @@ def _initial_beams(
     shape: tuple[int, int, int],
     hf: bool | str | None,
 ) -> _Beams:
-    """Beam search's state before its first step: hypotheses of `shape` [B, N, T], one live and
-    empty per row (none where limits [B] is 0), none finished; `hf` as `_beam_step`'s."""
+    """Beam search's state before its first step: one live empty hypothesis per row (none
+    where limits [B] is 0), none finished."""
     B, N, T = shape
     # The most tokens a score counts ('hf' counts a forced prefix).
     longest = limits if forced is None or hf is not None else limits - forced.length

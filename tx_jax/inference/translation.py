@@ -1,10 +1,8 @@
 """Translating lines of text with a loaded checkpoint, in batches, aligned line for line.
 
-Sources are encoded as the evaluation pipeline encodes them (sorted by length, each batch
-padded to the smallest of the checkpoint's eval buckets that holds it), and a translation
-depends only on its own source (decoding.output_limits), so the same line gets the same
-translation here and in evaluation; a line longer than data.max_eval_len tokens (EOS
-included) is truncated, with a warning.
+Sources are encoded as the evaluation pipeline encodes them, and a translation depends only
+on its own source (decoding.output_limits), so a line gets the same translation here and in
+evaluation; a line longer than data.max_eval_len tokens is truncated, with a warning.
 """
 
 from __future__ import annotations
@@ -36,26 +34,10 @@ def max_source_len(loaded: restore.Loaded) -> int:
     return n
 
 
-def _source_lengths(loaded, lines, indices, max_len, extra: int = 0) -> dict[int, int]:
-    """Each line's source tokens before truncation (EOS and `extra` prefix ids included)."""
-    cap = max_len * loaded.tokenizer.max_piece_chars * 4  # the pipeline's character bound
-    return {i: len(loaded.tokenizer.encode(lines[i][:cap])) + 1 + extra for i in indices}
-
-
-def _warn_truncated(lengths: dict[int, int], max_len: int, warn, name=None) -> None:
-    long = [i for i, n in lengths.items() if n > max_len]
-    for i in long[:5]:
-        where = name(i) if name else f"line {i + 1}"
-        warn(f"warning: {where} is longer than {max_len} tokens; truncated")
-    if len(long) > 5:
-        warn(f"warning: {len(long)} lines in all were truncated to {max_len} tokens")
-
-
 @dataclasses.dataclass(frozen=True)
 class Hypothesis:
     """One output for a line: its text (one line), and with scores=True the model's
-    ln p(output ids | source ids) and how many ids that counts (EOS included, a forced
-    target-language token not: likelihood.score_ids)."""
+    ln p(output ids | source ids) and how many ids that counts (likelihood.score_ids)."""
 
     text: str
     logprob: float | None = None
@@ -89,26 +71,16 @@ def decode_lines(
     scores: bool = False,
     line_name: Callable[[int], str] | None = None,
 ) -> list[list[Hypothesis]]:
-    """Each line's hypotheses, aligned with `lines`: `nbest` of them (best first for beam
-    search, sample 0, 1, ... with `sampling`), none for a blank line.
-
-    `batch_size`: sentences per decoding batch (default the checkpoint's
-    data.eval_batch_size). Sources are truncated to `max_len` tokens (default
-    `max_source_len`); `progress(done, total)` is called after every chunk of CHUNK_BATCHES
-    batches. `source_prefix`: ids before every source, e.g. a multilingual model's
-    target-language tag (multilingual.py); `target_prefix`: ids each output is forced to
-    start with (an M2M100/NLLB target-language token: inference/languages.py gives both).
-    `length_penalty_kind`: beam search's, 'gnmt' or 'fairseq' (length^length_penalty, as
-    Transformers divides).
-    `sampling` (quality.Sampling) samples instead of searching; line i's k-th sample draws
-    from the key of (seed, line_ids[i], k) (default line_ids: 0, 1, ...). `scores`: each
-    hypothesis' log-probability (Hypothesis). `line_name(i)`: how warnings name line i
-    (default 'line {i + 1}'; a corpus shard's: 'FILE:LINE').
-
-    `length_buckets` (e.g. (16, 32, 64)): the lengths batches are padded to (each to the
-    smallest that holds its longest source; max_len is always one), one compilation per
-    length used; default: evaluation's (data.eval_bucket_boundaries, or 16, 24, 40, 64, ...).
-    The outputs do not depend on them, nor on `batch_size` or `sort_by_length`."""
+    """Each line's hypotheses, aligned with `lines`: `nbest` of them (best first for beam search,
+    sample 0, 1, ... with `sampling`), none for a blank line. `batch_size` defaults to
+    data.eval_batch_size, `max_len` (source tokens) to `max_source_len`; `progress(done, total)`
+    is called after every chunk of CHUNK_BATCHES batches. `source_prefix`: ids before every
+    source (a multilingual model's tag); `target_prefix`: forced first output ids (an
+    M2M100/NLLB language token: languages.py). `sampling` samples instead of searching, line i's
+    k-th sample from (seed, line_ids[i], k). `scores`: each hypothesis' log-probability.
+    `line_name(i)`: how warnings name line i. `length_buckets`: the lengths batches are padded
+    to (default evaluation's). The outputs depend on none of `length_buckets`, `batch_size` or
+    `sort_by_length`."""
     if nbest < 1:
         raise ValueError(f"nbest={nbest}: expected >= 1")
     max_len = max_len or max_source_len(loaded)
@@ -153,8 +125,7 @@ def decode_lines(
 def _buckets(
     loaded: restore.Loaded, length_buckets: Sequence[int] | None, max_len: int
 ) -> list[int]:
-    """The lengths batches are padded to, ascending: `length_buckets` (default evaluation's)
-    under max_len, then max_len."""
+    """The lengths batches are padded to, ascending, max_len last."""
     if length_buckets is None:
         configured = loaded.config.data.get("eval_bucket_boundaries")
         length_buckets = configured or eval_pipeline.eval_bucket_boundaries(max_len)
@@ -178,11 +149,18 @@ def _decoding_order(
     warn: Callable[[str], None],
     line_name: Callable[[int], str] | None,
 ) -> list[int]:
-    """The indices of the non-blank lines, in the order they are decoded; warns of each line
-    longer than max_len source tokens (`decode_lines`' arguments)."""
+    """The non-blank lines' indices, in decoding order; warns of each line over max_len."""
     todo = [i for i, t in enumerate(texts) if t.strip()]
-    lengths = _source_lengths(loaded, texts, todo, max_len, len(source_prefix))
-    _warn_truncated(lengths, max_len, warn, line_name)
+    cap = max_len * loaded.tokenizer.max_piece_chars * 4  # the pipeline's character bound
+    # Source tokens before truncation, EOS and prefix included.
+    extra = 1 + len(source_prefix)
+    lengths = {i: len(loaded.tokenizer.encode(texts[i][:cap])) + extra for i in todo}
+    long = [i for i in todo if lengths[i] > max_len]
+    for i in long[:5]:
+        where = line_name(i) if line_name else f"line {i + 1}"
+        warn(f"warning: {where} is longer than {max_len} tokens; truncated")
+    if len(long) > 5:
+        warn(f"warning: {len(long)} lines in all were truncated to {max_len} tokens")
     if sort_by_length:  # longest first over all lines, then chunks: batches of like lengths
         todo.sort(key=lambda i: -min(lengths[i], max_len))
     return todo
@@ -207,8 +185,7 @@ def _decode_chunk(
     sampling: quality.Sampling | None,
     scores: bool,
 ) -> list[list[Hypothesis]]:
-    """Each example (line i, sample k) of `part`'s hypotheses, aligned with `part`: the
-    sources encoded into batches, decoded, and with `scores` scored (`decode_lines`' arguments)."""
+    """The hypotheses of each example (line i, sample k) of `part` (`decode_lines`' arguments)."""
     batches = eval_pipeline.encode_sources(
         [texts[i] for i, _ in part],
         loaded.tokenizer,
@@ -255,10 +232,9 @@ def _hypotheses(
     skip: int,
     batch_size: int,
 ) -> list[list[Hypothesis]]:
-    """Each example's Hypothesis list from `quality.decode_batches`' (source ids [S'], output
-    ids [T'] each) per example: each output's text on one line and, with `scores`, its
-    log-probability (likelihood.score_ids, `skip` forced ids left out; all of a chunk's outputs
-    scored together, `batch_size` a batch)."""
+    """Each example's Hypothesis list from `quality.decode_batches`' output: each text on one
+    line and, with `scores`, its log-probability (likelihood.score_ids, `skip` forced ids
+    left out)."""
     found = [(source, ids) for source, hyps in decoded for ids in hyps]
     scored = (
         likelihood.score_ids(loaded, found, skip=skip, batch_size=batch_size)
