@@ -115,23 +115,18 @@ class TrainOptions:
     packing: bool = False
     # Shuffle seed; epoch e is shuffled with seed + e, so every epoch has another order.
     seed: int = 0
-    # The input shard read (data.shards): examples [process_index::process_count]; None:
-    # jax.process_index(), one shard a process.
+    # The input shard read: examples [process_index::process_count]; None: jax's process.
     process_index: int | None = None
-    # How many shards the examples are split into; None: jax.process_count().
     process_count: int | None = None
     # None repeats forever; else the iterator ends after that many passes over the shard.
     num_epochs: int | None = None
     # Keep each tokenized example in memory after its first read; off for corpora too big.
     cache_tokens: bool = True
-    # Batches prepared ahead in a background thread (0: none); async dispatch usually hides
-    # building a batch behind the device step already, and prefetch copies the state per batch.
+    # Batches prepared ahead in a thread (0: none; async dispatch usually hides them already).
     prefetch: int = 0
 
 
-# Options that do not change the batches, so a state restores whatever they are; the
-# fingerprint holds the batch shapes that batch_multiple gives instead of the device count
-# behind it, so a state restores on any topology with the same shapes.
+# Options that do not change the batches (the fingerprint holds the shapes batch_multiple gives).
 _NOT_IN_FINGERPRINT = ("cache_tokens", "prefetch", "batch_multiple")
 
 
@@ -175,11 +170,8 @@ class GroupIterDataset(grain.IterDataset):
 
 
 class _GroupIterator(grain.DatasetIterator):
-    """Holds examples until a batch is full. State: stream state + held positions.
-
-    Restoring re-reads the held positions (cached, or re-tokenized) and re-adds them in
-    order, which rebuilds the exact same groups.
-    """
+    """Holds examples until a batch is full; its state adds the held positions, re-read and
+    re-added in order on restore, which rebuilds the same groups."""
 
     def __init__(self, parent: grain.DatasetIterator, spec: BatchSpec):
         super().__init__(parent)
