@@ -8,6 +8,8 @@ from test_data_pipeline import MAX_LEN, make_pairs, make_tokenizer, pair_fits
 from tx_jax.data import eval_pipeline as ep
 from tx_jax.data import tokenizer as tk
 
+PAIR = ("inputs", "targets")
+
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory) -> tk.Tokenizer:
@@ -21,7 +23,7 @@ def pairs() -> list[tuple[str, str]]:
 
 def test_eval_covers_each_example_once_in_order(pairs, tok):
     data = list(pairs[:19]) + [("the " * 40, "a cat"), ("", "ein Haus")]
-    ev = ep.make_eval_batches(data, tok, max_len=MAX_LEN, batch_size=8, batch_multiple=4)
+    ev = ep.eval_batches(data, PAIR, tok, max_len=MAX_LEN, batch_size=8, batch_multiple=4)
     assert len(ev) == 3 and ev.num_examples == 21
     index = np.concatenate([b["example_index"] for b in ev])
     mask = np.concatenate([b["example_mask"] for b in ev])
@@ -46,8 +48,14 @@ def test_eval_covers_each_example_once_in_order(pairs, tok):
 
 def test_eval_sorted_and_bucketed_still_covers(pairs, tok):
     data = pairs[:37]
-    ev = ep.make_eval_batches(
-        data, tok, max_len=MAX_LEN, batch_size=8, bucket_boundaries=[8, 16], sort_by_length=True
+    ev = ep.eval_batches(
+        data,
+        PAIR,
+        tok,
+        max_len=MAX_LEN,
+        batch_size=8,
+        bucket_boundaries=[8, 16],
+        sort_by_length=True,
     )
     index = np.concatenate([b["example_index"] for b in ev])
     assert sorted(index[index >= 0].tolist()) == list(range(37))
@@ -63,8 +71,8 @@ def test_eval_sorted_and_bucketed_still_covers(pairs, tok):
 def test_eval_process_shards(pairs, tok):
     data = pairs[:21]
     evs = [
-        ep.make_eval_batches(
-            data, tok, max_len=MAX_LEN, batch_size=4, process_index=i, process_count=2
+        ep.eval_batches(
+            data, PAIR, tok, max_len=MAX_LEN, batch_size=4, process_index=i, process_count=2
         )
         for i in (0, 1)
     ]
@@ -83,7 +91,7 @@ def test_encode_sources_and_lm_eval(tok):
     long_row = ev[2]["inputs"][0]
     assert (long_row > 0).all() and long_row[-1] == tk.EOS_ID
     assert ev[2]["example_mask"].tolist() == [1, 0]
-    lm = ep.make_lm_eval_batches(["the cat", "a dog"] * 3, tok, max_len=MAX_LEN, batch_size=4)
+    lm = ep.eval_batches(["the cat", "a dog"] * 3, ("targets",), tok, max_len=MAX_LEN, batch_size=4)
     assert set(lm[0]) == {"targets", "example_index", "example_mask"}
     assert lm[1]["example_mask"].tolist() == [1, 1, 0, 0]
     with pytest.raises(ValueError, match="multiple"):
@@ -91,7 +99,7 @@ def test_encode_sources_and_lm_eval(tok):
 
 
 def test_source_prefix_before_every_source(pairs, tok):
-    ev = ep.make_eval_batches(pairs[:5], tok, max_len=MAX_LEN, batch_size=8, source_prefix=[7])
+    ev = ep.eval_batches(pairs[:5], PAIR, tok, max_len=MAX_LEN, batch_size=8, source_prefix=[7])
     src = ep.encode_sources(
         ["the cat", "the " * 40], tok, max_len=MAX_LEN, batch_size=2, source_prefix=[7]
     )

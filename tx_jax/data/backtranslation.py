@@ -6,38 +6,18 @@
     ]
     data.backtranslation_tag = "<BT>"
 
-    task = tasks.prepare_task(config.data, workdir, seed=config.seed)
-    task.train_iterator(n)               real and synthetic pairs, weighted streams (streams.py)
-    task.eval_batches('validation', n)   the real dataset's splits only
+A synthetic corpus is two plain-text files (or globs, or lists of them, read in sorted order;
+'.gz' decompressed; local or gs://) of aligned lines, e.g. `tx_jax translate --input mono.de`'s
+output mono.de.en as source and mono.de as target (Sennrich et al., 2016); line counts must
+match, else an error names both files.
 
-A synthetic corpus is two plain-text files (or globs with wildcards in the file name, or lists
-of them, read in sorted order one after another; '.gz' files are decompressed) of aligned
-lines: line k of `source` is the source of line k of `target`. Back-translation (Sennrich et
-al., 2016) sends target-language monolingual text through a reverse model: `tx_jax translate
---input` reads mono.de and writes mono.de.en beside it, so the synthetic source is the
-translation and the target its input.
-Local or gs:// paths (paths.py); the line counts must match, and an error names both files.
-
-Ratio: the expected number of examples drawn from a synthetic corpus per real example, over
-the kept examples of the stream (pairs too long for data.max_train_len are skipped inside their
-own corpus, so the ratio holds for what trains). With real corpus 0 and synthetic ratios r_1..r_k,
-example j of the stream is drawn from corpus i with probability
-
-    p_0 = 1 / (1 + sum_i r_i),    p_i = r_i / (1 + sum_i r_i)
-
-so ratio 1.0 is half of every batch synthetic on average, 0.25 one synthetic pair in five.
-Each corpus is read without replacement epoch by epoch, whatever its share (streams.py).
-
-Tagged back-translation (Caswell et al., 2019): with "tag": True the id of
-`data.backtranslation_tag` goes before every source of that corpus (after the task's own source
-prefix, an imported model's language token, if any), and never before a real source. The tag
-must be one piece of the tokenizer: a tokenizer trained by the run gets it as a user-defined
-symbol; a given one (`data.tokenizer_path`, `train.init_from`) without it is an error.
-
-The iterator state is the mixture's: the stream position and every corpus's own position,
-so a checkpoint resumes the identical batches; its fingerprint holds each corpus's size, so a
-synthetic file that changed length since is an error at restore, not a silent reshuffle.
-Validation loss, BLEU during training and the test score read only the real dataset.
+Ratio: expected synthetic examples per real one among the kept examples: with ratios r_i, the
+real corpus is drawn with p_0 = 1 / (1 + sum r), corpus i with p_i = r_i / (1 + sum r) (1.0:
+half of every batch). With "tag": True the id of data.backtranslation_tag (one piece of the
+tokenizer; a run's own tokenizer gets it as a user-defined symbol) goes before every source of
+that corpus, after the task's own source prefix (Caswell et al., 2019). The state is the
+mixture's (streams.py), its fingerprint holding each corpus's size, so a file that changed
+length is an error at restore. Evaluation reads only the real dataset.
 """
 
 from __future__ import annotations

@@ -21,24 +21,12 @@ Letters: B batch rows, L padded length. A stream of (position, features) example
     'invalid_utf8' (repaired, kept if otherwise fine), 'dropped_remainder' (partial buckets
     left when a finite `num_epochs` ends), 'epoch' (current epoch of this process's shard).
 
-Iterator state (`TrainIterator.get_state()`) is a small JSON-serializable dict, e.g.
-    {'version': 1,
-     'fingerprint': {'max_len': 16, 'tokens_per_batch': 128, 'seed': 0, 'process_index': 0,
-                     'bucket_boundaries': [8, 16], 'batch_shapes': [[16, 8], [8, 16]],
-                     'tokenizer_sha1': '...', ...},
-     'pipeline': {'examples': {'next_index': 50, 'tx_counts': {'examples': 50, ...}},
-                  'held': [[3, 4, 8], []], 'dropped_remainder': 0}}
-'next_index' is the position in this shard's stream; 'held' lists the stream positions of
-examples waiting in each bucket (or in the open packed batch), which `set_state` re-reads and
-re-adds, so the same groups form. A fresh iterator built with the same data and options then
-continues with identical batches; a state whose fingerprint differs raises ValueError. The
-fingerprint holds the batch shapes, not `batch_multiple` (the device count behind them), so a
-state restores on another device count when the shapes are the same. `TrainIterator` is a
-grain `DatasetIterator`, so Orbax saves it with `grain.checkpoint.CheckpointSave(it)` /
-`CheckpointRestore(it)` (one JSON file per process).
-
-    default_bucket_boundaries(max_len)           geometric bucket lengths ending at max_len
-    bucket_batch_sizes(boundaries, tokens, m)    rows per bucket under a token budget
+State (`TrainIterator.get_state()`) is JSON: {'version': 1, 'fingerprint': {options, batch
+shapes, tokenizer_sha1, ...}, 'pipeline': {'examples': {'next_index': ..., 'tx_counts': ...},
+'held': [stream positions waiting per bucket], 'dropped_remainder': 0}}. `set_state` re-reads
+the held positions so the same groups form and the batches continue identically; a differing
+fingerprint raises ValueError. It holds the batch shapes, not the device count behind them.
+`TrainIterator` is a grain `DatasetIterator` (Orbax: `grain.checkpoint.CheckpointSave(it)`).
 """
 
 from __future__ import annotations
@@ -67,11 +55,8 @@ Batch = dict[str, np.ndarray]
 def default_bucket_boundaries(
     max_len: int, *, min_length: int = 8, growth: float = 1.25, multiple: int = 8
 ) -> list[int]:
-    """Geometric bucket lengths, rounded up to `multiple`, ending exactly at `max_len`.
-
-    E.g. max_len=256 -> [8, 16, 24, 32, 40, 56, 72, 96, 120, 152, 192, 240, 256]: at most
-    ~25% padding per bucket with 13 jit shapes.
-    """
+    """Geometric bucket lengths, rounded up to `multiple`, ending exactly at `max_len`
+    (256 -> 13 jit shapes, at most ~25% padding each)."""
     out = [min(max_len, multiple * math.ceil(min_length / multiple))]
     while out[-1] < max_len:
         nxt = multiple * math.ceil(out[-1] * growth / multiple)
@@ -115,12 +100,8 @@ def pad_rows(features: Sequence[dict[str, np.ndarray]], keys, rows: int, length:
 
 @dataclasses.dataclass(frozen=True)
 class TrainOptions:
-    """How a train iterator filters, shuffles, shards and batches (module docstring).
-
-    Built once and passed to `shards.make_train_iterator`, `shards.make_lm_train_iterator` or
-    `shards.make_mixture_train_iterator`. Every field but `cache_tokens` and `prefetch` goes
-    into the iterator state's fingerprint: a state restores only with the same options.
-    """
+    """How a train iterator filters, shuffles, shards and batches; the fields that change the
+    batches go into the state's fingerprint."""
 
     # Most ids per side, EOS (and a source prefix) included; longer examples are dropped.
     max_len: int
@@ -134,23 +115,18 @@ class TrainOptions:
     packing: bool = False
     # Shuffle seed; epoch e is shuffled with seed + e, so every epoch has another order.
     seed: int = 0
-    # The input shard read (data.shards): examples [process_index::process_count]; None:
-    # jax.process_index(), one shard a process.
+    # The input shard read: examples [process_index::process_count]; None: jax's process.
     process_index: int | None = None
-    # How many shards the examples are split into; None: jax.process_count().
     process_count: int | None = None
     # None repeats forever; else the iterator ends after that many passes over the shard.
     num_epochs: int | None = None
     # Keep each tokenized example in memory after its first read; off for corpora too big.
     cache_tokens: bool = True
-    # Batches prepared ahead in a background thread (0: none); async dispatch usually hides
-    # building a batch behind the device step already, and prefetch copies the state per batch.
+    # Batches prepared ahead in a thread (0: none; async dispatch usually hides them already).
     prefetch: int = 0
 
 
-# Options that do not change the batches, so a state restores whatever they are; the
-# fingerprint holds the batch shapes that batch_multiple gives instead of the device count
-# behind it, so a state restores on any topology with the same shapes.
+# Options that do not change the batches (the fingerprint holds the shapes batch_multiple gives).
 _NOT_IN_FINGERPRINT = ("cache_tokens", "prefetch", "batch_multiple")
 
 
@@ -194,11 +170,8 @@ class GroupIterDataset(grain.IterDataset):
 
 
 class _GroupIterator(grain.DatasetIterator):
-    """Holds examples until a batch is full. State: stream state + held positions.
-
-    Restoring re-reads the held positions (cached, or re-tokenized) and re-adds them in
-    order, which rebuilds the exact same groups.
-    """
+    """Holds examples until a batch is full; its state adds the held positions, re-read and
+    re-added in order on restore, which rebuilds the same groups."""
 
     def __init__(self, parent: grain.DatasetIterator, spec: BatchSpec):
         super().__init__(parent)
@@ -329,12 +302,7 @@ def _noop() -> None:
 
 @atexit.register
 def _close_live_iterators() -> None:
-    """Stops prefetch threads before interpreter teardown.
-
-    grain's ThreadPrefetchDatasetIterator.close() (also run by __del__) uses module globals
-    that are already None during teardown and prints a traceback; closing now and making
-    the later close() a no-op avoids that.
-    """
+    """Stops prefetch threads before teardown, where grain's close() would print a traceback."""
     for it in list(_LIVE_ITERATORS):
         it.close()
         todo = [it]
@@ -345,13 +313,8 @@ def _close_live_iterators() -> None:
 
 
 class TrainIterator(grain.DatasetIterator):
-    """Infinite (or `num_epochs`) iterator of train batches with exact, JSON-able state.
-
-    Attributes:
-      keys: the token keys of each batch ('inputs', 'targets' or just 'targets').
-      batch_shapes: every (B, L) a batch can have, smallest L first.
-      packing: whether batches are packed (then they also carry segmentation/position).
-    """
+    """Infinite (or `num_epochs`) iterator of train batches with exact, JSON-able state;
+    `keys` its token keys, `batch_shapes` every (B, L), smallest L first."""
 
     def __init__(
         self,
@@ -438,22 +401,9 @@ def batch_iterator(
     shard_size: int,
     fingerprint_extra: dict[str, Any] | None = None,
 ) -> TrainIterator:
-    """A stream of kept (position, features) examples -> a TrainIterator of batches.
-
-    Args:
-      kept: iterates like `ExampleIterator` (features: key -> int32 [<= max_len]) and can
-        `reread(position)`; streams.MixtureIterator does too.
-      keys: the feature keys of every example and batch.
-      tokenizer: its bytes' sha1 goes into the state's fingerprint.
-      options: the batching options (`TrainOptions`); the shard is `shard`, not theirs.
-      shard: (process_index, process_count) that `kept` reads.
-      num_examples: the examples over all shards (in the fingerprint).
-      shard_size: what one epoch of `stats()['epoch']` counts.
-      fingerprint_extra: more fingerprint entries (a source prefix, a mixture).
-
-    Returns:
-      A TrainIterator of [B, L] int32 batches (module docstring).
-    """
+    """A stream of kept (position, features) examples that can `reread(position)` -> a
+    TrainIterator of its `shard` (index, count); `num_examples`, the tokenizer's sha1 and
+    `fingerprint_extra` go into the fingerprint, `shard_size` is one epoch."""
     pi, pc = shard
     o = options
     shapes = batch_shapes(o)

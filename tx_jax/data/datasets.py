@@ -1,33 +1,20 @@
 """The dataset table: a dataset name -> a random-access view of (source, target) sentences.
 
-`load_translation_split(name, split, source_lang=..., target_lang=...)` is the one place that
-turns a dataset name into data, and `load_split(config.data, split)` the same from a config;
-the rest of the pipeline only sees a `TranslationSource`, a `Sequence[tuple[str, str]]` over a
-TFDS ArrayRecord data source. `DATASETS` says, for each name, how its TFDS builder is made, when
-it may be prepared without the network, and which config.data keys become builder arguments:
+`load_translation_split(name, split, source_lang=..., target_lang=...)` (or `load_split(config.data,
+split)`) is the one place that turns a dataset name into a `TranslationSource` over a TFDS
+ArrayRecord data source. `DATASETS` says for each name how its builder is made, whether it may be
+prepared offline, and which config.data keys become builder arguments:
 
-    'synthetic'              tx_jax.data.synthetic.SyntheticTranslation, languages 'src'/'tgt';
-                             generated locally, so prepared on first use whatever `download`
-                             says; its sizes come from config.data.synthetic
-    'multi30k'               tx_jax.data.multi30k.Multi30k, the pair config chosen from the two
-                             languages in either order ('en'/'de' and 'de'/'en' share 'en-de');
-                             prepared offline from a manual_dir of raw files
-    'text'                   tx_jax.data.text_corpus.TextTranslation: the user's plain-text
-                             files that data.train / data.validation / data.test name (local or
-                             gs://), each split prepared on its own, keyed by its files' content
-    any other name           the TFDS catalog (`TFDS_CATALOG`): e.g. 'wmt14_translate/de-en'.
-                             source_lang and target_lang name two text features, the direction
-                             being source -> target whatever the config name's order; so any
-                             dataset with text supervised keys works (gigaword: 'document' ->
-                             'summary'), as in flax's input pipeline
+    'synthetic'      synthetic.SyntheticTranslation ('src'/'tgt'), generated locally on first use
+    'multi30k'       multi30k.Multi30k, pair config from the languages in either order; prepared
+                     offline from a manual_dir of raw files
+    'text'           text_corpus.TextTranslation: the files data.train / validation / test name
+    any other name   the TFDS catalog ('wmt14_translate/de-en'); source_lang and target_lang name
+                     two text features, so any supervised text dataset works (gigaword)
 
-A new dataset is one entry in `DATASETS` plus its TFDS builder (and `make_builder`, when its
-builder arguments depend on the languages, as Multi30k's do).
-
-Nothing here needs TensorFlow: data is prepared with `file_format='array_record'` and read with
-`builder.as_data_source(split)`. With `download=False` (the default) nothing touches the
-network: data that is not prepared in `data_dir` raises FileNotFoundError saying what to do,
-unless its entry prepares it locally (synthetic; Multi30k with a `manual_dir`).
+A new dataset is one entry in `DATASETS` plus its TFDS builder. Nothing here needs TensorFlow;
+with `download=False` (the default) data not prepared in `data_dir` raises FileNotFoundError
+saying what to do, unless its entry prepares it locally.
 """
 
 from __future__ import annotations
@@ -56,15 +43,8 @@ _ITER_CHUNK = 1024  # Records per batched read when iterating.
 
 @dataclasses.dataclass(frozen=True)
 class TranslationSource(collections.abc.Sequence):
-    """(source_text, target_text) pairs over a TFDS random-access data source.
-
-    Attributes:
-      data_source: records {lang: bytes or str}, e.g. a TFDS ArrayRecordDataSource.
-      source_lang: feature key of the source side.
-      target_lang: feature key of the target side.
-      name: the dataset spec it came from (for messages).
-      split: the split it came from (for messages).
-    """
+    """(source_text, target_text) pairs over records {lang: bytes or str} of a TFDS random-access
+    data source; name and split are for messages."""
 
     data_source: Sequence[Mapping[str, Any]]
     source_lang: str
@@ -73,7 +53,6 @@ class TranslationSource(collections.abc.Sequence):
     split: str = ""
 
     def __len__(self) -> int:
-        """Returns the number of sentence pairs."""
         return len(self.data_source)
 
     def _index(self, index: Any) -> int:
@@ -142,21 +121,11 @@ def catalog_builder(
 
 @dataclasses.dataclass(frozen=True)
 class DatasetEntry:
-    """One row of `DATASETS`: how a named dataset becomes prepared data.
-
-    Attributes:
-      builder: (name, *, source_lang, target_lang, data_dir, builder_kwargs) -> its TFDS
-        builder, not prepared yet; ValueError for languages or a config it cannot give.
-      prepares_locally: (builder, manual_dir, download) -> whether it can be prepared without
-        the network; it raises FileNotFoundError when local files it would read are missing.
-      hint: what to do when the data is not prepared and cannot be prepared locally.
-      config_kwargs: config.data -> the builder's keyword arguments.
-      extra_splits: config.data -> the splits a run reads besides train that are prepared on
-        their own (a text corpus's); empty when preparing train prepares every split.
-      per_split: whether a builder is one split's (builder_kwargs['split']), not every one's.
-      raw_bytes: builder -> how much it reads to prepare, None when unknown (downloads): what
-        a multi-host run may prepare itself without waiting long (preparation.py).
-    """
+    """One row of `DATASETS`: `builder` (name, *, source_lang, target_lang, data_dir,
+    builder_kwargs) -> its unprepared TFDS builder; `prepares_locally` whether it can be
+    prepared offline; `hint` what to do when it cannot; `config_kwargs` config.data -> builder
+    arguments; `extra_splits` the splits prepared on their own; `per_split` a builder per split;
+    `raw_bytes` how much preparing reads (None: a download), for preparation.py."""
 
     builder: Callable[..., tfds.core.DatasetBuilder]
     prepares_locally: Callable[[tfds.core.DatasetBuilder, str | None, bool], bool] = network_only
@@ -216,30 +185,11 @@ def load_translation_split(
     builder_kwargs: dict | None = None,
     data_cache_dir: str | None = None,
 ) -> TranslationSource:
-    """Opens one split of a translation dataset for random access.
+    """One split ('train', 'train[:1000]', ...) of dataset `name` as (source, target) str pairs.
 
-    Args:
-      name: a name of `DATASETS` ('synthetic', 'multi30k') or of the TFDS catalog
-        ('wmt14_translate/de-en').
-      split: a split of the dataset ('train', 'validation', 'test_2016_flickr', ...); TFDS
-        slices such as 'train[:1000]' work too.
-      source_lang: feature key of the source side ('en', 'src', ...).
-      target_lang: feature key of the target side.
-      data_dir: where TFDS data is (or is prepared); None for TFDS's default
-        (~/tensorflow_datasets or $TFDS_DATA_DIR). A gs:// data_dir must hold the prepared
-        data, which is read from a verified local copy (staging.py).
-      manual_dir: directory of raw files (Multi30k: train.en.gz, val.en.gz, ...); passed to TFDS
-        as DownloadConfig(manual_dir=...).
-      download: whether data that is not prepared may be downloaded and prepared.
-      builder_kwargs: extra keyword arguments of the TFDS builder (config, version, ...).
-      data_cache_dir: where a gs:// data_dir is staged (None: staging.cache_root's default).
-
-    Returns:
-      A TranslationSource whose items are (source_text, target_text) str pairs.
-
-    Raises:
-      ValueError: unknown dataset name, language or split (the message lists valid ones).
-      FileNotFoundError: the data is not prepared and may not be prepared here.
+    A gs:// data_dir is read from a verified local copy in data_cache_dir (staging.py);
+    manual_dir holds raw files (Multi30k). Raises ValueError for an unknown name, language or
+    split (listing valid ones), FileNotFoundError when the data is not prepared and may not be.
     """
     entry = entry_of(name)
     make = _maker(entry, name, split, source_lang, target_lang, builder_kwargs)
@@ -275,11 +225,8 @@ def _maker(entry, name, split, source_lang, target_lang, builder_kwargs) -> Call
 
 
 def _staged(make, entry, remote, data_cache_dir, manual_dir, download) -> str:
-    """The local data_dir to read a gs:// data_dir's prepared data from (staging.py: the
-    version directory this builder reads, copied and verified). Data that is not there yet
-    and may be prepared here is prepared in a temporary directory and published to the store
-    first, so that other hosts (and later runs) read the same files."""
-    # array_record's reader opens local files only, hence the copy.
+    """The local copy (array_record reads local files only) of a gs:// data_dir's prepared data;
+    data not there yet is prepared here and published first, so every host reads the same."""
     local_root = staging.local_data_dir(remote, data_cache_dir)
     relative = staging.builder_relative_dir(make(data_dir=local_root), local_root)
     if not staging.is_published(remote, relative):
@@ -360,13 +307,8 @@ def load_split(data: Any, split: str) -> TranslationSource:
 
 
 def _import_tfds_translate() -> None:
-    """Registers TFDS's translation builders (wmt14_translate, ...).
-
-    TFDS imports its legacy builder packages in a fixed order and stops at the first
-    ImportError; without h5py (`nearest_neighbors`) it never reaches `translate`, so
-    'wmt14_translate' would be "not found". Importing the package directly avoids that.
-    """
-    # A trimmed TFDS may lack the package; tfds.builder then reports what it finds.
+    """Registers TFDS's translation builders, which TFDS skips after an earlier ImportError
+    (no h5py); a TFDS without the package lets tfds.builder report what it finds."""
     with contextlib.suppress(ImportError):
         import tensorflow_datasets.translate  # noqa: F401
 
@@ -416,12 +358,8 @@ def _ensure_prepared(
     manual_dir: str | None,
     download: bool,
 ) -> None:
-    """Prepares the data as ArrayRecord when allowed; raises FileNotFoundError otherwise.
-
-    Allowed: when the table entry prepares it locally (synthetic always; Multi30k with a
-    manual_dir, whose files it checks first, so a wrong directory fails here rather than
-    falling back to a download), and for any dataset with download=True.
-    """
+    """Prepares the data as ArrayRecord when its entry prepares it locally or download=True;
+    raises FileNotFoundError otherwise."""
     if builder.is_prepared():
         return
     if not (entry.prepares_locally(builder, manual_dir, download) or download):

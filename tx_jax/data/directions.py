@@ -5,29 +5,14 @@
     data.temperature = 5.0                        p_i ~ n_i^(1/T)
     data.extra_eval_directions = 'de-fr'          also decoded for BLEU (e.g. zero-shot)
 
-    task = tasks.prepare_task(config.data, workdir, seed=config.seed)
-    task.train_iterator(n)               one stream per direction, weighted (streams.py)
-    task.eval_batches('validation', n)   the validation pairs of every training direction
-    task.direction('en-de')              the tagged task of one direction: its pairs,
-                                         eval batches and BLEU; any direction whose target
-                                         language has a tag, trained or not (zero-shot)
-    task.bleu_directions                 the training directions, then extra_eval_directions
-
-Tags (Johnson et al., 2017): the id of '<2xx>' goes before every source whose target language
-is xx, in training and in evaluation; the pairs themselves stay plain text. The tokenizer has
-one user-defined piece per language of `directions` and `extra_eval_directions` (sorted), so a
-tag is one id: `lang_tag('de') == '<2de>'`, id `tokenizer.piece_to_id('<2de>')`. A source is
-encoded as [tag id] + pieces + [EOS].
-
-Shared vocabulary: one SentencePiece model over every language: for each unordered language
-pair of the directions, both sides of `data.tokenizer_pairs` of its train pairs drawn
-uniformly with the run's seed (all of them when it has no more; each sentence once), unless
-`data.tokenizer_path` or `train.init_from` gives one (which must have the tags).
-
-Data: a direction is `data.dataset` with source_lang/target_lang set to it (Multi30k prepares
-one pair config for both directions of a pair); `data.max_train_pairs` cuts each direction's
-train split to its first N pairs (or per direction: 'en-fr=3000,fr-en=3000', the others whole),
-before the mixture sizes n_i are counted.
+`task.direction('en-de')` is the tagged task of one direction (trained or not);
+`task.bleu_directions` the training directions, then extra_eval_directions.
+Tags (Johnson et al., 2017): the id of '<2xx>' (`lang_tag`) goes before every source whose
+target language is xx, in training and evaluation: [tag id] + pieces + [EOS]. The tokenizer
+has one user-defined piece per language of the directions (sorted), trained on
+`data.tokenizer_pairs` pairs of each language pair's train split unless one is given (which
+must have the tags). A direction is `data.dataset` with source_lang/target_lang set to it;
+`data.max_train_pairs` cuts each direction before the mixture sizes n_i are counted.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Eval batches: every example once, in fixed-shape batches, never filtered.
 
-    make_eval_batches(pairs, tokenizer, max_len=..., batch_size=...)   translation
-    make_lm_eval_batches(texts, tokenizer, ...)                          language model
-    encode_sources(texts, tokenizer, ...)                                sources only (translate)
+    eval_batches(pairs, ("inputs", "targets"), tokenizer, max_len=..., batch_size=...)
+    eval_batches(texts, ("targets",), tokenizer, ...)        language model
+    encode_sources(texts, tokenizer, ...)                    sources only (translate)
 
 Letters: B batch rows, L padded length. In corpus order unless `sort_by_length`; long sides are
 truncated to max_len keeping the final EOS, empty sides become just EOS; all batches have
@@ -12,9 +12,8 @@ B = batch_size:
       'example_index'      [B]     position in `pairs` (global, not per process); -1 = pad row
       'example_mask'       [B]     1 for a real example, 0 for a padding row (all-zero row)
 
-Text is turned into ids exactly as for training (pipeline.py's `Featurizer`, truncating),
-so a pair that trains fits the same way here. Process shards are [process_index::process_count]
-with the same number of batches on every process.
+Text becomes ids as in training (features.py's `Featurizer`, truncating). Process shards are
+[process_index::process_count] with the same number of batches on every process.
 """
 
 from __future__ import annotations
@@ -49,13 +48,8 @@ def eval_bucket_boundaries(max_len: int, configured: Sequence[int] | None = None
 
 @dataclasses.dataclass(frozen=True)
 class EvalBatches(Sequence):
-    """Eval batches of this process plus what happened to the raw text.
-
-    Attributes:
-      batches: list of batch dicts (module docstring); equal count on every process.
-      num_examples: real examples in this process's shard (sum of 'example_mask').
-      stats: 'examples', 'empty', 'truncated', 'invalid_utf8' counts over the shard.
-    """
+    """This process's batches (as many on every process), its real examples and the counts
+    'examples', 'empty', 'truncated', 'invalid_utf8' over its shard."""
 
     batches: list[Batch]
     num_examples: int
@@ -86,25 +80,11 @@ def eval_batches(
     source_prefix: Sequence[int] = (),
     target_prefix: Sequence[int] = (),
 ) -> EvalBatches:
-    """Every item of this process's shard exactly once, in fixed-shape batches.
+    """Every item (a text, or texts in `keys` order) of this process's shard exactly once.
 
-    Args:
-      items: random-access texts (one key) or tuples of texts in `keys` order.
-      keys: the batch keys the texts fill, e.g. ('inputs', 'targets').
-      tokenizer: as for training.
-      max_len: L of every batch when `bucket_boundaries` is None; longer sides are truncated
-        (counted in `stats['truncated']`).
-      batch_size: B of every batch (a multiple of `batch_multiple`); the last batches are
-        filled with all-zero rows, `example_mask` 0, `example_index` -1.
-      bucket_boundaries: if given, each batch gets the smallest boundary >= its longest side
-        (batch b's longest on any process: all processes' batch b have one shape).
-      sort_by_length: order longest first (decoding stops sooner, padding is less);
-        `example_index` restores corpus order.
-      process_index, process_count: shard [process_index::process_count]; every process gets
-        the same number of batches.
-      source_prefix: ids before every source's pieces (a target-language tag), as in training.
-      target_prefix: ids before every target's pieces (an M2M100/NLLB language token), as in
-        training: the teacher-forced loss then scores what the model was trained on.
+    L is max_len (longer sides truncated), or with `bucket_boundaries` the smallest boundary
+    holding batch b's longest side on any process; `sort_by_length` orders longest first
+    (`example_index` restores corpus order). The prefixes are as in training.
     """
     if batch_size < 1 or batch_size % batch_multiple:
         raise ValueError(
@@ -177,27 +157,7 @@ def _note_counts(records: Sequence[Any]) -> dict[str, int]:
     return stats
 
 
-def make_eval_batches(
-    pairs: Sequence[tuple[Text, Text]], tokenizer: Tokenizer, **options: Any
-) -> EvalBatches:
-    """(source, target) pairs -> 'inputs', 'targets' [B, L], 'example_index', 'example_mask'
-    batches; `options` are `eval_batches`'."""
-    return eval_batches(pairs, ("inputs", "targets"), tokenizer, **options)
-
-
-def make_lm_eval_batches(
-    texts: Sequence[Text], tokenizer: Tokenizer, **options: Any
-) -> EvalBatches:
-    """LM eval batches: 'targets' [B, max_len], 'example_index', 'example_mask' (in corpus
-    order: no buckets, no sorting); `options` are `eval_batches`'."""
-    return eval_batches(texts, ("targets",), tokenizer, **options)
-
-
 def encode_sources(texts: Sequence[Text], tokenizer: Tokenizer, **options: Any) -> EvalBatches:
-    """Raw source sentences -> 'inputs' [B, L], 'example_index', 'example_mask' batches.
-
-    For translation from a list of strings (one process; nothing dropped, long inputs
-    truncated). Write hypothesis `r` of a batch to output line `example_index[r]` when
-    `example_mask[r]` is 1. `options` are `eval_batches`' (source_prefix: a language tag).
-    """
+    """Raw source sentences of one process -> 'inputs' [B, L], 'example_index', 'example_mask'
+    batches (hypothesis r goes to line example_index[r] where example_mask[r] is 1)."""
     return eval_batches(texts, ("inputs",), tokenizer, process_index=0, process_count=1, **options)

@@ -55,14 +55,9 @@ def _nonspace_len(text: str) -> int:
 
 
 class Record(NamedTuple):
-    """One featurized example, as `Featurizer` returns it.
-
-    Attributes:
-      features: key -> int32 [n] ids ending in EOS (n <= max_len), one per featurizer key;
-        None when the example is dropped.
-      drop: '' when kept, else why it is dropped: 'empty' | 'too_long_chars' | 'too_long'.
-      notes: what to count about it, a subset of ('invalid_utf8', 'empty', 'truncated').
-    """
+    """One featurized example: `features` key -> int32 [n <= max_len] ids ending in EOS (None
+    when dropped), `drop` '' or 'empty' | 'too_long_chars' | 'too_long', `notes` a subset of
+    ('invalid_utf8', 'empty', 'truncated')."""
 
     features: dict[str, np.ndarray] | None
     drop: str
@@ -136,11 +131,7 @@ class Featurizer:
 
 
 def process_shard(process_index: int | None, process_count: int | None) -> tuple[int, int]:
-    """(process_index, process_count) of the shard [process_index::process_count] to read.
-
-    A None is filled in from jax.process_index() / jax.process_count(); ValueError unless
-    0 <= process_index < process_count.
-    """
+    """(process_index, process_count), None from jax; ValueError unless 0 <= index < count."""
     if process_index is None or process_count is None:
         import jax  # only needed for the defaults
 
@@ -152,11 +143,8 @@ def process_shard(process_index: int | None, process_count: int | None) -> tuple
 
 
 class _ShardRecords(grain.MapDataset):
-    """Featurized records of shard items[process_index::process_count], memoized.
-
-    One MapDataset in place of grain's source -> slice -> map chain, whose per-element
-    monitoring in every layer costs more than tokenizing a pair.
-    """
+    """Featurized records of a shard, memoized: one MapDataset in place of grain's source ->
+    slice -> map chain, whose per-element monitoring costs more than tokenizing a pair."""
 
     def __init__(self, items: Sequence[Any], shard: slice, featurize: Featurizer, cache: bool):
         super().__init__()
@@ -194,19 +182,9 @@ def shard_records(
     source_prefix: Sequence[int] = (),
     target_prefix: Sequence[int] = (),
 ) -> grain.MapDataset:
-    """The featurized records of shard items[process_index::process_count] (an error if it
-    is empty): a MapDataset of `Record`s, memoized when `cache`; index it modulo its length.
-
-    Args:
-      items: random-access examples for `Featurizer` (texts, or tuples of texts per `keys`).
-      keys: the feature keys, ('inputs', 'targets') or ('targets',).
-      tokenizer: turns text into ids.
-      shard: (process_index, process_count) from `process_shard`.
-      max_len: most ids per side, prefix and EOS included; longer examples are dropped.
-      cache: keep each record after its first read (off for corpora too big for memory).
-      source_prefix: ids put before every 'inputs' (a language tag).
-      target_prefix: ids put before every 'targets' (an M2M100/NLLB target-language token).
-    """
+    """The `Featurizer` records (train: longer than max_len dropped) of shard
+    items[process_index::process_count] as a MapDataset, memoized when `cache`; ValueError
+    when the shard is empty."""
     pi, pc = shard
     prefixes = dict(source_prefix=tuple(source_prefix), target_prefix=tuple(target_prefix))
     featurize = Featurizer(tokenizer, keys, max_len, **prefixes)

@@ -1,30 +1,18 @@
 """The tokenizer of an imported pretrained translator (OPUS-MT/Marian, M2M100, NLLB-200).
 
-Those models cut text into pieces with SentencePiece but number the pieces with a vocabulary
-of their own (vocab.json, or SentencePiece's ids shifted by fairseq's offset), and put their
-special tokens elsewhere than tx_jax does (Marian: EOS 0, pad last; M2M100/NLLB: pad 1).
-Inside tx_jax id 0 is padding, so the vocabulary is reordered once at import by swapping the
-foreign pad id with 0 (interop.pretrained.vocab_permutation); every id here is a tx_jax id.
+Those models number SentencePiece pieces with a vocabulary of their own and put their special
+tokens elsewhere (Marian: EOS 0, pad last; M2M100/NLLB: pad 1); the vocabulary is reordered at
+import so that pad is 0 (interop.pretrained.vocab_permutation): every id here is a tx_jax id.
+`encode` / `encode_target` cut with the source / target SentencePiece and number with the
+(target) vocabulary; `decode` drops special pieces.
 
-    source text --(source SentencePiece)--> pieces --(vocabulary)--> ids     `encode`
-    target text --(target SentencePiece)--> pieces --(target vocabulary)--> ids `encode_target`
-    target ids --> pieces (special ones dropped) --(target SentencePiece)--> text `decode`
+Languages: a multi-target Marian model reads `>>xx<<` before the source (`source_prefix`) and
+decodes from pad; M2M100/NLLB sources are [__xx__] + pieces + EOS and the decoder starts at EOS
+and is forced to the target's language token (`target_prefix`), which training targets carry
+too, as transformers' labels do. NLLB_CODES maps two-letter codes to NLLB's (`deu_Latn`).
 
-Languages, as the families use them:
-  marian   a multi-target OPUS-MT model reads a `>>xx<<` token before the source
-           (`source_prefix(target_lang=xx)`); the decoder starts at pad (id 0 here).
-  m2m_100  the source is [__xx__] + pieces + EOS, decoding starts at EOS and forces the
-  nllb     target's language token first (`target_prefix`); NLLB's codes read `deu_Latn`,
-           and the two-letter codes of NLLB_CODES (Multi30k's languages) map to them, so a
-           dataset's `data.source_lang=en` names the same language for every family.
-Training (fine-tuning) and evaluation put the same prefixes on a pair as translation does
-(data/tasks.py reads `source_prefix`/`target_prefix` for the data languages): M2M100/NLLB
-targets are [__xx__] + pieces + EOS, teacher-forced from the decoder start `bos_id` (EOS),
-as transformers' `tokenizer(text, text_target=...)` labels are.
-
-`to_bytes()` is a header line and JSON (the SentencePiece models in base64), stored where a
-run stores its SentencePiece model (WORKDIR/tokenizer.model, checkpoint meta);
-`tokenizer.Tokenizer.from_bytes` recognises it and returns an `ImportedTokenizer`.
+`to_bytes()` is a header line and JSON (models in base64), stored where a run stores its
+SentencePiece model; `tokenizer.Tokenizer.from_bytes` recognises it.
 """
 
 from __future__ import annotations

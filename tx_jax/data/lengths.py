@@ -5,10 +5,8 @@
     stats.percentile(99)                     99th percentile of a pair's longer side, in ids
     evals = eval_lengths(task, ['validation', 'test'])
 
-A pair's length is its longer side in ids as the train stream counts it (features.py's
-Featurizer): the pieces, the source or target prefix (a language tag) and EOS. The train split
-can be millions of pairs: up to `SAMPLE` pairs drawn uniformly (seeded) stand for it, and a
-count from a sample says so; evaluation splits are small and read whole.
+A pair's length is its longer side in ids as the train stream counts it (prefix and EOS
+included); up to `SAMPLE` train pairs stand for the split, evaluation splits are read whole.
 """
 
 from __future__ import annotations

@@ -1,45 +1,16 @@
 """Multi30k (task 1) as a TFDS builder: line-aligned image captions in en, de, fr and cs.
 
-Multi30k (Elliott et al., 2016) pairs each English Flickr30k caption with human translations.
-The raw release is one gzip text file per split and language, one sentence per line, line `i`
-of `train.en.gz` translating line `i` of `train.de.gz`:
+The raw release is one gzip text file per split and language, line `i` of `train.en.gz`
+translating line `i` of `train.de.gz` (train 29,000 lines; val -> 'validation'; test_2016_flickr,
+test_2017_flickr, test_2017_mscoco, test_2018_flickr; the 2017 tests lack cs). One BuilderConfig
+per unordered pair (`config_name`: English first, else alphabetical), examples {lang1, lang2},
+so one prepared pair serves both directions (datasets.py's 'multi30k' entry picks one).
 
-    train.{lang}.gz             29,000 lines      en de fr cs
-    val.{lang}.gz               1,014 lines       en de fr cs   -> split 'validation'
-    test_2016_flickr.{lang}.gz  1,000 lines       en de fr cs
-    test_2017_flickr.{lang}.gz  1,000 lines       en de fr
-    test_2017_mscoco.{lang}.gz  461 lines         en de fr
-    test_2018_flickr.{lang}.gz  1,071 lines       en de fr cs
-
-There is one BuilderConfig per unordered language pair ('en-de', 'en-fr', 'en-cs', 'cs-de',
-'cs-fr', 'de-fr': English first, otherwise alphabetical; see `config_name`). Each example is
-`{lang1: text, lang2: text}`, so one prepared pair serves both translation directions; the
-caller picks the direction (`tx_jax.data.datasets.load_translation_split`), whose table entry
-'multi30k' is `make_builder` and `prepares_locally` below.
-
-Where the files come from, in order:
-  1. the manual directory (`tfds.download.DownloadConfig(manual_dir=...)`) when it exists and
-     is not empty: every split whose two files are there is prepared; train and val must be;
-  2. otherwise the public repository (`release_url`: GitHub's, or the mirror that
-     $TX_JAX_MULTI30K_URL names) through `dl_manager.download`, for the splits that
-     `SPLIT_LANGUAGES` says exist for both languages.
-
-Reading a pair of files (`read_parallel`): only the trailing newline ('\\n', and a '\\r' before
-it) is removed; other whitespace is kept as written. Both files must have the same number of
-lines, else a ValueError names both files and their counts. A line pair where either side is
-empty or whitespace only is skipped (a sentence with no translation teaches nothing and breaks
-length filters); the count is logged. The real corpus has no such line.
-
-Examples are stored in file order (`disable_shuffling=True`) with the 0-based line number as
-key, so `data_source[i]` of a test split lines up with the reference file, minus skipped lines.
-
-Preparing and reading need no TensorFlow:
-
-    builder = Multi30k(config="en-de", data_dir=data_dir)
-    builder.download_and_prepare(
-        file_format="array_record",
-        download_config=tfds.download.DownloadConfig(manual_dir="/path/to/multi30k"))
-    source = builder.as_data_source("train")   # source[i] == {"en": b"...", "de": b"..."}
+Files come from the manual directory when it is not empty (train and val must be there), else
+from the public repository (`RELEASE_URL`, or the mirror $TX_JAX_MULTI30K_URL names).
+`read_parallel` strips only the trailing newline, requires equal line counts (a ValueError
+names both files) and skips pairs with an empty side. Examples keep file order with the line
+number as key, so a test split lines up with its reference file.
 """
 
 from __future__ import annotations
@@ -103,11 +74,8 @@ _CITATION = """\
 
 
 def config_name(lang_a: str, lang_b: str) -> str:
-    """Returns the canonical config name of an unordered language pair.
-
-    English comes first, otherwise alphabetical order: ('de', 'en') -> 'en-de',
-    ('fr', 'cs') -> 'cs-fr'. Raises ValueError for an unknown or repeated language.
-    """
+    """The config name of an unordered pair: English first, else alphabetical (('fr', 'cs') ->
+    'cs-fr'); ValueError for an unknown or repeated language."""
     for lang in (lang_a, lang_b):
         if lang not in LANGUAGES:
             raise ValueError(
@@ -131,16 +99,8 @@ def file_name(split: str, lang: str) -> str:
 def local_split_files(
     directory: epath.PathLike, lang1: str, lang2: str
 ) -> dict[str, dict[str, epath.Path]]:
-    """Finds the raw files of a language pair in a local directory.
-
-    Returns:
-      {split: {lang1: path, lang2: path}} for every split whose two files exist, in
-      `SPLIT_FILE_PREFIXES` order. A test split with only one of its two files is left out.
-
-    Raises:
-      FileNotFoundError: naming the directory and the missing files when a required split
-        (train, validation) lacks a file.
-    """
+    """{split: {lang1: path, lang2: path}} of every split whose two files are in `directory`;
+    FileNotFoundError naming the missing files when train or validation lacks one."""
     found, missing = _split_files(epath.Path(directory), lang1, lang2)
     if missing:
         raise FileNotFoundError(
@@ -187,12 +147,8 @@ def download_urls(lang1: str, lang2: str) -> dict[str, dict[str, str]]:
 
 
 def _read_lines(path: epath.PathLike) -> list[str]:
-    """Returns the lines of a gzip UTF-8 text file without their trailing newline.
-
-    Bytes that are not UTF-8 become U+FFFD; the lines concerned are counted and named in a
-    warning (file and 1-based line numbers), so a dirty file never stops preparation silently
-    or with a bare UnicodeDecodeError.
-    """
+    """The lines of a gzip UTF-8 text file without their trailing newline; bytes that are not
+    UTF-8 become U+FFFD, their lines named in a warning."""
     lines, bad = [], []
     with epath.Path(path).open("rb") as raw, gzip.open(raw, "rb") as f:
         for number, line in enumerate(f, start=1):
@@ -216,16 +172,8 @@ def _read_lines(path: epath.PathLike) -> list[str]:
 def read_parallel(
     path_a: epath.PathLike, path_b: epath.PathLike
 ) -> tuple[list[tuple[int, str, str]], int]:
-    """Reads two line-aligned gzip text files.
-
-    Returns:
-      (pairs, skipped): pairs is [(line_number, text_a, text_b)] with 0-based line numbers,
-      in file order, leaving out the lines where either side is empty or whitespace only;
-      skipped is how many were left out.
-
-    Raises:
-      ValueError: naming both files and their line counts when the counts differ.
-    """
+    """([(0-based line, text_a, text_b)] in file order without pairs with an empty side, how
+    many were skipped) of two line-aligned gzip files; ValueError when their counts differ."""
     lines_a, lines_b = _read_lines(path_a), _read_lines(path_b)
     if len(lines_a) != len(lines_b):
         raise ValueError(

@@ -1,18 +1,11 @@
 """What a run prepares before its first step, on one host or many.
 
-A pod's workers share no disk: each has its own HOME, TFDS data dir and temporary files; only
-the workdir (gs://) and the data's own location are common. So in a multi-process run:
-
-- the workdir must be one every process sees: process 0 writes a token there and every
-  process reads it back; a process that cannot (a local workdir on another host's disk) stops
-  the run at once with a message, instead of dying later on a missing tokenizer.model;
-- process 0 prepares the data (every split the run reads) and the tokenizer (run_tokenizer.py)
-  while the others wait at a barrier; a process whose data_dir is its own then prepares its own
-  identical copy (the same files, read the same way), and one whose data_dir is shared (one
-  host, or gs://, where process 0 published it) reads process 0's;
-- so no process waits long at that barrier, data that is not prepared yet and takes more than
-  `MULTI_HOST_PREPARE_BYTES` to prepare (or a download) stops the run at once, on every
-  process, with the command that prepares it first (`tx_jax prepare`).
+A pod's workers share only the workdir (gs://) and the data's own location. So with several
+processes the workdir must be seen by all (process 0 writes a token every process reads back,
+else the run stops at once); process 0 prepares the data and the tokenizer while the others
+wait at a barrier, then a process with its own data_dir prepares its identical copy; and data
+not prepared yet that takes more than `MULTI_HOST_PREPARE_BYTES` (or a download) stops the
+run on every process with the command that prepares it first (`tx_jax prepare`).
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """A run's tokenizer: WORKDIR/tokenizer.model, given or trained once, then loaded from there.
 
-The joint SentencePiece model is trained once, on a uniform seeded sample of
-`data.tokenizer_pairs` train pairs (streams.Sample: the whole split when it has no more), with
-the options of `data.tokenizer` (`tokenizer_options`), and saved as WORKDIR/tokenizer.model;
-resuming and evaluation load it from there, by its bytes, whatever the config's options say
-(and checkpoints carry a copy). `data.tokenizer_path` (or `train.init_from`'s checkpoint)
-gives an existing tokenizer to use instead, so that runs share one vocabulary; a given
-tokenizer is any object with the Tokenizer interface (encode, decode, piece ids, `to_bytes`),
-an imported model's included, and is kept as its `to_bytes()`. In a multi-process run process
-0 writes the file and the others wait.
+Trained once on a uniform seeded sample of `data.tokenizer_pairs` train pairs with
+`data.tokenizer`'s options; resuming and evaluation load the file by its bytes whatever the
+config says. `data.tokenizer_path` (or `train.init_from`'s checkpoint) gives one to share
+instead: any object with the Tokenizer interface, kept as its `to_bytes()`. With several
+processes, process 0 writes the file and the others wait.
 """
 
 from __future__ import annotations

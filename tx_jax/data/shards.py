@@ -2,47 +2,23 @@
 
     it = sharded_train_iterator(config.data, seed, build, batch_multiple, spans)
     batch = next(it)                  this process's rows of the global batch
-    it.share                          their fraction of the global batch's rows
     it.get_state() / it.set_state()   every shard's position (any process count restores it)
 
-`build` makes one shard's `batches.TrainIterator` from its options: `make_train_iterator`
-(pairs), `make_lm_train_iterator` (texts) or `make_mixture_train_iterator` (weighted
-streams), each featurizing its shard (features.py), reading it in stream order (streams.py)
-and batching it (batches.py). config.data decides which train pairs a run keeps:
-`data.max_train_pairs` keeps only the first N (the tokenizer, if trained in the run, sees only
-those), N for every direction or per direction ('en-fr=3000,fr-en=3000').
+`build` makes one shard's `batches.TrainIterator`: `make_train_iterator` (pairs),
+`make_lm_train_iterator` (texts) or `make_mixture_train_iterator` (weighted streams).
 
-Design. `data.input_shards` S (default 1) cuts the train examples into S shards, S fixed for
-the run and independent of how many processes and devices train it. Shard s reads examples
-[s::S] of the corpus (each shard shuffled and repeated like one stream, with the same seed)
-under a budget of tokens_per_batch // S; the global batch at step t is the concatenation, in
-shard order, of every shard's batch t. It depends on S and the config only, so the same step
-sees the same batch on 1 process or 64, on 8 devices or 4.
+`data.input_shards` S cuts the train examples into S shards, fixed for the run: shard s
+reads examples [s::S] under a budget of tokens_per_batch // S, and the global batch at step t
+is every shard's batch t in shard order, so it depends on S and the config only, not on the
+process or device count. A process builds only the shards its `spans` (fractions of the
+global rows, `parallel.Strategy.process_row_spans`) fall in and keeps exactly its rows; with
+S a multiple of the process count each reads S / P shards. With S > 1 batches must share one
+shape (`data.packing=True` or a single bucket). Rows per shard are rounded down to a multiple
+of m / gcd(m, S), m = devices x grad_accum_steps.
 
-A process's devices hold some rows of the global batch: `spans`, fractions of it, from the
-strategy (`parallel.Strategy.process_row_spans`: for pmap the process's block, for a mesh
-whatever its batch sharding gives the process's devices). The process builds only the
-shards those rows fall in and keeps exactly its rows, which `Strategy.place_process_rows`
-assembles into global arrays (`jax.make_array_from_process_local_data`). With S a multiple
-of the process count (and the usual device order) each process reads S / P shards: 1/P of
-the input work. Any other S still trains on the same batches; a process whose rows lie in
-shards that others need too reads those whole shards (S = 1: every process reads the whole
-stream, keeping its own rows, any batching included; a warning names data.input_shards).
-
-Batches of several shards must share one shape to form one array: with S > 1 the run
-must pack (`data.packing=True`) or have a single bucket (`data.bucket_boundaries=[max_train_len]`).
-Rows per shard are floor(tokens_per_batch / S / L) rounded down to a multiple of
-m / gcd(m, S), m = devices x grad_accum_steps, so the global rows divide over the devices.
-
-State: {'input_shards': S, 'shards': {'0': state of shard 0, ...}}, each a
-`batches.TrainIterator` state (stream position, held examples). Positions are per shard,
-not per process, so the state restores on any process or device count: `get_state` gathers
-every shard's state onto every process (a collective with several processes), and
-`set_state` takes the shards the process owns now. The shards' fingerprints hold the batch
-shapes, not the device count: a new topology whose rounding changes the shapes is refused
-(the error says which keys). A state saved before input shards (one stream) restores as
-shard 0 of S = 1, and a fingerprint saved with the device count (`upgrade_fingerprint`) as
-the shapes it gave.
+State: {'input_shards': S, 'shards': {'0': TrainIterator state, ...}}, per shard so it restores
+on any topology whose batch shapes match (else the error names the keys); a state saved before
+input shards restores as shard 0 of S = 1, an old fingerprint via `upgrade_fingerprint`.
 """
 
 from __future__ import annotations
@@ -195,17 +171,8 @@ def make_train_iterator(
     source_prefix: Sequence[int] = (),
     target_prefix: Sequence[int] = (),
 ) -> TrainIterator:
-    """Translation train batches ('inputs', 'targets'; see the module docstring).
-
-    Args:
-      pairs: random-access (source, target) texts, str or UTF-8 bytes.
-      tokenizer: joint-vocabulary tokenizer (pad 0, EOS appended to both sides).
-      options: batching, shuffling and sharding (`TrainOptions`).
-      source_prefix: ids put before every source's pieces (e.g. the target-language tag of a
-        multilingual model, `[tokenizer.piece_to_id('<2de>')]`); they count toward max_len.
-      target_prefix: ids put before every target's pieces (an imported M2M100/NLLB model's
-        target-language token: the decoder learns to emit it first); they count too.
-    """
+    """Translation train batches ('inputs', 'targets') of random-access (source, target) texts;
+    the prefixes (a language tag's ids) go before every source / target and count toward max_len."""
     keys = ("inputs", "targets")
     return _train_iterator(pairs, keys, tokenizer, options, source_prefix, target_prefix)
 
@@ -213,10 +180,7 @@ def make_train_iterator(
 def make_lm_train_iterator(
     texts: Sequence[Text], tokenizer: Tokenizer, options: TrainOptions
 ) -> TrainIterator:
-    """Language-model train batches: 'targets' [B, L] (text ids + EOS) only.
-
-    Same options, filtering, state and packing keys as `make_train_iterator`.
-    """
+    """Language-model train batches: 'targets' [B, L] (text ids + EOS) only."""
     return _train_iterator(texts, ("targets",), tokenizer, options)
 
 
@@ -229,20 +193,9 @@ def make_mixture_train_iterator(
     source_prefixes: Mapping[str, Sequence[int]] | None = None,
     target_prefixes: Mapping[str, Sequence[int]] | None = None,
 ) -> TrainIterator:
-    """Translation train batches drawn from several corpora; never ends.
-
-    Args:
-      corpora: name -> random-access (source, target) pairs, in a fixed order (the state and
-        the stream depend on it); e.g. {'en-de': ..., 'de-en': ...}.
-      probabilities: one per corpus, in `corpora`'s order (`mixture_probabilities`).
-      tokenizer: as for `make_train_iterator`.
-      options: as for `make_train_iterator`, with `num_epochs` None (a mixture
-        repeats every corpus forever).
-      source_prefixes: name -> ids put before each source of that corpus (the target-language
-        tag: {'en-de': [id of '<2de>'], ...}); none for a corpus not named.
-      target_prefixes: name -> ids put before each target (an imported M2M100/NLLB model's
-        target-language token); none for a corpus not named.
-    """
+    """Translation train batches drawn from the corpora (name -> pairs, in a fixed order the
+    state depends on) with `probabilities`; never ends (options.num_epochs must be None).
+    The prefixes map a corpus name to ids put before its sources / targets."""
     names = list(corpora)
     probs = [float(p) for p in probabilities]
     if len(probs) != len(names) or min(probs) < 0 or not math.isclose(sum(probs), 1.0):
@@ -446,17 +399,8 @@ def make_sharded_iterator(
     input_shards: int,
     spans: Sequence[Span] | None = None,
 ) -> ShardedTrainIterator:
-    """The iterator of this process's rows (module docstring).
-
-    Args:
-      build: options -> the TrainIterator of one shard (options.process_index of
-        options.process_count), e.g. a partial of `make_train_iterator`.
-      options: the global options (tokens_per_batch of the whole batch, batch_multiple
-        devices x grad_accum_steps).
-      input_shards: S, `data.input_shards`.
-      spans: fractions [a, b) of the global rows this process's devices hold
-        (`parallel.Strategy.process_row_spans`); None: all of them (one process).
-    """
+    """The iterator of this process's `spans` of the global rows (None: all) of `input_shards`
+    shards, each built by `build` from the global `options` cut to its share."""
     check_shape_rule(input_shards, options.packing, options.bucket_boundaries)
     spans = sorted(spans or [(Fraction(0), Fraction(1))])
     owned = owned_shards(input_shards, spans)

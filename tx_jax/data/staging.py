@@ -3,20 +3,12 @@
     local = stage_prepared("gs://b/tfds", "synthetic_translation/default/1.0.0", cache_dir)
     tfds.builder(..., data_dir=local)          reads CACHE/gs/b/tfds/synthetic_translation/...
 
-TFDS's ArrayRecord files are read by array_record's own C++ reader, which does not go through
-gcsfs (nor honour a custom endpoint), so a `gs://` data_dir cannot be read in place. Instead
-the one prepared version directory the run reads (`<name>/<config>/<version>`, not the whole
-bucket) is copied to `CACHE/<the URL without '://'>/<same relative path>`:
-
-- verified: every file's size, and its MD5 where the store keeps one (GCS does), is checked
-  against the store's listing after the copy;
-- atomic: files are copied into a temporary directory beside the target, which is renamed into
-  place whole, with a manifest of what was copied, so a crash leaves no half copy behind;
-- reused: a later run (or process) compares the manifest with one listing of the store and
-  the local sizes, and copies again only when the prepared data changed or the copy is damaged.
-
-CACHE is `data.data_cache_dir`, else $TX_JAX_DATA_CACHE, else ~/.cache/tx_jax/data. Each host
-keeps its own copy (local disk); processes of one host share it (the rename decides).
+array_record's C++ reader does not go through gcsfs, so the one version directory a run reads
+is copied to `CACHE/<the URL without '://'>/<same relative path>`: verified (sizes, and MD5
+where the store keeps one), atomic (a temporary directory renamed into place whole, with a
+manifest) and reused (copied again only when the store's listing or the local sizes differ).
+CACHE is `data.data_cache_dir`, else $TX_JAX_DATA_CACHE, else ~/.cache/tx_jax/data; one copy
+per host, shared by its processes.
 """
 
 from __future__ import annotations

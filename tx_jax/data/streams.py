@@ -1,36 +1,19 @@
 """A batch's path, step 2: a task's text streams and the order its examples are read in.
 
-Views over splits that copy nothing (a split can be millions of pairs, read lazily from
-ArrayRecord files; a view reads only the items asked for): `Prefix` (a split cut to its first
-N pairs), `Sample` (a uniform seeded sample of N of them), `Concat` (one after another),
-`SideTexts` (one side of the pairs, or both, as a language model's texts).
+Views over splits that copy nothing (a split is read lazily from ArrayRecord files): `Prefix`
+(the first N pairs), `Sample` (a seeded uniform sample of N), `Concat`, `SideTexts` (one side
+of the pairs, or both, as a language model's texts).
 
-One stream: `ExampleIterator` yields the kept examples of one shard's records
-(features.shard_records) as (position, features). Stream position p reads record
-shuffle_{seed + p // n}(p % n): each epoch a new permutation, the order of grain's
-`MapDataset.shuffle(seed).repeat()`, repeated forever or for `num_epochs`; dropped records are
-skipped and counted.
+One stream: `ExampleIterator` yields a shard's kept examples as (position, features); position
+p reads record shuffle_{seed + p // n}(p % n) (grain's `shuffle(seed).repeat()` order), dropped
+records skipped and counted.
 
-Weighted streams (multilingual directions, real + back-translated pairs): kept example k
-comes from stream i with probability p_i, and batches mix the streams (as in Johnson et al.,
-2017). Probabilities (`mixture_probabilities`), n_i the number of pairs of stream i:
-
-    uniform        p_i = 1 / k
-    temperature    p_i = n_i^(1/T) / sum_j n_j^(1/T)    (T = 1: proportional to size;
-                                                         T -> infinity: uniform)
-
-The stream of kept example k is drawn from u_k = the k-th uniform number of a generator seeded
-with (seed, k // 4096), mapped through the cumulative probabilities: a pure function of
-(seed, k), the same on every process. Within a stream, examples come from its own
-`ExampleIterator` (seeded with (seed, i)), so each is read without replacement epoch by epoch,
-whatever its share; a dropped pair is skipped inside its stream, so the shares hold for kept
-examples.
-
-State of a mixture: its position plus each stream's state, e.g.
-    {'next_index': 120, 'tx_counts': {'examples': 131, 'kept': 120, ..., 'kept/en-de': 61},
-     'corpora': [{'next_index': 70, 'tx_counts': ...}, {...}]}
-and the batching layer's held examples as positions `p * k + i` (i the stream, p its
-position), re-read on restore. Its counts add 'kept/<name>' (examples drawn per stream).
+Weighted streams (directions, real + back-translated pairs): kept example k comes from stream i
+with probability p_i (`mixture_probabilities`: uniform 1/k, or temperature n_i^(1/T) / sum_j
+n_j^(1/T)), drawn from a generator seeded with (seed, k // 4096): the same on every process.
+Each stream reads its own `ExampleIterator`, so its examples come without replacement whatever
+its share. A mixture's state is its position and each stream's state ('corpora'); the batching
+layer holds its examples as positions `p * k + i`; its counts add 'kept/<name>'.
 """
 
 from __future__ import annotations
@@ -98,11 +81,8 @@ class Prefix(LazySequence):
 
 
 class Sample(LazySequence):
-    """`n` distinct items of a sequence drawn uniformly at random (a numpy Generator seeded
-    with `seed`), kept in the sequence's order; the whole sequence, in its order, when `n` is
-    None or at least its length. A corpus that concatenates sub-corpora is sampled over all
-    of them, where its first `n` items would be the head's alone. [n] indices are kept (8
-    bytes each); the items are read when asked for."""
+    """`n` distinct items of a sequence drawn uniformly (seeded), in the sequence's order (all
+    of it when `n` is None or at least its length); only the indices are held."""
 
     def __init__(self, seq: Sequence, n: int | None, seed: int):
         total = len(seq)
@@ -187,11 +167,8 @@ _COUNT_KEYS = (
 
 
 def _record_at(records: grain.MapDataset, n: int, seed: int, position: int) -> Record:
-    """Record at stream `position`: epoch e = position // n is shuffled with seed + e.
-
-    Same order as `records.shuffle(seed).repeat()` (grain's index_shuffle with its per-epoch
-    seed), without the per-element overhead of two more grain MapDataset layers.
-    """
+    """Record at stream `position`: epoch e = position // n is shuffled with seed + e, as
+    grain's `records.shuffle(seed).repeat()` would without two more layers' overhead."""
     epoch, i = divmod(position, n)  # n = len(records)
     if n > 1:
         i = index_shuffle(i, n - 1, (seed + epoch) % 2**32, 4)
@@ -212,15 +189,9 @@ class ExampleIterDataset(grain.IterDataset):
 
 
 class ExampleIterator(grain.DatasetIterator):
-    """Kept examples of one corpus shard, shuffled per epoch: (position, features) pairs.
-
-    `records` is `shard_records`'s dataset of n `Record`s. Stream position p reads record
-    shuffle_{seed + p // n}(p % n), so an epoch is a permutation and each epoch differs;
-    dropped records are skipped and counted. `features` is key -> int32 [<= max_len] ids.
-    State: {'next_index': the next stream position, 'tx_counts': the counts of
-    `TrainIterator.stats`}; `reread(p)` gives the features at position p again (a restore
-    re-reads the examples that the batching layer held).
-    """
+    """Kept examples (key -> int32 [<= max_len] ids) of one shard's `Record`s, shuffled per
+    epoch, as (position, features). State: {'next_index', 'tx_counts'}; `reread(p)` gives
+    position p's features again (a restore re-reads the batching layer's held examples)."""
 
     def __init__(self, records: grain.MapDataset, seed: int, num_epochs: int | None):
         super().__init__()

@@ -1,8 +1,7 @@
 """An embedded synthetic translation corpus: English-like source, invented verb-final target.
 
-The default experiment trains on this pair, so it needs no download and a small Transformer
-learns it in minutes. Translating requires attention, not copying: the target has its own
-lexicon, a different word order and agreement morphology.
+The default experiment's pair: no download, learnt in minutes, and translating it needs
+attention, not copying (its own lexicon, word order and agreement).
 
 Source grammar (English-like, lowercase, final "."):
 
@@ -32,10 +31,8 @@ Example pair (glosses: vapu dog, gisi bird, revari cats, diriv- chase, tomek- se
     the big dog that chases two cats saw an old bird because the bird sings .
     gisi di vodara sen revari esu ko diriva ke vapu noga di gisi sora mi ko tomeki .
 
-Each source sentence has exactly one translation (the grammar is unambiguous; the tests parse
-it back), and splits are disjoint because a sentence's split is a hash of its text
-(`split_of`). The TFDS builder `SyntheticTranslation` writes ArrayRecord files and reads them
-without TensorFlow; it enters through the dataset table (datasets.py) as a user's corpus does.
+Each source has exactly one translation; splits are disjoint (`split_of` hashes the text).
+`SyntheticTranslation` enters through the dataset table (datasets.py) as a user's corpus does.
 """
 
 from __future__ import annotations
@@ -303,11 +300,8 @@ def generate_pair(rng: random.Random) -> tuple[str, str]:
 def generate_corpus(
     num_examples: int, seed: int, *, split: str | None = "train"
 ) -> list[tuple[str, str]]:
-    """`num_examples` distinct pairs whose sources hash into `split` (None: any split).
-
-    Each split draws from its own stream, `random.Random(f"synthetic_translation/{seed}/{split}")`,
-    so asking for more training data never changes validation or test.
-    """
+    """`num_examples` distinct pairs whose sources hash into `split` (None: any split), each
+    split from its own seeded stream, so more training data never changes validation or test."""
     if split is not None and split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
     rng = random.Random(f"synthetic_translation/{seed}/{split}")
@@ -337,11 +331,8 @@ class SyntheticTranslationConfig(tfds.core.BuilderConfig):
 
 
 class SyntheticTranslation(tfds.core.GeneratorBasedBuilder):
-    """TFDS builder `synthetic_translation`: {'src': Text, 'tgt': Text}; nothing is downloaded.
-
-    Records keep generation order (`disable_shuffling`), so `as_data_source(split)[i]` is
-    `generate_corpus(n, seed, split=split)[i]`. Prepare with `file_format="array_record"`.
-    """
+    """TFDS builder `synthetic_translation`: {'src': Text, 'tgt': Text} in generation order
+    (`as_data_source(split)[i]` is `generate_corpus(n, seed, split=split)[i]`)."""
 
     VERSION = tfds.core.Version("1.0.0")
     RELEASE_NOTES = {"1.0.0": "Initial release."}
@@ -386,12 +377,8 @@ def make_config(
     default = SyntheticTranslation.BUILDER_CONFIGS[0]
     if all(v is None for v in (num_train, seed, num_validation, num_test)):
         return default
-    values = {
-        "seed": default.seed if seed is None else seed,
-        "num_train": default.num_train if num_train is None else num_train,
-        "num_validation": default.num_validation if num_validation is None else num_validation,
-        "num_test": default.num_test if num_test is None else num_test,
-    }
+    given = dict(seed=seed, num_train=num_train, num_validation=num_validation, num_test=num_test)
+    values = {k: getattr(default, k) if v is None else v for k, v in given.items()}
     name = "s{seed}_n{num_train}_{num_validation}_{num_test}".format(**values)
     return SyntheticTranslationConfig(name=name, version=SyntheticTranslation.VERSION, **values)
 

@@ -204,8 +204,8 @@ class Task:
         common = dict(max_len=d.max_eval_len, batch_size=d.eval_batch_size, **every)
         if self.lm_side:
             texts = self.texts(split, limit)
-            return eval_pipeline.make_lm_eval_batches(
-                texts, self.tokenizer, batch_multiple=batch_multiple, **common
+            return eval_pipeline.eval_batches(
+                texts, ("targets",), self.tokenizer, batch_multiple=batch_multiple, **common
             )
         if one_shape:
             shapes = dict(bucket_boundaries=[d.max_eval_len])
@@ -214,8 +214,9 @@ class Task:
                 d.max_eval_len, d.get("eval_bucket_boundaries")
             )
             shapes = dict(bucket_boundaries=buckets, sort_by_length=True)
-        return eval_pipeline.make_eval_batches(
+        return eval_pipeline.eval_batches(
             self.pairs(split, limit),
+            ("inputs", "targets"),
             self.tokenizer,
             batch_multiple=batch_multiple,
             source_prefix=self.source_prefix,

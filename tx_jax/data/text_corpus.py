@@ -1,36 +1,17 @@
 """A user's plain-text parallel corpus as TFDS data: one prepared dataset per split.
 
-config.data names each split's files (configs/text.py); local paths and gs:// alike:
+config.data names each split's files (configs/text.py, docs/data.md), local or gs://:
+data.train = 'corpus/train-*' is a PREFIX read as PREFIX.<source_lang> and PREFIX.<target_lang>
+(plain or .gz, line-aligned; a wildcard matches shards, paired by name in sorted order);
+a path ending .tsv or .tsv.gz holds source TAB target per line; data.validation and data.test
+likewise (and the splits data.eval_split / data.test_split name).
 
-    data.train = 'corpus/train-*'      a PREFIX, read as PREFIX.<source_lang> and
-                                       PREFIX.<target_lang>, each plain text or gzip (.gz),
-                                       line i of one translating line i of the other; a wildcard
-                                       in the file name matches shards (train-00.en.gz with
-                                       train-00.de.gz, ...), read in sorted order, paired by name
-    data.validation = 'corpus/dev.tsv' a path ending .tsv or .tsv.gz (a wildcard too): one pair
-                                       per line, source TAB target
-    data.test = 'corpus/test'          the split data.test_split names ('test'); data.eval_split
-                                       ('validation') is read from data.validation likewise
-
-Language codes only name files and features: any code works. Each split is prepared once into
-data_dir (ArrayRecord, through TFDS like every dataset here) under a config named by a digest
-of its files' names, sizes and content (SHA-256 of the bytes on local disk; the store's MD5 or
-CRC32C on gs://) and its cleaning settings. The same files reuse it; a changed file is prepared
-anew, so a changed test set is never scored from a stale copy.
-
-Cleaning, counted in the prepared data's metadata and logged whenever a split is opened: pairs
-with an empty side are dropped in every split; `data.clean.max_chars` (the longer side, in
-characters) and `data.clean.max_ratio` (longer side / shorter side, in characters) drop train
-pairs only (0: off), since the evaluation splits are what scores are reported on; so does
-`data.clean.dedup` (False: off), a train pair whose source and target both equal an earlier
-kept pair's (the split keeps 8 bytes of BLAKE2b per kept pair while it is prepared, in a
-Python set: ~70 bytes a pair, ~0.7 GB for 10M pairs).
-
-Bad input raises CorpusError, a ValueError (the command lines print it as one line and exit 1),
-naming the file, the line and the config key: a missing file, line counts that differ, a TSV
-line without exactly one tab, bytes that are not UTF-8. TFDS writes a split into a temporary
-directory that is renamed into place only when it is complete, so a failed preparation leaves
-nothing that a rerun would read.
+Each split is prepared once into data_dir under a config named by a digest of its files'
+names, sizes and content (SHA-256 locally, the store's MD5 or CRC32C on gs://) and its
+cleaning, so a changed file is prepared anew. Pairs with an empty side are dropped in every
+split; data.clean.max_chars, max_ratio (in characters) and dedup drop train pairs only, the
+counts kept in the metadata and logged. Bad input raises CorpusError (a ValueError) naming the
+file, the line and the config key.
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
-"""SentencePiece subword tokenizer: joint-vocabulary training and a small wrapper.
+"""SentencePiece subword tokenizer: one joint source-target vocabulary (paper, Section 5.1).
 
-The paper (Vaswani et al., 2017, Section 5.1) uses a shared source-target vocabulary of
-byte-pair encodings (EN-DE, ~37k) or word pieces (EN-FR, 32k). `train_tokenizer` trains
-one SentencePiece model on source and target text together (the caller passes both).
-
-Reserved ids, fixed for every model trained here:
-
-    0  <pad>   padding, and only padding (the input pipeline pads with 0)
-    1  <unk>   any piece the model cannot represent (e.g. a character never seen; a model
-               trained with byte_fallback writes such a character as its UTF-8 byte pieces)
-    2  <s>     BOS (used by decoders as the start token; never added by `encode`)
-    3  </s>    EOS (appended by the input pipeline; `decode` stops at the first one)
-
-`Tokenizer.encode(text) -> list[int]` adds no BOS/EOS; `Tokenizer.decode(ids) -> str`
-cuts at the first EOS and drops padding. `to_bytes()`/`from_bytes()` carry the
-serialized model proto, so a checkpoint can store the exact vocabulary it was trained with.
+Reserved ids of every model trained here: 0 <pad> (only padding), 1 <unk>, 2 <s> (BOS, the
+decoders' start token, never added by `encode`), 3 </s> (EOS, appended by the input pipeline;
+`decode` stops at the first one). `to_bytes()`/`from_bytes()` carry the model proto, so a
+checkpoint stores the exact vocabulary it was trained with.
 """
 
 from __future__ import annotations
@@ -45,10 +34,8 @@ def _as_text(line: str | bytes) -> str:
 
 
 def sample_sentences(texts: Iterable[str | bytes], max_sentences: int, seed: int) -> list[str]:
-    """Non-empty lines of `texts`, reservoir-sampled down to `max_sentences` (seeded).
-
-    Deterministic for the same input and seed; keeps corpus order when nothing is dropped.
-    """
+    """Non-empty lines of `texts`, reservoir-sampled down to `max_sentences` (seeded; corpus
+    order when nothing is dropped)."""
     rng = random.Random(seed)
     sample: list[str] = []
     seen = 0
@@ -89,33 +76,13 @@ def train_tokenizer(
     seed: int = 0,
     num_threads: int = 1,
 ) -> Tokenizer:
-    """Trains a joint SentencePiece model on `texts`, writes it to `model_path`, returns it.
+    """Trains a joint SentencePiece model on source and target `texts`, writes it to
+    `model_path` atomically and returns it; the same input gives identical bytes (1 thread).
 
-    Args:
-      texts: source and target sentences together (joint vocabulary); str or UTF-8 bytes.
-        Empty and whitespace-only lines are skipped.
-      vocab_size: requested number of pieces, including the 4 reserved ids. When the corpus
-        cannot support that many, the model is smaller (`hard_vocab_limit=False`); read
-        `Tokenizer.vocab_size` for the real size.
-      model_path: where the serialized model goes (written atomically: temp file + rename).
-      model_type: 'unigram' | 'bpe' | 'char' | 'word'.
-      character_coverage: fraction of characters the model covers; the rest map to <unk>
-        (or to bytes, with `byte_fallback`).
-      byte_fallback: a character outside the vocabulary is encoded as its UTF-8 bytes, one
-        piece each ('<0xE2>', 256 of the pieces), instead of <unk>; `decode` joins them back.
-        `vocab_size` must then exceed 256 + 4 + the characters covered.
-      user_defined_symbols: pieces that are never split (e.g. language tags '<2de>'); they get
-        ids 4, 5, ... in the given order.
-      max_sentences: at most this many sentences are used (seeded reservoir sample).
-      max_sentence_length: longer sentences (in bytes) are skipped by the trainer.
-      seed: seed for the sentence sample and SentencePiece's random generator.
-      num_threads: trainer threads. 1 (default) is bit-for-bit deterministic.
-
-    Returns:
-      The trained `Tokenizer`. Same input and arguments give identical model bytes.
-
-    Raises:
-      ValueError: no usable text, or `vocab_size` below the number of required characters.
+    `vocab_size` counts the reserved ids and may come out smaller when the corpus cannot
+    support it (read `Tokenizer.vocab_size`); `byte_fallback` encodes an unknown character as
+    its UTF-8 byte pieces (256 more pieces); `user_defined_symbols` (language tags) get ids 4,
+    5, ... Raises ValueError for no usable text or a vocabulary too small for the characters.
     """
     sentences = sample_sentences(texts, max_sentences, seed)
     if not sentences:
@@ -154,11 +121,7 @@ def train_tokenizer(
 
 
 class Tokenizer:
-    """A loaded SentencePiece model with the pad/unk/bos/eos conventions of tx_jax.
-
-    Requires pad id 0 and an <unk> id != 0 (any model from `train_tokenizer` has
-    pad=0, unk=1, bos=2, eos=3).
-    """
+    """A loaded SentencePiece model with pad id 0, an <unk> id != 0 and an EOS."""
 
     def __init__(self, model_proto: bytes):
         self._proto = bytes(model_proto)
