@@ -43,7 +43,7 @@ def _iterator(config, task, packing: bool):
 
     options = shards.train_options(config.data, seed=config.seed, batch_multiple=1)
     options = dataclasses.replace(options, packing=packing)
-    return shards.make_train_iterator(task.train_pairs(), task.tokenizer, options)
+    return shards.make_train_iterator(shards.Stream(task.train_pairs()), task.tokenizer, options)
 
 
 def _tokens(batch) -> int:

@@ -29,7 +29,8 @@ def corpora() -> dict[str, list[tuple[str, str]]]:
 def _iterator(corpora, tok, probs, **kw):
     args = dict(max_len=16, tokens_per_batch=128, process_index=0, process_count=1, seed=3)
     options = batches.TrainOptions(**(args | kw))
-    return shards.make_mixture_train_iterator(corpora, probs, tok, options, source_prefixes=PREFIX)
+    mixed = {n: shards.Stream(c, p, PREFIX[n]) for (n, c), p in zip(corpora.items(), probs)}
+    return shards.make_train_iterator(mixed, tok, options)
 
 
 def test_mixture_probabilities():
@@ -115,6 +116,6 @@ def test_process_shards_draw_the_same_corpora_from_disjoint_examples(corpora, to
 
 def test_bad_probabilities(corpora, tok):
     with pytest.raises(ValueError, match="summing to 1"):
-        _iterator(corpora, tok, [0.5, 0.5])
+        _iterator(corpora, tok, [0.5, 0.5, 0.5])
     with pytest.raises(ValueError, match="num_epochs=1: a mixture repeats"):
         _iterator(corpora, tok, [0.5, 0.25, 0.25], num_epochs=1)

@@ -52,7 +52,8 @@ def _options(**kw) -> batches.TrainOptions:
 
 
 def _train(pairs, tok, source_prefix=(), **kw) -> batches.TrainIterator:
-    return shards.make_train_iterator(pairs, tok, _options(**kw), source_prefix=source_prefix)
+    stream = shards.Stream(pairs, source_prefix=source_prefix)
+    return shards.make_train_iterator(stream, tok, _options(**kw))
 
 
 def _rows(batch, key="inputs"):
@@ -207,8 +208,10 @@ def test_exact_resume(pairs, tok, kind, packing, prefetch):
             tokens_per_batch=128, packing=packing, prefetch=prefetch, seed=5, batch_multiple=2
         )
         if kind == "lm":
-            return shards.make_lm_train_iterator([s for s, _ in data], tok, options)
-        return shards.make_train_iterator(data, tok, options)
+            return shards.make_train_iterator(
+                shards.Stream([s for s, _ in data]), tok, options, lm=True
+            )
+        return shards.make_train_iterator(shards.Stream(data), tok, options)
 
     it = make()
     _take(it, 7)
@@ -274,9 +277,8 @@ def test_process_shards_disjoint_and_covering(pairs, tok):
 
 
 def test_default_process_is_jax_process(pairs, tok):
-    it = shards.make_train_iterator(
-        pairs, tok, batches.TrainOptions(max_len=MAX_LEN, tokens_per_batch=64)
-    )
+    options = batches.TrainOptions(max_len=MAX_LEN, tokens_per_batch=64)
+    it = shards.make_train_iterator(shards.Stream(pairs), tok, options)
     fp = it.get_state()["fingerprint"]
     assert (fp["process_index"], fp["process_count"]) == (0, 1)
 
@@ -325,7 +327,9 @@ def test_packing_segments_consistent_and_no_token_lost(pairs, tok):
 
 def test_lm_iterator(pairs, tok):
     texts = [s for s, _ in pairs]
-    it = shards.make_lm_train_iterator(texts, tok, _options(tokens_per_batch=64))
+    it = shards.make_train_iterator(
+        shards.Stream(texts), tok, _options(tokens_per_batch=64), lm=True
+    )
     b = next(it)
     assert set(b) == {"targets"} and b["targets"].shape in it.batch_shapes
     assert it.keys == ("targets",)

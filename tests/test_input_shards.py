@@ -31,7 +31,7 @@ def _iterator(pairs, tok, spans=None, input_shards=2, batch_multiple=4, **kw):
     options = batches.TrainOptions(
         max_len=16, tokens_per_batch=128, packing=True, batch_multiple=batch_multiple, **kw
     )
-    build = functools.partial(shards.make_train_iterator, pairs, tok)
+    build = functools.partial(shards.make_train_iterator, shards.Stream(pairs), tok)
     return shards.make_sharded_iterator(build, options, input_shards=input_shards, spans=spans)
 
 
@@ -65,11 +65,10 @@ def test_each_process_reads_its_shard_and_the_rows_add_up(pairs, tok):
 
 
 def test_one_shard_is_the_single_stream(pairs, tok):
-    """input_shards=1 on one process gives exactly pipeline.make_train_iterator's batches."""
+    """input_shards=1 on one process gives exactly shards.make_train_iterator's batches."""
     sharded = _iterator(pairs, tok, input_shards=1)
-    plain = shards.make_train_iterator(
-        pairs, tok, batches.TrainOptions(max_len=16, tokens_per_batch=128, packing=True)
-    )
+    options = batches.TrainOptions(max_len=16, tokens_per_batch=128, packing=True)
+    plain = shards.make_train_iterator(shards.Stream(pairs), tok, options)
     for _ in range(4):
         _same(next(sharded), next(plain))
 
@@ -101,7 +100,7 @@ def test_state_of_the_single_stream_before_input_shards_restores(pairs, tok):
     old_options = batches.TrainOptions(
         max_len=16, tokens_per_batch=128, packing=True, batch_multiple=4, process_count=1
     )
-    old = shards.make_train_iterator(pairs, tok, old_options)
+    old = shards.make_train_iterator(shards.Stream(pairs), tok, old_options)
     next(old)
     state = old.get_state()
     state["fingerprint"].pop("batch_shapes")
@@ -142,10 +141,9 @@ def test_bucketed_shards_are_refused_by_the_config_check(tmp_path):
 
 def test_states_written_by_the_earlier_data_layout_restore_exactly(tok, pairs):
     """tests/iterator_states.json holds iterator states and the three batches after each,
-    written by data/'s layout before its steps were merged into features, streams, batches
-    and shards (pipeline.make_train_iterator, mixture.make_mixture_train_iterator,
-    input_shards.make_sharded_iterator over these pairs and this tokenizer): a checkpoint
-    saved then restores into today's iterators and continues with the same batches."""
+    written by data/'s earlier layout (separate train iterators for pairs, texts and
+    mixtures, then sharded, over these pairs and this tokenizer): a checkpoint saved then
+    restores into shards.make_train_iterator and continues with the same batches."""
     fixture = json.loads((pathlib.Path(__file__).parent / "iterator_states.json").read_text())
     sha1 = hashlib.sha1(tok.to_bytes()).hexdigest()
     other = make_pairs(90, seed=5, hi=6)
@@ -156,16 +154,14 @@ def test_states_written_by_the_earlier_data_layout_restore_exactly(tok, pairs):
         max_len=16, tokens_per_batch=128, packing=True, seed=1, batch_multiple=2,
         process_index=0, process_count=1,
     )  # fmt: skip
+    S, make = shards.Stream, shards.make_train_iterator
+    mixed = {"train": S(pairs, 0.6), "synthetic0": S(other, 0.4, [7])}
     builds = {
-        "bucketed": (functools.partial(shards.make_train_iterator, pairs, tok, source_prefix=[5]),
-                     opts, 1),
-        "packed_two_shards": (functools.partial(shards.make_train_iterator, pairs, tok), packed, 2),
-        "mixture": (functools.partial(
-            shards.make_mixture_train_iterator, {"train": pairs, "synthetic0": other}, [0.6, 0.4],
-            tok, source_prefixes={"train": [], "synthetic0": [7]}), opts, 1),
-        "lm_packed": (functools.partial(
-            shards.make_lm_train_iterator, [t for _, t in pairs], tok), packed, 1),
-    }  # fmt: skip
+        "bucketed": (functools.partial(make, S(pairs, source_prefix=[5]), tok), opts, 1),
+        "packed_two_shards": (functools.partial(make, S(pairs), tok), packed, 2),
+        "mixture": (functools.partial(make, mixed, tok), opts, 1),
+        "lm_packed": (functools.partial(make, S([t for _, t in pairs]), tok, lm=True), packed, 1),
+    }
     assert set(fixture["cases"]) == set(builds)
     for name, (build, options, input_shards) in builds.items():
         case = fixture["cases"][name]

@@ -1,11 +1,12 @@
 """A batch's path, step 5: this process's rows of the global batch, and the whole stream's state.
 
-    it = sharded_train_iterator(config.data, seed, build, batch_multiple, spans)
+    build = functools.partial(make_train_iterator, streams, tokenizer)
+    it = make_sharded_iterator(build, train_options(config.data, ...), input_shards=S, spans=spans)
     batch = next(it)                  this process's rows of the global batch
     it.get_state() / it.set_state()   every shard's position (any process count restores it)
 
-`build` makes one shard's `batches.TrainIterator`: `make_train_iterator` (pairs),
-`make_lm_train_iterator` (texts) or `make_mixture_train_iterator` (weighted streams).
+`make_train_iterator` makes one shard's `batches.TrainIterator` of one `Stream` or of
+several mixed by weight.
 
 `data.input_shards` S cuts the train examples into S shards, fixed for the run: shard s
 reads examples [s::S] under a budget of tokens_per_batch // S, and the global batch at step t
@@ -23,6 +24,7 @@ input shards restores as shard 0 of S = 1, an old fingerprint via `upgrade_finge
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -42,7 +44,7 @@ from tx_jax.data.batches import (
     batch_shapes,
     bucket_batch_sizes,
 )
-from tx_jax.data.features import Text, process_shard, shard_records
+from tx_jax.data.features import process_shard, shard_records
 from tx_jax.data.streams import ExampleIterDataset, MixtureIterDataset, Prefix
 from tx_jax.data.tokenizer import Tokenizer
 
@@ -116,110 +118,69 @@ def train_batch_shapes(data: Any, *, batch_multiple: int, lm: bool) -> list[dict
     (B, L)} per bucket, as the train iterator would make them (rows a multiple of
     `batch_multiple`: devices x grad_accum_steps)."""
     options = train_options(data, seed=0, batch_multiple=batch_multiple)
-    shapes = global_batch_shapes(options, int(data.get("input_shards", 1)))
+    input_shards = int(data.get("input_shards", 1))
+    check_shape_rule(input_shards, options.packing, options.bucket_boundaries)
+    shard = shard_options(options, 0, input_shards)
+    shapes = [(b * input_shards, n) for b, n in batch_shapes(shard)]  # every shard's rows
     keys = batch_keys(("targets",) if lm else ("inputs", "targets"), data.packing)
     return [dict.fromkeys(keys, shape) for shape in shapes]
-
-
-def sharded_train_iterator(
-    data: Any,
-    seed: int,
-    build: Callable[[TrainOptions], TrainIterator],
-    batch_multiple: int,
-    spans: Sequence[Span] | None,
-) -> ShardedTrainIterator:
-    """The `data.input_shards` streams that `build` makes, this process's `spans` of them."""
-    return make_sharded_iterator(
-        build,
-        train_options(data, seed=seed, batch_multiple=batch_multiple),
-        input_shards=int(data.get("input_shards", 1)),
-        spans=spans,
-    )
 
 
 # ------------------------------------------------------------------------ one shard's stream
 
 
-def _train_iterator(
-    items: Sequence[Any],
-    keys: tuple[str, ...],
-    tokenizer: Tokenizer,
-    options: TrainOptions,
-    source_prefix: Sequence[int] = (),
-    target_prefix: Sequence[int] = (),
-) -> TrainIterator:
-    """Shared builder for the translation and LM train iterators."""
-    shard = process_shard(options.process_index, options.process_count)
-    prefixes = dict(source_prefix=source_prefix, target_prefix=target_prefix)
-    o = options
-    records = shard_records(
-        items, keys, tokenizer, shard, max_len=o.max_len, cache=o.cache_tokens, **prefixes
-    )
-    kept = ExampleIterDataset(records, options.seed, options.num_epochs)
-    # Only when set: the fingerprints of untagged runs stay what their checkpoints hold.
-    prefixes = {"source_prefix": source_prefix, "target_prefix": target_prefix}
-    extra = {k: [int(i) for i in v] for k, v in prefixes.items() if v} or None
-    counts = dict(num_examples=len(items), shard_size=len(records))
-    return batch_iterator(kept, keys, tokenizer, options, shard, **counts, fingerprint_extra=extra)
+@dataclasses.dataclass(frozen=True)
+class Stream:
+    """One train stream: its items (pairs; texts for a language model), its weight in a
+    mixture, and the ids put before every source and target (counted toward max_len)."""
+
+    items: Sequence[Any]
+    weight: float = 1.0
+    source_prefix: Sequence[int] = ()
+    target_prefix: Sequence[int] = ()
 
 
 def make_train_iterator(
-    pairs: Sequence[tuple[Text, Text]],
+    streams: Stream | Mapping[str, Stream],
     tokenizer: Tokenizer,
     options: TrainOptions,
     *,
-    source_prefix: Sequence[int] = (),
-    target_prefix: Sequence[int] = (),
+    lm: bool = False,
 ) -> TrainIterator:
-    """Translation train batches ('inputs', 'targets') of random-access (source, target) texts;
-    the prefixes (a language tag's ids) go before every source / target and count toward max_len."""
-    keys = ("inputs", "targets")
-    return _train_iterator(pairs, keys, tokenizer, options, source_prefix, target_prefix)
-
-
-def make_lm_train_iterator(
-    texts: Sequence[Text], tokenizer: Tokenizer, options: TrainOptions
-) -> TrainIterator:
-    """Language-model train batches: 'targets' [B, L] (text ids + EOS) only."""
-    return _train_iterator(texts, ("targets",), tokenizer, options)
-
-
-def make_mixture_train_iterator(
-    corpora: Mapping[str, Sequence[tuple[Text, Text]]],
-    probabilities: Sequence[float],
-    tokenizer: Tokenizer,
-    options: TrainOptions,
-    *,
-    source_prefixes: Mapping[str, Sequence[int]] | None = None,
-    target_prefixes: Mapping[str, Sequence[int]] | None = None,
-) -> TrainIterator:
-    """Translation train batches drawn from the corpora (name -> pairs, in a fixed order the
-    state depends on) with `probabilities`; never ends (options.num_epochs must be None).
-    The prefixes map a corpus name to ids put before its sources / targets."""
-    names = list(corpora)
-    probs = [float(p) for p in probabilities]
-    if len(probs) != len(names) or min(probs) < 0 or not math.isclose(sum(probs), 1.0):
-        raise ValueError(f"probabilities {probs} must be {len(names)} numbers summing to 1")
-    if options.num_epochs is not None:
+    """One shard's train batches ('inputs', 'targets'; `lm`: 'targets' only) of one stream,
+    or drawn by weight from named streams (their order is part of the state), which never
+    ends (options.num_epochs must be None)."""
+    mixed = isinstance(streams, Mapping)
+    named = dict(streams) if mixed else {"": streams}
+    probs = [float(x.weight) for x in named.values()]
+    if mixed and (min(probs) < 0 or not math.isclose(sum(probs), 1.0)):
+        raise ValueError(f"stream weights {probs} must be >= 0, summing to 1")
+    if mixed and options.num_epochs is not None:
         raise ValueError(
             f"num_epochs={options.num_epochs}: a mixture repeats every corpus forever; use None"
         )
+    keys = ("targets",) if lm else ("inputs", "targets")
     shard = process_shard(options.process_index, options.process_count)
+    sources = [[int(i) for i in x.source_prefix] for x in named.values()]
+    targets = [[int(i) for i in x.target_prefix] for x in named.values()]
     cut = dict(max_len=options.max_len, cache=options.cache_tokens)
-    keys = ("inputs", "targets")
-    prefixes = [[int(i) for i in (source_prefixes or {}).get(n, ())] for n in names]
-    targets = [[int(i) for i in (target_prefixes or {}).get(n, ())] for n in names]
     records = [
-        shard_records(corpora[n], keys, tokenizer, shard, **cut, source_prefix=p, target_prefix=t)
-        for n, p, t in zip(names, prefixes, targets)
+        shard_records(x.items, keys, tokenizer, shard, **cut, source_prefix=p, target_prefix=t)
+        for x, p, t in zip(named.values(), sources, targets)
     ]
-    kept = MixtureIterDataset(records, probs, options.seed, names)
-    sizes = [len(corpora[n]) for n in names]
-    extra = {
-        "mixture": {"names": names, "probabilities": probs, "sizes": sizes, "prefixes": prefixes}
-    }
-    if any(targets):  # only when set: earlier mixtures' checkpoints keep their fingerprint
-        extra["mixture"]["target_prefixes"] = targets
+    sizes = [len(x.items) for x in named.values()]
+    # Prefix entries only when set: the fingerprints of earlier checkpoints stay as saved.
+    if mixed:
+        kept = MixtureIterDataset(records, probs, options.seed, list(named))
+        mixture = {"names": list(named), "probabilities": probs, "sizes": sizes}
+        mixture["prefixes"] = sources
+        if any(targets):
+            mixture["target_prefixes"] = targets
+        extra = {"mixture": mixture}
+    else:
+        kept = ExampleIterDataset(records[0], options.seed, options.num_epochs)
+        prefixes = {"source_prefix": sources[0], "target_prefix": targets[0]}
+        extra = {k: v for k, v in prefixes.items() if v} or None
     counts = dict(num_examples=sum(sizes), shard_size=sum(len(r) for r in records))
     return batch_iterator(kept, keys, tokenizer, options, shard, **counts, fingerprint_extra=extra)
 
@@ -242,13 +203,6 @@ def shard_options(options: TrainOptions, shard: int, input_shards: int) -> Train
     )
 
 
-def global_batch_shapes(options: TrainOptions, input_shards: int) -> tuple[tuple[int, int], ...]:
-    """Every (B, L) of the global batch: each shard's rows times the number of shards."""
-    check_shape_rule(input_shards, options.packing, options.bucket_boundaries)
-    shard = shard_options(options, 0, input_shards)
-    return tuple((b * input_shards, n) for b, n in batch_shapes(shard))
-
-
 def check_shape_rule(input_shards: int, packing: bool, boundaries: Sequence[int] | None) -> None:
     """Several shards form one array only if every batch has the same shape."""
     if input_shards < 1:
@@ -258,16 +212,6 @@ def check_shape_rule(input_shards: int, packing: bool, boundaries: Sequence[int]
             f"{KEY}={input_shards} needs one batch shape for all shards: set data.packing=True "
             "or a single bucket (data.bucket_boundaries=[data.max_train_len])"
         )
-
-
-def owned_shards(input_shards: int, spans: Sequence[Span]) -> list[int]:
-    """The shards that `spans` (fractions of the global batch's rows) fall in, in order."""
-    owned = set()
-    for a, b in spans:
-        first = math.floor(a * input_shards)
-        last = math.ceil(b * input_shards)
-        owned.update(range(first, last))
-    return sorted(owned)
 
 
 class ShardedTrainIterator:
@@ -306,14 +250,10 @@ class ShardedTrainIterator:
             for k in batches[pieces[0][0]]
         }
 
-    # ------------------------------------------------------------------ state
-    def local_states(self) -> dict[str, Any]:
-        """The states of this process's shards, by shard number (a str: JSON keys)."""
-        return {str(s): it.get_state() for s, it in self._shards.items()}
-
     def get_state(self) -> dict[str, Any]:
         """Every shard's state (gathered from all processes: call it on each at one step)."""
-        return {"input_shards": self.input_shards, "shards": gather(self.local_states())}
+        local = {str(s): it.get_state() for s, it in self._shards.items()}  # str: JSON keys
+        return {"input_shards": self.input_shards, "shards": gather(local)}
 
     def set_state(self, state: dict[str, Any]) -> None:
         if "shards" not in state:  # a state saved before input shards: one stream
@@ -401,19 +341,17 @@ def make_sharded_iterator(
 ) -> ShardedTrainIterator:
     """The iterator of this process's `spans` of the global rows (None: all) of `input_shards`
     shards, each built by `build` from the global `options` cut to its share."""
-    check_shape_rule(input_shards, options.packing, options.bucket_boundaries)
+    n = input_shards
+    check_shape_rule(n, options.packing, options.bucket_boundaries)
     spans = sorted(spans or [(Fraction(0), Fraction(1))])
-    owned = owned_shards(input_shards, spans)
+    # the shards the spans (fractions of the global batch's rows) fall in
+    owned = sorted({s for a, b in spans for s in range(math.floor(a * n), math.ceil(b * n))})
     share = sum((b - a for a, b in spans), Fraction(0))
-    extra = len(owned) - share * input_shards
-    if extra > 0:
+    if len(owned) > share * n:
         logging.warning(
             "this process reads %d shard(s) of %s=%d for %s of the batch; a multiple of the "
             "process count would let each read only its share",
-            len(owned),
-            KEY,
-            input_shards,
-            share,
+            *(len(owned), KEY, n, share),
         )
     shards = {s: build(shard_options(options, s, input_shards)) for s in owned}
     return ShardedTrainIterator(shards, input_shards, spans)

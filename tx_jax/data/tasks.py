@@ -37,20 +37,9 @@ from tx_jax.config import study_value
 from tx_jax.data import backtranslation as bt
 from tx_jax.data import datasets, directions, eval_pipeline, preparation, shards, streams
 from tx_jax.data.run_tokenizer import TOKENIZER_FILE, load_or_train_tokenizer, tokenizer_options
-from tx_jax.data.shards import kept_train_pairs, sharded_train_iterator
+from tx_jax.data.shards import Stream, kept_train_pairs
 from tx_jax.data.streams import Concat, Prefix, Sample, SideTexts
 from tx_jax.data.tokenizer import Tokenizer, iter_pair_texts
-
-
-@dataclasses.dataclass(frozen=True)
-class Stream:
-    """One weighted train stream: its items (pairs; texts for a language model), its share of
-    the kept examples, and the ids put before every source and target."""
-
-    items: Sequence[Any]
-    weight: float
-    source_prefix: Sequence[int] = ()
-    target_prefix: Sequence[int] = ()
 
 
 @dataclasses.dataclass
@@ -162,24 +151,15 @@ class Task:
     ) -> shards.ShardedTrainIterator:
         """This process's rows (`spans`; None: all) of the global batches, whose rows are a
         multiple of `batch_multiple` (shards.py): the weighted streams mixed, or the one."""
-        tok = self.tokenizer
-        if self.streams:
-            s = self.streams
-            build = functools.partial(
-                shards.make_mixture_train_iterator,
-                {n: x.items for n, x in s.items()},
-                [x.weight for x in s.values()],
-                tok,
-                source_prefixes={n: list(x.source_prefix) for n, x in s.items()},
-                target_prefixes={n: list(x.target_prefix) for n, x in s.items()},
-            )
-        elif self.lm_side:
-            build = functools.partial(shards.make_lm_train_iterator, self.texts("train"), tok)
-        else:
-            prefixes = dict(source_prefix=self.source_prefix, target_prefix=self.target_prefix)
-            pairs = self.train_pairs()
-            build = functools.partial(shards.make_train_iterator, pairs, tok, **prefixes)
-        return sharded_train_iterator(self.data, self.seed, build, batch_multiple, spans)
+        streams = self.streams
+        if not streams:
+            items = self.texts("train") if self.lm_side else self.train_pairs()
+            streams = Stream(items, 1.0, self.source_prefix, self.target_prefix)
+        lm = bool(self.lm_side)
+        build = functools.partial(shards.make_train_iterator, streams, self.tokenizer, lm=lm)
+        options = shards.train_options(self.data, seed=self.seed, batch_multiple=batch_multiple)
+        n = int(self.data.get("input_shards", 1))
+        return shards.make_sharded_iterator(build, options, input_shards=n, spans=spans)
 
     def eval_batches(
         self, split: str, batch_multiple: int, limit: int | None = None, *, one_shape=False
