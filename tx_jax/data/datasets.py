@@ -56,7 +56,6 @@ class TranslationSource(collections.abc.Sequence):
         return len(self.data_source)
 
     def _index(self, index: Any) -> int:
-        """Returns `index` as a non-negative int; raises TypeError or IndexError."""
         if isinstance(index, slice):
             raise TypeError(f"TranslationSource takes int indices, not slices ({index}).")
         i = operator.index(index)
@@ -66,30 +65,24 @@ class TranslationSource(collections.abc.Sequence):
         return i % n
 
     def _pair(self, record: Mapping[str, Any]) -> tuple[str, str]:
-        """Returns (source_text, target_text) of a record, bytes decoded as UTF-8."""
-        return _text(record[self.source_lang]), _text(record[self.target_lang])
+        """(source_text, target_text) of a record, bytes (real data) decoded as UTF-8."""
+        a, b = record[self.source_lang], record[self.target_lang]
+        return tuple(x.decode("utf-8") if isinstance(x, bytes) else str(x) for x in (a, b))
 
     def __getitem__(self, index: int) -> tuple[str, str]:
-        """Returns the (source_text, target_text) pair at `index` (negative counts from the end)."""
         return self._pair(self.data_source[self._index(index)])
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[str, str]]:
-        """Returns the pairs at `indices`, read in one batch when the data source can."""
+        """The pairs at `indices`, read in one batch when the data source can."""
         keys = [self._index(i) for i in indices]
         getitems = getattr(self.data_source, "__getitems__", None)
         records = getitems(keys) if getitems else [self.data_source[k] for k in keys]
         return [self._pair(r) for r in records]
 
-    def __iter__(self) -> Iterator[tuple[str, str]]:
-        """Yields every pair in order, reading chunks (cheaper than one read per record)."""
+    def __iter__(self) -> Iterator[tuple[str, str]]:  # in chunks: cheaper than record by record
         n = len(self)
         for start in range(0, n, _ITER_CHUNK):
             yield from self.__getitems__(range(start, min(start + _ITER_CHUNK, n)))
-
-
-def _text(value: Any) -> str:
-    """Returns a TFDS Text value as str: bytes (real data) are UTF-8 decoded, str kept."""
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
 # ------------------------------------------------------------------ the table
@@ -98,12 +91,6 @@ def _text(value: Any) -> str:
 def config_builder_kwargs(data: Any) -> dict:
     """`data.builder_kwargs`: extra TFDS builder arguments (config, version, ...) as given."""
     return dict(data.get("builder_kwargs") or {})
-
-
-def network_only(builder: tfds.core.DatasetBuilder, manual_dir: str | None, download: bool):
-    """A catalog dataset is prepared from its downloads: never without the network."""
-    del builder, manual_dir, download
-    return False
 
 
 def catalog_builder(
@@ -123,12 +110,13 @@ def catalog_builder(
 class DatasetEntry:
     """One row of `DATASETS`: `builder` (name, *, source_lang, target_lang, data_dir,
     builder_kwargs) -> its unprepared TFDS builder; `prepares_locally` whether it can be
-    prepared offline; `hint` what to do when it cannot; `config_kwargs` config.data -> builder
+    prepared offline, or (builder, manual_dir, download) -> that (a catalog dataset needs its
+    downloads); `hint` what to do when it cannot; `config_kwargs` config.data -> builder
     arguments; `extra_splits` the splits prepared on their own; `per_split` a builder per split;
     `raw_bytes` how much preparing reads (None: a download), for preparation.py."""
 
     builder: Callable[..., tfds.core.DatasetBuilder]
-    prepares_locally: Callable[[tfds.core.DatasetBuilder, str | None, bool], bool] = network_only
+    prepares_locally: bool | Callable[[tfds.core.DatasetBuilder, str | None, bool], bool] = False
     hint: str = "pass download=True to download and prepare it (network)"
     config_kwargs: Callable[[Any], dict] = config_builder_kwargs
     extra_splits: Callable[[Any], list[str]] = lambda data: []
@@ -139,7 +127,7 @@ class DatasetEntry:
 DATASETS: dict[str, DatasetEntry] = {
     "synthetic": DatasetEntry(
         builder=synthetic.make_builder,
-        prepares_locally=synthetic.prepares_locally,
+        prepares_locally=True,
         hint="it is generated on first use",
         config_kwargs=synthetic.config_builder_kwargs,
         raw_bytes=lambda builder: 0,
@@ -152,7 +140,7 @@ DATASETS: dict[str, DatasetEntry] = {
     ),
     text_corpus.NAME: DatasetEntry(
         builder=text_corpus.make_builder,
-        prepares_locally=text_corpus.prepares_locally,
+        prepares_locally=True,  # its files are read where they are (local or gs://)
         hint="its files are read where data.<split> names them",
         config_kwargs=text_corpus.config_builder_kwargs,
         extra_splits=text_corpus.extra_splits,
@@ -201,7 +189,7 @@ def load_translation_split(
     _ensure_prepared(builder, entry, label, manual_dir=manual_dir, download=download)
     _check_split(builder, label, split)
     if isinstance(builder, text_corpus.TextTranslation):
-        _announce_counts(builder)
+        _announce_counts(builder.builder_config.name, text_corpus.counts_line(builder))
     return TranslationSource(
         data_source=builder.as_data_source(split),
         source_lang=source_lang,
@@ -242,17 +230,10 @@ def _staged(make, entry, remote, data_cache_dir, manual_dir, download) -> str:
 
 
 @functools.cache
-def _announce_counts_once(key: str, line: str) -> None:
-    del key
-    print(line, flush=True)
-
-
-def _announce_counts(builder: text_corpus.TextTranslation) -> None:
-    """The counts of a text corpus's split (read, dropped, kept), once per split and process,
-    on process 0's console."""
-    line = text_corpus.counts_line(builder)
+def _announce_counts(key: str, line: str | None) -> None:
+    """A text corpus split's counts (read, dropped, kept), once per split, on process 0."""
     if line and jax.process_index() == 0:
-        _announce_counts_once(builder.builder_config.name, line)
+        print(line, flush=True)
 
 
 def has_split(data: Any, split: str) -> bool:
@@ -334,7 +315,8 @@ def _check_languages(
     available = list(builder.info.features.keys())
     keys = builder.info.supervised_keys
     # A dataset whose sides are not languages (gigaword) names them in its supervised keys.
-    pair = f" (supervised keys: {keys[0]} -> {keys[1]})" if _is_key_pair(keys) else ""
+    named = isinstance(keys, tuple) and len(keys) == 2 and all(isinstance(k, str) for k in keys)
+    pair = f" (supervised keys: {keys[0]} -> {keys[1]})" if named else ""
     for role, lang in (("source_lang", source_lang), ("target_lang", target_lang)):
         if lang not in available:
             raise ValueError(
@@ -343,11 +325,6 @@ def _check_languages(
             )
     if source_lang == target_lang:
         raise ValueError(f"source_lang and target_lang are both {source_lang!r} for {label}.")
-
-
-def _is_key_pair(keys: Any) -> bool:
-    """Whether TFDS supervised_keys are (input feature, target feature), two names."""
-    return isinstance(keys, tuple) and len(keys) == 2 and all(isinstance(k, str) for k in keys)
 
 
 def _ensure_prepared(
@@ -362,7 +339,8 @@ def _ensure_prepared(
     raises FileNotFoundError otherwise."""
     if builder.is_prepared():
         return
-    if not (entry.prepares_locally(builder, manual_dir, download) or download):
+    local = entry.prepares_locally
+    if not ((local(builder, manual_dir, download) if callable(local) else local) or download):
         raise FileNotFoundError(
             f"{label} is not prepared in {builder.data_dir}. Set data_dir to the directory where "
             f"it is prepared (ArrayRecord), or {entry.hint}."

@@ -63,9 +63,6 @@ class Lengths:
         share = float(np.mean(self.source > max_len))
         return round(share * self.total), share
 
-    def mean_target(self) -> float:
-        return float(np.mean(self.target)) if self.sampled else 0.0
-
 
 def measure(task, pairs: Sequence[tuple[str, str]], total: int | None = None) -> Lengths:
     """Lengths of `pairs` as `task` (its tokenizer and prefixes) turns them into ids."""

@@ -45,7 +45,7 @@ from tx_jax.data.batches import (
     bucket_batch_sizes,
 )
 from tx_jax.data.features import process_shard, shard_records
-from tx_jax.data.streams import ExampleIterDataset, MixtureIterDataset, Prefix
+from tx_jax.data.streams import ExampleIterator, MixtureIterator, Prefix, StreamDataset
 from tx_jax.data.tokenizer import Tokenizer
 
 Span = tuple[Fraction, Fraction]
@@ -171,14 +171,14 @@ def make_train_iterator(
     sizes = [len(x.items) for x in named.values()]
     # Prefix entries only when set: the fingerprints of earlier checkpoints stay as saved.
     if mixed:
-        kept = MixtureIterDataset(records, probs, options.seed, list(named))
+        kept = StreamDataset(MixtureIterator, records, probs, options.seed, list(named))
         mixture = {"names": list(named), "probabilities": probs, "sizes": sizes}
         mixture["prefixes"] = sources
         if any(targets):
             mixture["target_prefixes"] = targets
         extra = {"mixture": mixture}
     else:
-        kept = ExampleIterDataset(records[0], options.seed, options.num_epochs)
+        kept = StreamDataset(ExampleIterator, records[0], options.seed, options.num_epochs)
         prefixes = {"source_prefix": sources[0], "target_prefix": targets[0]}
         extra = {k: v for k, v in prefixes.items() if v} or None
     counts = dict(num_examples=sum(sizes), shard_size=sum(len(r) for r in records))

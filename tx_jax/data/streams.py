@@ -175,17 +175,16 @@ def _record_at(records: grain.MapDataset, n: int, seed: int, position: int) -> R
     return records[i]
 
 
-class ExampleIterDataset(grain.IterDataset):
-    """Shuffled, repeated stream of (position, features) for kept records (`ExampleIterator`)."""
+class StreamDataset(grain.IterDataset):
+    """The IterDataset whose iterator is `make(*args)`: an `ExampleIterator` (one stream) or a
+    `MixtureIterator` (weighted streams)."""
 
-    def __init__(self, records: grain.MapDataset, seed: int, num_epochs: int | None):
+    def __init__(self, make: type[grain.DatasetIterator], *args: Any):
         super().__init__()
-        self._records = records
-        self._seed = seed
-        self._num_epochs = num_epochs
+        self._make, self._args = make, args
 
-    def __iter__(self) -> ExampleIterator:
-        return ExampleIterator(self._records, self._seed, self._num_epochs)
+    def __iter__(self) -> grain.DatasetIterator:
+        return self._make(*self._args)
 
 
 class ExampleIterator(grain.DatasetIterator):
@@ -264,15 +263,6 @@ def mixture_probabilities(
 
 def _corpus_seed(seed: int, i: int) -> int:
     return int(np.random.SeedSequence([seed, i]).generate_state(1)[0])
-
-
-class MixtureIterDataset(grain.IterDataset):
-    def __init__(self, records, probs: Sequence[float], seed: int, names: Sequence[str]):
-        super().__init__()
-        self._records, self._probs, self._seed, self._names = records, probs, seed, names
-
-    def __iter__(self) -> MixtureIterator:
-        return MixtureIterator(self._records, self._probs, self._seed, self._names)
 
 
 class MixtureIterator(grain.DatasetIterator):

@@ -397,12 +397,6 @@ def make_builder(
     return SyntheticTranslation(data_dir=data_dir, **builder_kwargs)
 
 
-def prepares_locally(builder: SyntheticTranslation, manual_dir: str | None, download: bool):
-    """Always: the corpus is generated here, whatever `download` says."""
-    del builder, manual_dir, download
-    return True
-
-
 def config_builder_kwargs(data) -> dict:
     """config.data.synthetic's sizes and seed as the builder's config."""
     s = data.synthetic

@@ -354,12 +354,6 @@ def _quiet_tfds() -> Iterator[None]:
         absl_logging.set_verbosity(level)
 
 
-def prepares_locally(builder: TextTranslation, manual_dir: str | None, download: bool) -> bool:
-    """Always: the files are read where they are (local or gs://)."""
-    del builder, manual_dir, download
-    return True
-
-
 def check_required(data: Any) -> None:
     """At a run's start (`extra_splits`, before anything is prepared, on every process): the
     splits a run cannot do without have files (data.train and the split data.eval_split
