@@ -42,12 +42,8 @@ SPLIT_FILE_PREFIXES: dict[str, str] = {
 REQUIRED_SPLITS: tuple[str, ...] = ("train", "validation")
 # Languages the public repository has for each split (used only when downloading).
 SPLIT_LANGUAGES: dict[str, frozenset[str]] = {
-    "train": frozenset(LANGUAGES),
-    "validation": frozenset(LANGUAGES),
-    "test_2016_flickr": frozenset(LANGUAGES),
-    "test_2017_flickr": frozenset({"en", "de", "fr"}),
-    "test_2017_mscoco": frozenset({"en", "de", "fr"}),
-    "test_2018_flickr": frozenset(LANGUAGES),
+    split: frozenset(LANGUAGES) - ({"cs"} if "2017" in split else set())
+    for split in SPLIT_FILE_PREFIXES
 }
 RELEASE_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/"
 # A mirror of the raw release's data/task1/raw (same file names) replaces RELEASE_URL.
@@ -196,18 +192,15 @@ class Multi30kConfig(tfds.core.BuilderConfig):
 
 
 def _pair_configs() -> list[Multi30kConfig]:
-    """Returns one config per unordered pair of `LANGUAGES`, 'en-de' first (the default)."""
-    names = sorted(
-        {config_name(a, b) for a, b in itertools.combinations(LANGUAGES, 2)},
-        key=lambda name: (not name.startswith("en-"), name != "en-de", name),
+    """One config per unordered pair of `LANGUAGES`, 'en-de' first (the default)."""
+    pairs = sorted(
+        (config_name(a, b).split("-") for a, b in itertools.combinations(LANGUAGES, 2)),
+        key=lambda p: (p[0] != "en", p != ["en", "de"], p),
     )
+    about = "Multi30k task 1, {} and {}."
     return [
-        Multi30kConfig(
-            name=name,
-            languages=tuple(name.split("-")),
-            description=f"Multi30k task 1, {name.split('-')[0]} and {name.split('-')[1]}.",
-        )
-        for name in names
+        Multi30kConfig(name=f"{a}-{b}", languages=(a, b), description=about.format(a, b))
+        for a, b in pairs
     ]
 
 
@@ -243,7 +236,10 @@ class Multi30k(tfds.core.GeneratorBasedBuilder):
     ) -> dict[str, Iterator[tuple[int, dict[str, str]]]]:
         """Returns {split: example generator}; reads every file first so errors come early."""
         lang1, lang2 = self.builder_config.languages
-        manual_dir = _usable_manual_dir(dl_manager)
+        try:
+            manual_dir = dl_manager.manual_dir
+        except AssertionError:  # TFDS's signal for a manual dir unset, missing or empty
+            manual_dir = None
         if manual_dir is not None:
             files = local_split_files(manual_dir, lang1, lang2)
         else:
@@ -347,11 +343,3 @@ def _short_reason(error: Exception) -> str:
     if found:
         return f"{type(error).__name__}: {found[-1].strip()}"
     return text if len(text) <= 200 else text[:200].rsplit(" ", 1)[0] + " ..."
-
-
-def _usable_manual_dir(dl_manager: tfds.download.DownloadManager) -> epath.Path | None:
-    """Returns the manual directory if it exists and is not empty, else None (download)."""
-    try:
-        return dl_manager.manual_dir
-    except AssertionError:  # TFDS's signal for a manual dir that is unset, missing or empty.
-        return None

@@ -1,9 +1,7 @@
 """An embedded synthetic translation corpus: English-like source, invented verb-final target.
 
 The default experiment's pair: no download, learnt in minutes, and translating it needs
-attention, not copying (its own lexicon, word order and agreement).
-
-Source grammar (English-like, lowercase, final "."):
+attention, not copying (its own lexicon, word order and agreement). Source grammar:
 
     sentence := clause [("and" | "but" | "because") clause] "."
     clause   := np verb [np]                         (verb is transitive iff it takes an object)
@@ -11,22 +9,14 @@ Source grammar (English-like, lowercase, final "."):
     det      := "the" | "a"/"an" | "this" (singular);  "the" | "these" | nothing (plural)
     number   := "two" .. "five" (plural nouns only; nouns pluralise with "-s")
 
-Verbs agree with the subject in the present ("sees" / "see") and not in the past ("saw").
-
-Target language (lexicon generated from syllables with a fixed seed, see `TARGET_LEXICON`):
-
-* SOV: subject, object + "ko" (object marker), then the verb (verb-final).
-* The noun phrase is mirrored: noun adj2 adj1 number determiner ("the two big dogs" ->
-  dog-PL big-PL two the-PL). Relative clauses come first: [object ko] verb "ke" noun ...
-* Nouns have gender I or II; plural nouns take "-ri"; adjectives agree in gender and number
-  (I: -o / -os, II: -a / -as); determiners too (the: du dun di din; a: mu mi; this/these:
-  ze zen zi zin).
-* The verb takes a tense + subject-number suffix: present -a / -an, past -i / -in. The past
-  tense therefore needs the subject's number, which English shows only in the noun phrase.
-* "A and B" -> "A ta B", "A but B" -> "A po B", "A because B" -> "B sen A" (clauses swap).
-
-Example pair (glosses: vapu dog, gisi bird, revari cats, diriv- chase, tomek- see, vodar- sing;
-"dog" and "bird" are gender II):
+with present-tense agreement ("sees" / "see"), none in the past ("saw"). The target (stems
+drawn from syllables with a fixed seed, `TARGET_LEXICON`) is SOV: subject, object + "ko",
+verb. Its noun phrase is mirrored (noun adj2 adj1 number det), a relative clause first
+([object ko] verb "ke" noun ...); nouns have gender I / II and plural "-ri", adjectives and
+determiners agree (`TGT_ADJ_SUFFIX`, `TGT_DET`); the verb's suffix marks tense and subject
+number (`TGT_VERB_SUFFIX`), so the past needs the number only the source's noun phrase shows;
+"A because B" -> "B sen A" (clauses swap; `TGT_CONJ`). For example (vapu dog, gisi bird,
+revari cats, diriv- chase, tomek- see, vodar- sing; "dog" and "bird" are gender II):
 
     the big dog that chases two cats saw an old bird because the bird sings .
     gisi di vodara sen revari esu ko diriva ke vapu noga di gisi sora mi ko tomeki .
@@ -200,14 +190,6 @@ def _sample_clause(rng: random.Random, with_subj: bool) -> Clause:
     return Clause(subj, verb, rng.random() < 0.5, obj)
 
 
-def sample_sentence(rng: random.Random) -> Sentence:
-    """Samples a sentence structure (lengths are not bounded here; see `generate_pair`)."""
-    first = _sample_clause(rng, with_subj=True)
-    if rng.random() < 0.45:
-        return Sentence(first, rng.choice(CONJUNCTIONS), _sample_clause(rng, with_subj=True))
-    return Sentence(first)
-
-
 # ----------------------------------------------------------------------------- realization
 
 
@@ -292,7 +274,11 @@ def split_of(source: str) -> str:
 def generate_pair(rng: random.Random) -> tuple[str, str]:
     """Samples one (source, target) pair with MIN_WORDS..MAX_WORDS source words."""
     while True:
-        src, tgt = realize(sample_sentence(rng))
+        sentence = Sentence(_sample_clause(rng, with_subj=True))
+        if rng.random() < 0.45:
+            conj = rng.choice(CONJUNCTIONS)  # before the clause: the corpus stays the same
+            sentence = Sentence(sentence.first, conj, _sample_clause(rng, with_subj=True))
+        src, tgt = realize(sentence)
         if MIN_WORDS <= src.count(" ") + 1 <= MAX_WORDS:
             return src, tgt
 

@@ -47,26 +47,21 @@ class Task:
     data: Any  # config.data
     tokenizer: Tokenizer
     seed: int
-    # The splits opened so far, by name (filled as they are read; a copy made by
-    # dataclasses.replace shares it)
+    # The splits opened so far (a dataclasses.replace copy shares it)
     splits: dict[str, datasets.TranslationSource] = dataclasses.field(default_factory=dict)
-    # False: eval_batches gives every process all the examples (decoding with parameters
-    # sharded over several processes runs the same batches everywhere)
+    # False: every process evaluates all examples (decoding with parameters over processes)
     shard_eval: bool = True
-    # A multilingual model's target-language tag ('<2de>'): its id goes before every source
-    # (train and eval), so the pairs themselves stay plain text; '' for none.
+    # A multilingual model's target tag ('<2de>'), whose id goes before every source; '': none
     tag: str = ""
-    # (source prefix, target prefix) given whole, e.g. evaluate's --source_lang/--target_lang
-    # through inference/languages.prefixes; None: from the tag or the data languages.
+    # (source, target) prefix ids given whole (evaluate's --source_lang / --target_lang);
+    # None: from the tag or the data languages
     prefixes: tuple[Sequence[int], Sequence[int]] | None = None
-    # The weighted train streams by name (their order is the mixture's); empty: this
-    # direction's train split alone, whose iterator state has no mixture.
+    # Weighted train streams by name, in mixture order; empty: the train split alone
     streams: dict[str, Stream] = dataclasses.field(default_factory=dict)
-    # A multilingual task's training directions and its extra (e.g. zero-shot) ones, by name:
-    # the tasks its evaluation reads; empty for a task of one direction.
+    # A multilingual task's training and extra (zero-shot) direction tasks, by name
     directions: dict[str, Task] = dataclasses.field(default_factory=dict)
     extra: dict[str, Task] = dataclasses.field(default_factory=dict)
-    # A language model's side of the pairs ('target', 'source', 'both'); '' translates.
+    # A language model's side of the pairs ('target', 'source', 'both'); '' translates
     lm_side: str = ""
 
     @functools.cached_property
@@ -75,9 +70,8 @@ class Task:
             return [int(i) for i in self.prefixes[0]], [int(i) for i in self.prefixes[1]]
         if self.tag:
             return [self.tokenizer.piece_to_id(self.tag)], []
-        # An imported model's language tokens (M2M100/NLLB: [__en__] before the source and
-        # [__de__] first in the target, as its translations are forced to start); the
-        # tokenizer's own methods, which translate and score use too, so all agree.
+        # An imported model's language tokens: the tokenizer's methods, as translate and
+        # score use them, so all agree.
         src, tgt = self.data.get("source_lang"), self.data.get("target_lang")
         try:
             return self.tokenizer.source_prefix(src, tgt), self.tokenizer.target_prefix(tgt)
