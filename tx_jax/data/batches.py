@@ -171,20 +171,14 @@ class GroupIterDataset(grain.IterDataset):
 
 class _GroupIterator(grain.DatasetIterator):
     """Holds examples until a batch is full; its state adds the held positions, re-read and
-    re-added in order on restore, which rebuilds the same groups."""
+    re-added in order on restore, which rebuilds the same groups. A subclass gives `_reset`
+    and `_add(position, features)` -> a batch when one is complete, else None."""
 
     def __init__(self, parent: grain.DatasetIterator, spec: BatchSpec):
         super().__init__(parent)
         self._spec = spec
         self._dropped_remainder = 0
         self._reset()
-
-    def _reset(self) -> None:
-        raise NotImplementedError
-
-    def _add(self, position: int, features: dict[str, np.ndarray]) -> Batch | None:
-        """Adds one example; returns a batch when one is complete."""
-        raise NotImplementedError
 
     def _held(self) -> list[list[int]]:
         """Positions of the examples held, per group, in the order they were added."""

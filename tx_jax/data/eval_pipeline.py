@@ -19,9 +19,10 @@ Text becomes ids as in training (features.py's `Featurizer`, truncating). Proces
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -61,9 +62,6 @@ class EvalBatches(Sequence):
     def __getitem__(self, i):
         return self.batches[i]
 
-    def __iter__(self) -> Iterator[Batch]:
-        return iter(self.batches)
-
 
 def eval_batches(
     items: Sequence[Any],
@@ -102,7 +100,10 @@ def eval_batches(
     shards = [pi] if one_length or pc == 1 else range(pc)
     feats = {i: featurize(items[i]) for p in shards for i in range(p, len(items), pc)}
     lengths = {i: max(len(v) for v in rec.features.values()) for i, rec in feats.items()}
-    orders = {p: _shard_order(range(p, len(items), pc), lengths, sort_by_length) for p in shards}
+    # the order each shard's batches take its items: corpus order, or longest first (a stable
+    # sort: ties keep corpus order)
+    key = (lambda i: -lengths[i]) if sort_by_length else (lambda i: 0)
+    orders = {p: sorted(range(p, len(items), pc), key=key) for p in shards}
     num_batches = math.ceil(math.ceil(len(items) / pc) / batch_size)  # same on every process
     batches = []
     for b in range(num_batches):
@@ -113,16 +114,9 @@ def eval_batches(
             length = _bucket_length(boundaries, lengths, [order[rows] for order in orders.values()])
         batches.append(_padded_batch(orders[pi][rows], feats, keys, batch_size, length))
     mine = [feats[i] for i in range(pi, len(items), pc)]
-    return EvalBatches(batches, len(mine), _note_counts(mine))
-
-
-def _shard_order(indices: range, lengths: dict[int, int], sort_by_length: bool) -> list[int]:
-    """A shard's item indices in the order its batches take them: as given (corpus order) or,
-    with `sort_by_length`, longest first (`lengths`: each item's longest side)."""
-    indices = list(indices)
-    if sort_by_length:  # longest first; ties keep corpus order
-        indices.sort(key=lambda i: -lengths[i])
-    return indices
+    notes = collections.Counter(note for rec in mine for note in rec.notes)
+    stats = {"examples": len(mine)} | {k: notes[k] for k in ("empty", "truncated", "invalid_utf8")}
+    return EvalBatches(batches, len(mine), stats)
 
 
 def _bucket_length(
@@ -145,16 +139,6 @@ def _padded_batch(
     batch["example_index"][: len(chunk)] = chunk
     batch["example_mask"] = (batch["example_index"] >= 0).astype(np.int32)
     return batch
-
-
-def _note_counts(records: Sequence[Any]) -> dict[str, int]:
-    """EvalBatches.stats of a shard's Featurizer records: how many, and each note's count."""
-    stats = dict.fromkeys(("examples", "empty", "truncated", "invalid_utf8"), 0)
-    stats["examples"] = len(records)
-    for rec in records:
-        for note in rec.notes:
-            stats[note] += 1
-    return stats
 
 
 def encode_sources(texts: Sequence[Text], tokenizer: Tokenizer, **options: Any) -> EvalBatches:

@@ -45,9 +45,8 @@ class ImportedTokenizer:
     family: str  # marian | m2m_100 | nllb
     source_model: bytes  # SentencePiece proto that cuts source text
     target_model: bytes  # ... target text (Marian's target.spm; otherwise the same)
-    pieces: tuple[
-        str, ...
-    ]  # tx_jax id -> piece (the source vocabulary; the target's too when shared)
+    # tx_jax id -> piece (the source vocabulary; the target's too when shared)
+    pieces: tuple[str, ...]
     target_pieces: tuple[str, ...] | None  # a separate target vocabulary (Marian separate_vocabs)
     unk_id: int
     eos_id: int
@@ -172,11 +171,8 @@ class ImportedTokenizer:
                 return self.languages[key]
         known = ", ".join(sorted(self.languages)[:12]) or "none"
         more = ", ..." if len(self.languages) > 12 else ""
-        short = (
-            f"; two-letter codes known: {', '.join(sorted(NLLB_CODES))}"
-            if self.family == "nllb"
-            else ""
-        )
+        short = f"; two-letter codes known: {', '.join(sorted(NLLB_CODES))}"
+        short = short if self.family == "nllb" else ""
         raise ValueError(
             f"language {code!r} is not one of this {self.family} model's "
             f"{len(self.languages)} language tokens ({known}{more}{short})"

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import io
 import random
-import uuid
 from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 import sentencepiece as spm
 from etils import epath
+
+from tx_jax import paths
 
 PAD_ID = 0
 UNK_ID = 1
@@ -26,13 +27,6 @@ EOS_ID = 3
 DEFAULT_MAX_SENTENCES = 2_000_000
 
 
-def _as_text(line: str | bytes) -> str:
-    """Returns `line` as str; bytes are decoded as UTF-8 with replacement characters."""
-    if isinstance(line, bytes):
-        return line.decode("utf-8", errors="replace")
-    return line
-
-
 def sample_sentences(texts: Iterable[str | bytes], max_sentences: int, seed: int) -> list[str]:
     """Non-empty lines of `texts`, reservoir-sampled down to `max_sentences` (seeded; corpus
     order when nothing is dropped)."""
@@ -40,7 +34,7 @@ def sample_sentences(texts: Iterable[str | bytes], max_sentences: int, seed: int
     sample: list[str] = []
     seen = 0
     for raw in texts:
-        line = _as_text(raw).strip()
+        line = (raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else raw).strip()
         if not line:
             continue
         if len(sample) < max_sentences:
@@ -51,15 +45,6 @@ def sample_sentences(texts: Iterable[str | bytes], max_sentences: int, seed: int
                 sample[j] = line
         seen += 1
     return sample
-
-
-def _write_atomically(path: str | epath.PathLike, data: bytes) -> None:
-    """Writes `data` to `path` via a temporary file and a rename (no torn files)."""
-    target = epath.Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex}"
-    tmp.write_bytes(data)
-    tmp.replace(target)
 
 
 def train_tokenizer(
@@ -159,8 +144,9 @@ class Tokenizer:
         return self._proto
 
     def save(self, path: str | epath.PathLike) -> None:
-        """Writes the model to `path` atomically (temp file + rename)."""
-        _write_atomically(path, self._proto)
+        """Writes the model to `path` atomically, making its directory."""
+        epath.Path(path).parent.mkdir(parents=True, exist_ok=True)
+        paths.write_atomic(path, self._proto)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Tokenizer) and other._proto == self._proto
