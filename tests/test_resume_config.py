@@ -13,7 +13,7 @@ from helpers import ROOT, tiny_config, train_losses
 
 from tx_jax import paths
 from tx_jax.config import upgrade_stored
-from tx_jax.data.run_tokenizer import read_tokenizer
+from tx_jax.data.tokenizer import Tokenizer
 from tx_jax.inference import restore
 from tx_jax.inference.locate import CheckpointError
 from tx_jax.runner import resume
@@ -37,7 +37,7 @@ def _check(config, workdir):
     """resume.check_config as restore_or_init calls it, without preparing the data."""
     state_of = functools.partial(
         state_shapes,
-        tokenizer=read_tokenizer((workdir / "tokenizer.model").read_bytes()),
+        tokenizer=Tokenizer.load(workdir / "tokenizer.model"),
         platform="cpu",
     )
     ckpt = Checkpointer(workdir / "checkpoints", read_only=True)

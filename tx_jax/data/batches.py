@@ -16,17 +16,15 @@ Letters: B batch rows, L padded length. A stream of (position, features) example
       'inputs_position', 'targets_position'          [B, L]  0-based, restarting per example
       Rows are filled first-fit in stream order; an example never spans two rows.
 
-`TrainIterator.stats()` returns counts since the start of training (epochs add up):
-    'examples' read, 'kept', 'dropped_empty', 'dropped_too_long', 'dropped_too_long_chars',
-    'invalid_utf8' (repaired, kept if otherwise fine), 'dropped_remainder' (partial buckets
-    left when a finite `num_epochs` ends), 'epoch' (current epoch of this process's shard).
+`TrainIterator.stats()` counts since the start of training: 'examples' read, 'kept',
+'dropped_empty' / '_too_long' / '_too_long_chars', 'invalid_utf8' (repaired, kept),
+'dropped_remainder' (partial buckets when a finite `num_epochs` ends), 'epoch' (of the shard).
 
-State (`TrainIterator.get_state()`) is JSON: {'version': 1, 'fingerprint': {options, batch
-shapes, tokenizer_sha1, ...}, 'pipeline': {'examples': {'next_index': ..., 'tx_counts': ...},
-'held': [stream positions waiting per bucket], 'dropped_remainder': 0}}. `set_state` re-reads
-the held positions so the same groups form and the batches continue identically; a differing
-fingerprint raises ValueError. It holds the batch shapes, not the device count behind them.
-`TrainIterator` is a grain `DatasetIterator` (Orbax: `grain.checkpoint.CheckpointSave(it)`).
+State (`get_state()`, JSON): {'version': 1, 'fingerprint': {options, batch shapes,
+tokenizer_sha1, ...}, 'pipeline': {'examples': {'next_index', 'tx_counts'}, 'held': [stream
+positions waiting per bucket], 'dropped_remainder'}}. `set_state` re-reads the held positions
+so the same groups form and the batches continue identically; another fingerprint is a
+ValueError. `TrainIterator` is a grain `DatasetIterator` (Orbax: `grain.checkpoint`).
 """
 
 from __future__ import annotations

@@ -44,11 +44,8 @@ def tokenizer_options(data: Any) -> dict[str, Any]:
             f"{', '.join(MODEL_TYPES)}"
         )
     coverage = options["character_coverage"]
-    if (
-        isinstance(coverage, bool)
-        or not isinstance(coverage, (int, float))
-        or not 0 < coverage <= 1
-    ):
+    number = isinstance(coverage, (int, float)) and not isinstance(coverage, bool)
+    if not (number and 0 < coverage <= 1):
         raise ValueError(
             f"data.tokenizer.character_coverage={coverage!r}; expected a fraction in (0, 1] "
             "(1.0: every character of the sample; 0.9995 for a large character set)"
@@ -58,11 +55,6 @@ def tokenizer_options(data: Any) -> dict[str, Any]:
             f"data.tokenizer.byte_fallback={options['byte_fallback']!r}; expected True or False"
         )
     return options
-
-
-def read_tokenizer(data: bytes) -> Tokenizer:
-    """The tokenizer whose `to_bytes()` is `data` (tokenizer.py tells the kinds apart)."""
-    return Tokenizer.from_bytes(data)
 
 
 def given_tokenizer(data: Any) -> Tokenizer | None:
@@ -76,7 +68,7 @@ def given_tokenizer(data: Any) -> Tokenizer | None:
         path = path / TOKENIZER_FILE
     if not path.exists():
         raise FileNotFoundError(f"data.tokenizer_path={data.tokenizer_path!r}: no {path}")
-    return read_tokenizer(path.read_bytes())
+    return Tokenizer.from_bytes(path.read_bytes())
 
 
 def _same(a: Tokenizer, b: Tokenizer) -> bool:
@@ -110,7 +102,7 @@ def load_or_train_tokenizer(
             "tokenizers; set only one"
         )
     if jax.process_count() == 1 and path.exists():
-        existing = read_tokenizer(path.read_bytes())
+        existing = Tokenizer.from_bytes(path.read_bytes())
         if given is not None and not _same(existing, given):
             raise ValueError(
                 f"{path} differs from the tokenizer of {given_by}: a workdir keeps the "
@@ -131,7 +123,7 @@ def load_or_train_tokenizer(
             symbols = (*symbols, *(data.get("user_defined_symbols") or ()))
             _train_tokenizer_to(path, texts(), data.vocab_size, symbols, **options)
     barrier("tokenizer")
-    tokenizer = read_tokenizer(path.read_bytes())
+    tokenizer = Tokenizer.from_bytes(path.read_bytes())
     if given is not None and not _same(tokenizer, given):
         raise ValueError(f"{path} differs from the tokenizer of {given_by}; use a new workdir")
     return tokenizer
@@ -144,10 +136,8 @@ def _train_tokenizer_to(
     symbols: Sequence[str],
     **options: Any,
 ) -> None:
-    """Trains a tokenizer on `texts` (with SentencePiece's `options`: tokenizer_options) and
-    writes it to `path`. For a remote (gs://) path it is trained into a temporary directory
-    of this run (train_tokenizer writes a local file and renames it), so concurrent runs never
-    share the file; the directory is removed afterwards."""
+    """Trains a tokenizer on `texts` with SentencePiece's `options` and writes it to `path`
+    (a gs:// one through a local temporary directory of this run's own)."""
     if not paths.is_remote(path):
         train_tokenizer(texts, vocab_size, str(path), user_defined_symbols=symbols, **options)
         return

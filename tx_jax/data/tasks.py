@@ -16,12 +16,9 @@ Every kind of run is a `Task`; what differs is its streams and their weights:
     language modelling         one side of the pairs (`lm_side`), 'targets' only, no BLEU
 
 `prepare_task` finds the tokenizer first (given, loaded from the workdir, or trained on a
-uniform sample of the train split: run_tokenizer.py), then builds the task. Which pairs train
-and how they are batched and sharded over processes: shards.py; datasets by name: datasets.py.
-
-Validation loss batches are per-process shards (their sums are reduced over all devices);
-decoding for BLEU runs the same examples on every process (`shard_eval=False`), since the
-parameters it reads are spread over all of them.
+uniform sample of the train split: run_tokenizer.py), then builds the task; batching and
+sharding: shards.py; datasets by name: datasets.py. Validation loss batches are per-process
+shards; decoding for BLEU reads the same examples on every process (`shard_eval=False`).
 """
 
 from __future__ import annotations
@@ -158,13 +155,11 @@ class Task:
     def eval_batches(
         self, split: str, batch_multiple: int, limit: int | None = None, *, one_shape=False
     ) -> eval_pipeline.EvalBatches:
-        """This process's share of the examples (every example when `shard_eval` is False):
-        sorted by length and padded to the eval buckets, for decoding (a sentence's output
-        limit is its own, so padding changes no hypothesis, and short batches decode in a
-        fraction of the time); `one_shape`: in corpus order, all padded to max_eval_len, for
-        the teacher-forced loss (one program to compile, and its cost is small). Several
-        directions' batches come one after another ('example_index' counts within each); a
-        language model's are always of one shape."""
+        """This process's share of the examples (all when `shard_eval` is False), sorted by
+        length into the eval buckets for decoding (short batches decode fast; padding changes
+        no hypothesis); `one_shape`: corpus order padded to max_eval_len, for the loss (one
+        program). Several directions' batches come one after another ('example_index' counts
+        within each); a language model's have one shape."""
         if self.directions:
             parts = [
                 self.direction(n).eval_batches(split, batch_multiple, limit, one_shape=one_shape)
