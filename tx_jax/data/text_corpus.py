@@ -67,15 +67,10 @@ def _matches(pattern: str) -> list[str]:
     return paths.glob(pattern)
 
 
-def is_tsv(spec: str) -> bool:
-    """Whether a split's spec names TSV files (source TAB target) rather than a prefix."""
-    return spec.endswith((".tsv", ".tsv.gz"))
-
-
 def resolve(spec: str, key: str, languages: tuple[str, str]) -> list[tuple[str, ...]]:
     """The shards `spec` names, in sorted order: (source file, target file) for a prefix,
     (tsv file,) for a TSV path. CorpusError naming `key` when nothing or half a pair exists."""
-    if is_tsv(spec):
+    if spec.endswith((".tsv", ".tsv.gz")):
         found = _matches(spec)
         if not found:
             raise CorpusError(f"{key}={spec!r}: no such file")
@@ -263,7 +258,8 @@ def read_lines(path: str, key: str) -> Iterator[str]:
     the line and `key` for bytes that are not UTF-8 or a damaged gzip file."""
     number = 0
     try:
-        with epath.Path(path).open("rb") as raw, _maybe_gunzip(raw, path) as stream:
+        gunzip = gzip.open if path.endswith(".gz") else lambda raw, _: contextlib.nullcontext(raw)
+        with epath.Path(path).open("rb") as raw, gunzip(raw, "rb") as stream:
             for number, line in enumerate(stream, start=1):
                 try:
                     text = line.decode("utf-8")
@@ -277,10 +273,6 @@ def read_lines(path: str, key: str) -> Iterator[str]:
                 yield text.rstrip("\r\n")
     except (EOFError, gzip.BadGzipFile, zlib.error) as e:
         raise CorpusError(f"{path}: damaged gzip data after line {number} ({e}) ({key})") from None
-
-
-def _maybe_gunzip(raw, path: str):
-    return gzip.open(raw, "rb") if path.endswith(".gz") else contextlib.nullcontext(raw)
 
 
 def read_pairs(shard: tuple[str, ...], key: str) -> Iterator[tuple[str, str]]:
@@ -354,11 +346,16 @@ def _quiet_tfds() -> Iterator[None]:
         absl_logging.set_verbosity(level)
 
 
-def check_required(data: Any) -> None:
-    """At a run's start (`extra_splits`, before anything is prepared, on every process): the
-    splits a run cannot do without have files (data.train and the split data.eval_split
-    names; a test split is optional: without files a run skips its test score); CorpusError
-    naming the key. A config without files still plans (tx_jax plan reads no data)."""
+def has_split(data: Any, split: str) -> bool:
+    """Whether config.data names files for `split`."""
+    return base_split(split) in config_builder_kwargs(data)["specs"]
+
+
+def extra_splits(data: Any) -> list[str]:
+    """The splits besides train that a run of `data` reads, each prepared on its own. Asked
+    at a run's start, on every process: data.train and the split data.eval_split names must
+    have files (a test split is optional: a run without one skips its test score), else a
+    CorpusError naming the key (a config without files still plans: plan reads no data)."""
     specs = config_builder_kwargs(data)["specs"]
     for split in ("train", base_split(data.eval_split)):
         if split not in specs:
@@ -367,17 +364,6 @@ def check_required(data: Any) -> None:
                 f"--config.data.{split}=PREFIX (PREFIX.{data.source_lang} and "
                 f"PREFIX.{data.target_lang}) or FILE.tsv"
             )
-
-
-def has_split(data: Any, split: str) -> bool:
-    """Whether config.data names files for `split`."""
-    return base_split(split) in config_builder_kwargs(data)["specs"]
-
-
-def extra_splits(data: Any) -> list[str]:
-    """The splits besides train that a run of `data` reads, each prepared on its own."""
-    check_required(data)
-    specs = config_builder_kwargs(data)["specs"]
     names = [base_split(s) for s in (data.get("eval_split"), data.get("test_split")) if s]
     return [s for s in dict.fromkeys(names) if s in specs and s != "train"]
 
