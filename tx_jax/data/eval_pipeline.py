@@ -31,10 +31,8 @@ from tx_jax.data.batches import Batch, check_boundaries, default_bucket_boundari
 from tx_jax.data.features import Featurizer, Text, process_shard
 from tx_jax.data.tokenizer import Tokenizer
 
-# Eval bucket lengths grow by 1.5x from 16 (16, 24, 40, 64, 96 for max_len 96): a few shapes
-# to compile, at most a third of each batch padding. Sources under 16 tokens rarely fill
-# many batches (4 of the default test split's 63), and a program costs more to compile
-# (2-3 s on 2 cores) than those batches take to decode at 16.
+# Eval buckets grow 1.5x from 16 (16, 24, 40, 64, 96): few shapes to compile, at most a third
+# padding; shorter sources fill few batches, which decode faster than a program compiles.
 EVAL_BUCKET_GROWTH = 1.5
 EVAL_BUCKET_MIN = 16
 

@@ -66,22 +66,17 @@ class Record(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Featurizer:
-    """Raw item -> `Record`: ids + EOS per key; drops (train) or truncates (eval).
-
-    An item is one text (str or UTF-8 bytes) when there is one key, else a tuple of texts in
-    `keys` order, e.g. (source, target). Train and eval both use it, so text becomes the same
-    ids everywhere; `source_prefix` / `target_prefix` go before the 'inputs' / 'targets'
-    pieces (and count toward max_len). With `truncate`, a side longer than max_len keeps its
-    first max_len - 1 ids and EOS, an empty side becomes just EOS, and nothing is dropped.
-    """
+    """Raw item (one text, str or UTF-8 bytes, for one key; else texts in `keys` order) ->
+    `Record`. With `truncate` (eval) a side over max_len keeps its first max_len - 1 ids and
+    EOS, an empty side becomes just EOS, and nothing is dropped."""
 
     tokenizer: Tokenizer
     keys: tuple[str, ...]  # ('inputs', 'targets') for pairs, ('targets',) for LM
-    max_len: int
+    max_len: int  # counting EOS and the prefix
     truncate: bool = False
-    source_prefix: tuple[int, ...] = ()  # ids put before the 'inputs' pieces (a language tag)
-    # ids put before the 'targets' pieces: an M2M100/NLLB target-language token, which the
-    # decoder must learn to emit first (decoding forces it: inference/languages.py)
+    source_prefix: tuple[int, ...] = ()  # ids before the 'inputs' pieces (a language tag)
+    # ids before the 'targets' pieces (an M2M100/NLLB target-language token, which decoding
+    # forces: inference/languages.py)
     target_prefix: tuple[int, ...] = ()
 
     @property
