@@ -329,7 +329,7 @@ class TrainIterator(grain.DatasetIterator):
         self.keys = keys
         self.batch_shapes = batch_shapes
         self.packing = packing
-        self._shard_size = shard_size
+        self.shard_size = shard_size  # the records of one pass over the shard
         self._final_state: dict[str, Any] | None = None  # set once exhausted
         _LIVE_ITERATORS.add(self)
 
@@ -364,11 +364,6 @@ class TrainIterator(grain.DatasetIterator):
         self._final_state = None
         self._parent.set_state(copy.deepcopy(state["pipeline"]))
 
-    @property
-    def shard_size(self) -> int:
-        """The records of one pass over this iterator's shard."""
-        return self._shard_size
-
     def position(self) -> int:
         """The next position in the shard's stream (after the last batch returned)."""
         return int(self._pipeline_state()["examples"]["next_index"])
@@ -378,7 +373,7 @@ class TrainIterator(grain.DatasetIterator):
         state = self._pipeline_state()
         counts = dict(state["examples"]["tx_counts"])
         counts["dropped_remainder"] = state["dropped_remainder"]
-        counts["epoch"] = state["examples"]["next_index"] // self._shard_size
+        counts["epoch"] = state["examples"]["next_index"] // self.shard_size
         return counts
 
 

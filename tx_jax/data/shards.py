@@ -81,20 +81,12 @@ def parse_max_train_pairs(spec: Any) -> int | dict[str, int] | None:
     return table
 
 
-def max_train_pairs(data: Any, direction: str | None = None) -> int | None:
-    """How many train pairs `direction` keeps (default: source_lang-target_lang of `data`):
-    `data.max_train_pairs` read by `parse_max_train_pairs`; None: all of them."""
-    spec = parse_max_train_pairs(study_value(data, "max_train_pairs"))
-    if isinstance(spec, dict):
-        direction = direction or f"{data.source_lang}-{data.target_lang}"
-        return spec.get(direction) or None
-    return spec
-
-
 def kept_train_pairs(data: Any, train: Sequence[tuple[str, str]]) -> Sequence[tuple[str, str]]:
-    """The train split `train` of `data`'s direction, cut to its first `data.max_train_pairs`
-    pairs when that is set (a view: nothing is copied)."""
-    n = max_train_pairs(data)
+    """The train split `train` of `data`'s direction (source_lang-target_lang), cut to its
+    first `data.max_train_pairs` pairs when that is set (a view: nothing is copied)."""
+    n = parse_max_train_pairs(study_value(data, "max_train_pairs"))
+    if isinstance(n, dict):
+        n = n.get(f"{data.source_lang}-{data.target_lang}") or None
     return train if n is None else Prefix(train, n)
 
 
