@@ -1,20 +1,10 @@
-"""Run a sweep on this host: every point of an experiments/*.py file in its own workdir.
+"""Run a sweep on this host: each point its own process in ROOT/<i>_<slug>, N at a time.
 
-    tx_jax sweep experiments/table3.py --root=runs/sweeps/table3 [--parallel=2]
-        [--dry_run] [--only=0,3] [--test_split_eval] [--override=train.num_steps=100 ...]
-    ./launch.sh sweep experiments/table3.py [--parallel 2] [...]     (the same, via the venv)
-
-Point i runs as its own process (launch/sweeps.py's command), N at a time (--parallel); its
-stdout/stderr go to WORKDIR/sweep.log and the exact command to WORKDIR/sweep_command.sh (with
-N > 1, the first point to run goes alone, preparing the shared TFDS data, then the rest N at a
-time). After a successful run the sweep writes WORKDIR/sweep_done.json (overrides, wall time,
-command, test BLEU of --test_split_eval); a rerun skips the points that have it, and resumes
-the others from their checkpoints. At the end, ROOT/results.csv, results.md and curves.png
-(launch/results.py). With --test_split_eval, `tx_jax evaluate --split=test
---beam_size=B` scores the final checkpoint. A failed point is reported (status 'failed (rc
-N)') and the others go on; the exit status is 1 if any point failed (2 for a bad sweep file
-or override). ROOT may be a gs:// path (tx_jax/paths.py): a point's log is then copied there
-when its process ends, and a generated config is loaded from a local copy.
+A point's log is WORKDIR/sweep.log and its command WORKDIR/sweep_command.sh; with N > 1 the
+first point runs alone to prepare the shared TFDS data. A finished point writes
+WORKDIR/sweep_done.json, which a rerun skips (the others resume from their checkpoints).
+Exit status 1 if any point failed, 2 for a bad sweep file or override. On a gs:// ROOT a
+point's log is copied there when its process ends. Usage: docs/experiments.md#sweeps.
 """
 
 from __future__ import annotations
