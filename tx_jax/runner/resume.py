@@ -1,13 +1,7 @@
-"""Resuming a workdir under a config that differs from its checkpoint's: which changes the run
-continues under (listed once when it resumes) and which it cannot (refused before the restore,
-naming each key with its stored and new values and what to do instead).
-
-    refused  a key that decides the vocabulary (VOCABULARY_KEYS): the workdir keeps its
-             tokenizer.model, so the new value would be silently ignored
-             a key that changes the train state's shapes or structure (model sizes, a
-             learned positional table, weight_decay 0 -> > 0 adding AdamW's decay state):
-             the checkpoint cannot be restored into that state
-    listed   every other key (train.num_steps, the schedule, eval.*, checkpoint.*, dropout)
+"""Resuming a workdir under a config that differs from its checkpoint's. Refused before the
+restore, naming each key with its stored and new values and what to do instead: a key that
+decides the vocabulary (VOCABULARY_KEYS), or one that changes the train state's shapes or
+structure (model sizes, weight_decay 0 -> > 0, ...). Every other change is listed once.
 """
 
 from __future__ import annotations

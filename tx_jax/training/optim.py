@@ -5,8 +5,7 @@
     cosine:             linear warmup to peak_lr, cosine decay to peak_lr * final_lr_fraction
 
 train.cooldown_steps = C > 0 multiplies any of them by a linear ramp from 1 down to 1/C over
-the last C of num_steps updates (a warmup-stable-decay cooldown): the run is free of a
-decay before then, so its earlier checkpoints are the same as a longer run's.
+the last C updates, so a run's earlier checkpoints are the same as a longer run's.
 
 `step` counts optimizer updates from 1 (Optax's count + 1), so the first update uses step 1.
 """
