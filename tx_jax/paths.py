@@ -39,14 +39,10 @@ from etils.epath import backend as epath_backend
 Path = epath.Path
 
 
-def _see_other_writers() -> None:
-    """Every listing asks the store: gcsfs caches listings for the life of a process, which
-    then misses the checkpoints another process writes."""
-    for protocol in ("gcs", "gs"):
-        fsspec.config.conf.setdefault(protocol, {})["use_listings_cache"] = False
-
-
-_see_other_writers()
+# Every listing asks the store: gcsfs caches listings for the life of a process, which would
+# then miss the checkpoints another process writes.
+for _protocol in ("gcs", "gs"):
+    fsspec.config.conf.setdefault(_protocol, {})["use_listings_cache"] = False
 
 BACKOFF_ENV = "TX_JAX_GCS_BACKOFF"
 

@@ -52,7 +52,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     if new and budget.minutes(run.config) > 0:  # its step timed: the steps it has time for
         run = budget.fit(run, state, shardings, started, _train_iterator(run))
     config, cfg = run.config, run.config.train
-    p_train = _compile_train_step(run, shardings)
+    step_fn = train_step_fn(run.config, run.model, run.tx, run.schedule)
+    p_train = run.strategy.compile_step(step_fn, donate=True, state_shardings=shardings)
     evaluator = Evaluator(run, shardings)
     train_seconds, eval_seconds = _seconds_before(run, checkpointer, state)
     # after the restore (a config it refuses leaves the workdir's config.json as it was) and
@@ -151,12 +152,6 @@ def _train_iterator(run: Run):
         batch_multiple=run.strategy.global_batch_multiple * run.config.train.grad_accum_steps,
         spans=run.strategy.process_row_spans(),
     )
-
-
-def _compile_train_step(run: Run, shardings):
-    """`train_step` for this run, compiled for its devices (donating the state)."""
-    step_fn = train_step_fn(run.config, run.model, run.tx, run.schedule)
-    return run.strategy.compile_step(step_fn, donate=True, state_shardings=shardings)
 
 
 def _averaged(run: Run, state, k: int):

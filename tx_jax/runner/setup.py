@@ -260,19 +260,14 @@ def _init_from(run: Run) -> TrainState:
     if not trainable.everything:
         one = run.strategy.for_checkpoint(state).params  # one replica under pmap
         run.base = restore.base_reference(source, trainable.split(one)[1])
-        _announce_trainable(run, one)
+        n, total = trainable.count(one)
+        lora = run.model_config.lora
+        what = [f"LoRA rank {lora.rank} (alpha {lora.alpha:g})"] if lora.rank else []
+        what += [f"train.trainable={trainable.pattern!r}"] if trainable.pattern else []
+        if jax.process_index() == 0:
+            print(
+                f"trainable: {n:,} of {total:,} parameters ({100 * n / total:.2f}%): "
+                f"{', '.join(what)}; the rest frozen",
+                flush=True,
+            )
     return state
-
-
-def _announce_trainable(run: Run, params) -> None:
-    """One line: how many parameters train, and which."""
-    n, total = run.trainable.count(params)
-    lora = run.model_config.lora
-    what = [f"LoRA rank {lora.rank} (alpha {lora.alpha:g})"] if lora.rank else []
-    what += [f"train.trainable={run.trainable.pattern!r}"] if run.trainable.pattern else []
-    if jax.process_index() == 0:
-        print(
-            f"trainable: {n:,} of {total:,} parameters ({100 * n / total:.2f}%): "
-            f"{', '.join(what)}; the rest frozen",
-            flush=True,
-        )
