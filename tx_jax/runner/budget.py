@@ -30,7 +30,7 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from tx_jax.runner import sizing
+from tx_jax.runner import console, sizing
 from tx_jax.runner.setup import Run, build_optimizer, train_step_fn
 
 KEY = "train.time_budget_minutes"
@@ -235,5 +235,4 @@ def _secs(seconds: float) -> str:
 
 def _say(line: str) -> None:
     logging.info("%s", line)
-    if jax.process_index() == 0:
-        print(line, flush=True)
+    console.say(line)

@@ -74,7 +74,7 @@ class Evaluator:
             state, self.run.task.eval_batches(split, multiple, one_shape=True)
         )
         logger.write(step, split, result)
-        console.language_model_test(step, result)
+        console.say(f"test  {step:>6}  loss {result['loss']:.4f}  ppl {result['perplexity']:.2f}")
         return {f"test_{k}": v for k, v in result.items()}
 
 

@@ -135,7 +135,7 @@ def _loop(run: Run, config, checkpointer, state, train_iter, p_train, evaluator,
     checkpointer.close()
     wanted = config.data.test_split if config.eval.score_test else ""
     if wanted and not run.test_split:  # the data has no such split (setup.size_from_data)
-        console.no_test_split(wanted)
+        console.say(f"no test score: the data names no files for the test split {wanted!r}")
     elif run.test_split and step == cfg.num_steps:  # every process decodes (SPMD)
         k = config.eval.get("average_last", 0)
         test_state = _averaged(run, state, k) if k else state

@@ -192,4 +192,4 @@ def announce(step: int, stored_config: Mapping, config: ml_collections.ConfigDic
         "resuming from step %d%s", step, f" with config changes: {changes}" if changes else ""
     )
     if changes:
-        console.resumed(step, changes)
+        console.say(f"resuming from step {step} with config changes: {changes}")

@@ -21,7 +21,7 @@ from tx_jax.data import datasets, lengths, preparation, tasks
 from tx_jax.data.shards import kept_train_pairs
 from tx_jax.inference import restore
 from tx_jax.model import ModelConfig, make_model
-from tx_jax.runner import resume, sizing
+from tx_jax.runner import console, resume, sizing
 from tx_jax.runner.validation import check_batch_divides, validate_config
 from tx_jax.training import checkpoint as ckpt_lib
 from tx_jax.training import optim, parallel
@@ -113,9 +113,8 @@ def size_from_data(
     if train is not None:
         lines.append(lengths.describe_train(train, config.data.max_train_len))
         lines.append(lengths.describe_eval(evals, config.data.max_eval_len))
-    if jax.process_index() == 0:
-        for line in filter(None, lines):
-            print(line, flush=True)
+    for line in filter(None, lines):
+        console.say(line)
     return Sized(config, workdir, strategy, task, source, chosen=unset, test_split=test_split)
 
 
@@ -252,8 +251,7 @@ def _init_from(run: Run) -> TrainState:
     params = source.load_params(abstract, run.config, run.task.tokenizer.vocab_size)
     source.checkpointer.close()
     logging.info("parameters from %s (train.init_from)", source.path)
-    if jax.process_index() == 0:
-        print(f"init_from: parameters of {source.path} (step {source.step})", flush=True)
+    console.say(f"init_from: parameters of {source.path} (step {source.step})")
     # the base's buffers become the state's; only new adapters (B = 0: the base's outputs)
     # and the optimizer's moments are made
     state = run.strategy.init_state(run.init_fn, params)
@@ -264,10 +262,8 @@ def _init_from(run: Run) -> TrainState:
         lora = run.model_config.lora
         what = [f"LoRA rank {lora.rank} (alpha {lora.alpha:g})"] if lora.rank else []
         what += [f"train.trainable={trainable.pattern!r}"] if trainable.pattern else []
-        if jax.process_index() == 0:
-            print(
-                f"trainable: {n:,} of {total:,} parameters ({100 * n / total:.2f}%): "
-                f"{', '.join(what)}; the rest frozen",
-                flush=True,
-            )
+        console.say(
+            f"trainable: {n:,} of {total:,} parameters ({100 * n / total:.2f}%): "
+            f"{', '.join(what)}; the rest frozen"
+        )
     return state
