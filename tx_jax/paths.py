@@ -1,18 +1,5 @@
 """Workdir paths, local or on Cloud Storage (gs://): the one place that decides how a file is
-opened, listed, appended to and renamed.
-
-    paths.Path("gs://bucket/run") / "metrics.jsonl"     etils.epath (gcsfs behind gs://)
-    paths.is_remote(path)                               an object store (gs://, s3://, ...)
-    paths.absolute(path)                                what Orbax wants: absolute, URLs as they are
-    paths.append_text(path, text)                       add to the end of a text file
-    paths.write_atomic(path, data)                      readers see the old or the new file, whole
-    paths.rename(src, dst)                              a file or a directory tree
-    paths.files(root)                                   every file under root, relative, sorted
-    paths.sizes(root), paths.sha256(path, size)         the same with sizes; a file's SHA-256
-    paths.glob("gs://b/corpus/*.en.gz")                 the files a pattern names, sorted
-    paths.read_bytes(path)                              a file's bytes, .gz decompressed
-    with paths.staged_dir(out) as local: ...            a library that writes only local files
-    paths.gcs_backoff()                                 $TX_JAX_GCS_BACKOFF: scales the retry waits
+opened, listed, appended to and renamed (paths.Path is etils.epath, gcsfs behind gs://).
 
 An object store has no append and no rename, but replacing an object is atomic: on gs:// an
 append rewrites the (small) object, an atomic write needs no temporary file, and a rename

@@ -1,11 +1,9 @@
 """A sweep on Cloud TPU VMs: each free VM runs the next unfinished point on all its workers.
 
-This host is the controller: it plans each point for the VM's slice (WORKDIR/plan_<type>.txt;
-one that does not fit is reported and left), starts it through scripts/tpu.sh `tpu-run
---wait`, and writes WORKDIR/sweep_done.json once it succeeded. A point whose VM is not READY
-after a failure (preempted, terminated, gone) goes back to the queue; --recreate deletes,
-creates and sets such a VM up again. --dry-run needs neither gcloud nor the VMs.
-Usage and the full behaviour: docs/tpu_and_cloud.md#a-sweep-on-tpu-vms.
+This host plans each point for the VM's slice, starts it (scripts/tpu.sh `tpu-run --wait`)
+and writes WORKDIR/sweep_done.json once it succeeded; a point whose VM is not READY after a
+failure goes back to the queue (--recreate makes such a VM again). Usage and behaviour:
+docs/tpu_and_cloud.md#a-sweep-on-tpu-vms.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Putting state and batches on devices: `MeshStrategy` (one jax.jit program over a Mesh, the
 default) or `PmapStrategy` (jax.pmap, an option), behind one interface, `Strategy`.
 
-Model code never sees a device: it names axes ('batch', 'embed', 'heads', ...), and only
-this file turns names into placements. Multi-host runs call `maybe_initialize_distributed`
-first. Train batches are global arrays assembled from each process's rows
-(`process_row_spans` says which rows a process's devices hold, data/shards.py reads
-just those, `place_process_rows` assembles them); eval batches are per process
-(`place_batch`: each process feeds its own rows, and the step sums globally).
+Model code names axes ('batch', 'embed', ...); only this file turns names into placements.
+Train batches are global arrays assembled from the rows each process reads
+(`process_row_spans`, `place_process_rows`); eval batches are per process (`place_batch`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""`train_step(state, batch) -> (state, metrics)` and `eval_step`: pure, jitted or pmapped by
-parallel.py.
+"""`train_step(state, batch) -> (state, metrics)` and `eval_step`, pure (parallel.py compiles).
 
 Batches are dicts of int32 arrays: 'inputs' [B, S], 'targets' [B, L], and with packing
 'inputs_segmentation', 'inputs_position', 'targets_segmentation', 'targets_position'.
