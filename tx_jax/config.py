@@ -175,9 +175,8 @@ def _same(value: Any) -> Any:
     return value
 
 
-# Old key -> (new key, the old value as the new one's): names a run may have stored in its
-# config (config.json, a checkpoint's meta), read under the new names by `upgrade_stored`; a
-# key renamed with its values unchanged (`_same`) is also set by an override of its old name.
+# Old key -> (new key, the old value as the new one's), for stored configs (`upgrade_stored`);
+# an override of an old name renamed with its values (`_same`) sets the new key.
 RENAMED_KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "data.max_len": ("data.max_train_len", _same),  # not model.max_len, the table's size
     "data.synthetic_corpora": ("data.backtranslation", _same),
@@ -186,9 +185,8 @@ RENAMED_KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "eval.test_split": ("eval.score_test", bool),
     "eval.alpha": ("eval.length_penalty", _same),  # alpha is LoRA's scale (train.lora.alpha)
 }
-# Keys that are gone -> the values that meant what the code now does (the model's one way):
-# `upgrade_section` drops them (from a stored config, and from a model section a config names);
-# another value is dropped with a warning.
+# Keys that are gone -> the values that meant what the code now does; `upgrade_section` drops
+# them (another value with a warning).
 REMOVED_KEYS = {
     "model.residual_norm": ("auto", "xla"),
     "model.ffn_impl": ("auto", "xla"),

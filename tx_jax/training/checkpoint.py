@@ -1,9 +1,8 @@
 """Checkpoints: Orbax's CheckpointManager around the train state and everything a run needs.
 
 A checkpoint at step N is the directory WORKDIR/checkpoints/N with three items:
-    state   the TrainState (params, optimizer state, step, rng, counters): StandardSave,
-            so it restores into an abstract state carrying this run's shardings, whatever
-            the device count that saved it
+    state   the TrainState (StandardSave: it restores into this run's shardings, whatever
+            the device count that saved it)
     data    the train iterator's state (JSON): resuming continues the same batch sequence
     meta    the resolved config, the SentencePiece model (base64) and the package versions
 Saves are asynchronous; `wait()` blocks until the last one is on disk. Retention keeps the

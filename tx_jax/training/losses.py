@@ -2,10 +2,9 @@
 NLL and accuracy, over full logits (`loss_impl='dense'`) or fused with the output layer over
 blocks of target positions (`'blocked'`, a memory lever).
 
-Shape letters: B batch, L length, T positions per block, M d_model, V vocabulary. `weights`
-[B, L] are 1 on real target tokens and 0 on padding; every function returns sums (and the
-weight sum) so that the mean over a global batch is sum / weight_sum after summing over devices
-and micro-batches.
+Shapes: B batch, L length, T positions per block, M d_model, V vocabulary. `weights` [B, L]
+are 1 on target tokens, 0 on padding; every function returns sums and the weight sum, so the
+mean over a global batch is their ratio after summing over devices and micro-batches.
 
     loss_sums(logits, targets, weights, label_smoothing)                       the dense path
     output_loss(h, table, bias, targets, weights, label_smoothing, block)      the blocked path
@@ -48,11 +47,8 @@ def _smoothing(V: int, label_smoothing: float) -> tuple[float, float, float]:
 def smoothed_cross_entropy(
     logits: Array, targets: Array, weights: Array, label_smoothing: float = 0.0
 ) -> tuple[Array, Array]:
-    """Sum over tokens of CE(q, softmax(logits)) - H(q) (see `_smoothing`).
-
-    logits [B, L, V] float32, targets [B, L] int, weights [B, L] -> (loss_sum, weight_sum).
-    Never materialises the [B, L, V] one-hot (see `token_cross_entropy`).
-    """
+    """Sum over tokens of CE(q, softmax(logits)) - H(q) (`_smoothing`): logits [B, L, V],
+    targets [B, L] int, weights [B, L] -> (loss_sum, weight_sum), with no [B, L, V] one-hot."""
     loss = token_cross_entropy(logits.astype(jnp.float32), targets, float(label_smoothing))
     loss = (loss - _smoothing(logits.shape[-1], float(label_smoothing))[2]) * weights
     return loss.sum(), weights.sum()
@@ -63,9 +59,8 @@ def token_cross_entropy(logits: Array, targets: Array, label_smoothing: float) -
     """[B, L, V] float32 logits z, [B, L] targets t -> [B, L] CE(q, softmax(z)).
 
     With sum_v q_v = 1: CE = -sum_v q_v (z_v - lse(z)) = lse(z) - (c - u) z_t - u sum_v z_v,
-    and dCE/dz = softmax(z) - q. The custom VJP computes that gradient in one elementwise
-    pass over [B, L, V]; autodiff would differentiate the gather of z_t into a scatter over a
-    [B, L, V] array of zeros (benchmarks/HISTORY.md, 'Optimisations').
+    and dCE/dz = softmax(z) - q, computed in one elementwise pass (autodiff would turn the
+    gather of z_t into a scatter over a [B, L, V] array of zeros).
     """
     return _token_ce_fwd(logits, targets, label_smoothing)[0]
 
