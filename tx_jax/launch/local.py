@@ -1,10 +1,8 @@
 """Run a sweep on this host: each point its own process in ROOT/<i>_<slug>, N at a time.
 
-A point's log is WORKDIR/sweep.log and its command WORKDIR/sweep_command.sh; with N > 1 the
-first point runs alone to prepare the shared TFDS data. A finished point writes
-WORKDIR/sweep_done.json, which a rerun skips (the others resume from their checkpoints).
-Exit status 1 if any point failed, 2 for a bad sweep file or override. On a gs:// ROOT a
-point's log is copied there when its process ends. Usage: docs/experiments.md#sweeps.
+A point's log is WORKDIR/sweep.log, its command WORKDIR/sweep_command.sh; a finished point
+writes WORKDIR/sweep_done.json, which a rerun skips (the others resume from checkpoints).
+Exit status 1 if any point failed, 2 for a bad sweep file or override (docs/experiments.md).
 """
 
 from __future__ import annotations
@@ -96,8 +94,8 @@ run_process = subprocess.run
 
 
 def run_logged(argv: list[str], point: Point, parallel: int) -> int:
-    """Run `argv` with its output appended to the point's log (command line first); a gs://
-    workdir's log gets the output when the process ends (it is written locally meanwhile)."""
+    """Run `argv`, its command line and output appended to the point's log (on gs://, when
+    the process ends)."""
     log_path = point.workdir / LOG_FILE
     remote = paths.is_remote(log_path)
     with tempfile.TemporaryFile("w+") if remote else open(log_path, "a") as log:

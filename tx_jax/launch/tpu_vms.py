@@ -48,8 +48,7 @@ class VM:
 
 
 class Cloud:
-    """The gcloud calls of a TPU sweep: describe directly, the rest through scripts/tpu.sh
-    (its quoting, its remote directory and set-up)."""
+    """The gcloud calls of a TPU sweep (the module's docstring says which go through tpu.sh)."""
 
     def __init__(self, zone: str | None, project: str | None):
         self.where = [f"--zone={zone}"] * bool(zone) + [f"--project={project}"] * bool(project)

@@ -1,18 +1,12 @@
 """train.time_budget_minutes: a run's schedule fitted to a wall-clock budget (docs/training.md
-"A time budget" has the whole behaviour).
-
-A new run times its compiled step on a copy of its initial state with a second train
-iterator's batches (its own state, batches and random streams untouched), then fixes
+"A time budget"). A new run times its step on a copy of its state with a second iterator's
+batches (its own untouched; the devices hold the state twice meanwhile), then fixes
 
     num_steps = floor((budget - clock - compile) / step_seconds), at least 1
 
-where `clock` is the budget clock when the timing ends: train_seconds minus eval_seconds
-(set-up, compilation, updates and saves, summed over segments; evaluations are not counted).
-With several processes all time the step (it is collective) and process 0's figures are
-everyone's. A resumed run is not timed again: its schedule's keys come from its checkpoint
-(`from_checkpoint`), so the continuation is the uninterrupted run's to the bit; a changed
-budget is said in one line and not applied. While it times, the devices hold a second copy of
-the train state.
+`clock`: train_seconds minus eval_seconds when the timing ends; with several processes,
+process 0's figures. A resumed run takes its schedule's keys from its checkpoint
+(`from_checkpoint`), so it continues the uninterrupted run to the bit.
 """
 
 from __future__ import annotations

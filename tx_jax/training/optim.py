@@ -5,9 +5,8 @@
     cosine:             linear warmup to peak_lr, cosine decay to peak_lr * final_lr_fraction
 
 train.cooldown_steps = C > 0 multiplies any of them by a linear ramp from 1 down to 1/C over
-the last C updates, so a run's earlier checkpoints are the same as a longer run's.
-
-`step` counts optimizer updates from 1 (Optax's count + 1), so the first update uses step 1.
+the last C updates, so a run's earlier checkpoints are the same as a longer run's. `step`
+counts optimizer updates from 1 (Optax's count + 1).
 """
 
 from __future__ import annotations
