@@ -1,17 +1,8 @@
-"""Config plumbing shared by configs/*.py: the `get_config(arg)` argument and overrides.
-
-`--config=configs/multi30k.py:pair=en-fr,variant=small` hands "pair=en-fr,variant=small" to
-`get_config`; `parse_arg` turns it into typed values, naming any unknown key.
-
-Tables keep configs/default.py to what every run needs and old runs readable: STUDY_KEYS,
-the keys only a study's configs define, each with the neutral value a config without it reads
-(`study_value`); and every rename of a stored config (config.json, a checkpoint's meta), in
-this module alone: RENAMED_KEYS, old key names read under the new ones (`upgrade_stored`),
-REMOVED_KEYS, keys that are gone, and REPLACED_VALUES, values that load as another
-(`upgrade_section`, which ModelConfig.from_config also applies to a model section). An
-override of an old name whose values carry over sets the new key, with a warning; of any other
-key STUDY_KEYS or RENAMED_KEYS names, an error saying where the key is now
-(`unknown_key_message`).
+"""Config plumbing shared by configs/*.py: the `get_config(arg)` argument (`parse_arg`:
+`configs/multi30k.py:pair=en-fr,variant=small`), overrides, and the tables that keep old runs
+readable: STUDY_KEYS (keys only a study's configs define, with their neutral values), and
+every rename of a stored config in this module alone: RENAMED_KEYS (`upgrade_stored`),
+REMOVED_KEYS and REPLACED_VALUES (`upgrade_section`, also applied by ModelConfig.from_config).
 """
 
 from __future__ import annotations
@@ -59,7 +50,7 @@ def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
         if "=" not in item and "variant" in defaults:
             key, text = "variant", item
         else:
-            key, text = split_assignment(item)
+            key, text = _split_assignment(item)
         if key not in defaults:
             raise ValueError(
                 f"unknown config argument {key!r}; valid arguments: {sorted(defaults)}"
@@ -71,7 +62,7 @@ def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(values)
 
 
-def split_assignment(item: str, what: str = "config argument") -> tuple[str, str]:
+def _split_assignment(item: str, what: str = "config argument") -> tuple[str, str]:
     """'key=value' -> ('key', 'value'), both stripped; ValueError naming `what` otherwise."""
     key, sep, text = item.partition("=")
     if not sep or not key.strip():
@@ -84,16 +75,15 @@ def parse_assignments(
 ) -> dict[str, str]:
     """['a.b=3', 'c=x y'] -> {'a.b': '3', 'c': 'x y'} (values stay text); `prefix` (e.g.
     '--config.') is removed from each item first."""
-    return dict(split_assignment(item.removeprefix(prefix), what) for item in items)
+    return dict(_split_assignment(item.removeprefix(prefix), what) for item in items)
 
 
 def apply_overrides(
     config: ml_collections.ConfigDict, overrides: Mapping[str, Any], *, from_text: bool = False
 ) -> None:
-    """Set dotted keys ('model.d_model': 256) in place. With `from_text`, text values are
-    converted to the type of the value they replace (`convert_text`). An old name of
-    RENAMED_KEYS sets its new key, with a warning. KeyError names an unknown key, ValueError
-    a value that does not convert."""
+    """Set dotted keys ('model.d_model': 256) in place; `from_text`: convert text values like
+    the value they replace. An old name of RENAMED_KEYS sets its new key, with a warning.
+    KeyError names an unknown key, ValueError a value that does not convert."""
     for dotted, value in overrides.items():
         new = new_name(dotted)
         if new and missing_keys(config, [dotted]) and not missing_keys(config, [new]):
@@ -136,8 +126,8 @@ def load_config(spec: str) -> ml_collections.ConfigDict:
 
 
 def sibling_module(here: str, name: str) -> types.ModuleType:
-    """configs/NAME.py, the config file next to `here` (a config's `__file__`), as a module:
-    configs build on each other without being a package."""
+    """configs/NAME.py next to `here` (a config's `__file__`), as a module (configs are no
+    package)."""
     path = pathlib.Path(here).resolve().parent / f"{name}.py"
     return load_module(path, f"_tx_jax_config_{name}")
 
@@ -185,9 +175,8 @@ def _same(value: Any) -> Any:
     return value
 
 
-# Old key -> (new key, the old value as the new one's): names a run may have stored in its
-# config (config.json, a checkpoint's meta), read under the new names by `upgrade_stored`; a
-# key renamed with its values unchanged (`_same`) is also set by an override of its old name.
+# Old key -> (new key, the old value as the new one's), for stored configs (`upgrade_stored`);
+# an override of an old name renamed with its values (`_same`) sets the new key.
 RENAMED_KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "data.max_len": ("data.max_train_len", _same),  # not model.max_len, the table's size
     "data.synthetic_corpora": ("data.backtranslation", _same),
@@ -196,9 +185,8 @@ RENAMED_KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "eval.test_split": ("eval.score_test", bool),
     "eval.alpha": ("eval.length_penalty", _same),  # alpha is LoRA's scale (train.lora.alpha)
 }
-# Keys that are gone -> the values that meant what the code now does (the model's one way):
-# `upgrade_section` drops them (from a stored config, and from a model section a config names);
-# another value is dropped with a warning.
+# Keys that are gone -> the values that meant what the code now does; `upgrade_section` drops
+# them (another value with a warning).
 REMOVED_KEYS = {
     "model.residual_norm": ("auto", "xla"),
     "model.ffn_impl": ("auto", "xla"),
@@ -238,10 +226,9 @@ def with_study_defaults(config: Mapping) -> dict:
 
 
 def upgrade_section(name: str, section: Mapping) -> dict:
-    """Config section `name` ('model'; a plain dict or a ConfigDict's items) with its
-    REMOVED_KEYS dropped and its REPLACED_VALUES replaced, a warning naming each key that
-    changes what loads; a copy of it unchanged when it has none. The warnings name this
-    function's lines, so that a process says each once (resume reads a config twice)."""
+    """A copy of config section `name` ('model') with its REMOVED_KEYS dropped and
+    REPLACED_VALUES replaced, warning for each that changes what loads (stacklevel 1, so a
+    process says each once)."""
     out = dict(section)
     for dotted, kept in REMOVED_KEYS.items():
         where, key = dotted.split(".")
@@ -261,9 +248,8 @@ def upgrade_section(name: str, section: Mapping) -> dict:
 
 
 def upgrade_stored(config: Mapping) -> dict:
-    """A stored config (plain dict) with the old names of RENAMED_KEYS read as the new ones,
-    said in one warning, and each section upgraded (`upgrade_section`); a copy of it unchanged
-    when it has none. Every rename of a stored config's keys and values is in this module."""
+    """A copy of a stored config (plain dict) with RENAMED_KEYS' old names read as the new
+    (one warning) and each section upgraded (`upgrade_section`)."""
     out = copy.deepcopy(dict(config))
     for name, section in out.items():
         if isinstance(section, Mapping):

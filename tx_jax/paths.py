@@ -1,33 +1,9 @@
 """Workdir paths, local or on Cloud Storage (gs://): the one place that decides how a file is
-opened, listed, appended to and renamed.
+opened, listed, appended to and renamed (paths.Path is etils.epath, gcsfs behind gs://).
 
-    paths.Path("gs://bucket/run") / "metrics.jsonl"     etils.epath (gcsfs behind gs://)
-    paths.is_remote(path)                               an object store (gs://, s3://, ...)
-    paths.absolute(path)                                what Orbax wants: absolute, URLs as they are
-    paths.append_text(path, text)                       add to the end of a text file
-    paths.write_atomic(path, data)                      readers see the old or the new file, whole
-    paths.rename(src, dst)                              a file or a directory tree
-    paths.files(root)                                   every file under root, relative, sorted
-    paths.sizes(root), paths.sha256(path, size)         the same with sizes; a file's SHA-256
-    paths.glob("gs://b/corpus/*.en.gz")                 the files a pattern names, sorted
-    paths.read_bytes(path)                              a file's bytes, .gz decompressed
-    with paths.staged_dir(out) as local: ...            a library that writes only local files
-    paths.gcs_backoff()                                 $TX_JAX_GCS_BACKOFF: scales the retry waits
-
-An object store has no append and no rename: an object is written whole, and replacing it is
-atomic (a reader sees the old or the new object, never half of one). So on gs:// an append
-rewrites the object with the new text at its end (the files appended to, metrics.jsonl and
-eval_results.jsonl, are small), an atomic write needs no temporary file, and a rename copies
-then deletes (gcsfs). Locally they are what POSIX gives.
-
-A failed Cloud Storage request (429, 5xx, a dropped connection) is retried by the clients,
-each wait about twice the one before: gcsfs (every file here) 6 tries, waiting 1, 2, 4, 8 and
-16 s plus up to 1 s of jitter (about 30 s in all before a write fails); TensorStore (Orbax's
-checkpoint arrays) 32 tries, waiting from 1 s up to 32 s (about 15 minutes).
-$TX_JAX_GCS_BACKOFF=SECONDS sets the unit of both back-offs: every wait is the default's
-times SECONDS (0.01: gcsfs waits 10, 20, ... 160 ms and gives up after about 0.3 s), the
-number of tries stays. Read once, when this module is imported (checkpoint.py applies it to
-TensorStore); what it changes is in docs/reliability.md.
+An object store has no append and no rename, but replacing an object is atomic: on gs:// an
+append rewrites the (small) object, an atomic write needs no temporary file, and a rename
+copies then deletes. $TX_JAX_GCS_BACKOFF is read once, at import (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -50,15 +26,10 @@ from etils.epath import backend as epath_backend
 Path = epath.Path
 
 
-def _see_other_writers() -> None:
-    """gcsfs caches directory listings for the life of a process, so a process that watches a
-    workdir another one writes (evaluating a running training, a test comparing runs) would
-    not see new checkpoints: every listing asks the store."""
-    for protocol in ("gcs", "gs"):
-        fsspec.config.conf.setdefault(protocol, {})["use_listings_cache"] = False
-
-
-_see_other_writers()
+# Every listing asks the store: gcsfs caches listings for the life of a process, which would
+# then miss the checkpoints another process writes.
+for _protocol in ("gcs", "gs"):
+    fsspec.config.conf.setdefault(_protocol, {})["use_listings_cache"] = False
 
 BACKOFF_ENV = "TX_JAX_GCS_BACKOFF"
 
@@ -79,9 +50,7 @@ def gcs_backoff() -> float | None:
 
 
 class _ScaledSleeps:
-    """What gcsfs's modules see as `asyncio`: asyncio itself, except that `sleep` (which
-    gcsfs calls only to wait between the tries of a failed request) waits `scale` times as
-    long."""
+    """asyncio for gcsfs's modules, but `sleep` (its retry waits only) lasts `scale` times more."""
 
     def __init__(self, scale: float):
         self.scale = scale
@@ -94,9 +63,8 @@ class _ScaledSleeps:
 
 
 def _apply_gcsfs_backoff(scale: float | None) -> None:
-    """gcsfs hard-codes its back-off (`asyncio.sleep(min(random() + 2**(retry - 1), 32))` in
-    gcsfs.retry, and once more for the parts of a batch delete in gcsfs.core) and has no
-    setting for it: its modules' `asyncio` is replaced by one whose sleeps are scaled."""
+    """gcsfs hard-codes its back-off (asyncio.sleep in gcsfs.retry and gcsfs.core), so their
+    `asyncio` is replaced by one whose sleeps are scaled."""
     if scale is None:
         return
     try:
@@ -181,9 +149,7 @@ def sizes(root: Any) -> dict[str, int]:
     """Every file under `root` (a path relative to it, 'a/b.txt') -> its size in bytes."""
     if not is_remote(root):
         return {rel: os.path.getsize(os.path.join(root, rel)) for rel in files(root)}
-    # A store has no directories, only names: one listing of every name under the prefix
-    # (fsspec's find; a page per 1,000 objects, sizes included) instead of a listing per
-    # "directory" and an is-it-a-directory lookup (two requests with gcsfs) per entry.
+    # one listing of every name under the prefix (sizes included), not one per "directory"
     root = epath.Path(root)
     fs = epath_backend.fsspec_backend.fs(str(root))
     prefix = fsspec.core.strip_protocol(str(root)).rstrip("/") + "/"
@@ -195,9 +161,8 @@ _HASH_BLOCK = 1 << 26  # 64 MiB
 
 
 def sha256(path: Any, size: int | None = None) -> str:
-    """The SHA-256 of a file's bytes (hex), read in blocks of 64 MiB. On a store each block
-    is one ranged read: with `size` (from `sizes`) nothing else is asked (gcsfs's open asks
-    for the object's metadata first, with a listing beside it)."""
+    """The SHA-256 of a file's bytes (hex), in 64 MiB blocks; on a store one ranged read each,
+    and with `size` (from `sizes`) no metadata request."""
     block, h = _HASH_BLOCK, hashlib.sha256()
     if not is_remote(path):
         with open(path, "rb") as f:
@@ -247,9 +212,8 @@ def upload_tree(local: Any, dst: Any) -> None:
 
 @contextlib.contextmanager
 def staged_dir(out: Any) -> Iterator[str]:
-    """A local directory for code that can only write local files (safetensors,
-    CTranslate2's converter): `out` itself when local (created), else a temporary directory
-    whose files are copied to `out` when the block ends without an error."""
+    """A local directory for code that writes only local files: `out` itself when local, else
+    a temporary one copied to `out` when the block ends without an error."""
     if not is_remote(out):
         os.makedirs(out, exist_ok=True)
         yield os.fspath(out)

@@ -1,20 +1,8 @@
-"""Run a sweep on this host: every point of an experiments/*.py file in its own workdir.
+"""Run a sweep on this host: each point its own process in ROOT/<i>_<slug>, N at a time.
 
-    tx_jax sweep experiments/table3.py --root=runs/sweeps/table3 [--parallel=2]
-        [--dry_run] [--only=0,3] [--test_split_eval] [--override=train.num_steps=100 ...]
-    ./launch.sh sweep experiments/table3.py [--parallel 2] [...]     (the same, via the venv)
-
-Point i runs as its own process (launch/sweeps.py's command), N at a time (--parallel); its
-stdout/stderr go to WORKDIR/sweep.log and the exact command to WORKDIR/sweep_command.sh (with
-N > 1, the first point to run goes alone, preparing the shared TFDS data, then the rest N at a
-time). After a successful run the sweep writes WORKDIR/sweep_done.json (overrides, wall time,
-command, test BLEU of --test_split_eval); a rerun skips the points that have it, and resumes
-the others from their checkpoints. At the end, ROOT/results.csv, results.md and curves.png
-(launch/results.py). With --test_split_eval, `tx_jax evaluate --split=test
---beam_size=B` scores the final checkpoint. A failed point is reported (status 'failed (rc
-N)') and the others go on; the exit status is 1 if any point failed (2 for a bad sweep file
-or override). ROOT may be a gs:// path (tx_jax/paths.py): a point's log is then copied there
-when its process ends, and a generated config is loaded from a local copy.
+A point's log is WORKDIR/sweep.log, its command WORKDIR/sweep_command.sh; a finished point
+writes WORKDIR/sweep_done.json, which a rerun skips (the others resume from checkpoints).
+Exit status 1 if any point failed, 2 for a bad sweep file or override (docs/experiments.md).
 """
 
 from __future__ import annotations
@@ -106,8 +94,8 @@ run_process = subprocess.run
 
 
 def run_logged(argv: list[str], point: Point, parallel: int) -> int:
-    """Run `argv` with its output appended to the point's log (command line first); a gs://
-    workdir's log gets the output when the process ends (it is written locally meanwhile)."""
+    """Run `argv`, its command line and output appended to the point's log (on gs://, when
+    the process ends)."""
     log_path = point.workdir / LOG_FILE
     remote = paths.is_remote(log_path)
     with tempfile.TemporaryFile("w+") if remote else open(log_path, "a") as log:

@@ -1,12 +1,7 @@
-"""A sweep's results: one row per point from its workdir, the tables, the curves.
+"""A sweep's results: ROOT/results.csv and results.md (one row per point), ROOT/curves.png.
 
-    ROOT/results.csv, ROOT/results.md   one row per point: index, name, status, overrides,
-                                        steps, wall_s, val_bleu, val_loss, test_bleu
-    ROOT/curves.png                     loss and BLEU curves of every run, labelled by name
-
-val_* are the last validation record of WORKDIR/metrics.jsonl; test_bleu the test_eval of the
-point's outcome (--test_split_eval) or else the last record of the test split (written at the
-end of training when eval.score_test is set).
+val_* are the last validation record of WORKDIR/metrics.jsonl; test_bleu the point's
+--test_split_eval outcome, else the last test-split record (eval.score_test).
 """
 
 from __future__ import annotations

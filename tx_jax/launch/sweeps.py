@@ -1,16 +1,9 @@
-"""A sweep file and its points: loading, expansion, validation, and each point's command.
+"""A sweep file (experiments/*.py) and its points: loading, expansion, validation, commands.
 
-A sweep file (experiments/*.py) defines `sweep() -> list[dict]` of dotted config overrides,
-`CONFIG = "configs/<file>.py:<arg>"` (the base config) and optionally `NAME` (the default root
-is runs/sweeps/NAME, else the file's stem) and `BASE` (overrides under every point: a smaller
-base model, fewer steps; a point's own overrides win, and only they name it). Every override
-key of every point is checked against the base config before anything runs: a typo is an
-error naming the key and point.
-
-Point i trains as `tx_jax train --config=... --workdir=ROOT/<i>_<slug> --config.k=v
-...`. Values that absl's config flags cannot parse (lists, None, dicts) go through a generated
-WORKDIR/sweep_config.py instead (the base config plus those overrides); for a gs:// workdir it
-is loaded from a local copy, since a config is Python imported from a file.
+The file defines `sweep() -> list[dict]` of dotted overrides, `CONFIG` (the base config) and
+optionally `NAME` (default root runs/sweeps/NAME) and `BASE` (overrides under every point; a
+point's own win and only they name it). Every key is checked against the base config first.
+Values absl's config flags cannot parse go through a generated WORKDIR/sweep_config.py.
 """
 
 from __future__ import annotations

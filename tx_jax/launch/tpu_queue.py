@@ -1,27 +1,9 @@
-"""A sweep on Cloud TPU VMs: every point on one of the named VMs, all of its workers.
+"""A sweep on Cloud TPU VMs: each free VM runs the next unfinished point on all its workers.
 
-    ./launch.sh sweep SWEEP_FILE --tpu NAME[,NAME...] --root gs://B/sweeps/NAME
-        [--zone Z] [--project P] [--recreate] [--no-plan] [--dry-run] [--only 0,3]
-
-This host (a workstation, or any machine with gcloud) is the controller; the VMs run the
-points. Each free VM gets the next unfinished point: it is planned for the VM's slice here
-first (tx_jax plan, as tpu-run plans; the plan goes to WORKDIR/plan_<type>.txt and
-a point that does not fit is reported and left, the rest still run), then started on every
-worker through scripts/tpu.sh (`tpu-run --wait`: gcloud ssh --worker=all, in the foreground)
-with its workdir ROOT/<i>_<name> on gs://. The point's output goes to WORKDIR/sweep.log when
-its command ends; the controller writes WORKDIR/sweep_done.json once it succeeded, so a rerun
-from any machine skips the finished points and resumes the others from their checkpoints.
-
-When a point's command fails, gcloud is asked about its VM: PREEMPTED, TERMINATED, gone (or
-any state but READY) loses no point: it goes back to the queue and resumes from its last
-checkpoint on the next free VM. With --recreate a preempted spot or queued VM is deleted,
-created again (same accelerator type and runtime) and set up (tpu-setup), then takes points
-again. A VM that is READY after a failure means the point itself failed (its log says why).
-
-One line per change (a point started, finished, requeued, not run; a VM lost or recreated),
-and ROOT/results.csv, results.md and curves.png rewritten whenever a point finishes (the
-local sweep's columns). --dry-run needs neither gcloud nor the VMs: it prints the gcloud
-command that would start each point, the points dealt round-robin over the VMs.
+This host plans each point for the VM's slice, starts it (scripts/tpu.sh `tpu-run --wait`)
+and writes WORKDIR/sweep_done.json once it succeeded; a point whose VM is not READY after a
+failure goes back to the queue (--recreate makes such a VM again). Usage and behaviour:
+docs/tpu_and_cloud.md#a-sweep-on-tpu-vms.
 """
 
 from __future__ import annotations

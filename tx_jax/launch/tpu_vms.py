@@ -1,8 +1,5 @@
-"""Cloud TPU VMs for a sweep: what gcloud says of a VM, scripts/tpu.sh's commands, readiness.
-
-Each VM is described directly (`gcloud compute tpus tpu-vm describe`: state, accelerator type,
-workers, runtime, spot or queued); starting a point on every worker, deleting, creating and
-setting a VM up go through scripts/tpu.sh (its quoting, its remote directory and set-up).
+"""Cloud TPU VMs for a sweep: `gcloud ... tpu-vm describe` for a VM's state, scripts/tpu.sh
+(its quoting, remote directory and set-up) to run on every worker, delete, create, set up.
 """
 
 from __future__ import annotations
@@ -51,8 +48,7 @@ class VM:
 
 
 class Cloud:
-    """The gcloud calls of a TPU sweep: describe directly, the rest through scripts/tpu.sh
-    (its quoting, its remote directory and set-up)."""
+    """The gcloud calls of a TPU sweep (the module's docstring says which go through tpu.sh)."""
 
     def __init__(self, zone: str | None, project: str | None):
         self.where = [f"--zone={zone}"] * bool(zone) + [f"--project={project}"] * bool(project)

@@ -1,50 +1,12 @@
-"""train.time_budget_minutes: a run's schedule fitted to a wall-clock budget.
-
-fairseq's --stop-time-hours stops a run when its time is up, wherever its schedule is; here the
-schedule ends at the budget: a new run times its update once and fixes train.num_steps, so
-that its warmup, decay and cooldown run their course within the budget.
-
-The budget clock is the run's training time: set-up (data, tokenizer, model), compilation,
-the updates and the checkpoint saves, summed over the segments of a run stopped and resumed:
-MetricLogger's train_seconds minus its eval_seconds, the evaluations during training (their
-cost is a choice of how often to look, not of how long to train). The final evaluation and
-the test-split score come after the last update, outside the budget. metrics.jsonl's records
-and every checkpoint's meta carry both figures, so a resumed run continues the clock.
-
-Fitting (`fit`), for a new run (no checkpoint of its own; a train.init_from start is new):
-once the run is set up, its train step is compiled as the run compiles it (donating) and
-timed on a copy of the initial state with the batches of a second train iterator, so the
-run's own state, batches and random streams are untouched (its numbers are those of a run
-given the fitted train.num_steps): UNTIMED updates first (the first one compiles), then at
-least MIN_TIMED and at least min(MAX_TIMING_SECONDS, TIMING_SHARE of the budget) of them,
-timed together as the loop runs them (one in flight, the next batch prepared meanwhile).
-Then
+"""train.time_budget_minutes: a run's schedule fitted to a wall-clock budget (docs/training.md
+"A time budget"). A new run times its step on a copy of its state with a second iterator's
+batches (its own untouched; the devices hold the state twice meanwhile), then fixes
 
     num_steps = floor((budget - clock - compile) / step_seconds), at least 1
 
-where `clock` is the budget clock when the timing ends and `compile` the time the run's own
-step takes to compile: the timed program's, the same but for the schedule's constants. The
-set-up having spent the budget already is an error. With several processes all of them time
-the updates (each is a collective program) and process 0's figures are everyone's.
-
-The schedule under a budget: train.warmup_steps is kept (it is about stability, counted in
-updates) but at most num_steps // 2; train.cooldown_steps keeps its share of the config's
-train.num_steps; cosine and linear decays run to the fitted num_steps. An eval.every and
-checkpoint.every that the data chose (configs/text.py's, runner/sizing.py) are chosen again
-for the fitted num_steps (~10 evaluations); values a config sets are kept. The fitted values
-replace the config's before WORKDIR/config.json and the first checkpoint are written, and the
-timing goes into every checkpoint's meta ('budget').
-
-Resuming: a run with a checkpoint of its own is not timed again: num_steps, warmup_steps and
-cooldown_steps are its checkpoint's (`from_checkpoint`), whatever the config says, so the
-continuation is the uninterrupted run's to the bit; a changed budget is reported in one line
-and not applied (the schedule was fixed when the run started); so is a budget given to a run
-that started without one.
-
-What the timing leaves out: the checkpoint saves (in the clock, not timed: an async save
-costs the loop little) and the logging every train.log_every updates, so a run with many slow
-saves or frequent logs ends after its budget by about their time. While it runs the devices
-hold a second copy of the train state.
+`clock`: train_seconds minus eval_seconds when the timing ends; with several processes,
+process 0's figures. A resumed run takes its schedule's keys from its checkpoint
+(`from_checkpoint`), so it continues the uninterrupted run to the bit.
 """
 
 from __future__ import annotations
@@ -62,21 +24,18 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from tx_jax.runner import sizing
+from tx_jax.runner import console, sizing
 from tx_jax.runner.setup import Run, build_optimizer, train_step_fn
 
 KEY = "train.time_budget_minutes"
 # The schedule's keys a budget fixes (and a resumed run takes from its checkpoint).
 FIXED_KEYS = ("num_steps", "warmup_steps", "cooldown_steps")
-# Untimed updates before the timing: the first compiles; the others run after one-time costs
-# (buffers allocated, thread pools and the input pipeline's prefetch started) and size it.
+# Untimed updates: the first compiles, the others pass one-time costs (buffers, prefetch).
 UNTIMED = 3
 # Timed updates at least: the mean of fewer is one sample's noise.
 MIN_TIMED = 3
-# Timing length: 30 s of updates, since on a CPU the first updates after the compilation run
-# slower than the rest and a longer mean fits the budget closer (BENCHMARKS.md "Your corpus
-# at a 60-minute budget"); a short budget (a smoke run, a test) spends at most 5% of itself
-# timing.
+# Seconds of timing: a CPU's first updates after compiling run slower, so a longer mean fits
+# the budget closer; a short budget (a smoke run) spends at most TIMING_SHARE of itself.
 MAX_TIMING_SECONDS = 30.0
 TIMING_SHARE = 0.05
 
@@ -125,10 +84,9 @@ def time_updates(
     clock: Callable[[], float] = time.perf_counter,
     agree: Callable[[int], int] | None = None,
 ) -> Timing:
-    """Time `step(state, batch) -> (state, metrics)` (donating its state: `state` is used
-    up) on `batches`: UNTIMED updates, then max(MIN_TIMED, target / the second's time) timed
-    together, with one in flight as the loop runs them. `agree`: the timed count every
-    process uses (default: process 0's)."""
+    """Time a donating `step(state, batch) -> (state, metrics)` (`state` is used up): UNTIMED
+    updates, then max(MIN_TIMED, target / the last one's time) timed together with one in
+    flight, as the loop runs them. `agree`: the timed count every process uses (process 0's)."""
     agree = agree or _process_0s
     seconds = []
     for _ in range(UNTIMED):
@@ -150,10 +108,8 @@ def time_updates(
 
 
 def fit(run: Run, state: Any, shardings: Any, started: float, train_iter: Any) -> Run:
-    """`run` with its schedule fitted to its budget (a new run's `state`, not changed):
-    its step timed with `train_iter`'s batches (a second iterator, used up), the
-    schedule's keys fixed, tx/schedule/init_fn rebuilt; the line printed. `started`: when
-    the run's clock started (time.time(); the logger's `started`)."""
+    """`run` with its schedule fitted to its budget, timed on a copy of `state` with
+    `train_iter`'s batches (used up); the line printed. `started`: the logger's time.time()."""
     budget_seconds = 60 * minutes(run.config)
     step_fn = train_step_fn(run.config, run.model, run.tx, run.schedule)
     p_step = run.strategy.compile_step(step_fn, donate=True, state_shardings=shardings)
@@ -199,10 +155,8 @@ def refit_cadence(sized: tuple[str, ...], num_steps: int, eval_every: int) -> di
 
 
 def from_checkpoint(run: Run, checkpointer: Any) -> Run:
-    """A resumed run as its checkpoint fixed it: a budgeted run's num_steps, warmup_steps,
-    cooldown_steps and budget (Run.budget) from its newest readable checkpoint, whatever the
-    config says; a changed budget, or one set for a run that started without, said in one
-    line and not applied. `run` itself for a new run (or one with no readable checkpoint)."""
+    """A resumed run with FIXED_KEYS and Run.budget from its newest readable checkpoint,
+    whatever the config says (a changed budget is said, not applied); `run` for a new run."""
     stored = _stored_meta(checkpointer)
     if stored is None:
         return run
@@ -235,9 +189,8 @@ def _with_train(
     budget_minutes: float | None = None,
     cadence: dict[str, int] | None = None,
 ) -> Run:
-    """`run` with a copy of its config holding `values` in its train section (and the budget
-    `budget_minutes`, the `cadence`: 'eval.every' and 'checkpoint.every'), its optimizer
-    rebuilt for them and `record` as its budget."""
+    """`run` with a config copy holding `values` in train (and `budget_minutes`, `cadence`),
+    its optimizer rebuilt and `record` as its budget."""
     config = copy.deepcopy(run.config)
     for key, value in values.items():
         config.train[key] = value
@@ -276,5 +229,4 @@ def _secs(seconds: float) -> str:
 
 def _say(line: str) -> None:
     logging.info("%s", line)
-    if jax.process_index() == 0:
-        print(line, flush=True)
+    console.say(line)

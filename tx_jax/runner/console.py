@@ -10,30 +10,20 @@ from etils import epath
 from tx_jax.config import task_of
 
 
+def say(line: str) -> None:
+    """Print `line` once: on process 0."""
+    if jax.process_index() == 0:
+        print(line, flush=True)
+
+
 def evaluation(step: int, metrics: dict[str, Any]) -> None:
     """One line per validation: loss, accuracy, perplexity, BLEU (and BLEU per direction)."""
-    if jax.process_index() != 0:
-        return
-    print(
+    say(
         f"eval  {step:>6}  loss {metrics['loss']:.4f}  acc {metrics['accuracy']:.3f}  "
         f"ppl {metrics['perplexity']:.2f}"
         + (f"  bleu {metrics['bleu']:.2f}" if "bleu" in metrics else "")
-        + "".join(f"  {k} {v:.2f}" for k, v in metrics.items() if k.startswith("bleu/")),
-        flush=True,
+        + "".join(f"  {k} {v:.2f}" for k, v in metrics.items() if k.startswith("bleu/"))
     )
-
-
-def language_model_test(step: int, result: dict[str, float]) -> None:
-    if jax.process_index() == 0:
-        print(
-            f"test  {step:>6}  loss {result['loss']:.4f}  ppl {result['perplexity']:.2f}",
-            flush=True,
-        )
-
-
-def no_test_split(split: str) -> None:
-    if jax.process_index() == 0:
-        print(f"no test score: the data names no files for the test split {split!r}", flush=True)
 
 
 def stopped(signal_name: str, step: int, directory: epath.Path) -> None:
@@ -42,12 +32,6 @@ def stopped(signal_name: str, step: int, directory: epath.Path) -> None:
         "rerun the same command to resume",
         flush=True,
     )
-
-
-def resumed(step: int, changes: str) -> None:
-    """The config keys a resumed run changes (runner/resume.py decides which may)."""
-    if jax.process_index() == 0:
-        print(f"resuming from step {step} with config changes: {changes}", flush=True)
 
 
 def summary(run: Any, final: dict[str, Any], budget_clock: float | None = None) -> None:

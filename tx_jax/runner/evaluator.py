@@ -1,6 +1,4 @@
-"""Scores during and at the end of training: validation loss, accuracy, perplexity and BLEU
-(greedy by default); for a language model loss, accuracy and perplexity, also on the test split.
-"""
+"""Scores during and at the end of training (Evaluator)."""
 
 from __future__ import annotations
 
@@ -67,21 +65,17 @@ class Evaluator:
     def test_metrics(self, state, step: int, logger) -> dict[str, Any]:
         """BLEU on the test split, or for a language model its loss and perplexity."""
         if task_of(self.run.config) != "lm":
-            return self.test_bleu(state, step, logger)
+            split = self.run.config.data.test_split
+            result = self._bleu(state, split, None, self.run.config.eval.get("test_beam_size"))
+            logger.write(step, split, {k: v for k, v in result.items() if _is_num(v)})
+            return {f"test_{k}": v for k, v in result.items()}
         split, multiple = self.run.config.data.test_split, self.run.strategy.local_batch_multiple
         result = self._loss_metrics(
             state, self.run.task.eval_batches(split, multiple, one_shape=True)
         )
         logger.write(step, split, result)
-        console.language_model_test(step, result)
+        console.say(f"test  {step:>6}  loss {result['loss']:.4f}  ppl {result['perplexity']:.2f}")
         return {f"test_{k}": v for k, v in result.items()}
-
-    def test_bleu(self, state, step: int, logger) -> dict[str, Any]:
-        split = self.run.config.data.test_split
-        result = self._bleu(state, split, None, self.run.config.eval.get("test_beam_size"))
-        out = {f"test_{k}": v for k, v in result.items()}
-        logger.write(step, split, {k: v for k, v in result.items() if _is_num(v)})
-        return out
 
 
 def _is_num(v: Any) -> bool:

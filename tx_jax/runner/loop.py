@@ -1,13 +1,8 @@
-"""The training loop: `train_and_evaluate(config, workdir)`, the library entry point
-(cli/train.py parses flags and calls it; tests and notebooks call it directly).
+"""The training loop: `train_and_evaluate(config, workdir)`, the library entry point.
 
-Each step runs `training.step.train_step` on one global batch; every `eval.every` steps the
-run is evaluated (loss, accuracy, perplexity and, for translation, BLEU) and checkpointed,
-and at the end the test split is scored (with the average of the last `eval.average_last`
-checkpoints when that is set). SIGTERM / SIGINT save and stop at the next step boundary.
-With data.directions set, BLEU is logged per direction (bleu/en-de, ...) and 'bleu' is their
-mean, so checkpoint.best_metric='bleu' works unchanged. With train.time_budget_minutes a new
-run first times its update and fits train.num_steps to the budget (runner/budget.py).
+Every `eval.every` steps the run is evaluated (runner/evaluator.py) and checkpointed; at the
+end the test split is scored (with the average of the last `eval.average_last` checkpoints
+when set). SIGTERM / SIGINT save and stop at the next step boundary.
 """
 
 from __future__ import annotations
@@ -57,7 +52,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     if new and budget.minutes(run.config) > 0:  # its step timed: the steps it has time for
         run = budget.fit(run, state, shardings, started, _train_iterator(run))
     config, cfg = run.config, run.config.train
-    p_train = _compile_train_step(run, shardings)
+    step_fn = train_step_fn(run.config, run.model, run.tx, run.schedule)
+    p_train = run.strategy.compile_step(step_fn, donate=True, state_shardings=shardings)
     evaluator = Evaluator(run, shardings)
     train_seconds, eval_seconds = _seconds_before(run, checkpointer, state)
     # after the restore (a config it refuses leaves the workdir's config.json as it was) and
@@ -109,11 +105,8 @@ def _loop(run: Run, config, checkpointer, state, train_iter, p_train, evaluator,
         step += 1
         profiler.after(step, metrics)
         pending.append(metrics)
-        # At most one step in flight: JAX dispatches asynchronously, so without this wait the
-        # loop could queue up to log_every steps before the logging device_get, and a stop (a
-        # TPU preemption notice gives about 30 s) would wait for all of them before the save.
-        # Waiting for step N-1 once N is dispatched keeps the device busy (N is queued, the
-        # next batch is prepared meanwhile) and answers a stop within about one step.
+        # At most one step in flight, so a stop (a preemption notice gives ~30 s) waits for
+        # about one step, not log_every of them; N queued behind N-1 keeps the device busy.
         if len(pending) > 1:
             jax.block_until_ready(pending[-2])
         is_last = step == cfg.num_steps
@@ -142,7 +135,7 @@ def _loop(run: Run, config, checkpointer, state, train_iter, p_train, evaluator,
     checkpointer.close()
     wanted = config.data.test_split if config.eval.score_test else ""
     if wanted and not run.test_split:  # the data has no such split (setup.size_from_data)
-        console.no_test_split(wanted)
+        console.say(f"no test score: the data names no files for the test split {wanted!r}")
     elif run.test_split and step == cfg.num_steps:  # every process decodes (SPMD)
         k = config.eval.get("average_last", 0)
         test_state = _averaged(run, state, k) if k else state
@@ -161,16 +154,9 @@ def _train_iterator(run: Run):
     )
 
 
-def _compile_train_step(run: Run, shardings):
-    """`train_step` for this run's model and optimizer, compiled for its devices; it donates
-    the state it is given."""
-    step_fn = train_step_fn(run.config, run.model, run.tx, run.schedule)
-    return run.strategy.compile_step(step_fn, donate=True, state_shardings=shardings)
-
-
 def _averaged(run: Run, state, k: int):
-    """`state` holding the mean parameters of the run's last `k` checkpoints (saved under
-    WORKDIR/averaged/last<k>, as `evaluate --average_last` does), placed like `state`."""
+    """`state` holding the mean parameters of the last `k` checkpoints (as `evaluate
+    --average_last` saves them), placed like `state`."""
     averaged = averaging.average_checkpoints(run.workdir, k)
     ckpt = restore.open_checkpoints(averaged.path.parent)
     abstract = run.strategy.abstract_state(run.init_fn).params
@@ -180,8 +166,7 @@ def _averaged(run: Run, state, k: int):
 
 
 def _seconds_before(run: Run, checkpointer, state) -> tuple[float, float]:
-    """(train_seconds, eval_seconds) of the segments before this one: the restored
-    checkpoint's (0 for a new run, or a checkpoint written before they were kept)."""
+    """(train_seconds, eval_seconds) of the segments before this one (0 for a new run)."""
     step = int(jax.device_get(run.strategy.for_checkpoint(state).step))
     if step == 0 or step not in checkpointer.all_steps():
         return 0.0, 0.0

@@ -1,10 +1,8 @@
 """A `jax.profiler` trace of chosen train steps, for TensorBoard's profile view.
 
-`train.profile_steps = (start, stop)` traces steps start .. stop - 1 (numbered from 1, as the
-log numbers them) into WORKDIR/tensorboard/plugins/profile/<time>/<host>.xplane.pb, next to
-the run's scalars, so `tensorboard --logdir WORKDIR/tensorboard` shows both (the Profile tab
-needs the `tensorboard-plugin-profile` package). Every process traces its own host. The first
-steps include compilation; start after them to see a step's steady state.
+`train.profile_steps = (start, stop)` traces steps start .. stop - 1 (numbered from 1) of
+every host into WORKDIR/tensorboard/plugins/profile/, beside the run's scalars (the Profile
+tab needs `tensorboard-plugin-profile`). The first steps include compilation.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
-"""Resuming a workdir under a config that differs from its checkpoint's: which changes the run
-continues under (listed once when it resumes) and which it cannot (refused before the restore,
-naming each key with its stored and new values and what to do instead).
-
-    refused  a key that decides the vocabulary (VOCABULARY_KEYS): the workdir keeps its
-             tokenizer.model, so the new value would be silently ignored
-             a key that changes the train state's shapes or structure (model sizes, a
-             learned positional table, weight_decay 0 -> > 0 adding AdamW's decay state):
-             the checkpoint cannot be restored into that state
-    listed   every other key (train.num_steps, the schedule, eval.*, checkpoint.*, dropout)
+"""Resuming a workdir under a config that differs from its checkpoint's. Refused before the
+restore, naming each key with its stored and new values and what to do instead: a key that
+decides the vocabulary (VOCABULARY_KEYS), or one that changes the train state's shapes or
+structure (model sizes, weight_decay 0 -> > 0, ...). Every other change is listed once.
 """
 
 from __future__ import annotations
@@ -34,10 +28,8 @@ from tx_jax.inference.locate import (
 from tx_jax.runner import console
 from tx_jax.training.checkpoint import Checkpointer
 
-# The keys that decide WORKDIR/tokenizer.model: its size, its given file, its single-piece
-# symbols (language and back-translation tags) and the text it was trained on (the dataset,
-# its languages and directions, the pairs read). A resumed run keeps that file, so a new value
-# would be ignored. Each names itself and the keys under it (data.synthetic.num_train, ...).
+# The keys (and the keys under them) that decide WORKDIR/tokenizer.model, which a resumed run
+# keeps, so a new value would be silently ignored.
 VOCABULARY_KEYS = (
     "data.vocab_size",
     "data.tokenizer_path",
@@ -58,8 +50,7 @@ VOCABULARY_KEYS = (
 # when the state's shapes differ, each differing key of these is tried alone to name the cause.
 STATE_KEYS = ("task", "model", "train")
 
-# the unboxed train state of a config as ShapeDtypeStructs (setup.state_shapes for this run's
-# vocabulary): what the stored config is rebuilt with, one changed key at a time
+# a config -> its unboxed train state as ShapeDtypeStructs (setup.state_shapes)
 StateOf = Callable[[ml_collections.ConfigDict], Any]
 
 
@@ -75,10 +66,9 @@ class Stored:
 def check_config(
     config: ml_collections.ConfigDict, checkpointer: Checkpointer, abstract: Any, state_of: StateOf
 ) -> None:
-    """Raise CheckpointError when the checkpoints cannot be resumed under `config`, whose train
-    state is `abstract` (ShapeDtypeStructs): a changed vocabulary key, or a state whose shapes
-    differ from the checkpoint's (each key that causes it named). Nothing is compared when no
-    checkpoint's meta and metadata read (Checkpointer.restore_latest then reports the damage)."""
+    """Raise CheckpointError when the checkpoints cannot be resumed under `config` (train state
+    `abstract`, ShapeDtypeStructs): a changed vocabulary key, or differing state shapes (each
+    cause named). No readable checkpoint: nothing compared (restore_latest reports it)."""
     stored = newest_readable(checkpointer)
     if stored is None:
         return
@@ -138,21 +128,17 @@ def newest_readable(checkpointer: Checkpointer) -> Stored | None:
 
 
 def differences(stored: Mapping, config: ml_collections.ConfigDict) -> dict[str, tuple[Any, Any]]:
-    """Dotted key -> (stored, new) for the keys of `config` that differ from `stored` (a saved
-    config). `config` is compared as a checkpoint stores it (JSON: tuples are lists), `stored`
-    under today's key names (config.upgrade_stored); a key unset on both sides (None, '', 0, []
-    or absent: one added since the checkpoint) is no change, nor is a study key one side lacks
-    that the other holds at its neutral value. A config without data.tokenizer (one stored
-    before it existed) reads as the options its tokenizer was trained with."""
+    """Dotted key -> (stored, new) for the keys of `config` that differ from the saved config
+    `stored`, both as _complete reads them; a key unset on both sides (None, '', 0, [], absent)
+    is no change."""
     current = json.loads(json.dumps(config.to_dict()))
     changed = config_differences(_complete(stored), _complete(current))
     return {k: (a, b) for k, (a, b) in changed.items() if a or b}
 
 
 def _complete(config: Mapping) -> Mapping:
-    """`config` (as saved) as today's code reads it: under today's key names
-    (config.upgrade_stored), its absent study keys at their neutral values and
-    run_tokenizer.TOKENIZER_DEFAULTS where data.tokenizer lacks a key."""
+    """A saved `config` as today's code reads it: today's key names, absent study keys at
+    their neutral values, TOKENIZER_DEFAULTS where data.tokenizer lacks a key."""
     config = with_study_defaults(upgrade_stored(config))
     data = config.get("data")
     if not isinstance(data, Mapping):
@@ -198,8 +184,7 @@ def _with(config: Mapping, key: str, value: Any) -> ml_collections.ConfigDict:
 
 
 def announce(step: int, stored_config: Mapping, config: ml_collections.ConfigDict) -> None:
-    """Log, and print on process 0, the keys that differ from the restored checkpoint's config:
-    'resuming from step 8 with config changes: train.num_steps 8 -> 16, eval.every 4 -> 2'."""
+    """Log (and print on process 0) the keys that differ from the restored checkpoint's config."""
     changes = ", ".join(
         f"{k} {a!r} -> {b!r}" for k, (a, b) in differences(stored_config, config).items()
     )
@@ -207,4 +192,4 @@ def announce(step: int, stored_config: Mapping, config: ml_collections.ConfigDic
         "resuming from step %d%s", step, f" with config changes: {changes}" if changes else ""
     )
     if changes:
-        console.resumed(step, changes)
+        console.say(f"resuming from step {step} with config changes: {changes}")

@@ -21,7 +21,7 @@ from tx_jax.data import datasets, lengths, preparation, tasks
 from tx_jax.data.shards import kept_train_pairs
 from tx_jax.inference import restore
 from tx_jax.model import ModelConfig, make_model
-from tx_jax.runner import resume, sizing
+from tx_jax.runner import console, resume, sizing
 from tx_jax.runner.validation import check_batch_divides, validate_config
 from tx_jax.training import checkpoint as ckpt_lib
 from tx_jax.training import optim, parallel
@@ -32,8 +32,7 @@ from tx_jax.training.step import train_step
 
 @dataclasses.dataclass
 class Sized:
-    """A complete config and what it was sized from: the sizing step's result
-    (size_from_data), what build_run builds a run of."""
+    """size_from_data's result: a complete config and what it was sized from (build_run's input)."""
 
     config: ml_collections.ConfigDict  # nothing left to the data
     workdir: epath.Path
@@ -43,8 +42,7 @@ class Sized:
     source: restore.InitSource | None = None
     # the keys the data chose (runner/sizing.py): a budget refits the cadence among them
     chosen: tuple[str, ...] = ()
-    # the split scored at the end: data.test_split, '' when eval.score_test is off or the
-    # data has no such split
+    # data.test_split, scored at the end; '' when eval.score_test is off or there is none
     test_split: str = ""
 
 
@@ -79,14 +77,10 @@ def size_from_data(
     workdir: str | epath.Path,
     strategy: parallel.Strategy | None = None,
 ) -> Sized:
-    """The sizing step, before the run is built: `config` (left as it is) completed from the
-    data. A resumed run's keys come from its config.json, the rest the data chooses
-    (runner/sizing.py: the vocabulary before the tokenizer is trained, the rest from the
-    tokenized lengths), said in one line; then what data.max_train_len drops of the train split
-    and data.max_eval_len truncates of the evaluation splits. A complete config is checked
-    before any data is read; one with keys left to the data, its rest before and all of it
-    after. The task it prepared (its tokenizer trained) is the run's. `strategy`: the devices'
-    (default: the config's, jax.distributed started first when it asks for it)."""
+    """The sizing step: `config` (not changed) completed from the data (runner/sizing.py; a
+    resumed run's keys from its config.json), said in one line with what the length limits
+    drop or truncate. Checked before any data is read, and again once sized. The task it
+    prepared is the run's. `strategy`: default the config's (jax.distributed started first)."""
     workdir = ckpt_lib.absolute(workdir)
     config = sizing.begin(config, workdir)
     unset = tuple(sizing.unset_keys(config))
@@ -119,9 +113,8 @@ def size_from_data(
     if train is not None:
         lines.append(lengths.describe_train(train, config.data.max_train_len))
         lines.append(lengths.describe_eval(evals, config.data.max_eval_len))
-    if jax.process_index() == 0:
-        for line in filter(None, lines):
-            print(line, flush=True)
+    for line in filter(None, lines):
+        console.say(line)
     return Sized(config, workdir, strategy, task, source, chosen=unset, test_split=test_split)
 
 
@@ -148,14 +141,10 @@ def build_run(sized: Sized) -> Run:
 
 
 def prepare_data(config: ml_collections.ConfigDict, workdir: epath.Path, *, vocabulary: bool):
-    """(source, task, train lengths, evaluation lengths): everything a run reads of its data,
-    prepared once. `source`: train.init_from's checkpoint, opened (meta only), unless the
-    workdir has checkpoints of its own (then the run resumes from those and init_from is not
-    read again); `vocabulary`: data.vocab_size chosen first from the train split's pair count
-    (data.max_train_pairs applied; runner/sizing.py's rule), before the tokenizer is trained.
-    The task: its data prepared and opened, its tokenizer trained (or given, or `source`'s) and
-    saved as WORKDIR/tokenizer.model; the lengths (a uniform sample of the train split and the
-    evaluation splits a run decodes) for one translation pair, the others None."""
+    """(source, task, train lengths, evaluation lengths), prepared once. `source`:
+    train.init_from's checkpoint (meta only), None when the workdir has its own checkpoints;
+    `vocabulary`: choose data.vocab_size from the train pair count before the tokenizer is
+    trained. The lengths are for one translation pair only, else None."""
     own = workdir / "checkpoints"
     resumed = own.exists() and any(p.name.isdigit() for p in own.iterdir())
     path = config.train.get("init_from")
@@ -180,17 +169,15 @@ def prepare_data(config: ml_collections.ConfigDict, workdir: epath.Path, *, voca
 
 
 def build_model(config: ml_collections.ConfigDict, vocab_size: int, bos_id: int, platform: str):
-    """(model_config, model, tx, schedule, init_fn) of `config` for a vocabulary, on
-    `platform`: what a run trains, also built without data by tx_jax.planning (vocabulary
-    from data.vocab_size, the target's platform)."""
+    """(model_config, model, tx, schedule, init_fn) of `config` on `platform` (tx_jax.planning
+    builds it without data too)."""
     model_config = ModelConfig.of_run(config, platform, vocab_size=vocab_size, bos_id=bos_id)
     model = make_model(model_config, task_of(config))
     return model_config, model, *build_optimizer(config, model_config, model)
 
 
 def build_optimizer(config: ml_collections.ConfigDict, model_config: ModelConfig, model):
-    """(tx, schedule, init_fn) of `config`'s train section for `model`: what a run rebuilds
-    when its schedule's steps change (runner/budget.py); the state's structure stays."""
+    """(tx, schedule, init_fn) of `config.train` for `model`; runner/budget.py rebuilds it."""
     tx, schedule = optim.make_optimizer(config.train, model_config.d_model)
     trainable = Trainable.of(config.train)
     init_fn = functools.partial(init_state, model, tx, config.seed, trainable)
@@ -198,15 +185,15 @@ def build_optimizer(config: ml_collections.ConfigDict, model_config: ModelConfig
 
 
 def state_shapes(config: ml_collections.ConfigDict, tokenizer, platform: str) -> TrainState:
-    """What a checkpoint of `config` holds of its train state (its trainable parameters:
-    freezing.py), for `tokenizer`'s vocabulary, as ShapeDtypeStructs (nothing allocated)."""
+    """The train state a checkpoint of `config` holds (trainable part only), as
+    ShapeDtypeStructs."""
     init_fn = build_model(config, tokenizer.vocab_size, tokenizer.bos_id, platform)[-1]
     return Trainable.of(config.train).saved(nn.meta.unbox(jax.eval_shape(init_fn)))
 
 
 def train_step_fn(config: ml_collections.ConfigDict, model: nn.Module, tx, schedule) -> Callable:
-    """`train_step` bound to this run's model, optimizer and train settings: what the loop
-    compiles (donating the state) and what tx_jax.planning compiles for a target."""
+    """`train_step` bound to this run's model, optimizer and train settings (the loop and
+    tx_jax.planning compile it)."""
     cfg = config.train
     return functools.partial(
         train_step,
@@ -233,9 +220,8 @@ def check_writable(workdir: epath.Path) -> None:
 
 
 def restore_or_init(run: Run, checkpointer: ckpt_lib.Checkpointer) -> tuple[TrainState, dict]:
-    """The newest good checkpoint placed for this run's devices (damaged ones are reported
-    and skipped), or a fresh state. A CheckpointError refuses a config the checkpoint cannot be
-    resumed under; the changes it can are listed (runner/resume.py)."""
+    """The newest good checkpoint placed for this run's devices (damaged ones skipped), or a
+    fresh state. CheckpointError for a config it cannot resume under (runner/resume.py)."""
     if checkpointer.latest_step() is None and run.init_source is not None:
         return _init_from(run), {}
     if checkpointer.latest_step() is None:
@@ -258,35 +244,26 @@ def restore_or_init(run: Run, checkpointer: ckpt_lib.Checkpointer) -> tuple[Trai
 
 
 def _init_from(run: Run) -> TrainState:
-    """A fresh state (step 0, new optimizer moments, the config's dropout key) holding the
-    parameters of train.init_from's checkpoint, placed for this run's devices."""
+    """A fresh state (step 0, new moments) holding train.init_from's parameters, placed."""
     source = run.init_source
     trainable = run.trainable
     abstract, _ = trainable.from_base(run.strategy.abstract_state(run.init_fn).params)
     params = source.load_params(abstract, run.config, run.task.tokenizer.vocab_size)
     source.checkpointer.close()
     logging.info("parameters from %s (train.init_from)", source.path)
-    if jax.process_index() == 0:
-        print(f"init_from: parameters of {source.path} (step {source.step})", flush=True)
+    console.say(f"init_from: parameters of {source.path} (step {source.step})")
     # the base's buffers become the state's; only new adapters (B = 0: the base's outputs)
     # and the optimizer's moments are made
     state = run.strategy.init_state(run.init_fn, params)
     if not trainable.everything:
         one = run.strategy.for_checkpoint(state).params  # one replica under pmap
         run.base = restore.base_reference(source, trainable.split(one)[1])
-        _announce_trainable(run, one)
-    return state
-
-
-def _announce_trainable(run: Run, params) -> None:
-    """One line: how many parameters train, and which."""
-    n, total = run.trainable.count(params)
-    lora = run.model_config.lora
-    what = [f"LoRA rank {lora.rank} (alpha {lora.alpha:g})"] if lora.rank else []
-    what += [f"train.trainable={run.trainable.pattern!r}"] if run.trainable.pattern else []
-    if jax.process_index() == 0:
-        print(
+        n, total = trainable.count(one)
+        lora = run.model_config.lora
+        what = [f"LoRA rank {lora.rank} (alpha {lora.alpha:g})"] if lora.rank else []
+        what += [f"train.trainable={trainable.pattern!r}"] if trainable.pattern else []
+        console.say(
             f"trainable: {n:,} of {total:,} parameters ({100 * n / total:.2f}%): "
-            f"{', '.join(what)}; the rest frozen",
-            flush=True,
+            f"{', '.join(what)}; the rest frozen"
         )
+    return state

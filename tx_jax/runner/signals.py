@@ -11,21 +11,17 @@ from tx_jax.training import checkpoint as ckpt_lib
 
 
 class StopSignal:
-    """SIGTERM / SIGINT ask the loop to save and exit cleanly at the next step boundary.
-
-    A single process needs its own handler (Orbax's preemption sync only acts under
-    jax.distributed). With several processes JAX's coordination service watches SIGTERM and
-    Orbax's `reached_preemption` makes all of them agree on the step to save at; installing
-    a Python handler there would replace that watcher. A second SIGINT interrupts at once.
-    The loop keeps at most one step in flight, so a stop is answered within about one step
-    (runner/loop.py).
-    """
+    """SIGTERM / SIGINT ask the loop to save and exit at the next step boundary; a second
+    SIGINT interrupts at once. Only a single process installs a handler: with several, JAX's
+    coordination service watches SIGTERM and Orbax's `reached_preemption` makes them agree
+    on the step, and a Python handler would replace that watcher."""
 
     def __init__(self, checkpointer: ckpt_lib.Checkpointer):
         self.checkpointer = checkpointer
         self.signum: int | None = None
         self._previous = {}
-        if threading_is_main() and jax.process_count() == 1:
+        main = threading.current_thread() is threading.main_thread()
+        if main and jax.process_count() == 1:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._previous[sig] = signal.signal(sig, self._handle)
 
@@ -47,7 +43,3 @@ class StopSignal:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
-
-
-def threading_is_main() -> bool:
-    return threading.current_thread() is threading.main_thread()

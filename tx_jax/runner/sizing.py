@@ -1,40 +1,13 @@
-"""Defaults sized by the corpus: what a config reading a user's data leaves unset (None), the
-sizing step chooses from that data before the run is built, says in one line, and the run
-records in config.json.
+"""Defaults sized by the corpus: the keys a config leaves unset (None) are chosen from the
+data before the run is built (runner/setup.py's size_from_data), said in one line and
+recorded in config.json.
 
     unset = unset_keys(config)                 the keys left to the data (configs/text.py's)
     size_class(pairs).vocab_size               before the tokenizer is trained
     choices = size_run(config, unset, ...)     after: lengths, model, steps, dtype
 
-runner/setup.py's size_from_data is the sizing step that applies it, before the run is built.
-
-The rule (docs/data.md "Your own corpus" has it as a table, with its evidence):
-
-    train pairs      model                    dropout   vocabulary  tokens/batch  epochs  warmup
-    < 100k           small  (256, 3+3)        0.3/0.1   8,000       4,096         75      1,000
-    100k - 1M        medium (512, 6+6, ff 1k) 0.3/0.1   10,000      4,096         50      4,000
-    1M - 10M         base   (the paper's)     0.1/0.0   32,000      25,000        20      4,000
-    >= 10M           big    (the paper's)     0.1/0.0   32,000      25,000        7       4,000
-
-- small: measured here (configs/multi30k.py's recipe: 9,000 updates of ~238 pairs over
-  29,000 pairs, ~74 epochs; 40.3 test BLEU);
-- medium: fairseq's IWSLT'14 de-en recipe (transformer_iwslt_de_en, ~160k pairs, 10k joint
-  BPE, dropout 0.3, --max-tokens 4096, 4,000 warmup updates), epochs between the small and
-  base rows;
-- base: the paper's base on WMT14 en-de (4.5M pairs, 37k BPE, 100k updates of ~25k tokens:
-  ~20 epochs); big: the paper's big on WMT14 en-fr (36M pairs, 32k word pieces, 300k updates:
-  ~7 epochs; dropout 0.1 as there).
-
-Lengths: data.max_train_len is the 99th percentile of a train pair's longer side in ids (EOS
-included) rounded up to a multiple of 8, within [16, 256], and at least 64 for packed rows
-(shorter rows hold too few pairs and waste their ends); data.max_eval_len holds the longest
-evaluation source and reference (no test source truncated), within [16, 1024]. Steps: the
-epochs above of the train split, batched as the run batches it (first-fit packing simulated on
-the sampled lengths), within [1,000, 300,000]; a linear cooldown over the last 20% (measured on
-Multi30k: +0.6 to +1.3 BLEU); evaluation every ~10% of the run, checkpoints twice as often.
-model.dtype: bfloat16 compute on a TPU, a GPU or a CPU with bfloat16 units, else float32.
-
-A resumed run (its workdir has checkpoints) takes the values of its config.json, so a later
+The rule by train pairs (CLASSES), the lengths, steps and dtype chosen, and their evidence:
+docs/data.md "Your own corpus". A resumed run takes the values of its config.json, so a later
 change of the rule never changes a run under way. Every value the user sets wins.
 """
 
@@ -82,20 +55,14 @@ SIZED_KEYS = (
 )
 # Their types, so that a flag can set one that is None (--config.model.d_model=512).
 SIZED_TYPES = {
-    **{
-        k: int
-        for k in SIZED_KEYS
-        if k.startswith(("model.", "data.", "train.", "eval.", "checkpoint."))
-    },
+    **dict.fromkeys(SIZED_KEYS, int),
     "model.dropout_rate": float,
     "model.attention_dropout_rate": float,
     "model.dtype": str,
     "data.bucket_boundaries": list,
 }
 MAX_LEN_RANGE = (16, 256)
-# Packed rows shorter than this hold too few pairs and waste their ends: on Multi30k rows of
-# 40 carry ~229 pairs an update, rows of 64 ~238 (BENCHMARKS.md "Your corpus at a 60-minute
-# budget"); a packed row's length is data.max_train_len, so a packed run's is at least this.
+# Packed rows shorter than this hold too few pairs and waste their ends (docs/data.md).
 MIN_PACKED_LEN = 64
 MAX_EVAL_LEN_RANGE = (16, 1024)
 STEPS_RANGE = (1_000, 300_000)
@@ -190,9 +157,8 @@ def unset_keys(config: ml_collections.ConfigDict) -> list[str]:
     ]
 
 
-def stored_values(workdir: epath.Path, keys: Iterable[str]) -> dict[str, Any]:
-    """The values a run under way chose for `keys` (WORKDIR/config.json of a workdir that has
-    checkpoints), {} for a new run."""
+def _stored_values(workdir: epath.Path, keys: Iterable[str]) -> dict[str, Any]:
+    """The values a run under way (one with checkpoints) stored for `keys`; {} for a new run."""
     ckpts = workdir / "checkpoints"
     path = workdir / "config.json"
     if not (ckpts.exists() and any(p.name.isdigit() for p in ckpts.iterdir()) and path.exists()):
@@ -225,8 +191,8 @@ def clamp(n: int, bounds: tuple[int, int]) -> int:
 def packed_pairs_per_batch(
     source: np.ndarray, target: np.ndarray, max_len: int, rows: int
 ) -> float:
-    """Pairs per batch when `rows` rows of `max_len` are filled first fit in stream order
-    (batches.py's packer) with pairs of these lengths (over max_len: dropped, as there)."""
+    """Pairs per batch when batches.py's first-fit packer fills `rows` rows of `max_len` with
+    pairs of these lengths (longer ones dropped, as there)."""
     keep = (source <= max_len) & (target <= max_len)
     free: list[list[int]] = []
     batches, held = 0, 0
@@ -244,9 +210,8 @@ def packed_pairs_per_batch(
     return held / used if used else 1.0
 
 
-def bfloat16_compute(platform: str) -> tuple[bool, str]:
-    """Whether bfloat16 compute pays on `platform` (and why): TPUs and GPUs, and CPUs with
-    bfloat16 units (the CPU kernels' dots run there, 1.8x float32's step rate: BENCHMARKS.md)."""
+def _bfloat16_compute(platform: str) -> tuple[bool, str]:
+    """Whether bfloat16 compute pays on `platform` (TPUs, GPUs, CPUs with bf16 units), and why."""
     if platform in ("tpu", "gpu", "cuda", "rocm"):
         return True, platform
     feats = logs.cpu().rsplit(", ", 1)[-1]
@@ -254,8 +219,7 @@ def bfloat16_compute(platform: str) -> tuple[bool, str]:
 
 
 def eval_every(steps: int) -> int:
-    """eval.every for a run of `steps` updates: ~10 evaluations (also a time budget's, for its
-    fitted steps: budget.py); checkpoint.every is `checkpoint_every` of the one the run uses."""
+    """eval.every for a run of `steps` updates: ~10 evaluations (budget.py's fitted steps too)."""
     return max(100, round_up(steps / 10, 100))
 
 
@@ -281,8 +245,8 @@ def size_run(
     platform: str,
     batch_multiple: int = 1,
 ) -> Choices:
-    """Fills the keys of `unset` that are still None in `config` from the train lengths (a
-    uniform sample of the split) and the evaluation splits' lengths; returns what it chose."""
+    """Fills the keys of `unset` still None in `config` from the train lengths (a uniform
+    sample) and the evaluation splits' lengths -> what it chose."""
     cls = size_class(train.total)
     chosen: dict[str, Any] = {}
 
@@ -295,7 +259,7 @@ def size_run(
     for k in MODEL_KEYS:
         choose(f"model.{k}", cls.model[k])
     if "model.dtype" in unset and get(config, "model.dtype") is None:
-        bf16, why = bfloat16_compute(platform)
+        bf16, why = _bfloat16_compute(platform)
         choose("model.dtype", "bfloat16" if bf16 else "float32")
         chosen["model.dtype"] = (chosen["model.dtype"], why)
     p = train.percentile(PERCENTILE)
@@ -351,8 +315,8 @@ def describe(config, cls: SizeClass, train, p: int, per_epoch: float, chosen, un
 
 
 def with_placeholders(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """A copy of `config` whose unset keys hold the smallest class's values: what the checks
-    that run before the data is read (validate_config) look at."""
+    """A copy of `config` whose unset keys hold the smallest class's values, for the checks
+    that run before the data is read (validate_config)."""
     out = copy.deepcopy(config)
     small = CLASSES[0]
     values = {f"model.{k}": v for k, v in small.model.items()}
@@ -392,11 +356,11 @@ def as_flags(values: dict[str, Any]) -> str:
 
 
 def begin(config: ml_collections.ConfigDict, workdir: epath.Path) -> ml_collections.ConfigDict:
-    """`config` itself when it leaves nothing to the data; else a copy (the caller's config
-    stays as it was) holding a resumed run's stored choices (config.json) for its unset keys."""
+    """`config` if it leaves nothing to the data, else a copy holding a resumed run's stored
+    choices for its unset keys."""
     unset = unset_keys(config)
     if not unset:
         return config
     config = copy.deepcopy(config)
-    fill(config, stored_values(workdir, unset))
+    fill(config, _stored_values(workdir, unset))
     return config

@@ -19,9 +19,7 @@ from tx_jax.training.freezing import Trainable
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
-    """Every check that needs no device and no data, before anything compiles. Raises
-    ValueError naming the key (unknown keys are caught by the locked ConfigDict / from_config).
-    """
+    """Raises ValueError naming the key of the first check `config` fails."""
     unset = sizing.unset_keys(config)
     if unset:
         raise ValueError(sizing.unset_message(unset))
@@ -93,15 +91,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
             f"data.tokens_per_batch={config.data.tokens_per_batch} is smaller than one row of "
             f"data.max_train_len={config.data.max_train_len} tokens"
         )
-    if config.checkpoint.best_metric and config.checkpoint.best_metric not in (
-        "bleu",
-        "chrf",
-        "loss",
-        "accuracy",
-        "perplexity",
-    ):
+    best = config.checkpoint.best_metric
+    if best and best not in ("bleu", "chrf", "loss", "accuracy", "perplexity"):
         raise ValueError(
-            f"checkpoint.best_metric={config.checkpoint.best_metric!r}; expected a validation "
+            f"checkpoint.best_metric={best!r}; expected a validation "
             "metric: bleu, chrf, loss, accuracy or perplexity"
         )
 

@@ -1,24 +1,18 @@
 """Checkpoints: Orbax's CheckpointManager around the train state and everything a run needs.
 
 A checkpoint at step N is the directory WORKDIR/checkpoints/N with three items:
-    state   the TrainState (params, optimizer state, step, rng, counters): StandardSave,
-            so it restores into an abstract state carrying this run's shardings, whatever
-            the device count that saved it
+    state   the TrainState (StandardSave: it restores into this run's shardings, whatever
+            the device count that saved it)
     data    the train iterator's state (JSON): resuming continues the same batch sequence
     meta    the resolved config, the SentencePiece model (base64) and the package versions
 Saves are asynchronous; `wait()` blocks until the last one is on disk. Retention keeps the
 latest `keep` checkpoints plus the best one by a validation metric.
 
-Integrity: Orbax restores flipped bytes silently, so once a save of this process is final,
-process 0 writes N/checksums.json (SHA-256 of every file of the step). Restores verify it
-and raise `CorruptCheckpointError` naming the step and the file; `restore_latest` then falls
-back to the previous good checkpoint. A checkpoint whose manifest was never written (the
-process died between Orbax's commit and the manifest) is used with a warning: a manifest is
-only ever written for a save this process made, never for one found on disk.
-
-Retries: TensorStore retries a failed Cloud Storage request 32 times, waiting from 1 s up to
-32 s; with $TX_JAX_GCS_BACKOFF (paths.gcs_backoff) every wait is that many times shorter or
-longer, as gcsfs's are for every other file (docs/reliability.md).
+Integrity: Orbax restores flipped bytes silently, so process 0 writes N/checksums.json
+(SHA-256 of every file) once a save of this process is final; restores verify it, raising
+`CorruptCheckpointError`, and `restore_latest` falls back to the previous good checkpoint. A
+step without a manifest is used with a warning (none is written for a save found on disk).
+$TX_JAX_GCS_BACKOFF scales TensorStore's Cloud Storage retries (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -39,9 +33,8 @@ ITEMS = ("state", "data", "meta")
 
 
 def _apply_tensorstore_backoff(unit: float | None) -> None:
-    """Orbax opens its arrays with TensorStore contexts it builds itself (a caller cannot pass
-    one) from two module-level specs: the `gcs_request_retries` resource, whose default is 32
-    tries waiting 1 s doubling to 32 s, is added to both with its delays times `unit`."""
+    """Scale TensorStore's `gcs_request_retries` (1 s doubling to 32 s) by `unit` in the two
+    module-level specs Orbax builds its contexts from (a caller cannot pass one)."""
     if unit is None:
         return
     from orbax.checkpoint._src.serialization import tensorstore_utils
@@ -132,11 +125,8 @@ class Checkpointer:
         force: bool = True,
         extra_meta: dict | None = None,
     ) -> bool:
-        """Start an (async) save of everything at `step`; returns whether a save started:
-        not when `step` is saved already or being saved (a stop right after a periodic save
-        has nothing new to save).
-
-        `extra_meta` adds JSON keys to `meta` (e.g. 'averaged': the steps an average holds)."""
+        """Start an (async) save of everything at `step` -> whether one started (not when
+        `step` is saved or being saved already). `extra_meta`: more JSON keys for `meta`."""
         if step == self._last_started or step == self.manager.latest_step():
             return False
         meta = {
@@ -270,17 +260,16 @@ class Checkpointer:
             ),
         )
         logging.info("restored checkpoint %s", self.directory / str(step))
-        return restored["state"], dict(restored["data"] or {}), decode_meta(restored["meta"])
+        return restored["state"], dict(restored["data"] or {}), _decode_meta(restored["meta"])
 
     def restore_meta(self, step: int) -> dict:
         """The config and tokenizer of a checkpoint, without reading its arrays."""
         restored = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        return decode_meta(restored["meta"])
+        return _decode_meta(restored["meta"])
 
     def restore_params(self, step: int, abstract_params: Any) -> Any:
-        """Only `state.params`, placed as `abstract_params` says: the optimizer moments and
-        the other items are not read (evaluation and decoding need nothing else). The
-        whole step is verified against its checksums first."""
+        """Only `state.params` (verified first), placed as `abstract_params` says; nothing
+        else is read."""
         self.verify(step)
         target = {"params": abstract_params}
         args = ocp.args.PyTreeRestore(
@@ -300,9 +289,8 @@ class Checkpointer:
 
 
 def _files(step_dir: epath.Path, listing: dict[str, int] | None = None) -> dict[str, int]:
-    """Every file under a step directory (relative) -> its size, except the manifest itself
-    (and the temporary files of an interrupted local manifest write). `listing`: the step's
-    `paths.sizes`, when already read."""
+    """Every file under a step directory (relative) -> its size, but the manifest and its
+    temporary files. `listing`: the step's `paths.sizes`, when already read."""
     listing = paths.sizes(step_dir) if listing is None else listing
     return {
         rel: size
@@ -314,7 +302,7 @@ def _files(step_dir: epath.Path, listing: dict[str, int] | None = None) -> dict[
 absolute = paths.absolute  # Orbax wants absolute paths; gs:// and other URLs as they are
 
 
-def decode_meta(meta: dict) -> dict:
+def _decode_meta(meta: dict) -> dict:
     meta = dict(meta)
     meta["tokenizer"] = base64.b64decode(meta["tokenizer"])
     return meta

@@ -5,9 +5,8 @@
                            e.g. '^decoder/' or 'layer_(4|5)/' (with LoRA: these besides the
                            adapters); paths look like 'decoder/layer_5/ffn/wi_kernel'
 
-The train step differentiates and updates only the trainable part, so gradients and optimizer
-moments exist for it alone; frozen parameters pass through the step unchanged (in
-train.frozen_dtype, e.g. 'bfloat16', when set). A checkpoint of such a run holds the trainable
+Gradients and optimizer moments exist for the trainable part alone; frozen parameters pass
+through the step unchanged (in train.frozen_dtype when set). A checkpoint holds the trainable
 part only (`saved`); the frozen part is the base's (train.init_from), read again on resume.
 """
 

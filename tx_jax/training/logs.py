@@ -1,10 +1,8 @@
 """Run logs: TensorBoard event files, WORKDIR/metrics.jsonl, and a console progress line.
 
 Only process 0 writes. Each metrics.jsonl line is {"step": N, "split": "train", ...floats}.
-On a gs:// workdir the event files are written in a local directory and copied to
-WORKDIR/tensorboard through tx_jax.paths (at most every TB_SYNC_SECONDS, and when the logger
-closes), so that every write to the workdir goes through one client and one retry policy,
-and an unreachable store fails a write instead of a writer's finalizer at exit.
+On a gs:// workdir the event files are staged locally and copied up through tx_jax.paths (at
+most every TB_SYNC_SECONDS, and on close), so every write has one client and retry policy.
 """
 
 from __future__ import annotations
@@ -87,9 +85,8 @@ TB_SYNC_SECONDS = 30.0
 
 
 def _summary_writer_class():
-    """tensorboardX's SummaryWriter, imported without torch where torch is installed but not yet
-    loaded: tensorboardX imports it only to recognise torch tensors (we log floats), and that
-    import is seconds of every training process's start."""
+    """tensorboardX's SummaryWriter imported without torch (which it imports only to recognise
+    torch tensors, at seconds of every process's start)."""
     if "tensorboardX" in sys.modules or "torch" in sys.modules:
         from tensorboardX import SummaryWriter
 
@@ -114,11 +111,8 @@ class MetricLogger:
         eval_seconds: float = 0.0,
         started: float | None = None,
     ):
-        """`train_seconds`: the run's training time before this process (a resumed run's,
-        from its checkpoint), `eval_seconds` the part of it spent in evaluations during
-        training; `started`: when this process's part began (time.time(); default now).
-        Records carry train_seconds = the sum of every segment's time so far, and
-        eval_seconds = the part of it that `count_eval` was told of."""
+        """`train_seconds`, `eval_seconds`: the segments' before this process (a resumed
+        run's checkpoint's); `started`: when this process's segment began (time.time())."""
         self.workdir = epath.Path(workdir)
         self.total_steps = total_steps
         self.enabled = jax.process_index() == 0
@@ -166,9 +160,8 @@ class MetricLogger:
             self._sync()
 
     def segment(self, event: str, step: int) -> None:
-        """Append {event: 'start' | 'stop', step, train_seconds, eval_seconds, time, cpu,
-        devices} to WORKDIR/segments.jsonl: which machine trained which steps of a run stopped
-        and resumed, and for how long (a run's minutes compare only on the same kind of CPU)."""
+        """Append {event: 'start' | 'stop', step, seconds, time, cpu, devices} to
+        WORKDIR/segments.jsonl: which machine trained which steps, and for how long."""
         if not self.enabled:
             return
         record = {
@@ -183,8 +176,7 @@ class MetricLogger:
         paths.append_text(self.workdir / "segments.jsonl", json.dumps(record) + "\n")
 
     def train_seconds(self) -> float:
-        """Wall seconds of training in every segment of the run so far (a segment from its
-        process's start: set-up, compilation and periodic evaluation included)."""
+        """Wall seconds of every segment so far (set-up, compilation, evaluations included)."""
         return self._train_seconds + time.time() - self._segment_start
 
     def count_eval(self, seconds: float) -> None:
@@ -196,8 +188,7 @@ class MetricLogger:
         return self._eval_seconds
 
     def budget_clock(self) -> float:
-        """train_seconds minus eval_seconds: what train.time_budget_minutes counts
-        (runner/budget.py)."""
+        """train_seconds minus eval_seconds: what train.time_budget_minutes counts."""
         return self.train_seconds() - self._eval_seconds
 
     def _sync(self) -> None:
@@ -230,9 +221,9 @@ class MetricLogger:
         )
 
     def close(self, quiet: bool = False, copy: bool = True) -> None:
-        """Close the TensorBoard writer and copy a remote workdir's last events up (again:
-        nothing). `quiet`: a failure is printed, not raised (the run is failing already, and
-        its own error is the one to see); `copy=False` leaves the events (the store fails)."""
+        """Close the writer and copy a remote workdir's last events up (a second call: nothing).
+        `quiet`: print a failure, not raise it (the run's own error is the one to see);
+        `copy=False`: leave the events (the store is failing)."""
         if self._tb is None:
             return
         tb, self._tb = self._tb, None

@@ -2,23 +2,19 @@
 NLL and accuracy, over full logits (`loss_impl='dense'`) or fused with the output layer over
 blocks of target positions (`'blocked'`, a memory lever).
 
-Shape letters: B batch, L length, T positions per block, M d_model, V vocabulary. `weights`
-[B, L] are 1 on real target tokens and 0 on padding; every function returns sums (and the
-weight sum) so that the mean over a global batch is sum / weight_sum after summing over devices
-and micro-batches.
+Shapes: B batch, L length, T positions per block, M d_model, V vocabulary. `weights` [B, L]
+are 1 on target tokens, 0 on padding; every function returns sums and the weight sum, so the
+mean over a global batch is their ratio after summing over devices and micro-batches.
 
     loss_sums(logits, targets, weights, label_smoothing)                       the dense path
     output_loss(h, table, bias, targets, weights, label_smoothing, block)      the blocked path
         both -> {'loss', 'nll', 'correct', 'weight'} float32 sums, the same up to rounding
 
-The dense path writes float32 logits [B, L, V], the step's largest array, and reads them back
-for the loss, the NLL, the accuracy and the backward pass. The blocked path scans over blocks
-of T positions *along L* (every row of the batch in each block, so a data-parallel or fsdp
-sharding of B is untouched), reduces each block's logits [B, T, V] to per-token statistics at
-once and keeps only those; the backward pass recomputes each block's logits from the hidden
-states: the logits never exist whole, at the price of a recomputed product (BENCHMARKS.md).
-The output weight is a table E [V, M], the tied embedding's layout; an untied kernel W [M, V]
-is passed as W.T (XLA folds the transpose into the products).
+The dense path writes float32 logits [B, L, V], the step's largest array. The blocked path
+scans blocks of T positions along L (B whole, so a sharding of B is untouched), keeps only
+per-token statistics of each block's logits and recomputes them in the backward pass. The
+output weight is a table E [V, M] (the tied embedding's layout; an untied W [M, V] is passed
+as W.T, which XLA folds into the products).
 """
 
 from __future__ import annotations
@@ -51,11 +47,8 @@ def _smoothing(V: int, label_smoothing: float) -> tuple[float, float, float]:
 def smoothed_cross_entropy(
     logits: Array, targets: Array, weights: Array, label_smoothing: float = 0.0
 ) -> tuple[Array, Array]:
-    """Sum over tokens of CE(q, softmax(logits)) - H(q) (see `_smoothing`).
-
-    logits [B, L, V] float32, targets [B, L] int, weights [B, L] -> (loss_sum, weight_sum).
-    Never materialises the [B, L, V] one-hot (see `token_cross_entropy`).
-    """
+    """Sum over tokens of CE(q, softmax(logits)) - H(q) (`_smoothing`): logits [B, L, V],
+    targets [B, L] int, weights [B, L] -> (loss_sum, weight_sum), with no [B, L, V] one-hot."""
     loss = token_cross_entropy(logits.astype(jnp.float32), targets, float(label_smoothing))
     loss = (loss - _smoothing(logits.shape[-1], float(label_smoothing))[2]) * weights
     return loss.sum(), weights.sum()
@@ -66,9 +59,8 @@ def token_cross_entropy(logits: Array, targets: Array, label_smoothing: float) -
     """[B, L, V] float32 logits z, [B, L] targets t -> [B, L] CE(q, softmax(z)).
 
     With sum_v q_v = 1: CE = -sum_v q_v (z_v - lse(z)) = lse(z) - (c - u) z_t - u sum_v z_v,
-    and dCE/dz = softmax(z) - q. The custom VJP computes that gradient in one elementwise
-    pass over [B, L, V]; autodiff would differentiate the gather of z_t into a scatter over a
-    [B, L, V] array of zeros (benchmarks/HISTORY.md, 'Optimisations').
+    and dCE/dz = softmax(z) - q, computed in one elementwise pass (autodiff would turn the
+    gather of z_t into a scatter over a [B, L, V] array of zeros).
     """
     return _token_ce_fwd(logits, targets, label_smoothing)[0]
 
@@ -112,13 +104,8 @@ def nll(logits: Array, targets: Array, weights: Array) -> tuple[Array, Array]:
 
 
 def accuracy(logits: Array, targets: Array, weights: Array) -> tuple[Array, Array]:
-    """(weighted number of positions whose target has the largest logit, weight_sum).
-
-    A position counts when its target's logit is the largest (a tie with another token
-    counts as a hit, where argmax would pick the lower index). Comparing with the max, which
-    the cross-entropy's logsumexp computes anyway, saves a variadic argmax reduction over the
-    [B, L, V] logits (BENCHMARKS.md).
-    """
+    """(weighted number of positions whose target has the largest logit, ties a hit;
+    weight_sum). Comparing with the max, which logsumexp computes anyway, saves an argmax."""
     target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     correct = (target_logit >= logits.max(-1)).astype(jnp.float32) * weights
     return correct.sum(), weights.sum()
@@ -127,7 +114,7 @@ def accuracy(logits: Array, targets: Array, weights: Array) -> tuple[Array, Arra
 # ------------------------------------------- blocked: the output layer fused with the loss
 
 
-def check_operands(fn: str, h, table, bias, targets, weights) -> None:
+def _check_operands(fn: str, h, table, bias, targets, weights) -> None:
     """A ValueError naming `fn` and the operand whose shape does not fit h [B, L, M],
     table [V, M], bias [V] or None, targets and weights [B, L]."""
     if h.ndim != 3 or targets.shape != h.shape[:2] or weights.shape != targets.shape:
@@ -150,19 +137,15 @@ def output_loss(
     label_smoothing: float = 0.0,
     block: int = 64,
 ) -> dict[str, Array]:
-    """Sums over tokens of the output layer's losses, without the [B, L, V] logits.
+    """loss_sums' four float32 sums without the [B, L, V] logits = float32(h E^T) + bias.
 
-    h [B, L] + [M] final hidden states (compute dtype), table E [V, M] (any dtype; cast to
-    h's), bias [V] or None, targets [B, L] int, weights [B, L] float; logits = float32(h E^T)
-    + bias. Returns float32 scalars: 'loss' (smoothed_cross_entropy's sum with
-    `label_smoothing`), 'nll' (the same with 0), 'correct' (accuracy's: the target's
-    logit >= the max counts), 'weight' (sum of weights). `block` (static) is the number of
-    positions per block; L is padded with weight-0 positions up to a multiple of it (a
-    block is min(block, L) positions).
+    h [B, L, M] (compute dtype), table E [V, M] (cast to h's dtype), bias [V] or None, targets
+    [B, L] int, weights [B, L]. `block` (static): positions per block, min(block, L); L is
+    padded with weight-0 positions to a multiple of it.
     """
     if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block < 1:
         raise ValueError(f"model.loss_block={block!r}; expected a positive int")
-    check_operands("output_loss", h, table, bias, targets, weights)
+    _check_operands("output_loss", h, table, bias, targets, weights)
     return _output_loss(h, table, bias, targets, weights, float(label_smoothing), int(block))
 
 
@@ -171,7 +154,7 @@ def _output_loss(h, table, bias, targets, weights, label_smoothing, block):
     return _fwd(h, table, bias, targets, weights, label_smoothing, block)[0]
 
 
-def token_sums(lse, target, total, top, weights, V: int, label_smoothing: float):
+def _token_sums(lse, target, total, top, weights, V: int, label_smoothing: float):
     """Per-token statistics of the logits (logsumexp, the target's logit, the sum over V, the
     max) -> the four sums, and the per-token (loss, nll, hit) the backward passes reuse."""
     c, u, entropy = _smoothing(V, label_smoothing)
@@ -251,7 +234,7 @@ def _fwd(h, table, bias, targets, weights, label_smoothing, block):
 
     _, out = lax.scan(stats, None, (_blocks(hp, T), _blocks(tp, T)))
     lse, target, total, top = (_unblocks(x)[:, :L] for x in out)  # [B, L] each
-    sums, (tok_loss, tok_nll, hit) = token_sums(
+    sums, (tok_loss, tok_nll, hit) = _token_sums(
         lse, target, total, top, weights, V, label_smoothing
     )
     residuals = (hp, table, bias, targets, weights, lse, tok_loss, tok_nll, hit)

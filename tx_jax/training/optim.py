@@ -5,10 +5,8 @@
     cosine:             linear warmup to peak_lr, cosine decay to peak_lr * final_lr_fraction
 
 train.cooldown_steps = C > 0 multiplies any of them by a linear ramp from 1 down to 1/C over
-the last C of num_steps updates (a warmup-stable-decay cooldown): the run is free of a
-decay before then, so its earlier checkpoints are the same as a longer run's.
-
-`step` counts optimizer updates from 1 (Optax's count + 1), so the first update uses step 1.
+the last C updates, so a run's earlier checkpoints are the same as a longer run's. `step`
+counts optimizer updates from 1 (Optax's count + 1).
 """
 
 from __future__ import annotations
@@ -73,23 +71,21 @@ def _base_schedule(train: Any, d_model: int) -> optax.Schedule:
     raise ValueError(f"train.schedule={kind!r}; expected one of {SCHEDULES}")
 
 
-def decays(path: tuple) -> bool:
-    """Whether weight decay applies to the parameter at `path`: every weight matrix and
-    embedding, not the biases nor the norms' scales (shifting those toward 0 regularises
-    nothing: they set offsets and the normalised activations' scale)."""
-    names = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
-    name = names[-1] if names else ""
-    return not (name.endswith("bias") or name == "scale")
+def _weight_decay_mask(params: Any) -> Any:
+    """True on every weight matrix and embedding, False on biases and norms' scales
+    (shifting those toward 0 regularises nothing: they set offsets and scales)."""
 
+    def decays(path: tuple, _) -> bool:
+        names = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
+        name = names[-1] if names else ""
+        return not (name.endswith("bias") or name == "scale")
 
-def weight_decay_mask(params: Any) -> Any:
-    """The params tree with True where `decays` (optax's mask for adamw)."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: decays(path), params)
+    return jax.tree_util.tree_map_with_path(decays, params)
 
 
 def make_optimizer(train: Any, d_model: int) -> tuple[optax.GradientTransformation, Any]:
     """Adam(beta1, beta2, eps) (paper: 0.9, 0.98, 1e-9), optional decoupled weight decay (on
-    weight matrices and embeddings only: `decays`) and global-norm clipping. Returns
+    weight matrices and embeddings only) and global-norm clipping. Returns
     (transformation, schedule)."""
     schedule = make_schedule(train, d_model)
     if train.weight_decay > 0:
@@ -99,7 +95,7 @@ def make_optimizer(train: Any, d_model: int) -> tuple[optax.GradientTransformati
             b2=train.beta2,
             eps=train.eps,
             weight_decay=train.weight_decay,
-            mask=weight_decay_mask,
+            mask=_weight_decay_mask,
         )
     else:
         opt = optax.adam(schedule, b1=train.beta1, b2=train.beta2, eps=train.eps)

@@ -1,12 +1,9 @@
 """Putting state and batches on devices: `MeshStrategy` (one jax.jit program over a Mesh, the
 default) or `PmapStrategy` (jax.pmap, an option), behind one interface, `Strategy`.
 
-Model code never sees a device: it names axes ('batch', 'embed', 'heads', ...), and only
-this file turns names into placements. Multi-host runs call `maybe_initialize_distributed`
-first. Train batches are global arrays assembled from each process's rows
-(`process_row_spans` says which rows a process's devices hold, data/shards.py reads
-just those, `place_process_rows` assembles them); eval batches are per process
-(`place_batch`: each process feeds its own rows, and the step sums globally).
+Model code names axes ('batch', 'embed', ...); only this file turns names into placements.
+Train batches are global arrays assembled from the rows each process reads
+(`process_row_spans`, `place_process_rows`); eval batches are per process (`place_batch`).
 """
 
 from __future__ import annotations
@@ -45,12 +42,9 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
 
 
 def maybe_initialize_distributed(parallel: Any) -> None:
-    """jax.distributed.initialize when the config or the environment asks for it.
-
-    `parallel.coordinator_address` / `num_processes` / `process_id` (config), or the
-    variables JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID; on TPU VMs
-    `parallel.distributed=True` alone lets JAX discover the slice.
-    """
+    """jax.distributed.initialize when parallel.coordinator_address (or JAX_COORDINATOR_ADDRESS,
+    with num_processes / process_id or their JAX_* variables) or parallel.distributed (a TPU
+    slice JAX discovers) asks for it."""
     address = parallel.get("coordinator_address") or os.environ.get("JAX_COORDINATOR_ADDRESS")
     if not (parallel.get("distributed") or address) or jax.distributed.is_initialized():
         return  # (a second build_run in the same process, e.g. evaluation after training)
@@ -65,9 +59,8 @@ def maybe_initialize_distributed(parallel: Any) -> None:
                 else os.environ["JAX_PROCESS_ID"]
             ),
         )
-    # Cross-process collectives on CPU (tests, CPU clusters) need an implementation: gloo over
-    # TCP, recent jax's default; set it where a jax has none. Nothing here may ask for a
-    # backend (jax.default_backend() would create it, and initialize() must come first).
+    # CPU collectives across processes need an implementation (gloo, recent jax's default);
+    # nothing here may ask for a backend, since initialize() must come first.
     if getattr(jax.config, "jax_cpu_collectives_implementation", None) is None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(**kwargs)
@@ -83,12 +76,9 @@ def maybe_initialize_distributed(parallel: Any) -> None:
 def mesh_shape(
     requested: dict[str, int], num_devices: int, platform_sizes: dict[str, int] | None = None
 ) -> tuple[int, ...]:
-    """{'data': -1, 'fsdp': 2, 'tensor': 1} -> (4, 2, 1) on 8 devices; -1 fills the rest.
-
-    0 asks for the platform's size of that axis (`platform_sizes`, parallel.mesh_by_platform's
-    entry for the devices' platform) where it divides the devices with the other axes, else 1:
-    a config can prefer a mesh on one platform and still run anywhere, and a size given
-    explicitly (on the command line, by the planner's --search) always wins."""
+    """{'data': -1, 'fsdp': 2, 'tensor': 1} -> (4, 2, 1) on 8 devices; -1 fills the rest, 0
+    takes `platform_sizes`' size of the axis where it divides the devices, else 1 (so a config
+    can prefer a mesh on one platform and still run anywhere)."""
     unknown = sorted(set(requested) - set(MESH_AXES))
     if unknown:
         raise ValueError(f"parallel.mesh has unknown axes {unknown}; valid: {MESH_AXES}")
@@ -151,9 +141,8 @@ class Strategy(abc.ABC):
 
     @abc.abstractmethod
     def init_state(self, init_fn: Callable[..., Any], *args: Any) -> Any:
-        """Allocate `init_fn(*args)`'s state, already placed as the step takes it. `args`
-        (arrays placed as `abstract_state` places them, e.g. a base's parameters) are donated:
-        their buffers become the state's where they can."""
+        """Allocate `init_fn(*args)`'s state placed as the step takes it; `args` (placed as
+        `abstract_state` places them) are donated."""
 
     @abc.abstractmethod
     def abstract_state(self, init_fn: Callable[[], Any]) -> Any:
@@ -205,8 +194,7 @@ class Strategy(abc.ABC):
         """The step's device metrics -> host floats."""
 
     def release(self) -> None:
-        """Free what compiling this run's steps keeps once the run is over (one process may
-        run many: a notebook, a sweep, the tests)."""
+        """Free what compiling this run's steps keeps (one process may run many)."""
         return None
 
 
@@ -277,9 +265,7 @@ class PmapStrategy(Strategy):
         return {k: float(v[0]) for k, v in jax.device_get(metrics).items()}
 
     def release(self) -> None:
-        # jax.pmap's cache holds each pmapped function's programs for the life of the process
-        # (keyed weakly by the function, whose entry refers to it); jax offers no way to drop
-        # one function's entry, so the whole cache goes.
+        # jax.pmap's cache keeps every pmapped function's programs and cannot drop one entry
         jax.clear_caches()
 
 
@@ -419,12 +405,9 @@ class MeshStrategy(Strategy):
         donate: bool = False,
         returns_state: bool = True,
     ) -> Any:
-        """`jax.export.Exported` of the step for `platforms` ('cuda', 'tpu', ...): the
-        StableHLO that compile_step would compile there, lowered (not compiled) on any host.
-
-        `batch` holds ShapeDtypeStructs of the global batch; the state is `init_fn`'s, sharded
-        by the rules. With a `make_abstract_strategy` mesh no device of the target is needed.
-        """
+        """`jax.export.Exported` of the step for `platforms` ('cuda', 'tpu', ...), lowered on
+        any host for the global batch's ShapeDtypeStructs `batch` (no target device needed
+        with a `make_abstract_strategy` mesh)."""
         boxed = jax.eval_shape(init_fn)
         state = nn.meta.unbox(boxed)  # outside the mesh context: unbox would constrain there
         jitted = self.jit_step(
@@ -441,10 +424,8 @@ class MeshStrategy(Strategy):
 
 
 def _first_replica(x: jax.Array) -> jax.Array:
-    """Device 0's copy of a pmap-replicated array, without a program over every device:
-    `x[0]` compiles a gather with an all-reduce across the 8 devices, and one such program
-    per leaf, dispatched together, deadlocked XLA:CPU's collectives now and then (8 forced
-    devices on 2 cores: participants of different programs waiting for each other)."""
+    """Device 0's copy of a pmap-replicated array, with no program over every device (`x[0]`
+    compiles an all-reduce per leaf, which can deadlock XLA:CPU's collectives)."""
     local = x.addressable_shards[0].data  # [1, ...] on device 0
     return local.reshape(local.shape[1:])
 
@@ -463,12 +444,8 @@ PMAP_AXIS = "batch"  # the axis name of compile_step's pmap
 
 
 def _pmap_sharding() -> NamedSharding:
-    """Leading axis over the local devices, in the order jax.pmap expects.
-
-    The mesh axis is named like the pmap's axis: jax.pmap returns arrays sharded over a mesh
-    with that name, and an input whose sharding differs only in the name compiles the step
-    a second time (the state at step 2; benchmarks/HISTORY.md, 'Optimisations...', has the cost).
-    """
+    """Leading axis over the local devices, in jax.pmap's order, on an axis named like
+    pmap's own (a sharding differing only in the name compiles the step a second time)."""
     return NamedSharding(Mesh(np.asarray(jax.local_devices()), (PMAP_AXIS,)), P(PMAP_AXIS))
 
 
@@ -487,9 +464,7 @@ def replicate(tree: Any) -> Any:
 
 def make_strategy(parallel: Any, devices: Sequence[Any] | None = None) -> Strategy:
     """config.parallel (strategy, mesh, rules) -> MeshStrategy or PmapStrategy, validated.
-
-    `devices`: the mesh's devices (default jax.devices()); tx_jax.planning passes the devices
-    of a TPU/GPU topology that this host does not have, to compile (never run) for them."""
+    `devices`: default jax.devices(); tx_jax.planning passes a topology's, to compile for."""
     kind = parallel.strategy
     if kind not in STRATEGIES:
         raise ValueError(f"parallel.strategy={kind!r}; expected one of {STRATEGIES}")
@@ -505,10 +480,8 @@ def make_strategy(parallel: Any, devices: Sequence[Any] | None = None) -> Strate
 def make_abstract_strategy(
     parallel: Any, num_devices: int, platform: str | None = None
 ) -> MeshStrategy:
-    """A MeshStrategy over `num_devices` devices that need not exist (an AbstractMesh shaped
-    by `parallel.mesh` on `platform`, with `parallel.rules`): for lowering steps for another
-    platform or a larger slice than this host has (`MeshStrategy.export_step`), never for
-    running them."""
+    """A MeshStrategy over an AbstractMesh of `num_devices` devices, for lowering steps
+    (`MeshStrategy.export_step`) for a platform or slice this host lacks, never running them."""
     if parallel.get("strategy", "mesh") != "mesh":
         raise ValueError(
             f"parallel.strategy={parallel.get('strategy')!r}: an abstract mesh needs 'mesh' "

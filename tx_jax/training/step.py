@@ -1,5 +1,4 @@
-"""`train_step(state, batch) -> (state, metrics)` and `eval_step`: pure, jitted or pmapped by
-parallel.py.
+"""`train_step(state, batch) -> (state, metrics)` and `eval_step`, pure (parallel.py compiles).
 
 Batches are dicts of int32 arrays: 'inputs' [B, S], 'targets' [B, L], and with packing
 'inputs_segmentation', 'inputs_position', 'targets_segmentation', 'targets_position'.
@@ -88,13 +87,9 @@ def train_step(
     axis_name: str | None = None,
     trainable: Trainable = EVERYTHING,
 ) -> tuple[TrainState, dict[str, Array]]:
-    """One optimizer update from one global batch (split into `grad_accum_steps` parts), of
-    the `trainable` parameters (the others pass through: no gradient, no moments).
-
-    A non-finite loss or gradient leaves params and optimizer state unchanged and is
-    counted in `nonfinite_total` / `nonfinite_run` (the loop stops after too many); how it is
-    skipped follows the platform the model config was resolved for.
-    """
+    """One optimizer update of the `trainable` parameters from one global batch (in
+    `grad_accum_steps` parts). A non-finite loss or gradient leaves params and optimizer
+    state unchanged and is counted in `nonfinite_total` / `nonfinite_run`."""
     rng = jax.random.fold_in(state.rng, state.step)
     if axis_name is not None:  # each device's slice of the batch gets its own dropout
         rng = jax.random.fold_in(rng, lax.axis_index(axis_name))
@@ -163,10 +158,8 @@ def _optimizer_update(tx: optax.GradientTransformation, grads, params, opt_state
     the dtype it is stored in."""
     old_state = opt_state
     updates, opt_state = tx.update(grads, opt_state, params)
-    # Optax computes in the gradients' float32 (the division by the float32 token count
-    # promotes bfloat16 ones); every state entry keeps its stored dtype, or the cond's
-    # two branches (the select's two sides) differ for param_dtype=bfloat16. No-ops for
-    # float32.
+    # Optax computes in the gradients' float32; each leaf keeps its stored dtype, or the
+    # cond's branches (the select's sides) differ for param_dtype=bfloat16.
     opt_state = jax.tree_util.tree_map(lambda new, old: new.astype(old.dtype), opt_state, old_state)
     params = jax.tree_util.tree_map(
         lambda new, old: new.astype(old.dtype), optax.apply_updates(params, updates), params
@@ -174,8 +167,7 @@ def _optimizer_update(tx: optax.GradientTransformation, grads, params, opt_state
     return params, opt_state
 
 
-# update() where `finite`, else `old` (the params and optimizer state), as each backend
-# compiles best (benchmarks/HISTORY.md, "The skipped update without a conditional").
+# update() where `finite`, else `old` (params and optimizer state), as each backend compiles best
 def _update_if_cond(finite: Array, update, old):
     # XLA:CPU copies every Adam moment to write a select's result into the donated buffers
     return lax.cond(finite, update, lambda: old)
