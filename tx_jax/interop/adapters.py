@@ -1,21 +1,15 @@
-"""An adapted run's LoRA adapters alone, in two forms.
+"""An adapted run's LoRA adapters alone, in two forms (docs/models.md, LoRA's "Export").
 
-`tx_jax export --adapters_only` (`write`): OUT/adapters.safetensors holds A [K, r]
-and B [r, N] of every adapted projection, named by its tx_jax path
-('decoder/layer_0/self_attention/query_lora_a'; the attention's N is heads x head_dim, its out
-projection's K the same); OUT/adapter_config.json their rank, alpha, dropout and targets, the
-step, and the base they were trained on (path, step and digest of its parameters, as the run's
-checkpoints record it). A weight W [K, N] of the base becomes W + (alpha / rank) A B
-(model/lora.py's merge).
+`write` (`--adapters_only`): OUT/adapters.safetensors holds A [K, r] and B [r, N] of every
+adapted projection by tx_jax path ('decoder/layer_0/self_attention/query_lora_a'; attention's
+N is heads x head_dim, its out projection's K the same); OUT/adapter_config.json the rank,
+alpha, dropout, targets, step and the base's path, step and digest. A base weight W [K, N]
+becomes W + (alpha / rank) A B (model/lora.py's merge).
 
-`tx_jax export --format=peft` (`write_peft`): a PEFT LoRA directory
-(adapter_model.safetensors, adapter_config.json) for the base as `--format=hf` exports it (an
-imported model: the model it was imported from), so that
-`peft.PeftModel.from_pretrained(base, OUT)` computes what the adapted run does. Which rows and
-columns of a Transformers weight each tx_jax index becomes is read from the exporter itself:
-the base's export is run on probes whose adapted kernels hold their row index, their column
-index and their own number (everything else zero); a projection the exporter does not map
-index for index onto one Transformers Linear weight is refused, naming it.
+`write_peft` (`--format=peft`): a PEFT LoRA directory for the base as `--format=hf` exports
+it. Where each tx_jax index lands in a Transformers weight is read from the exporter itself,
+run on probes whose adapted kernels hold their row, their column and their own number; a
+projection the exporter does not map index for index onto one Linear weight is refused.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """A tx_jax translation checkpoint as a CTranslate2 model, built from CTranslate2's own
-Transformer spec (not through its Transformers converter, whose Marian loader assumes the
-Opus-MT conventions: padding as the last vocabulary entry, a decoder that starts from a zero
-embedding).
+Transformer spec (its Transformers converter assumes Opus-MT's padding and start token).
 
-The spec takes tx_jax's layout as it is: its sinusoid table (interleaved, as the paper
-writes it), its LayerNorm epsilon and its start token, so nothing is permuted and the
-function is tx_jax's up to float32 rounding. Sources get EOS appended by CTranslate2
-(add_source_eos), as tx_jax's pipeline does: give `translate_batch` the SentencePiece pieces.
+The spec takes tx_jax's layout as it is (interleaved sinusoids, LayerNorm epsilon, start
+token), so nothing is permuted. CTranslate2 appends EOS to sources (add_source_eos), as
+tx_jax's pipeline does: give `translate_batch` the SentencePiece pieces.
 """
 
 from __future__ import annotations

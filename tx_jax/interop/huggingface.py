@@ -1,26 +1,11 @@
-"""A tx_jax translation checkpoint as a Hugging Face Transformers MarianMT directory.
+"""A tx_jax translation checkpoint as a Transformers MarianMT directory (docs/models.md).
 
-MarianMT is the paper's architecture as Transformers implements it: post-LN layers, fixed
-sinusoidal positions, embeddings scaled by sqrt(d_model) and shared by encoder, decoder and
-the output layer, biases on every projection. Two layouts differ from tx_jax's, and the
-weights are transformed so that the function is the same:
-
-  * positions: tx_jax interleaves the sinusoids as the paper writes them (feature 2i = sin,
-    2i+1 = cos); Marian puts every sin first, then every cos. Permuting the model dimension
-    of every tensor that touches the residual stream (embeddings, the input side of Q/K/V and
-    FFN-in, the output side of W^O and FFN-out, the norms) by RESIDUAL_ORDER moves the whole
-    network into Marian's order; attention scores, the norms' statistics and the tied logits
-    x . E are sums over that dimension, so they do not change.
-  * missing biases (tx_jax's attention has none by default) are zeros.
-
-One difference cannot be transformed away: Marian's LayerNorm epsilon is fixed at 1e-5
-(torch's default) while tx_jax's is model.norm_epsilon (1e-6 by default). The logits then
-differ by the float32 noise of that term; tests/test_export.py states the tolerance.
-
-Files written: model.safetensors, config.json, generation_config.json, and MarianTokenizer's
-source.spm / target.spm (the run's one SentencePiece model), vocab.json, tokenizer_config.json,
-special_tokens_map.json. Only `safetensors` is needed to write them; loading needs
-`transformers` and `torch`.
+Marian puts every sine before every cosine where tx_jax interleaves them: permuting the model
+dimension of every residual-stream tensor (embeddings, the input side of Q/K/V and FFN-in,
+the output side of W^O and FFN-out, the norms) by `residual_order` moves the network into
+Marian's order without changing its function (scores, the norms' statistics and the tied
+logits are sums over that dimension). Missing biases are zeros; Marian's LayerNorm epsilon
+stays 1e-5 (tests/test_export.py states the tolerance). Writing needs only `safetensors`.
 """
 
 from __future__ import annotations

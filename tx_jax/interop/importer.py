@@ -1,19 +1,14 @@
-"""A Hugging Face translator directory (OPUS-MT/Marian, M2M100, NLLB-200) -> a tx_jax workdir.
+"""A Hugging Face translator directory (OPUS-MT/Marian, M2M100, NLLB-200) -> a tx_jax workdir
+(docs/models.md, "Starting from a pretrained model").
 
     import_model("opus-mt-en-de/", "runs/opus-mt-en-de", base_config=c, dtype="float32")
 
 DIR holds config.json, the weights (model.safetensors, a sharded model.safetensors.index.json,
 or pytorch_model.bin with allow_pickle: torch.load(weights_only=True)) and the tokenizer
-files. The workdir written is an ordinary run's: WORKDIR/checkpoints/0 (Orbax: the parameters
-as the `state` item's params, the config and the tokenizer in `meta`, checksums),
-WORKDIR/tokenizer.model and WORKDIR/config.json. The tokenizer keeps the source's config.json
-and tokenizer files, so `tx_jax export --format=hf` writes the family's format back from this
-workdir or any run fine-tuned from it. Everything that reads a workdir then works on it:
-translate, score, evaluate, export, plan, visualize, init_from.
-
-Everything is read and checked before anything is written: another model_type, a config key
-without a ModelConfig field, a missing, misshapen or unmapped tensor is a PretrainedError
-naming the keys or tensors (pretrained.py's families), and the workdir is left untouched.
+files. The workdir is an ordinary run's: WORKDIR/checkpoints/0 (Orbax: the params in `state`,
+the config and the tokenizer, which keeps the source's files for export, in `meta`),
+WORKDIR/tokenizer.model and WORKDIR/config.json. Everything is read and checked first: a
+PretrainedError names the keys or tensors, and the workdir is left untouched.
 """
 
 from __future__ import annotations

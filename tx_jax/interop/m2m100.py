@@ -11,9 +11,6 @@ Positions are fairseq's sinusoids (sines then cosines, frequencies exp(-i ln(100
 that is the same number on every real token. Decoding starts at EOS.
 
 Ids: fairseq's <s> 0, <pad> 1, </s> 2, <unk> 3; the swap makes tx 0 = pad, tx 1 = <s>.
-
-    import_state_dict(state_dict, hf_config) -> (ModelConfig fields, params)
-    export_state_dict(params, cfg, hf_config) -> (state_dict, config.json dict)
 """
 
 from __future__ import annotations
@@ -31,23 +28,6 @@ from tx_jax.model.positional import sinusoidal_table
 MODEL_TYPE = "m2m_100"
 UNK_ID = 3  # fairseq's dictionary: <s> 0, <pad> 1, </s> 2, <unk> 3
 _REQUIRED = {"is_decoder": False}
-_USED = [
-    "d_model",
-    "encoder_layers",
-    "decoder_layers",
-    "encoder_attention_heads",
-    "decoder_attention_heads",
-    "encoder_ffn_dim",
-    "decoder_ffn_dim",
-    "activation_function",
-    "max_position_embeddings",
-    "scale_embedding",
-    "tie_word_embeddings",
-    "dropout",
-    "attention_dropout",
-    "activation_dropout",
-    "num_hidden_layers",
-]
 FIXED_FIELDS = {
     "norm": "layernorm",
     "norm_position": "pre",
@@ -81,40 +61,21 @@ def special_ids(hf_config: Mapping[str, Any], unk_id: int = UNK_ID) -> layout.Sp
 
 
 def model_fields(hf_config: Mapping[str, Any]) -> dict[str, Any]:
-    """The ModelConfig fields of an M2M100 config.json; PretrainedError naming every key
-    tx_jax cannot represent."""
-    problems: list[str] = []
-    layout.check_keys(hf_config, MODEL_TYPE, _USED, _REQUIRED, problems)
-    heads = layout.same_pair(
-        hf_config, "encoder_attention_heads", "decoder_attention_heads", problems
+    """The ModelConfig fields of an M2M100 config.json (layout.model_fields)."""
+
+    def family_fields() -> dict[str, Any]:
+        start = vocab_permutation(hf_config)[hf_config["decoder_start_token_id"]]
+        return {
+            **FIXED_FIELDS,
+            "attention_dropout_rate": float(hf_config.get("attention_dropout", 0.1)),
+            "position_offset": int(hf_config["pad_token_id"]) + 1,  # padding_idx + 1
+            "scale_embeddings": bool(hf_config.get("scale_embedding", True)),
+            "bos_id": int(start),
+        }
+
+    return layout.model_fields(
+        hf_config, MODEL_TYPE, "M2M100", used=[], required=_REQUIRED, family_fields=family_fields
     )
-    d_ff = layout.same_pair(hf_config, "encoder_ffn_dim", "decoder_ffn_dim", problems)
-    act = layout.activation(hf_config, problems)
-    layout.raise_problems(problems, "M2M100")
-    perm = vocab_permutation(hf_config)
-    fields = {
-        "vocab_size": int(hf_config["vocab_size"]),
-        "d_model": int(hf_config["d_model"]),
-        "num_heads": int(heads),
-        "d_ff": int(d_ff),
-        "num_encoder_layers": int(hf_config["encoder_layers"]),
-        "num_decoder_layers": int(hf_config["decoder_layers"]),
-        "dropout_rate": float(hf_config.get("dropout", 0.1)),
-        "attention_dropout_rate": float(hf_config.get("attention_dropout", 0.1)),
-        "ffn_dropout_rate": float(hf_config.get("activation_dropout", 0.0)),
-        "activation": act,
-        **FIXED_FIELDS,
-        "position_offset": int(hf_config["pad_token_id"]) + 1,  # padding_idx + 1
-        "max_len": int(hf_config.get("max_position_embeddings", 1024)),
-        "tie_output": bool(hf_config.get("tie_word_embeddings", True)),
-        "scale_embeddings": bool(hf_config.get("scale_embedding", True)),
-        "bos_id": int(perm[hf_config["decoder_start_token_id"]]),
-    }
-    try:
-        ModelConfig(**fields)
-    except ValueError as e:
-        raise layout.PretrainedError(f"M2M100 config gives no valid tx_jax model: {e}") from e
-    return fields
 
 
 def import_state_dict(
@@ -125,7 +86,7 @@ def import_state_dict(
     naming each config key or tensor that does not map. Arrays keep the file's dtype."""
     fields = model_fields(hf_config)
     cfg = ModelConfig(**fields)
-    m, f, v = cfg.d_model, cfg.d_ff, cfg.vocab_size
+    m, v = cfg.d_model, cfg.vocab_size
     t = layout.Tensors(state_dict, "M2M100")
     embedding = t.take("model.shared.weight", (v, m))
     t.take_copy("model.encoder.embed_tokens.weight", embedding)
@@ -135,14 +96,7 @@ def import_state_dict(
         output = None
     else:
         output = t.take("lm_head.weight", (v, m))
-    encoder = [
-        layout.read_layer(t, f"model.encoder.layers.{i}", m, f, False)
-        for i in range(cfg.num_encoder_layers)
-    ]
-    decoder = [
-        layout.read_layer(t, f"model.decoder.layers.{i}", m, f, True)
-        for i in range(cfg.num_decoder_layers)
-    ]
+    encoder, decoder = layout.read_stacks(t, cfg)
     encoder_norm = (
         t.take("model.encoder.layer_norm.weight", (m,)),
         t.take("model.encoder.layer_norm.bias", (m,)),
@@ -194,11 +148,7 @@ def export_state_dict(
     out: dict[str, np.ndarray] = {"model.shared.weight": w.embedding[perm]}
     if w.output is not None:
         out["lm_head.weight"] = w.output[perm]
-    for stack, layers, norm in (
-        ("encoder", w.encoder, w.encoder_norm),
-        ("decoder", w.decoder, w.decoder_norm),
-    ):
-        for i, layer in enumerate(layers):
-            layout.write_layer(out, f"model.{stack}.layers.{i}", layer)
+    layout.write_stacks(out, w)
+    for stack, norm in (("encoder", w.encoder_norm), ("decoder", w.decoder_norm)):
         out[f"model.{stack}.layer_norm.weight"], out[f"model.{stack}.layer_norm.bias"] = norm
     return {k: np.ascontiguousarray(x) for k, x in out.items()}, config

@@ -10,9 +10,6 @@ embedding unless tie_word_embeddings=False (then `lm_head.weight`).
 
 Ids: OPUS-MT puts EOS at 0 and pad last; seq2seq_layout swaps pad with 0 (tx id V-1 is EOS),
 on both embeddings, final_logits_bias and lm_head's rows.
-
-    import_state_dict(state_dict, hf_config) -> (ModelConfig fields, params)
-    export_state_dict(params, cfg, hf_config) -> (state_dict, config.json dict)
 """
 
 from __future__ import annotations
@@ -39,26 +36,19 @@ _REQUIRED = {
     "add_bias_logits": False,
     "is_decoder": False,
 }
-_USED = [
-    "d_model",
-    "encoder_layers",
-    "decoder_layers",
-    "encoder_attention_heads",
-    "decoder_attention_heads",
-    "encoder_ffn_dim",
-    "decoder_ffn_dim",
-    "activation_function",
-    "max_position_embeddings",
-    "scale_embedding",
-    "share_encoder_decoder_embeddings",
-    "tie_word_embeddings",
-    "decoder_vocab_size",
-    "dropout",
-    "attention_dropout",
-    "activation_dropout",
-    "extra_pos_embeddings",
-    "num_hidden_layers",
-]
+_USED = ["share_encoder_decoder_embeddings", "decoder_vocab_size", "extra_pos_embeddings"]
+# The fields every MarianMT import has, whatever its sizes: what export checks.
+FIXED_FIELDS = {
+    "norm": "layernorm",
+    "norm_position": "post",
+    "norm_epsilon": 1e-5,
+    "positional": "sinusoidal",
+    "sinusoid_style": "marian",
+    "position_offset": 0,
+    "attention_bias": True,
+    "ffn_bias": True,
+    "logits_bias": True,
+}
 
 
 def _sizes(hf_config: Mapping[str, Any]) -> tuple[int, int, bool, bool]:
@@ -88,50 +78,28 @@ def special_ids(hf_config: Mapping[str, Any], unk_id: int = UNK_ID) -> layout.Sp
 
 
 def model_fields(hf_config: Mapping[str, Any]) -> dict[str, Any]:
-    """The ModelConfig fields of a MarianMT config.json; PretrainedError naming every key
-    tx_jax cannot represent."""
-    problems: list[str] = []
-    layout.check_keys(hf_config, MODEL_TYPE, _USED, _REQUIRED, problems)
-    heads = layout.same_pair(
-        hf_config, "encoder_attention_heads", "decoder_attention_heads", problems
+    """The ModelConfig fields of a MarianMT config.json (layout.model_fields)."""
+
+    def family_fields() -> dict[str, Any]:
+        _, v_t, shared, _ = _sizes(hf_config)
+        start = vocab_permutation(hf_config, target=True)[hf_config["decoder_start_token_id"]]
+        return {
+            **FIXED_FIELDS,
+            "target_vocab_size": None if shared else v_t,
+            "attention_dropout_rate": float(hf_config.get("attention_dropout", 0.0)),
+            "share_embeddings": shared,
+            "scale_embeddings": bool(hf_config.get("scale_embedding", False)),
+            "bos_id": int(start),
+        }
+
+    return layout.model_fields(
+        hf_config,
+        MODEL_TYPE,
+        "MarianMT",
+        used=_USED,
+        required=_REQUIRED,
+        family_fields=family_fields,
     )
-    d_ff = layout.same_pair(hf_config, "encoder_ffn_dim", "decoder_ffn_dim", problems)
-    act = layout.activation(hf_config, problems)
-    layout.raise_problems(problems, "MarianMT")
-    v, v_t, shared, tied = _sizes(hf_config)
-    perm = vocab_permutation(hf_config, target=True)
-    fields = {
-        "vocab_size": v,
-        "target_vocab_size": None if shared else v_t,
-        "d_model": int(hf_config["d_model"]),
-        "num_heads": int(heads),
-        "d_ff": int(d_ff),
-        "num_encoder_layers": int(hf_config["encoder_layers"]),
-        "num_decoder_layers": int(hf_config["decoder_layers"]),
-        "dropout_rate": float(hf_config.get("dropout", 0.1)),
-        "attention_dropout_rate": float(hf_config.get("attention_dropout", 0.0)),
-        "ffn_dropout_rate": float(hf_config.get("activation_dropout", 0.0)),
-        "activation": act,
-        "norm": "layernorm",
-        "norm_position": "post",
-        "norm_epsilon": 1e-5,  # torch.nn.LayerNorm's default
-        "positional": "sinusoidal",
-        "sinusoid_style": "marian",
-        "position_offset": 0,
-        "max_len": int(hf_config.get("max_position_embeddings", 1024)),
-        "share_embeddings": shared,
-        "tie_output": tied,
-        "scale_embeddings": bool(hf_config.get("scale_embedding", False)),
-        "attention_bias": True,
-        "ffn_bias": True,
-        "logits_bias": True,
-        "bos_id": int(perm[hf_config["decoder_start_token_id"]]),
-    }
-    try:
-        ModelConfig(**fields)
-    except ValueError as e:
-        raise layout.PretrainedError(f"MarianMT config gives no valid tx_jax model: {e}") from e
-    return fields
 
 
 def position_table(rows: int, d_model: int) -> np.ndarray:
@@ -151,7 +119,7 @@ def import_state_dict(
     not map. Arrays keep the file's dtype."""
     fields = model_fields(hf_config)
     cfg = ModelConfig(**fields)
-    m, f = cfg.d_model, cfg.d_ff
+    m = cfg.d_model
     v, v_t, shared, tied = _sizes(hf_config)
     t = layout.Tensors(state_dict, "MarianMT")
     if shared:
@@ -172,14 +140,7 @@ def import_state_dict(
     table = position_table(cfg.max_len, m)
     for stack in ("encoder", "decoder"):
         t.take_constant(f"model.{stack}.embed_positions.weight", table, atol=1e-6)
-    encoder = [
-        layout.read_layer(t, f"model.encoder.layers.{i}", m, f, False)
-        for i in range(cfg.num_encoder_layers)
-    ]
-    decoder = [
-        layout.read_layer(t, f"model.decoder.layers.{i}", m, f, True)
-        for i in range(cfg.num_decoder_layers)
-    ]
+    encoder, decoder = layout.read_stacks(t, cfg)
     t.finish()
     perm, perm_t = vocab_permutation(hf_config), vocab_permutation(hf_config, target=True)
     w = weights_lib.Weights(
@@ -205,20 +166,6 @@ def config_dict(cfg: ModelConfig, hf_config: Mapping[str, Any]) -> dict[str, Any
     return out
 
 
-# The fields every MarianMT import has, whatever its sizes: what export checks.
-FIXED_FIELDS = {
-    "norm": "layernorm",
-    "norm_position": "post",
-    "norm_epsilon": 1e-5,
-    "positional": "sinusoidal",
-    "sinusoid_style": "marian",
-    "position_offset": 0,
-    "attention_bias": True,
-    "ffn_bias": True,
-    "logits_bias": True,
-}
-
-
 def export_state_dict(
     params: Any, cfg: ModelConfig, hf_config: Mapping[str, Any]
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -240,7 +187,5 @@ def export_state_dict(
     if w.output is not None:
         out["lm_head.weight"] = w.output[perm_t]
     out["final_logits_bias"] = w.logits_bias[perm_t][None]
-    for stack, layers in (("encoder", w.encoder), ("decoder", w.decoder)):
-        for i, layer in enumerate(layers):
-            layout.write_layer(out, f"model.{stack}.layers.{i}", layer)
+    layout.write_stacks(out, w)
     return {k: np.ascontiguousarray(x) for k, x in out.items()}, config

@@ -16,12 +16,13 @@ array maps ids both ways and rows of every vocabulary-indexed tensor both ways.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
 from tx_jax.interop import weights as weights_lib
+from tx_jax.model.config import ModelConfig
 
 
 class PretrainedError(ValueError):
@@ -50,76 +51,25 @@ def swap_permutation(size: int, foreign_pad: int) -> np.ndarray:
     return perm
 
 
-# Keys that change neither the function nor the tensors (metadata, generation defaults,
-# training-only regularisation): accepted and carried back unchanged on export.
+# Keys that change neither the function nor the tensors: accepted and carried back unchanged
+# on export. Metadata and library switches; training-only regularisation; generation
+# defaults; and the ids and size the family's own code reads.
 HARMLESS_KEYS = frozenset(
-    [
-        "_name_or_path",
-        "architectures",
-        "transformers_version",
-        "dtype",
-        "torch_dtype",
-        "use_cache",
-        "is_encoder_decoder",
-        "init_std",
-        "encoder_layerdrop",
-        "decoder_layerdrop",
-        "id2label",
-        "label2id",
-        "_num_labels",
-        "num_labels",
-        "classif_dropout",
-        "classifier_dropout",
-        "gradient_checkpointing",
-        "bos_token_id",
-        "forced_bos_token_id",
-        "forced_eos_token_id",
-        "bad_words_ids",
-        "num_beams",
-        "max_length",
-        "min_length",
-        "length_penalty",
-        "early_stopping",
-        "no_repeat_ngram_size",
-        "num_return_sequences",
-        "do_sample",
-        "temperature",
-        "top_k",
-        "top_p",
-        "repetition_penalty",
-        "output_past",
-        "return_dict",
-        "output_attentions",
-        "output_hidden_states",
-        "tokenizer_class",
-        "prefix",
-        "task_specific_params",
-        "add_cross_attention",
-        "tie_encoder_decoder",
-        "pruned_heads",
-        "chunk_size_feed_forward",
-        "torchscript",
-        "use_bfloat16",
-        "problem_type",
-        "finetuning_task",
-        "diversity_penalty",
-        "num_beam_groups",
-        "encoder_no_repeat_ngram_size",
-        "suppress_tokens",
-        "begin_suppress_tokens",
-        "max_new_tokens",
-        "remove_invalid_values",
-        "exponential_decay_length_penalty",
-        "typical_p",
-        "sep_token_id",
-        "cross_attention_hidden_size",
-        "tf_legacy_loss",
-        "decoder_start_token_id",
-        "pad_token_id",
-        "eos_token_id",
-        "vocab_size",
-        "model_type",
-    ]
+    """
+    _name_or_path architectures transformers_version dtype torch_dtype use_cache
+    is_encoder_decoder id2label label2id _num_labels num_labels problem_type finetuning_task
+    gradient_checkpointing output_past return_dict output_attentions output_hidden_states
+    tokenizer_class prefix task_specific_params add_cross_attention tie_encoder_decoder
+    pruned_heads chunk_size_feed_forward torchscript use_bfloat16 cross_attention_hidden_size
+    tf_legacy_loss
+    init_std encoder_layerdrop decoder_layerdrop classif_dropout classifier_dropout
+    bos_token_id forced_bos_token_id forced_eos_token_id bad_words_ids num_beams max_length
+    min_length length_penalty early_stopping no_repeat_ngram_size num_return_sequences do_sample
+    temperature top_k top_p repetition_penalty diversity_penalty num_beam_groups
+    encoder_no_repeat_ngram_size suppress_tokens begin_suppress_tokens max_new_tokens
+    remove_invalid_values exponential_decay_length_penalty typical_p sep_token_id
+    decoder_start_token_id pad_token_id eos_token_id vocab_size model_type
+    """.split()  # noqa: SIM905 (a word list: a key a line would hide the groups)
 )
 
 # Transformers' activation_function -> ModelConfig.activation
@@ -237,6 +187,53 @@ def raise_problems(problems: list[str], what: str) -> None:
         )
 
 
+# The config.json keys both families read; each adds its own.
+USED_KEYS = """
+    d_model encoder_layers decoder_layers encoder_attention_heads decoder_attention_heads
+    encoder_ffn_dim decoder_ffn_dim activation_function max_position_embeddings scale_embedding
+    tie_word_embeddings dropout attention_dropout activation_dropout num_hidden_layers
+""".split()  # noqa: SIM905 (as HARMLESS_KEYS)
+
+
+def model_fields(
+    hf_config: Mapping[str, Any],
+    model_type: str,
+    what: str,
+    *,
+    used: Iterable[str],
+    required: Mapping[str, Any],
+    family_fields: Callable[[], dict[str, Any]],
+) -> dict[str, Any]:
+    """The ModelConfig fields of a `what` config.json: the keys both families read, then
+    `family_fields()` (called once the keys check out). PretrainedError naming every key
+    tx_jax cannot represent, or the ModelConfig error when the fields do not make a model."""
+    problems: list[str] = []
+    check_keys(hf_config, model_type, [*USED_KEYS, *used], required, problems)
+    heads = same_pair(hf_config, "encoder_attention_heads", "decoder_attention_heads", problems)
+    d_ff = same_pair(hf_config, "encoder_ffn_dim", "decoder_ffn_dim", problems)
+    act = activation(hf_config, problems)
+    raise_problems(problems, what)
+    fields = {
+        "vocab_size": int(hf_config["vocab_size"]),
+        "d_model": int(hf_config["d_model"]),
+        "num_heads": int(heads),
+        "d_ff": int(d_ff),
+        "num_encoder_layers": int(hf_config["encoder_layers"]),
+        "num_decoder_layers": int(hf_config["decoder_layers"]),
+        "dropout_rate": float(hf_config.get("dropout", 0.1)),
+        "ffn_dropout_rate": float(hf_config.get("activation_dropout", 0.0)),
+        "activation": act,
+        "max_len": int(hf_config.get("max_position_embeddings", 1024)),
+        "tie_output": bool(hf_config.get("tie_word_embeddings", True)),
+        **family_fields(),
+    }
+    try:
+        ModelConfig(**fields)
+    except ValueError as e:
+        raise PretrainedError(f"{what} config gives no valid tx_jax model: {e}") from e
+    return fields
+
+
 class Tensors:
     """A state dict read once: `take` each mapped tensor, then `finish` refuses what is
     missing, misshapen, or left over (no tensor is dropped silently)."""
@@ -305,6 +302,29 @@ def read_layer(t: Tensors, prefix: str, m: int, f: int, cross: bool) -> weights_
         fc2=_linear(t, f"{prefix}.fc2", m, f),
         ffn_norm=_norm(t, f"{prefix}.final_layer_norm", m),
     )
+
+
+def read_stacks(
+    t: Tensors, cfg: ModelConfig
+) -> tuple[list[weights_lib.Layer], list[weights_lib.Layer]]:
+    """(encoder layers, decoder layers) of `cfg`'s sizes, read from `t`."""
+    m, f = cfg.d_model, cfg.d_ff
+    return (
+        [
+            read_layer(t, f"model.encoder.layers.{i}", m, f, False)
+            for i in range(cfg.num_encoder_layers)
+        ],
+        [
+            read_layer(t, f"model.decoder.layers.{i}", m, f, True)
+            for i in range(cfg.num_decoder_layers)
+        ],
+    )
+
+
+def write_stacks(out: dict[str, np.ndarray], w: weights_lib.Weights) -> None:
+    for stack, layers in (("encoder", w.encoder), ("decoder", w.decoder)):
+        for i, layer in enumerate(layers):
+            write_layer(out, f"model.{stack}.layers.{i}", layer)
 
 
 def write_layer(out: dict[str, np.ndarray], prefix: str, layer: weights_lib.Layer) -> None:
