@@ -21,22 +21,10 @@ import re
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _BYTES = {
-    "pred": 1,
-    "s8": 1,
-    "u8": 1,
-    "f8e4m3fn": 1,
-    "f8e5m2": 1,
-    "s16": 2,
-    "u16": 2,
-    "f16": 2,
-    "bf16": 2,
-    "s32": 4,
-    "u32": 4,
-    "f32": 4,
-    "s64": 8,
-    "u64": 8,
-    "f64": 8,
-    "c64": 8,
+    **dict.fromkeys(["pred", "s8", "u8", "f8e4m3fn", "f8e5m2"], 1),
+    **dict.fromkeys(["s16", "u16", "f16", "bf16"], 2),
+    **dict.fromkeys(["s32", "u32", "f32"], 4),
+    **dict.fromkeys(["s64", "u64", "f64", "c64"], 8),
     "c128": 16,
 }
 _ARRAY = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\](\{[^}]*\})?")

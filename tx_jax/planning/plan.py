@@ -1,23 +1,8 @@
-"""One plan: a run's programs compiled for a target, and what follows from them per device:
-memory against the chip's (fits or not), FLOPs beside the analytic count, collectives, and a
-roofline bound on the train step's time, tokens/s and MFU.
-
-The bound is a roofline estimate, never a measurement: step time >= max(FLOPs / peak, HBM
-traffic / HBM bandwidth, bytes sent / interconnect bandwidth), each per device from the
-compiled program and the chip table (chips.py). HBM traffic is the smaller of two counts that
-each overcount in their own way: hlo.hbm_traffic (the whole operands and results of each
-top-level operation) and the cost analysis' "bytes accessed" (which also counts traffic
-inside fusions: 3.6x a fused matmul's operands and result on TPU; on GPU, where it gives
-custom calls nothing, with their operands and results added). FLOPs come from the cost
-analysis, which cannot see inside custom kernels (cuDNN attention, Pallas): with those the
-compute term is low. The compiler's own time estimate is not used (the TPU compiler's
-`optimal_seconds` came out negative for a train step).
-
-Memory per device of each program: the whole train state (the loop keeps it while it
-evaluates and decodes) + the program's other inputs (batch, sources) + its temporaries + its
-outputs that do not reuse a donated input + its code. The run fits when the largest of these
-is within the chip's usable memory.
-"""
+"""One plan: a run's programs compiled for a target, and per device its memory against the
+chip's (the train state stays resident beside each program's inputs, temporaries, undonated
+outputs and code), FLOPs beside the analytic count (custom kernels' FLOPs are invisible to
+the cost analysis), collectives, HBM traffic (`traffic`) and a roofline bound on the train
+step (docs/planning.md)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""A run built for a target's devices, and its programs compiled there by the target's own
-compiler: the train step (one per batch shape), the eval step, greedy and beam decoding.
-
-The run is built by the code that trains it (runner/setup.py: the model, the optimizer, the
-jitted step; training/parallel.py: the mesh and the rules; data/shards.py: the batch shapes),
-given the target's devices instead of jax.devices() and the vocabulary size from
-`data.vocab_size` instead of a tokenizer; nothing reads data. The model's implementation fields
-are resolved for the target's platform (ModelConfig.resolved), not for this host.
-"""
+"""A run built for a target's devices by the code that trains it, and its programs (train
+step per batch shape, eval step, greedy and beam decoding) compiled by the target's own
+compiler; no data is read (docs/planning.md says what is built and how)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""`--search`: the mesh factorisations of the device count over (data, fsdp, tensor), then for
-the meshes that do not fit, remat and smaller per-device batches (gradient accumulation, which
-keeps the global batch and so the recipe); each candidate's train step compiled for the target
-(several at once where the host has the cores), those that do not fit dropped, the rest
-ranked by the roofline bound's tokens/s.
-
-Every plan is cached on disk by what determines it (the resolved config, the target, the
-programs, jax/libtpu versions and tx_jax's source), so a rerun of the same search compiles
-nothing.
+"""`--search` (docs/planning.md): mesh factorisations of the device count, then remat and
+smaller per-device batches for the meshes that do not fit, each train step compiled for the
+target and the fitting ones ranked by the roofline's tokens/s. Plans are cached on disk by
+what determines them (resolved config, target, programs, compiler versions, tx_jax's source).
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""What a plan compiles for: `tpu:v5e-16`, `tpu:v4-8`, `tpu:v5e-256x2` (two slices),
-`gpu:h100-8`, `gpu:a100_40-16`, parsed into a Target whose `devices()` are the devices of that
-topology, described by the accelerator's own compiler on any host (no chip needed).
-
-TPU names follow Cloud TPU's accelerator types, as `gcloud ... --accelerator-type` and
-`./launch.sh tpu-create` take them: v5e and v6e count chips, v4 and v5p count TensorCores (two
-per chip: v4-8 is 4 chips, one JAX device each). GPU names count GPUs, 8 per host.
-"""
+"""What a plan compiles for (`tpu:v5e-16`, `tpu:v5e-256x2`: two slices, `gpu:h100-8`; names as
+docs/planning.md gives them), parsed into a Target whose `devices()` are that topology's,
+described by the accelerator's own compiler on any host (no chip needed)."""
 
 from __future__ import annotations
 
