@@ -22,8 +22,14 @@ from tx_jax.ops import backend
 RENAMED_FLAGS = {"alpha": "length_penalty", "alphas": "length_penalties"}
 
 
-def define_checkpoint_flags() -> None:
-    """--workdir, --checkpoint, --step, --average_last (evaluate and translate)."""
+def define_checkpoint_flags(search: bool = False) -> None:
+    """--workdir, --checkpoint, --step, --average_last; with `search`, the paper's beam
+    search as --beam_size and --length_penalty (evaluate and translate)."""
+    if search:
+        flags.DEFINE_integer("beam_size", 4, "Beam size; 1 is greedy (paper: 4).")
+        flags.DEFINE_float(
+            "length_penalty", 0.6, "Beam search's length penalty, GNMT's alpha (paper: 0.6)."
+        )
     flags.DEFINE_string(
         "workdir", None, "Training run directory (checkpoints in WORKDIR/checkpoints)."
     )

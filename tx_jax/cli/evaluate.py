@@ -99,12 +99,8 @@ def _main(argv: list[str], overrides: dict[str, str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    common_flags.define_checkpoint_flags()
+    common_flags.define_checkpoint_flags(search=True)
     flags.DEFINE_string("split", "test", "validation | test | any split name of the dataset.")
-    flags.DEFINE_integer("beam_size", 4, "Beam size; 1 is greedy (paper: 4).")
-    flags.DEFINE_float(
-        "length_penalty", 0.6, "Beam search's length penalty, GNMT's alpha (paper: 0.6)."
-    )
     flags.DEFINE_integer("limit", None, "Evaluate only the first N examples.")
     flags.DEFINE_bool(
         "sweep", False, "Decode the validation split over --beams x --length_penalties."

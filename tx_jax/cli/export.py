@@ -5,18 +5,13 @@
         [--quantization=int8] [--average_last=5] [--step=N]
     tx_jax export --workdir=runs/opus-lora --format=peft --out=exported/opus-lora
 
---format=hf writes a MarianMT directory (model.safetensors, config.json, the SentencePiece
-tokenizer as MarianTokenizer files, generation_config.json with the run's beam size and
-length penalty) that `transformers` loads with AutoModelForSeq2SeqLM / AutoTokenizer and
-pipeline("translation"); --format=ct2 writes a CTranslate2 model (weights as --quantization)
-with the SentencePiece model beside it. A model the formats cannot represent exactly
-(pre-LN, RoPE, grouped-query attention, SwiGLU, RMSNorm, untied output, ...) is refused with
-the fields named. A run with LoRA adapters (configs/finetune.py) is exported with them merged
-into the weights (W + alpha / r A B); --adapters_only writes the adapters alone instead
-(adapters.safetensors and adapter_config.json, interop/adapters.py), and --format=peft writes
-them as a PEFT LoRA directory for the base as --format=hf exports it (an imported model: the
-Transformers model it came from): peft.PeftModel.from_pretrained(base, OUT). Needs the export
-extra: pip install -e '.[export]'.
+--format=hf writes a MarianMT directory that `transformers` loads (AutoModelForSeq2SeqLM,
+AutoTokenizer, pipeline("translation")); --format=ct2 a CTranslate2 model (weights as
+--quantization) with the SentencePiece model beside it. A LoRA run (configs/finetune.py) is
+exported with its adapters merged (W + alpha / r A B); --adapters_only writes them alone,
+--format=peft as a PEFT LoRA directory for the base as --format=hf exports it. A model the
+formats cannot represent exactly is refused with the fields named. docs/models.md says what
+is written; needs the export extra: pip install -e '.[export]'.
 """
 
 from __future__ import annotations

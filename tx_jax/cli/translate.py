@@ -74,6 +74,18 @@ def _sampling(f) -> quality.Sampling | None:
     )
 
 
+def _search(f) -> dict:
+    """The flags' search, batching and lengths, as translation's decoders take them."""
+    buckets = None if f.length_buckets is None else [int(x) for x in f.length_buckets]
+    return dict(
+        beam_size=f.beam_size,
+        length_penalty=f.length_penalty,
+        batch_size=f.batch_size,
+        max_len=f.max_len,
+        length_buckets=buckets,
+    )
+
+
 def _decoder(f, loaded: restore.Loaded, sampling: quality.Sampling | None):
     """decode(lines, line_ids, progress(done), line_name) -> each line's hypotheses, with the
     flags' search, languages and output options (translation.decode_lines)."""
@@ -89,15 +101,7 @@ def _decoder(f, loaded: restore.Loaded, sampling: quality.Sampling | None):
         raise app.UsageError("--pivot is for tx_jax's multilingual runs")
     if f.pivot and not f.target_lang:
         raise app.UsageError("--pivot needs --target_lang (a multilingual checkpoint)")
-    kwargs = dict(
-        beam_size=f.beam_size,
-        length_penalty=f.length_penalty,
-        batch_size=f.batch_size,
-        max_len=f.max_len,
-        length_penalty_kind=f.length_penalty_kind,
-        sampling=sampling,
-        length_buckets=None if f.length_buckets is None else [int(x) for x in f.length_buckets],
-    )
+    kwargs = dict(_search(f), length_penalty_kind=f.length_penalty_kind, sampling=sampling)
     source, target = languages.prefixes(loaded, f.source_lang, f.target_lang)
     pivot = languages.prefixes(loaded, None, f.pivot) if f.pivot else None
 
@@ -199,14 +203,7 @@ def _main(argv: list[str], overrides: dict[str, str]) -> None:
     def progress(done: int, total: int) -> None:
         _stderr(f"translate: {done}/{total} lines, {time.time() - start:.1f} s")
 
-    kwargs = dict(
-        beam_size=f.beam_size,
-        length_penalty=f.length_penalty,
-        batch_size=f.batch_size,
-        max_len=f.max_len,
-        progress=progress,
-        length_buckets=None if f.length_buckets is None else [int(x) for x in f.length_buckets],
-    )
+    kwargs = dict(_search(f), progress=progress)
     if f.length_penalty_kind != "gnmt":
         kwargs["length_penalty_kind"] = f.length_penalty_kind
     if languages.is_imported(loaded.tokenizer):  # M2M100/NLLB, multi-target OPUS-MT
@@ -232,11 +229,7 @@ def _main(argv: list[str], overrides: dict[str, str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    common.define_checkpoint_flags()
-    flags.DEFINE_integer("beam_size", 4, "Beam size; 1 is greedy (paper: 4).")
-    flags.DEFINE_float(
-        "length_penalty", 0.6, "Beam search's length penalty, GNMT's alpha (paper: 0.6)."
-    )
+    common.define_checkpoint_flags(search=True)
     flags.DEFINE_integer(
         "batch_size", None, "Source lines per decoding batch (default: data.eval_batch_size)."
     )
