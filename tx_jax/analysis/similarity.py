@@ -1,15 +1,9 @@
-r"""Representation and surface similarity between languages on parallel sentences.
+r"""Representation and surface similarity between languages on parallel sentences: how alike
+two languages look to the encoder, per layer, against how alike they look on the page.
 
-How alike two languages look to the encoder, per layer, against how alike they look on the
-page: both sides of the claim that language similarity shapes cross-lingual transfer.
-
-Pure functions (NumPy, float64): representation similarity (mean_pool, linear_cka,
-sentence_cosines, similarity_matrices: every layer and language pair), surface similarity
-(char_ngram_overlap, chrf_similarity, surface_similarity_matrix) and their correlation
-(off_diagonal, pair_labels, correlation).
-
-Model side: `encoder_layer_representations` -> [N, M] mean-pooled sentence vectors per
-encoder depth. The plots are visualize.py's.
+Pure functions (NumPy, float64) for both similarities and their correlation; the model side
+is `encoder_layer_representations` ([N, M] mean-pooled sentence vectors per encoder depth);
+the plots are visualize.py's.
 
 Letters: N parallel sentences (rows aligned across languages), B batch, L source length,
 M d_model, D feature width, K languages, G encoder depths (embedding + layers), P pairs.

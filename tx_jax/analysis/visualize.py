@@ -1,19 +1,10 @@
-r"""Figures as PNG files (matplotlib, drawn off-screen): attention maps, training curves, and
-the language-similarity matrices of similarity.py.
-
-    attention_weights(cfg, params, inputs, targets)  padded batch -> per-kind weight arrays
-    attention_maps(cfg, params, tokenizer, source, target=None)   one pair -> maps + pieces
-    plot_attention(maps, out_dir)                     one PNG per kind and layer, a panel per head
-    plot_curves(metrics_jsonl_paths, out_png)         loss / BLEU / ... against step or time
-    plot_similarity_heatmaps(matrices, languages, out)   a language x language panel per layer
-    plot_similarity_vs_surface(reps, surface, languages, out)  a scatter per layer
-
+r"""Figures as PNG files (matplotlib's Agg canvas of `Figure`: no pyplot, no display, no global
+backend): attention maps, training curves, and similarity.py's language-similarity matrices.
 Command line: `tx_jax visualize attention | curves` (tx_jax/cli/visualize.py's USAGE).
 
 Attention is [N, H, Q, K] (layers, heads, queries, keys): encoder [N_enc, H, S, S], decoder
 [N_dec, H, L, L], cross [N_dec, H, L, S]; S counts the source pieces and EOS, L the decoder
-inputs (BOS, then the target pieces: row t predicts target piece t). Figures use the Agg
-canvas of `matplotlib.figure.Figure`: no pyplot, no display, no global backend.
+inputs (BOS, then the target pieces: row t predicts target piece t).
 """
 
 from __future__ import annotations
