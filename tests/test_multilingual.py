@@ -293,7 +293,9 @@ def test_max_train_pairs_keeps_the_first_pairs(data_dir, raw_dir, tmp_path):
         full = task.direction(name).source("train")
         cut = task.direction(name).train_pairs()
         assert len(cut) == 30 and [cut[i] for i in range(30)] == [full[i] for i in range(30)]
-    assert task.probabilities == {n: 0.25 for n in ("en-de", "de-en", "en-fr", "fr-en")}
+    assert {n: s.weight for n, s in task.streams.items()} == {
+        n: 0.25 for n in ("en-de", "de-en", "en-fr", "fr-en")
+    }
     it = task.train_iterator(1)
     assert it.get_state()["shards"]["0"]["fingerprint"]["mixture"]["sizes"] == [30] * 4
     seen = set()
@@ -308,7 +310,9 @@ def test_max_train_pairs_keeps_the_first_pairs(data_dir, raw_dir, tmp_path):
     task = tasks.prepare_task(c.data, tmp_path, seed=0)
     sizes = {n: len(task.direction(n).train_pairs()) for n in task.directions}
     assert sizes == {"en-de": 600, "de-en": 600, "en-fr": 20, "fr-en": 20}
-    assert task.probabilities == pytest.approx({n: k / 1240 for n, k in sizes.items()})
+    assert {n: s.weight for n, s in task.streams.items()} == pytest.approx(
+        {n: k / 1240 for n, k in sizes.items()}
+    )
     for spec, match in [
         ("de-fr=3", r"names \['de-fr'\], not a trained direction"),
         ("en-fr=many", "SRC-TGT=N per direction"),

@@ -19,12 +19,10 @@ Letters: B batch rows, L padded length. A stream of (position, features) example
 `TrainIterator.stats()` counts since the start of training: 'examples' read, 'kept',
 'dropped_empty' / '_too_long' / '_too_long_chars', 'invalid_utf8' (repaired, kept),
 'dropped_remainder' (partial buckets when a finite `num_epochs` ends), 'epoch' (of the shard).
-
-State (`get_state()`, JSON): {'version': 1, 'fingerprint': {options, batch shapes,
-tokenizer_sha1, ...}, 'pipeline': {'examples': {'next_index', 'tx_counts'}, 'held': [stream
-positions waiting per bucket], 'dropped_remainder'}}. `set_state` re-reads the held positions
-so the same groups form and the batches continue identically; another fingerprint is a
-ValueError. `TrainIterator` is a grain `DatasetIterator` (Orbax: `grain.checkpoint`).
+Its JSON state is {'version': 1, 'fingerprint': {options, batch shapes, tokenizer_sha1, ...},
+'pipeline': {'examples', 'held': [positions waiting per bucket], 'dropped_remainder'}}:
+`set_state` re-reads the held positions, so the same groups form; another fingerprint is a
+ValueError.
 """
 
 from __future__ import annotations
@@ -53,8 +51,7 @@ Batch = dict[str, np.ndarray]
 def default_bucket_boundaries(
     max_len: int, *, min_length: int = 8, growth: float = 1.25, multiple: int = 8
 ) -> list[int]:
-    """Geometric bucket lengths, rounded up to `multiple`, ending exactly at `max_len`
-    (256 -> 13 jit shapes, at most ~25% padding each)."""
+    """Geometric bucket lengths, rounded up to `multiple`, ending at `max_len` (256: 13)."""
     out = [min(max_len, multiple * math.ceil(min_length / multiple))]
     while out[-1] < max_len:
         nxt = multiple * math.ceil(out[-1] * growth / multiple)
@@ -98,8 +95,7 @@ def pad_rows(features: Sequence[dict[str, np.ndarray]], keys, rows: int, length:
 
 @dataclasses.dataclass(frozen=True)
 class TrainOptions:
-    """How a train iterator filters, shuffles, shards and batches; the fields that change the
-    batches go into the state's fingerprint."""
+    """How a train iterator filters, shuffles, shards and batches (all but three fingerprinted)."""
 
     # Most ids per side, EOS (and a source prefix) included; longer examples are dropped.
     max_len: int
@@ -131,17 +127,14 @@ _NOT_IN_FINGERPRINT = ("cache_tokens", "prefetch", "batch_multiple")
 def batch_shapes(options: TrainOptions) -> tuple[tuple[int, int], ...]:
     """Every (B, L) a train batch of `options` can have, smallest L first (module docstring)."""
     o = options
-    boundaries = [o.max_len] if o.packing else check_boundaries(o.bucket_boundaries, o.max_len)
-    sizes = bucket_batch_sizes(boundaries, o.tokens_per_batch, o.batch_multiple)
-    return tuple(zip(sizes, boundaries))
+    lengths = [o.max_len] if o.packing else check_boundaries(o.bucket_boundaries, o.max_len)
+    return tuple(zip(bucket_batch_sizes(lengths, o.tokens_per_batch, o.batch_multiple), lengths))
 
 
 def batch_keys(keys: Sequence[str], packing: bool) -> tuple[str, ...]:
-    """The arrays of a train batch over feature `keys`: with packing also each key's
-    segmentation and position (module docstring)."""
-    if not packing:
-        return tuple(keys)
-    return tuple(f"{k}{suffix}" for k in keys for suffix in ("", "_segmentation", "_position"))
+    """The arrays of a train batch over feature `keys` (packing adds segmentation, position)."""
+    suffixes = ("", "_segmentation", "_position") if packing else ("",)
+    return tuple(f"{k}{suffix}" for k in keys for suffix in suffixes)
 
 
 # ------------------------------------------------------------------------ grouping
@@ -178,8 +171,7 @@ class _GroupIterator(grain.DatasetIterator):
         self._dropped_remainder = 0
         self._reset()
 
-    def _held(self) -> list[list[int]]:
-        """Positions of the examples held, per group, in the order they were added."""
+    def _held(self) -> list[list[int]]:  # per group, in the order they were added
         return [[int(p) for p, _ in group] for group in self._groups]
 
     def __next__(self) -> Batch:
@@ -284,12 +276,7 @@ def _pack_rows(examples: Sequence[dict], rows: Sequence[int], spec: BatchSpec) -
 # ------------------------------------------------------------------------ the iterator
 
 _STATE_VERSION = 1
-
 _LIVE_ITERATORS: weakref.WeakSet = weakref.WeakSet()
-
-
-def _noop() -> None:
-    pass
 
 
 @atexit.register
@@ -300,7 +287,7 @@ def _close_live_iterators() -> None:
         todo = [it]
         while todo:
             node = todo.pop()
-            node.close = _noop
+            node.close = lambda: None
             todo.extend(getattr(node, "_parents", ()))
 
 
@@ -388,17 +375,16 @@ def batch_iterator(
     shard_size: int,
     fingerprint_extra: dict[str, Any] | None = None,
 ) -> TrainIterator:
-    """A stream of kept (position, features) examples that can `reread(position)` -> a
-    TrainIterator of its `shard` (index, count); `num_examples`, the tokenizer's sha1 and
-    `fingerprint_extra` go into the fingerprint, `shard_size` is one epoch."""
+    """Kept (position, features) examples that can `reread(position)` -> the TrainIterator of
+    `shard` (index, count); `num_examples`, the tokenizer's sha1 and `fingerprint_extra` are
+    fingerprinted, `shard_size` is one epoch."""
     pi, pc = shard
     o = options
     shapes = batch_shapes(o)
-    boundaries, sizes = [n for _, n in shapes], [b for b, _ in shapes]
+    sizes, boundaries = (list(x) for x in zip(*shapes))
     if pc > 1 and len(boundaries) > 1:
         logging.warning("Length buckets differ across %d processes; see shards.py.", pc)
-    spec = BatchSpec(keys, tuple(boundaries), tuple(sizes), o.packing)
-    ds = GroupIterDataset(kept, spec)
+    ds = GroupIterDataset(kept, BatchSpec(keys, tuple(boundaries), tuple(sizes), o.packing))
     fingerprint = dataclasses.asdict(o) | {
         "bucket_boundaries": boundaries,
         "process_index": pi,

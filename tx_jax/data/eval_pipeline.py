@@ -12,8 +12,8 @@ B = batch_size:
       'example_index'      [B]     position in `pairs` (global, not per process); -1 = pad row
       'example_mask'       [B]     1 for a real example, 0 for a padding row (all-zero row)
 
-Text becomes ids as in training (features.py's `Featurizer`, truncating). Process shards are
-[process_index::process_count] with the same number of batches on every process.
+Text becomes ids as in training (`Featurizer`, truncating); process shards are
+[process_index::process_count], with as many batches on every process.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ def eval_bucket_boundaries(max_len: int, configured: Sequence[int] | None = None
 
 @dataclasses.dataclass(frozen=True)
 class EvalBatches(Sequence):
-    """This process's batches (as many on every process), its real examples and the counts
-    'examples', 'empty', 'truncated', 'invalid_utf8' over its shard."""
+    """This process's batches, its real examples, and its counts 'examples', 'empty',
+    'truncated', 'invalid_utf8'."""
 
     batches: list[Batch]
     num_examples: int
@@ -120,8 +120,7 @@ def eval_batches(
 def _bucket_length(
     boundaries: Sequence[int], lengths: dict[int, int], chunks: Sequence[Sequence[int]]
 ) -> int:
-    """L of one batch: the smallest boundary that holds the longest item among `chunks` (that
-    batch's item indices on each shard, so that every process pads it alike)."""
+    """L of one batch: the smallest boundary holding its longest item on any shard (`chunks`)."""
     longest = max((lengths[i] for chunk in chunks for i in chunk), default=1)
     return boundaries[bisect.bisect_left(boundaries, longest)]
 
@@ -129,9 +128,8 @@ def _bucket_length(
 def _padded_batch(
     chunk: Sequence[int], feats: dict[int, Any], keys: tuple[str, ...], batch_size: int, length: int
 ) -> Batch:
-    """The items `chunk` (indices into the corpus; `feats`: their Featurizer records) -> one
-    batch: `keys` [B, L] with all-zero rows after the items, 'example_index' [B] (-1 on
-    those rows) and 'example_mask' [B]."""
+    """Corpus items `chunk` (`feats`: their records) -> `keys` [B, L], 'example_index' and
+    'example_mask' [B] (module docstring)."""
     batch = pad_rows([feats[i].features for i in chunk], keys, batch_size, length)
     batch["example_index"] = np.full((batch_size,), -1, np.int32)
     batch["example_index"][: len(chunk)] = chunk

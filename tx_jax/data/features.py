@@ -1,17 +1,14 @@
 """A batch's path, step 3: text -> ids, the same way for training and evaluation.
 
-`Featurizer` turns one raw item (a text, or a tuple of texts) into int32 SentencePiece ids
-ending in EOS and says why an example is dropped (train) or how it was truncated (eval);
-`shard_records` featurizes one shard [process_index::process_count] of a corpus for the train
-stream (streams.py), memoized; eval_pipeline.py featurizes with the same class, truncating.
+`Featurizer` turns one raw item (a text, or a tuple of texts) into int32 ids ending in EOS and
+says why an example is dropped (train) or how it was truncated (eval, eval_pipeline.py);
+`shard_records` featurizes one shard [process_index::process_count] for the train stream.
 
 Train filtering: a pair is dropped when a side is empty, whitespace-only or encodes to no id,
 or is longer than max_len ids (EOS and a prefix included). A side over
-`max_len * max_piece_chars * 4` non-space characters is dropped by a character count before
-tokenization (a 1 MB line costs no tokenizer time; the factor 4 allows for NFKC composition,
-so ordinary text that would fit is never dropped by it). Invalid UTF-8 is decoded with U+FFFD
-and kept (`clean_text`; SentencePiece's default nmt_nfkc normalizer then deletes the U+FFFD
-characters).
+`max_len * max_piece_chars * 4` non-space characters is dropped before tokenization (a 1 MB
+line costs no tokenizer time; the factor 4 allows for NFKC composition). Invalid UTF-8 is
+decoded with U+FFFD and kept (`clean_text`; SentencePiece's nmt_nfkc then deletes U+FFFD).
 """
 
 from __future__ import annotations
@@ -55,9 +52,8 @@ def _nonspace_len(text: str) -> int:
 
 
 class Record(NamedTuple):
-    """One featurized example: `features` key -> int32 [n <= max_len] ids ending in EOS (None
-    when dropped), `drop` '' or 'empty' | 'too_long_chars' | 'too_long', `notes` a subset of
-    ('invalid_utf8', 'empty', 'truncated')."""
+    """`features` key -> int32 [n <= max_len] ids ending in EOS (None when dropped), `drop` ''
+    or 'empty' | 'too_long_chars' | 'too_long', `notes` of 'invalid_utf8', 'empty', 'truncated'."""
 
     features: dict[str, np.ndarray] | None
     drop: str
@@ -66,18 +62,15 @@ class Record(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Featurizer:
-    """Raw item (one text, str or UTF-8 bytes, for one key; else texts in `keys` order) ->
-    `Record`. With `truncate` (eval) a side over max_len keeps its first max_len - 1 ids and
-    EOS, an empty side becomes just EOS, and nothing is dropped."""
+    """Raw item (one text, str or UTF-8 bytes; texts in `keys` order) -> `Record`. With
+    `truncate` (eval) a side keeps its first max_len - 1 ids and EOS, nothing is dropped."""
 
     tokenizer: Tokenizer
     keys: tuple[str, ...]  # ('inputs', 'targets') for pairs, ('targets',) for LM
     max_len: int  # counting EOS and the prefix
     truncate: bool = False
     source_prefix: tuple[int, ...] = ()  # ids before the 'inputs' pieces (a language tag)
-    # ids before the 'targets' pieces (an M2M100/NLLB target-language token, which decoding
-    # forces: inference/languages.py)
-    target_prefix: tuple[int, ...] = ()
+    target_prefix: tuple[int, ...] = ()  # before 'targets' (M2M100/NLLB's language token)
 
     @property
     def char_limit(self) -> int:
@@ -138,8 +131,8 @@ def process_shard(process_index: int | None, process_count: int | None) -> tuple
 
 
 class _ShardRecords(grain.MapDataset):
-    """Featurized records of a shard, memoized: one MapDataset in place of grain's source ->
-    slice -> map chain, whose per-element monitoring costs more than tokenizing a pair."""
+    """A shard's records, memoized: grain's source -> slice -> map chain monitors each element
+    at more cost than tokenizing a pair."""
 
     def __init__(self, items: Sequence[Any], shard: slice, featurize: Featurizer, cache: bool):
         super().__init__()
@@ -177,9 +170,8 @@ def shard_records(
     source_prefix: Sequence[int] = (),
     target_prefix: Sequence[int] = (),
 ) -> grain.MapDataset:
-    """The `Featurizer` records (train: longer than max_len dropped) of shard
-    items[process_index::process_count] as a MapDataset, memoized when `cache`; ValueError
-    when the shard is empty."""
+    """The train `Featurizer` records of items[process_index::process_count], memoized when
+    `cache`; ValueError when the shard is empty."""
     pi, pc = shard
     prefixes = dict(source_prefix=tuple(source_prefix), target_prefix=tuple(target_prefix))
     featurize = Featurizer(tokenizer, keys, max_len, **prefixes)

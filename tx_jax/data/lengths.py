@@ -36,24 +36,20 @@ class Lengths:
         return len(self.source)
 
     @property
-    def longer(self) -> np.ndarray:
-        return np.maximum(self.source, self.target)
-
-    @property
     def exact(self) -> bool:
         """Whether every pair was tokenized (a count is exact, not estimated)."""
         return self.sampled >= self.total
 
     def percentile(self, q: float) -> int:
         """The q-th percentile of a pair's longer side, rounded up to a whole id."""
-        return int(np.ceil(np.percentile(self.longer, q))) if self.sampled else 0
+        longer = np.maximum(self.source, self.target)
+        return int(np.ceil(np.percentile(longer, q))) if self.sampled else 0
 
     def dropped(self, max_len: int) -> tuple[int, float]:
-        """(pairs, share) with a side over `max_len` ids: what the train pipeline drops,
-        scaled from the sample to the split."""
+        """(pairs, share) with a side over `max_len` ids (train drops them), to scale."""
         if not self.sampled:
             return 0, 0.0
-        share = float(np.mean(self.longer > max_len))
+        share = float(np.mean(np.maximum(self.source, self.target) > max_len))
         return round(share * self.total), share
 
     def truncated(self, max_len: int) -> tuple[int, float]:
@@ -84,8 +80,7 @@ def train_lengths(task, seed: int, sample: int = SAMPLE) -> Lengths:
 
 
 def eval_lengths(task, splits: Sequence[str]) -> dict[str, Lengths]:
-    """Lengths of every pair of each of `splits` that the task has (a missing one is left
-    out), keyed by the split's name."""
+    """Lengths of every pair of each of `splits` the task has, by the split's name."""
     out = {}
     for split in splits:
         try:

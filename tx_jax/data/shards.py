@@ -5,21 +5,14 @@
     batch = next(it)                  this process's rows of the global batch
     it.get_state() / it.set_state()   every shard's position (any process count restores it)
 
-`make_train_iterator` makes one shard's `batches.TrainIterator` of one `Stream` or of
-several mixed by weight.
-
-`data.input_shards` S cuts the train examples into S shards, fixed for the run: shard s
-reads examples [s::S] under a budget of tokens_per_batch // S, and the global batch at step t
-is every shard's batch t in shard order, so it depends on S and the config only, not on the
-process or device count. A process builds only the shards its `spans` (fractions of the
-global rows, `parallel.Strategy.process_row_spans`) fall in and keeps exactly its rows; with
-S a multiple of the process count each reads S / P shards. With S > 1 batches must share one
-shape (`data.packing=True` or a single bucket). Rows per shard are rounded down to a multiple
-of m / gcd(m, S), m = devices x grad_accum_steps.
-
-State: {'input_shards': S, 'shards': {'0': TrainIterator state, ...}}, per shard so it restores
-on any topology whose batch shapes match (else the error names the keys); a state saved before
-input shards restores as shard 0 of S = 1, an old fingerprint via `upgrade_fingerprint`.
+`data.input_shards` S cuts the train examples into S shards fixed for the run: shard s reads
+examples [s::S] under a budget of tokens_per_batch // S, and the global batch at step t is
+every shard's batch t in shard order, so it depends on S and the config, not on the process or
+device count. A process builds the shards its `spans` (fractions of the global rows,
+`parallel.Strategy.process_row_spans`) fall in and keeps exactly its rows. With S > 1 batches
+share one shape (`data.packing=True` or one bucket); rows per shard are a multiple of
+m / gcd(m, S), m = devices x grad_accum_steps. The state, {'input_shards': S, 'shards': {'0':
+TrainIterator state, ...}}, restores on any topology whose batch shapes match.
 """
 
 from __future__ import annotations
@@ -91,8 +84,7 @@ def kept_train_pairs(data: Any, train: Sequence[tuple[str, str]]) -> Sequence[tu
 
 
 def train_options(data: Any, *, seed: int, batch_multiple: int) -> TrainOptions:
-    """The train batching of config.data for the whole global batch (process 0 of 1; each
-    input shard takes its part), rows a multiple of `batch_multiple`."""
+    """config.data's batching of the whole global batch (each input shard takes its part)."""
     return TrainOptions(
         max_len=data.max_train_len,
         tokens_per_batch=data.tokens_per_batch,
@@ -106,9 +98,8 @@ def train_options(data: Any, *, seed: int, batch_multiple: int) -> TrainOptions:
 
 
 def train_batch_shapes(data: Any, *, batch_multiple: int, lm: bool) -> list[dict[str, tuple]]:
-    """The global train batches of config.data without reading any data: one {array name:
-    (B, L)} per bucket, as the train iterator would make them (rows a multiple of
-    `batch_multiple`: devices x grad_accum_steps)."""
+    """config.data's global train batches without reading data: {array name: (B, L)} per
+    bucket, rows a multiple of `batch_multiple` (devices x grad_accum_steps)."""
     options = train_options(data, seed=0, batch_multiple=batch_multiple)
     input_shards = int(data.get("input_shards", 1))
     check_shape_rule(input_shards, options.packing, options.bucket_boundaries)
@@ -139,9 +130,8 @@ def make_train_iterator(
     *,
     lm: bool = False,
 ) -> TrainIterator:
-    """One shard's train batches ('inputs', 'targets'; `lm`: 'targets' only) of one stream,
-    or drawn by weight from named streams (their order is part of the state), which never
-    ends (options.num_epochs must be None)."""
+    """One shard's train batches ('inputs', 'targets'; `lm`: 'targets') of one stream, or
+    drawn by weight from named streams (in the state's order) forever (num_epochs None)."""
     mixed = isinstance(streams, Mapping)
     named = dict(streams) if mixed else {"": streams}
     probs = [float(x.weight) for x in named.values()]
@@ -181,8 +171,7 @@ def make_train_iterator(
 
 
 def shard_options(options: TrainOptions, shard: int, input_shards: int) -> TrainOptions:
-    """The options of shard `shard` of `input_shards`: examples [shard::input_shards], its
-    share of the token budget, rows a multiple that keeps the global batch divisible."""
+    """Shard `shard` of `input_shards`: its examples, token budget and row multiple."""
     m = options.batch_multiple
     return TrainOptions(
         **{
@@ -207,11 +196,8 @@ def check_shape_rule(input_shards: int, packing: bool, boundaries: Sequence[int]
 
 
 class ShardedTrainIterator:
-    """This process's rows of the global batches of `input_shards` shard streams.
-
-    `shards` maps each owned shard to its `TrainIterator`; `spans` are the
-    fractions of the global rows this process keeps (sorted, inside the owned shards).
-    """
+    """This process's rows of the global batches: `shards` its owned shards' iterators,
+    `spans` the fractions of the global rows it keeps (sorted, inside those shards)."""
 
     def __init__(self, shards: dict[int, TrainIterator], input_shards: int, spans: Sequence[Span]):
         self._shards = shards
@@ -294,8 +280,7 @@ _SHAPES_HINT = (
 
 
 def upgrade_fingerprint(fingerprint: dict[str, Any]) -> dict[str, Any]:
-    """A shard fingerprint saved with 'batch_multiple' (the device count, before
-    'batch_shapes') in today's terms: the shapes that multiple gave."""
+    """An old shard fingerprint's 'batch_multiple' (the device count) as the shapes it gave."""
     if "batch_shapes" in fingerprint or "batch_multiple" not in fingerprint:
         return fingerprint
     out = dict(fingerprint)
@@ -331,8 +316,8 @@ def make_sharded_iterator(
     input_shards: int,
     spans: Sequence[Span] | None = None,
 ) -> ShardedTrainIterator:
-    """The iterator of this process's `spans` of the global rows (None: all) of `input_shards`
-    shards, each built by `build` from the global `options` cut to its share."""
+    """This process's `spans` (None: all) of the global rows of `input_shards` shards, each
+    built by `build` from `options` cut to its share."""
     n = input_shards
     check_shape_rule(n, options.packing, options.bucket_boundaries)
     spans = sorted(spans or [(Fraction(0), Fraction(1))])

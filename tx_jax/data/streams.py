@@ -35,8 +35,9 @@ _READ_CHUNK = 1024
 
 
 class LazySequence(Sequence):
-    """A read-only view that copies nothing: a subclass gives `__len__` and `item_at`, this
-    adds negative indices, slices (as lists) and IndexError."""
+    """A read-only view that copies nothing: a subclass gives `__len__` and `item_at` (and
+    `__getitems__` when it reads in batches); this adds negative indices, slices (as lists),
+    IndexError and iteration in chunks of _READ_CHUNK."""
 
     def item_at(self, i: int) -> Any:
         """The item at 0 <= i < len(self)."""
@@ -50,10 +51,17 @@ class LazySequence(Sequence):
             raise IndexError(i)
         return self.item_at(i % n)
 
+    def __getitems__(self, indices: Sequence[int]) -> list:
+        return [self.item_at(i) for i in indices]
+
+    def __iter__(self) -> Iterator:
+        for start in range(0, len(self), _READ_CHUNK):
+            yield from self.__getitems__(range(start, min(start + _READ_CHUNK, len(self))))
+
 
 def read_items(seq: Sequence, indices: Sequence[int]) -> list:
     """`seq`'s items at `indices` (valid, non-negative), in one `__getitems__` call when
-    `seq` has one (a TranslationSource, a Prefix of one), else one by one."""
+    `seq` has one (a TranslationSource, a view), else one by one."""
     getitems = getattr(seq, "__getitems__", None)
     return list(getitems(indices)) if getitems else [seq[i] for i in indices]
 
@@ -75,10 +83,6 @@ class Prefix(LazySequence):
             raise IndexError(f"indices outside [0, {self._n})")
         return read_items(self._seq, indices)
 
-    def __iter__(self) -> Iterator:
-        for start in range(0, self._n, _READ_CHUNK):
-            yield from read_items(self._seq, range(start, min(start + _READ_CHUNK, self._n)))
-
 
 class Sample(LazySequence):
     """`n` distinct items of a sequence drawn uniformly (seeded), in the sequence's order (all
@@ -89,33 +93,19 @@ class Sample(LazySequence):
         if n is not None and n < 0:
             raise ValueError(f"Sample: n={n}; expected n >= 0 or None")
         self._seq = seq
-        self._indices: np.ndarray | None = None  # None: every index, in order
+        self.indices = np.arange(total, dtype=np.int64)  # the sequence's indices read, sorted
         if n is not None and n < total:
             rng = np.random.default_rng(seed)
-            self._indices = np.sort(rng.choice(total, size=n, replace=False, shuffle=False))
-        self._n = total if self._indices is None else n
-
-    @property
-    def indices(self) -> np.ndarray:
-        """The sequence's indices this view reads, increasing: [len(self)] int64."""
-        if self._indices is None:
-            return np.arange(self._n, dtype=np.int64)
-        return self._indices
+            self.indices = np.sort(rng.choice(total, size=n, replace=False, shuffle=False))
 
     def __len__(self) -> int:
-        return self._n
-
-    def _at(self, start: int, stop: int) -> list[int]:
-        if self._indices is None:
-            return list(range(start, stop))
-        return self._indices[start:stop].tolist()
+        return len(self.indices)
 
     def item_at(self, i: int):
-        return self._seq[self._at(i, i + 1)[0]]
+        return self._seq[int(self.indices[i])]
 
-    def __iter__(self) -> Iterator:
-        for start in range(0, self._n, _READ_CHUNK):
-            yield from read_items(self._seq, self._at(start, min(start + _READ_CHUNK, self._n)))
+    def __getitems__(self, indices: Sequence[int]) -> list:
+        return read_items(self._seq, self.indices[list(indices)].tolist())
 
 
 class Concat(LazySequence):

@@ -15,10 +15,8 @@ Every kind of run is a `Task`; what differs is its streams and their weights:
                                ratio, tagged sources after <BT> (backtranslation.py)
     language modelling         one side of the pairs (`lm_side`), 'targets' only, no BLEU
 
-`prepare_task` finds the tokenizer first (given, loaded from the workdir, or trained on a
-uniform sample of the train split: run_tokenizer.py), then builds the task; batching and
-sharding: shards.py; datasets by name: datasets.py. Validation loss batches are per-process
-shards; decoding for BLEU reads the same examples on every process (`shard_eval=False`).
+`prepare_task` finds the tokenizer (run_tokenizer.py), then builds the task. Validation loss
+batches are per-process shards; decoding reads every example on every process (`shard_eval`).
 """
 
 from __future__ import annotations
@@ -44,7 +42,7 @@ class Task:
     data: Any  # config.data
     tokenizer: Tokenizer
     seed: int
-    # The splits opened so far (a dataclasses.replace copy shares it)
+    # the splits opened so far (a dataclasses.replace copy shares it)
     splits: dict[str, datasets.TranslationSource] = dataclasses.field(default_factory=dict)
     # False: every process evaluates all examples (decoding with parameters over processes)
     shard_eval: bool = True
@@ -77,26 +75,18 @@ class Task:
 
     @property
     def source_prefix(self) -> list[int]:
-        """The ids put before every source: [id of the tag], an imported model's source
-        language token (M2M100/NLLB) or target token (multi-target Marian), or none."""
+        """The ids before every source: the tag's, an imported model's language token, or none."""
         return [] if self.lm_side else self._prefixes[0]
 
     @property
     def target_prefix(self) -> list[int]:
-        """The ids put before every target's pieces, which decoding forces first: an
-        imported M2M100/NLLB model's target-language token, or none."""
+        """The ids before every target, forced first in decoding (M2M100/NLLB's language)."""
         return [] if self.lm_side else self._prefixes[1]
 
     @property
     def one_pair(self) -> bool:
-        """Whether the task translates one language pair (back-translated pairs mixed in or
-        not): what the data sizes a run from (runner/sizing.py) can be measured on."""
+        """Whether it translates one language pair: what runner/sizing.py can measure."""
         return not (self.lm_side or self.directions)
-
-    @property
-    def probabilities(self) -> dict[str, float]:
-        """Sampling probability of each weighted stream ({} for one unweighted stream)."""
-        return {n: s.weight for n, s in self.streams.items()}
 
     @property
     def bleu_directions(self) -> list[str]:
@@ -108,7 +98,7 @@ class Task:
         return {"validation": self.data.eval_split, "test": self.data.test_split}.get(split, split)
 
     def direction(self, name: str) -> Task:
-        """One direction's task ('de-fr'); one that was not configured is built on the fly."""
+        """One direction's task ('de-fr'), built on the fly when not configured."""
         task = self.directions.get(name) or self.extra.get(name)
         if task is None:
             task = direction_task(self.data, self.tokenizer, self.seed, name)
@@ -126,8 +116,7 @@ class Task:
         return kept_train_pairs(self.data, self.source("train"))
 
     def pairs(self, split: str, limit: int | None = None) -> Sequence[tuple[str, str]]:
-        """A split's pairs (`limit`: the first ones); of several directions one after another
-        (`limit` per direction)."""
+        """A split's first `limit` pairs; several directions' one after another."""
         if self.directions:
             return Concat([self.direction(n).pairs(split, limit) for n in self.directions])
         pairs = self.train_pairs() if self.split_name(split) == "train" else self.source(split)
@@ -140,8 +129,7 @@ class Task:
     def train_iterator(
         self, batch_multiple: int, spans: Sequence[shards.Span] | None = None
     ) -> shards.ShardedTrainIterator:
-        """This process's rows (`spans`; None: all) of the global batches, whose rows are a
-        multiple of `batch_multiple` (shards.py): the weighted streams mixed, or the one."""
+        """This process's `spans` (None: all) of the global batches (shards.py)."""
         streams = self.streams
         if not streams:
             items = self.texts("train") if self.lm_side else self.train_pairs()
@@ -155,11 +143,9 @@ class Task:
     def eval_batches(
         self, split: str, batch_multiple: int, limit: int | None = None, *, one_shape=False
     ) -> eval_pipeline.EvalBatches:
-        """This process's share of the examples (all when `shard_eval` is False), sorted by
-        length into the eval buckets for decoding (short batches decode fast; padding changes
-        no hypothesis); `one_shape`: corpus order padded to max_eval_len, for the loss (one
-        program). Several directions' batches come one after another ('example_index' counts
-        within each); a language model's have one shape."""
+        """This process's share of the examples (all unless `shard_eval`), sorted by length
+        into the eval buckets (short batches decode fast); `one_shape`: corpus order padded to
+        max_eval_len, one program for the loss. Several directions' come one after another."""
         if self.directions:
             parts = [
                 self.direction(n).eval_batches(split, batch_multiple, limit, one_shape=one_shape)
@@ -212,11 +198,9 @@ def prepare_task(
     tokenizer: Tokenizer | None = None,
     lm: bool = False,
 ) -> Task:
-    """The run's task over config.data: its splits prepared and opened, its tokenizer
-    (`tokenizer`, when given: another run's for `train.init_from`; else data.tokenizer_path,
-    WORKDIR/tokenizer.model, or trained here on a uniform sample with `seed`), saved as
-    WORKDIR/tokenizer.model, and its weighted streams (module docstring). `lm`: a language
-    model over `data.lm_side` of the pairs."""
+    """The run's task over config.data: its splits prepared, its tokenizer (`tokenizer`:
+    train.init_from's; else run_tokenizer.py's) and its streams. `lm`: a language model over
+    `data.lm_side` of the pairs."""
     tokenizer_options(data)  # a bad option fails before the data is prepared
     workdir = epath.Path(workdir)
     if directions.is_multilingual(data):
@@ -255,8 +239,8 @@ def backtranslated(
     synthetic: dict[str, Sequence[tuple[str, str]]],
     tag_id: int | None,
 ) -> Task:
-    """`task` whose train stream mixes in the synthetic corpora (their pairs: `synthetic`) by
-    ratio, the tagged ones' sources after `tag_id`; evaluation reads the real dataset only."""
+    """`task` with the synthetic corpora (pairs: `synthetic`) mixed in by ratio, tagged ones'
+    sources after `tag_id`; evaluation reads the real dataset only."""
     weights = bt.proportions([c.ratio for c in corpora])
     prefix, target = list(task.source_prefix), list(task.target_prefix)
     mixed = {bt.REAL: Stream(task.train_pairs(), weights[0], prefix, target)}
@@ -269,9 +253,8 @@ def backtranslated(
 def _tokenizer_texts(
     data: Any, train_pairs: Sequence[Sequence[tuple[str, str]]], seed: int
 ) -> Iterator[str]:
-    """Both sides of a uniform sample (streams.Sample, `seed`) of data.tokenizer_pairs of each
-    language pair's `train_pairs` (all of them when it has no more), each distinct sentence
-    once (English of en-de and en-fr is the same text in Multi30k)."""
+    """Both sides of a sample of data.tokenizer_pairs of each language pair's `train_pairs`,
+    each distinct sentence once (English of en-de and en-fr is one text in Multi30k)."""
     seen: set[str] = set()
     for pairs in train_pairs:
         for pair in Sample(pairs, data.tokenizer_pairs, seed):
@@ -282,8 +265,7 @@ def _tokenizer_texts(
 
 
 def _multilingual(data: Any, workdir: epath.Path, seed: int, tokenizer: Tokenizer | None) -> Task:
-    """Splits of every direction, the shared tokenizer (trained once with the tags, or
-    `tokenizer` / data.tokenizer_path, checked for the tags) and one stream per direction."""
+    """Every direction's splits, one tokenizer with the tags, one stream per direction."""
     trained, extra = directions.train_directions(data), directions.extra_directions(data)
     if not trained:
         raise ValueError("data.directions is empty: name the directions, e.g. 'en-de,de-en'")

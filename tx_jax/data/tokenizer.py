@@ -61,14 +61,11 @@ def train_tokenizer(
     seed: int = 0,
     num_threads: int = 1,
 ) -> Tokenizer:
-    """Trains a joint SentencePiece model on source and target `texts`, writes it to
-    `model_path` atomically and returns it; the same input gives identical bytes (1 thread).
-
-    `vocab_size` counts the reserved ids and may come out smaller when the corpus cannot
-    support it (read `Tokenizer.vocab_size`); `byte_fallback` encodes an unknown character as
-    its UTF-8 byte pieces (256 more pieces); `user_defined_symbols` (language tags) get ids 4,
-    5, ... Raises ValueError for no usable text or a vocabulary too small for the characters.
-    """
+    """Trains a joint SentencePiece model on `texts`, writes it to `model_path` atomically and
+    returns it; the same input gives identical bytes (1 thread). `vocab_size` counts the
+    reserved ids and may come out smaller on a small corpus; `byte_fallback` adds 256 byte
+    pieces for unknown characters; `user_defined_symbols` (tags) get ids 4, 5, ... ValueError
+    for no usable text or a vocabulary too small for the characters."""
     sentences = sample_sentences(texts, max_sentences, seed)
     if not sentences:
         raise ValueError("train_tokenizer: no non-empty sentence in `texts`.")
@@ -110,16 +107,18 @@ class Tokenizer:
 
     def __init__(self, model_proto: bytes):
         self._proto = bytes(model_proto)
-        self._sp = spm.SentencePieceProcessor(model_proto=self._proto)
-        if self._sp.pad_id() != PAD_ID or self._sp.unk_id() == PAD_ID:
+        self._sp = sp = spm.SentencePieceProcessor(model_proto=self._proto)
+        self.pad_id, self.unk_id = sp.pad_id(), sp.unk_id()
+        self.bos_id, self.eos_id = sp.bos_id(), sp.eos_id()
+        if self.pad_id != PAD_ID or self.unk_id == PAD_ID:
             raise ValueError(
-                f"Tokenizer needs pad_id=0 and unk_id!=0, got pad_id={self._sp.pad_id()},"
-                f" unk_id={self._sp.unk_id()}."
+                f"Tokenizer needs pad_id=0 and unk_id!=0, got pad_id={self.pad_id},"
+                f" unk_id={self.unk_id}."
             )
-        if self._sp.eos_id() < 0:
+        if self.eos_id < 0:
             raise ValueError("Tokenizer needs an EOS piece (eos_id >= 0).")
-        pieces = (self._sp.id_to_piece(i) for i in range(self.vocab_size))
-        self._max_piece_chars = max(len(p) for p in pieces)
+        # a text of n characters needs at least n / max_piece_chars ids
+        self.max_piece_chars = max(len(sp.id_to_piece(i)) for i in range(self.vocab_size))
 
     # ----------------------------------------------------------------------- construction
 
@@ -130,9 +129,8 @@ class Tokenizer:
 
     @classmethod
     def from_bytes(cls, model_proto: bytes) -> Tokenizer:
-        """The tokenizer `to_bytes` wrote: a SentencePiece model proto, or an imported
-        model's tokenizer (data/imported_tokenizer.py), which every reader of a run's
-        tokenizer file or checkpoint then gets without knowing which it is."""
+        """The tokenizer `to_bytes` wrote: a SentencePiece model proto, or an imported model's
+        (imported_tokenizer.py), so no reader needs to know which."""
         from tx_jax.data import imported_tokenizer
 
         if imported_tokenizer.is_imported(model_proto):
@@ -167,27 +165,6 @@ class Tokenizer:
         """Number of ids, reserved ones included (ids are 0 .. vocab_size - 1)."""
         return self._sp.vocab_size()
 
-    @property
-    def pad_id(self) -> int:
-        return self._sp.pad_id()
-
-    @property
-    def unk_id(self) -> int:
-        return self._sp.unk_id()
-
-    @property
-    def bos_id(self) -> int:
-        return self._sp.bos_id()
-
-    @property
-    def eos_id(self) -> int:
-        return self._sp.eos_id()
-
-    @property
-    def max_piece_chars(self) -> int:
-        """Longest piece in characters; a text of n chars needs >= n / this many ids."""
-        return self._max_piece_chars
-
     def id_to_piece(self, i: int) -> str:
         return self._sp.id_to_piece(int(i))
 
@@ -206,8 +183,7 @@ class Tokenizer:
         return self._sp.encode(list(texts), num_threads=num_threads)
 
     def encode_target(self, text: str) -> list[int]:
-        """Target-side text -> ids: one joint vocabulary, so the same as `encode` (an
-        imported model's tokenizer may cut targets with another model)."""
+        """Target text -> ids: `encode` (an imported model may cut targets otherwise)."""
         return self._sp.encode(text)
 
     @property
