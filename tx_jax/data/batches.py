@@ -292,31 +292,49 @@ def _close_live_iterators() -> None:
 
 
 class TrainIterator(grain.DatasetIterator):
-    """Infinite (or `num_epochs`) iterator of train batches with exact, JSON-able state;
-    `keys` its token keys, `batch_shapes` every (B, L), smallest L first."""
+    """Infinite (or `num_epochs`) train batches of `kept` (position, features) examples that
+    can `reread(position)`, from shard `shard` (index, count), with exact, JSON-able state;
+    `num_examples`, the tokenizer's sha1 and `fingerprint_extra` are fingerprinted,
+    `shard_size` is one epoch. `batch_shapes`: every (B, L), smallest L first."""
 
     def __init__(
         self,
-        dataset: GroupIterDataset,
-        *,
-        prefetch: int,
-        fingerprint: dict[str, Any],
+        kept: grain.IterDataset,
         keys: tuple[str, ...],
-        batch_shapes: tuple[tuple[int, int], ...],
-        packing: bool,
+        tokenizer: Tokenizer,
+        options: TrainOptions,
+        shard: tuple[int, int],
+        *,
+        num_examples: int,
         shard_size: int,
+        fingerprint_extra: dict[str, Any] | None = None,
     ):
-        self._batches = dataset.__iter__()
-        if prefetch > 0:
-            prefetcher = grain.experimental.ThreadPrefetchDatasetIterator(self._batches, prefetch)
+        o, (pi, pc) = options, shard
+        self.keys, self.packing, self.shard_size = keys, o.packing, shard_size
+        self.batch_shapes = shapes = batch_shapes(o)
+        sizes, boundaries = (tuple(x) for x in zip(*shapes))
+        if pc > 1 and len(boundaries) > 1:
+            logging.warning("Length buckets differ across %d processes; see shards.py.", pc)
+        spec = BatchSpec(keys, boundaries, sizes, o.packing)
+        self._batches = GroupIterDataset(kept, spec).__iter__()
+        if o.prefetch > 0:
+            prefetcher = grain.experimental.ThreadPrefetchDatasetIterator(self._batches, o.prefetch)
             super().__init__(prefetcher)
         else:
             super().__init__(self._batches)
+        fingerprint = dataclasses.asdict(o) | {
+            "bucket_boundaries": list(boundaries),
+            "process_index": pi,
+            "process_count": pc,
+            "num_examples": num_examples,
+            "keys": list(keys),
+            "tokenizer_sha1": hashlib.sha1(tokenizer.to_bytes()).hexdigest(),
+            **(fingerprint_extra or {}),
+        }
+        for k in _NOT_IN_FINGERPRINT:
+            fingerprint.pop(k)
+        fingerprint["batch_shapes"] = [list(x) for x in shapes]
         self._fingerprint = fingerprint
-        self.keys = keys
-        self.batch_shapes = batch_shapes
-        self.packing = packing
-        self.shard_size = shard_size  # the records of one pass over the shard
         self._final_state: dict[str, Any] | None = None  # set once exhausted
         _LIVE_ITERATORS.add(self)
 
@@ -362,47 +380,3 @@ class TrainIterator(grain.DatasetIterator):
         counts["dropped_remainder"] = state["dropped_remainder"]
         counts["epoch"] = state["examples"]["next_index"] // self.shard_size
         return counts
-
-
-def batch_iterator(
-    kept: grain.IterDataset,
-    keys: tuple[str, ...],
-    tokenizer: Tokenizer,
-    options: TrainOptions,
-    shard: tuple[int, int],
-    *,
-    num_examples: int,
-    shard_size: int,
-    fingerprint_extra: dict[str, Any] | None = None,
-) -> TrainIterator:
-    """Kept (position, features) examples that can `reread(position)` -> the TrainIterator of
-    `shard` (index, count); `num_examples`, the tokenizer's sha1 and `fingerprint_extra` are
-    fingerprinted, `shard_size` is one epoch."""
-    pi, pc = shard
-    o = options
-    shapes = batch_shapes(o)
-    sizes, boundaries = (list(x) for x in zip(*shapes))
-    if pc > 1 and len(boundaries) > 1:
-        logging.warning("Length buckets differ across %d processes; see shards.py.", pc)
-    ds = GroupIterDataset(kept, BatchSpec(keys, tuple(boundaries), tuple(sizes), o.packing))
-    fingerprint = dataclasses.asdict(o) | {
-        "bucket_boundaries": boundaries,
-        "process_index": pi,
-        "process_count": pc,
-        "num_examples": num_examples,
-        "keys": list(keys),
-        "tokenizer_sha1": hashlib.sha1(tokenizer.to_bytes()).hexdigest(),
-        **(fingerprint_extra or {}),
-    }
-    for k in _NOT_IN_FINGERPRINT:
-        fingerprint.pop(k)
-    fingerprint["batch_shapes"] = [list(x) for x in shapes]
-    return TrainIterator(
-        ds,
-        prefetch=o.prefetch,
-        fingerprint=fingerprint,
-        keys=keys,
-        batch_shapes=shapes,
-        packing=o.packing,
-        shard_size=shard_size,
-    )

@@ -161,8 +161,8 @@ class ImportedTokenizer:
     # ------------------------------------------------------------------ languages
 
     def language_id(self, code: str) -> int:
-        """The id of language `code`'s token (`de`, `__de__`, `>>de<<`, `deu_Latn`; for
-        NLLB also a two-letter code of NLLB_CODES, e.g. `de` -> `deu_Latn`)."""
+        """The id of language `code`'s token (`de`, `__de__`, `>>de<<`, `deu_Latn`; NLLB also
+        maps NLLB_CODES: `de` -> `deu_Latn`)."""
         keys = [code, f"__{code}__", f">>{code}<<"]
         if self.family == "nllb" and code in NLLB_CODES:
             keys.append(NLLB_CODES[code])
@@ -179,8 +179,7 @@ class ImportedTokenizer:
         )
 
     def source_prefix(self, source_lang: str | None = None, target_lang: str | None = None):
-        """Ids before every source's pieces: M2M100/NLLB's source-language token, a
-        multi-target Marian model's `>>xx<<` target token (none for one target)."""
+        """Ids before every source: M2M100/NLLB's source language, multi-target Marian's >>xx<<."""
         if self.family == "marian":
             target_lang = target_lang or self.target_lang
             if not self.languages:
@@ -215,8 +214,7 @@ class ImportedTokenizer:
         return self._encode(text, self._source_sp, self._source_ids)
 
     def encode_batch(self, texts: Sequence[str], num_threads: int = -1) -> list[list[int]]:
-        del num_threads
-        return [self.encode(t) for t in texts]
+        return [self.encode(t) for t in texts]  # in Python: `num_threads` does not apply
 
     def encode_target(self, text: str) -> list[int]:
         """Target text -> ids with the target SentencePiece model and vocabulary."""

@@ -58,8 +58,7 @@ def tokenizer_options(data: Any) -> dict[str, Any]:
 
 
 def given_tokenizer(data: Any) -> Tokenizer | None:
-    """The tokenizer `data.tokenizer_path` names (a .model file, or a run directory holding
-    tokenizer.model), or None when unset: a run that must share another run's vocabulary."""
+    """The tokenizer `data.tokenizer_path` names (a .model file or a run directory), or None."""
     path = data.get("tokenizer_path")
     if not path:
         return None
@@ -71,11 +70,6 @@ def given_tokenizer(data: Any) -> Tokenizer | None:
     return Tokenizer.from_bytes(path.read_bytes())
 
 
-def _same(a: Tokenizer, b: Tokenizer) -> bool:
-    """Whether two tokenizers are one vocabulary: the same bytes, whatever their kind."""
-    return a.to_bytes() == b.to_bytes()
-
-
 def load_or_train_tokenizer(
     data: Any,
     workdir: epath.Path,
@@ -85,25 +79,23 @@ def load_or_train_tokenizer(
     given_by: str = "data.tokenizer_path",
     symbols: Sequence[str] = (),
 ) -> Tokenizer:
-    """WORKDIR/tokenizer.model if present (read as it is: never trained again), else `given`
-    (or `data.tokenizer_path`'s) saved there, else a `data.vocab_size` model trained with the
-    options of `data.tokenizer` (`tokenizer_options`) on `texts()` (e.g. both sides of a
-    uniform sample of `data.tokenizer_pairs` train pairs: a joint vocabulary) with `symbols`
-    (and `data.user_defined_symbols`) as single pieces. A WORKDIR/tokenizer.model that
-    differs from the given one is an error naming `given_by`: the vocabularies would not
-    match."""
+    """WORKDIR/tokenizer.model if present (never trained again), else `given` (or
+    `data.tokenizer_path`'s) saved there, else a `data.vocab_size` model trained with
+    `data.tokenizer`'s options on `texts()` with `symbols` (and `data.user_defined_symbols`) as
+    single pieces. A WORKDIR/tokenizer.model unlike the given one is an error naming
+    `given_by`: the vocabularies would not match."""
     options = tokenizer_options(data)
     path = workdir / TOKENIZER_FILE
     if given is None:
         given = given_tokenizer(data)
-    elif data.get("tokenizer_path") and not _same(given_tokenizer(data), given):
+    elif data.get("tokenizer_path") and given_tokenizer(data).to_bytes() != given.to_bytes():
         raise ValueError(
             f"data.tokenizer_path={data.tokenizer_path!r} and {given_by} name different "
             "tokenizers; set only one"
         )
     if jax.process_count() == 1 and path.exists():
         existing = Tokenizer.from_bytes(path.read_bytes())
-        if given is not None and not _same(existing, given):
+        if given is not None and existing.to_bytes() != given.to_bytes():
             raise ValueError(
                 f"{path} differs from the tokenizer of {given_by}: a workdir keeps the "
                 "vocabulary it started with; use a new workdir"
@@ -124,7 +116,7 @@ def load_or_train_tokenizer(
             _train_tokenizer_to(path, texts(), data.vocab_size, symbols, **options)
     barrier("tokenizer")
     tokenizer = Tokenizer.from_bytes(path.read_bytes())
-    if given is not None and not _same(tokenizer, given):
+    if given is not None and tokenizer.to_bytes() != given.to_bytes():
         raise ValueError(f"{path} differs from the tokenizer of {given_by}; use a new workdir")
     return tokenizer
 
@@ -136,8 +128,7 @@ def _train_tokenizer_to(
     symbols: Sequence[str],
     **options: Any,
 ) -> None:
-    """Trains a tokenizer on `texts` with SentencePiece's `options` and writes it to `path`
-    (a gs:// one through a local temporary directory of this run's own)."""
+    """Trains a tokenizer on `texts` into `path` (gs:// through a local temporary directory)."""
     if not paths.is_remote(path):
         train_tokenizer(texts, vocab_size, str(path), user_defined_symbols=symbols, **options)
         return

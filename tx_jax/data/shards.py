@@ -32,7 +32,6 @@ from tx_jax.data.batches import (
     Batch,
     TrainIterator,
     TrainOptions,
-    batch_iterator,
     batch_keys,
     batch_shapes,
     bucket_batch_sizes,
@@ -164,7 +163,7 @@ def make_train_iterator(
         prefixes = {"source_prefix": sources[0], "target_prefix": targets[0]}
         extra = {k: v for k, v in prefixes.items() if v} or None
     counts = dict(num_examples=sum(sizes), shard_size=sum(len(r) for r in records))
-    return batch_iterator(kept, keys, tokenizer, options, shard, **counts, fingerprint_extra=extra)
+    return TrainIterator(kept, keys, tokenizer, options, shard, **counts, fingerprint_extra=extra)
 
 
 # ------------------------------------------------------------------------ input shards

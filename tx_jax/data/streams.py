@@ -9,11 +9,10 @@ p reads record shuffle_{seed + p // n}(p % n) (grain's `shuffle(seed).repeat()` 
 records skipped and counted.
 
 Weighted streams (directions, real + back-translated pairs): kept example k comes from stream i
-with probability p_i (`mixture_probabilities`: uniform 1/k, or temperature n_i^(1/T) / sum_j
-n_j^(1/T)), drawn from a generator seeded with (seed, k // 4096): the same on every process.
-Each stream reads its own `ExampleIterator`, so its examples come without replacement whatever
-its share. A mixture's state is its position and each stream's state ('corpora'); the batching
-layer holds its examples as positions `p * k + i`; its counts add 'kept/<name>'.
+with probability p_i (`mixture_probabilities`: uniform, or temperature n_i^(1/T) / sum_j
+n_j^(1/T)), drawn seeded with (seed, k // 4096): the same on every process. Each stream reads
+its own `ExampleIterator` (without replacement whatever its share); the state adds each
+stream's ('corpora'), the counts 'kept/<name>'.
 """
 
 from __future__ import annotations
@@ -178,9 +177,8 @@ class StreamDataset(grain.IterDataset):
 
 
 class ExampleIterator(grain.DatasetIterator):
-    """Kept examples (key -> int32 [<= max_len] ids) of one shard's `Record`s, shuffled per
-    epoch, as (position, features). State: {'next_index', 'tx_counts'}; `reread(p)` gives
-    position p's features again (a restore re-reads the batching layer's held examples)."""
+    """(position, features) of one shard's kept `Record`s, shuffled per epoch. State:
+    {'next_index', 'tx_counts'}; `reread(p)` gives position p's features again (restore)."""
 
     def __init__(self, records: grain.MapDataset, seed: int, num_epochs: int | None):
         super().__init__()
@@ -251,17 +249,14 @@ def mixture_probabilities(
     return [w / sum(weights) for w in weights]
 
 
-def _corpus_seed(seed: int, i: int) -> int:
-    return int(np.random.SeedSequence([seed, i]).generate_state(1)[0])
-
-
 class MixtureIterator(grain.DatasetIterator):
     """(position, features) of kept examples, corpus i drawn with probability p_i."""
 
     def __init__(self, records, probs, seed: int, names: Sequence[str]):
         super().__init__()
         self._corpora = [
-            ExampleIterator(r, _corpus_seed(seed, i), None) for i, r in enumerate(records)
+            ExampleIterator(r, int(np.random.SeedSequence([seed, i]).generate_state(1)[0]), None)
+            for i, r in enumerate(records)
         ]
         self._cdf = np.cumsum(np.asarray(probs, np.float64))
         self._cdf[-1] = 1.0
