@@ -1,7 +1,7 @@
 """A batch's path, step 4: kept examples -> static-shape batches, with exact, JSON-able state.
 
 Letters: B batch rows, L padded length. A stream of (position, features) examples
-(streams.py) goes into `GroupIterDataset`, whose batches are dicts of numpy int32:
+(streams.py) is grouped into batches, dicts of numpy int32:
 
     bucketed (packing=False)
       'inputs'   [B, L]  source ids + EOS, then 0 (padding)      (absent for LM)
@@ -146,18 +146,6 @@ class BatchSpec:
     lengths: tuple[int, ...]  # bucket boundaries; (max_len,) when packing
     batch_sizes: tuple[int, ...]  # rows per bucket
     packing: bool
-
-
-class GroupIterDataset(grain.IterDataset):
-    """Kept examples -> batches: by length bucket, or first-fit packed into rows."""
-
-    def __init__(self, parent: grain.IterDataset, spec: BatchSpec):
-        super().__init__(parent)
-        self._spec = spec
-
-    def __iter__(self) -> _GroupIterator:
-        cls = _PackIterator if self._spec.packing else _BucketIterator
-        return cls(self._parent.__iter__(), self._spec)
 
 
 class _GroupIterator(grain.DatasetIterator):
@@ -316,7 +304,8 @@ class TrainIterator(grain.DatasetIterator):
         if pc > 1 and len(boundaries) > 1:
             logging.warning("Length buckets differ across %d processes; see shards.py.", pc)
         spec = BatchSpec(keys, boundaries, sizes, o.packing)
-        self._batches = GroupIterDataset(kept, spec).__iter__()
+        group = _PackIterator if o.packing else _BucketIterator
+        self._batches = group(kept.__iter__(), spec)
         if o.prefetch > 0:
             prefetcher = grain.experimental.ThreadPrefetchDatasetIterator(self._batches, o.prefetch)
             super().__init__(prefetcher)

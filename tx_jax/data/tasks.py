@@ -145,7 +145,8 @@ class Task:
     ) -> eval_pipeline.EvalBatches:
         """This process's share of the examples (all unless `shard_eval`), sorted by length
         into the eval buckets (short batches decode fast); `one_shape`: corpus order padded to
-        max_eval_len, one program for the loss. Several directions' come one after another."""
+        max_eval_len, one program for the loss (a language model's always). Several directions'
+        come one after another."""
         if self.directions:
             parts = [
                 self.direction(n).eval_batches(split, batch_multiple, limit, one_shape=one_shape)
@@ -154,15 +155,9 @@ class Task:
             stats = {k: sum(p.stats[k] for p in parts) for k in parts[0].stats}
             batches = [b for p in parts for b in p.batches]
             return eval_pipeline.EvalBatches(batches, sum(p.num_examples for p in parts), stats)
-        d = self.data
+        d, lm = self.data, bool(self.lm_side)
         every = {} if self.shard_eval else {"process_index": 0, "process_count": 1}
-        common = dict(max_len=d.max_eval_len, batch_size=d.eval_batch_size, **every)
-        if self.lm_side:
-            texts = self.texts(split, limit)
-            return eval_pipeline.eval_batches(
-                texts, ("targets",), self.tokenizer, batch_multiple=batch_multiple, **common
-            )
-        if one_shape:
+        if one_shape or lm:
             shapes = dict(bucket_boundaries=[d.max_eval_len])
         else:
             buckets = eval_pipeline.eval_bucket_boundaries(
@@ -170,13 +165,15 @@ class Task:
             )
             shapes = dict(bucket_boundaries=buckets, sort_by_length=True)
         return eval_pipeline.eval_batches(
-            self.pairs(split, limit),
-            ("inputs", "targets"),
+            self.texts(split, limit) if lm else self.pairs(split, limit),
+            ("targets",) if lm else ("inputs", "targets"),
             self.tokenizer,
+            max_len=d.max_eval_len,
+            batch_size=d.eval_batch_size,
             batch_multiple=batch_multiple,
             source_prefix=self.source_prefix,
             target_prefix=self.target_prefix,
-            **common,
+            **every,
             **shapes,
         )
 
