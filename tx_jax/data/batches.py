@@ -97,27 +97,18 @@ def pad_rows(features: Sequence[dict[str, np.ndarray]], keys, rows: int, length:
 class TrainOptions:
     """How a train iterator filters, shuffles, shards and batches (all but three fingerprinted)."""
 
-    # Most ids per side, EOS (and a source prefix) included; longer examples are dropped.
-    max_len: int
-    # Padded positions per side that a batch may hold: B * L <= tokens_per_batch.
-    tokens_per_batch: int
-    # B is a multiple of this (the number of local devices), so batches split evenly.
-    batch_multiple: int = 1
-    # Sorted bucket lengths ending at max_len; None: `default_bucket_boundaries`.
-    bucket_boundaries: Sequence[int] | None = None
-    # Pack several examples per row of length max_len instead of bucketing them by length.
-    packing: bool = False
-    # Shuffle seed; epoch e is shuffled with seed + e, so every epoch has another order.
-    seed: int = 0
-    # The input shard read: examples [process_index::process_count]; None: jax's process.
+    max_len: int  # most ids per side, EOS and a prefix included; longer examples are dropped
+    tokens_per_batch: int  # padded positions per side a batch may hold: B * L <= this
+    batch_multiple: int = 1  # B is a multiple of this (the local devices): batches split evenly
+    bucket_boundaries: Sequence[int] | None = None  # ending at max_len; None: the default ones
+    packing: bool = False  # rows of max_len packed with examples instead of length buckets
+    seed: int = 0  # epoch e is shuffled with seed + e: every epoch has another order
+    # the input shard read: examples [process_index::process_count]; None: jax's process
     process_index: int | None = None
     process_count: int | None = None
-    # None repeats forever; else the iterator ends after that many passes over the shard.
-    num_epochs: int | None = None
-    # Keep each tokenized example in memory after its first read; off for corpora too big.
-    cache_tokens: bool = True
-    # Batches prepared ahead in a thread (0: none; async dispatch usually hides them already).
-    prefetch: int = 0
+    num_epochs: int | None = None  # passes over the shard; None repeats forever
+    cache_tokens: bool = True  # keep tokenized examples in memory (off for huge corpora)
+    prefetch: int = 0  # batches prepared ahead in a thread (async dispatch mostly hides them)
 
 
 # Options that do not change the batches (the fingerprint holds the shapes batch_multiple gives).

@@ -44,20 +44,17 @@ class Task:
     seed: int
     # the splits opened so far (a dataclasses.replace copy shares it)
     splits: dict[str, datasets.TranslationSource] = dataclasses.field(default_factory=dict)
-    # False: every process evaluates all examples (decoding with parameters over processes)
-    shard_eval: bool = True
-    # A multilingual model's target tag ('<2de>'), whose id goes before every source; '': none
-    tag: str = ""
+    shard_eval: bool = True  # False: every process evaluates every example
+    tag: str = ""  # a multilingual model's target tag ('<2de>'), before every source
     # (source, target) prefix ids given whole (evaluate's --source_lang / --target_lang);
     # None: from the tag or the data languages
     prefixes: tuple[Sequence[int], Sequence[int]] | None = None
-    # Weighted train streams by name, in mixture order; empty: the train split alone
+    # weighted train streams by name, in mixture order; empty: the train split alone
     streams: dict[str, Stream] = dataclasses.field(default_factory=dict)
-    # A multilingual task's training and extra (zero-shot) direction tasks, by name
+    # a multilingual task's trained and extra (zero-shot) direction tasks, by name
     directions: dict[str, Task] = dataclasses.field(default_factory=dict)
     extra: dict[str, Task] = dataclasses.field(default_factory=dict)
-    # A language model's side of the pairs ('target', 'source', 'both'); '' translates
-    lm_side: str = ""
+    lm_side: str = ""  # a language model's side of the pairs (streams.LM_SIDES); '' translates
 
     @functools.cached_property
     def _prefixes(self) -> tuple[list[int], list[int]]:
