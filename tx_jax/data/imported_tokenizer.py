@@ -67,8 +67,6 @@ class ImportedTokenizer:
         if PAD_ID in (self.unk_id, self.eos_id):
             raise ValueError("ImportedTokenizer: id 0 must be padding, unk and EOS elsewhere")
 
-    # ------------------------------------------------------------------ serialisation
-
     def to_bytes(self) -> bytes:
         d = dataclasses.asdict(self)
         for key in ("source_model", "target_model"):
@@ -110,8 +108,6 @@ class ImportedTokenizer:
         for name, raw in self.files.items():
             if name != "config.json":  # the exporter writes the model's own
                 paths.write_atomic(epath.Path(out) / name, base64.b64decode(raw))
-
-    # ------------------------------------------------------------------ vocabulary
 
     @functools.cached_property
     def _source_sp(self) -> spm.SentencePieceProcessor:
@@ -158,8 +154,6 @@ class ImportedTokenizer:
     def piece_to_id(self, piece: str) -> int:
         return self._source_ids.get(piece, self.unk_id)
 
-    # ------------------------------------------------------------------ languages
-
     def language_id(self, code: str) -> int:
         """The id of language `code`'s token (`de`, `__de__`, `>>de<<`, `deu_Latn`; NLLB also
         maps NLLB_CODES: `de` -> `deu_Latn`)."""
@@ -200,8 +194,6 @@ class ImportedTokenizer:
         if target_lang is None:
             raise ValueError(f"this {self.family} model needs --target_lang")
         return [self.language_id(target_lang)]
-
-    # ------------------------------------------------------------------ encode / decode
 
     def _encode(self, text: str, sp: spm.SentencePieceProcessor, ids: dict[str, int]):
         code = []

@@ -47,16 +47,14 @@ class Lengths:
 
     def dropped(self, max_len: int) -> tuple[int, float]:
         """(pairs, share) with a side over `max_len` ids (train drops them), to scale."""
-        if not self.sampled:
-            return 0, 0.0
-        share = float(np.mean(np.maximum(self.source, self.target) > max_len))
-        return round(share * self.total), share
+        return self._over(np.maximum(self.source, self.target), max_len)
 
     def truncated(self, max_len: int) -> tuple[int, float]:
         """(sources, share) over `max_len` ids: what evaluation truncates."""
-        if not self.sampled:
-            return 0, 0.0
-        share = float(np.mean(self.source > max_len))
+        return self._over(self.source, max_len)
+
+    def _over(self, lengths: np.ndarray, max_len: int) -> tuple[int, float]:
+        share = float(np.mean(lengths > max_len)) if self.sampled else 0.0
         return round(share * self.total), share
 
 

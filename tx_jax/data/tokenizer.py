@@ -120,8 +120,6 @@ class Tokenizer:
         # a text of n characters needs at least n / max_piece_chars ids
         self.max_piece_chars = max(len(sp.id_to_piece(i)) for i in range(self.vocab_size))
 
-    # ----------------------------------------------------------------------- construction
-
     @classmethod
     def load(cls, path: str | epath.PathLike) -> Tokenizer:
         """Loads the tokenizer file at `path` (local or any epath); see `from_bytes`."""
@@ -158,8 +156,6 @@ class Tokenizer:
     def __setstate__(self, state: bytes) -> None:
         self.__init__(state)
 
-    # ----------------------------------------------------------------------- vocabulary
-
     @property
     def vocab_size(self) -> int:
         """Number of ids, reserved ones included (ids are 0 .. vocab_size - 1)."""
@@ -170,8 +166,6 @@ class Tokenizer:
 
     def piece_to_id(self, piece: str) -> int:
         return self._sp.piece_to_id(piece)
-
-    # ----------------------------------------------------------------------- encode/decode
 
     def encode(self, text: str) -> list[int]:
         """Text -> ids, without BOS or EOS. Unseen characters become `unk_id`, never 0 (or
