@@ -43,8 +43,6 @@ from tx_jax.data.tokenizer import Tokenizer
 Span = tuple[Fraction, Fraction]
 KEY = "data.input_shards"
 
-# ------------------------------------------------------------------------ config.data
-
 
 def parse_max_train_pairs(spec: Any) -> int | dict[str, int] | None:
     """`data.max_train_pairs`: N (every direction), 'en-fr=3000,fr-en=3000' ('+' works too) or
@@ -108,9 +106,6 @@ def train_batch_shapes(data: Any, *, batch_multiple: int, lm: bool) -> list[dict
     return [dict.fromkeys(keys, shape) for shape in shapes]
 
 
-# ------------------------------------------------------------------------ one shard's stream
-
-
 @dataclasses.dataclass(frozen=True)
 class Stream:
     """One train stream: its items (pairs; texts for a language model), its weight in a
@@ -164,9 +159,6 @@ def make_train_iterator(
         extra = {k: v for k, v in prefixes.items() if v} or None
     counts = dict(num_examples=sum(sizes), shard_size=sum(len(r) for r in records))
     return TrainIterator(kept, keys, tokenizer, options, shard, **counts, fingerprint_extra=extra)
-
-
-# ------------------------------------------------------------------------ input shards
 
 
 def shard_options(options: TrainOptions, shard: int, input_shards: int) -> TrainOptions:

@@ -145,14 +145,8 @@ class SideTexts(LazySequence):
 
 # ------------------------------------------------------------------------ one stream
 
-_COUNT_KEYS = (
-    "examples",
-    "kept",
-    "dropped_empty",
-    "dropped_too_long",
-    "dropped_too_long_chars",
-    "invalid_utf8",
-)
+_DROPS = ("dropped_empty", "dropped_too_long", "dropped_too_long_chars")
+_COUNT_KEYS = ("examples", "kept", *_DROPS, "invalid_utf8")
 
 
 def _record_at(records: grain.MapDataset, n: int, seed: int, position: int) -> Record:
