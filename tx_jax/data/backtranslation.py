@@ -27,10 +27,9 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from etils import epath
-
 from tx_jax import paths
 from tx_jax.config import study_value
+from tx_jax.data import text_corpus
 from tx_jax.data.tokenizer import Tokenizer
 
 KEY = "data.backtranslation"
@@ -126,27 +125,9 @@ def proportions(ratios: Sequence[float]) -> list[float]:
     return [1.0 / total, *(r / total for r in ratios)]
 
 
-def _read_file(path: str) -> list[str]:
-    if not epath.Path(path).is_file():
-        raise FileNotFoundError(f"no file {path}")
-    try:
-        raw = paths.read_bytes(path)
-    except (OSError, EOFError) as e:  # a damaged .gz
-        raise ValueError(f"{path}: not readable ({e})") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise ValueError(f"{path}:{line}: not UTF-8 ({e.reason})") from None
-    # '\n' only: a translation may hold other line-break characters inside one line.
-    lines = text.split("\n")
-    if lines[-1] == "":
-        lines.pop()
-    return [x.removesuffix("\r") for x in lines]
-
-
 def read_side(specs: Sequence[str], key: str) -> tuple[list[str], list[tuple[str, int]]]:
-    """Every line of the files `specs` name, in order -> (lines, [(file, line count)])."""
+    """Every line of the files `specs` name, in order -> (lines, [(file, line count)]);
+    text_corpus.CorpusError naming the file and line for text that is not UTF-8."""
     lines: list[str] = []
     counts: list[tuple[str, int]] = []
     for spec in specs:
@@ -157,7 +138,7 @@ def read_side(specs: Sequence[str], key: str) -> tuple[list[str], list[tuple[str
         if not found:
             raise FileNotFoundError(f"{key}: no file matches {spec!r}")
         for path in found:
-            part = _read_file(path)
+            part = list(text_corpus.read_lines(str(path), key))
             lines += part
             counts.append((str(path), len(part)))
     return lines, counts

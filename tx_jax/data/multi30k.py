@@ -1,22 +1,16 @@
 """Multi30k (task 1) as a TFDS builder: line-aligned image captions in en, de, fr and cs.
 
-The raw release is one gzip text file per split and language, line `i` of `train.en.gz`
-translating line `i` of `train.de.gz` (train 29,000 lines; val -> 'validation'; test_2016_flickr,
-test_2017_flickr, test_2017_mscoco, test_2018_flickr; the 2017 tests lack cs). One BuilderConfig
-per unordered pair (`config_name`: English first, else alphabetical), examples {lang1, lang2},
-so one prepared pair serves both directions (datasets.py's 'multi30k' entry picks one).
-
-Files come from the manual directory when it is not empty (train and val must be there), else
-from the public repository (`RELEASE_URL`, or the mirror $TX_JAX_MULTI30K_URL names).
-`read_parallel` strips only the trailing newline, requires equal line counts (a ValueError
-names both files) and skips pairs with an empty side. Examples keep file order with the line
-number as key, so a test split lines up with its reference file.
+One gzip text file per split and language (`file_name`; the 2017 tests lack cs), line i of
+train.en.gz translating line i of train.de.gz. One BuilderConfig per unordered pair
+(`config_name`) with examples {lang1, lang2} keyed by line number in file order: one prepared
+pair serves both directions, and a test split lines up with its reference file. Files come from
+the manual directory when it is not empty, else from `release_url()`. Pairs with an empty side
+are skipped and counted; text_corpus reads the files (CorpusError naming file and line).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import itertools
 import os
 import re
@@ -26,6 +20,8 @@ import requests
 import tensorflow_datasets as tfds
 from absl import logging
 from etils import epath
+
+from tx_jax.data import text_corpus
 
 LANGUAGES: tuple[str, ...] = ("en", "de", "fr", "cs")
 
@@ -142,46 +138,14 @@ def download_urls(lang1: str, lang2: str) -> dict[str, dict[str, str]]:
     }
 
 
-def _read_lines(path: epath.PathLike) -> list[str]:
-    """The lines of a gzip UTF-8 text file without their trailing newline; bytes that are not
-    UTF-8 become U+FFFD, their lines named in a warning."""
-    lines, bad = [], []
-    with epath.Path(path).open("rb") as raw, gzip.open(raw, "rb") as f:
-        for number, line in enumerate(f, start=1):
-            try:
-                text = line.decode("utf-8")
-            except UnicodeDecodeError:
-                text = line.decode("utf-8", errors="replace")
-                bad.append(number)
-            lines.append(text.rstrip("\r\n"))
-    if bad:
-        logging.warning(
-            "%s: %d line(s) with invalid UTF-8 (replaced by U+FFFD): lines %s%s",
-            path,
-            len(bad),
-            bad[:10],
-            " ..." if len(bad) > 10 else "",
-        )
-    return lines
-
-
 def read_parallel(
     path_a: epath.PathLike, path_b: epath.PathLike
 ) -> tuple[list[tuple[int, str, str]], int]:
     """([(0-based line, text_a, text_b)] in file order without pairs with an empty side, how
-    many were skipped) of two line-aligned gzip files; ValueError when their counts differ."""
-    lines_a, lines_b = _read_lines(path_a), _read_lines(path_b)
-    if len(lines_a) != len(lines_b):
-        raise ValueError(
-            f"Line counts differ: {path_a} has {len(lines_a)} lines but {path_b} has "
-            f"{len(lines_b)}; the two files of a split must be line-aligned translations."
-        )
-    pairs = [
-        (i, a, b)
-        for i, (a, b) in enumerate(zip(lines_a, lines_b, strict=True))
-        if a.strip() and b.strip()
-    ]
-    return pairs, len(lines_a) - len(pairs)
+    many were skipped) of two line-aligned gzip files; CorpusError when their counts differ."""
+    lines = list(text_corpus.read_pairs((str(path_a), str(path_b)), "Multi30k"))
+    pairs = [(i, a, b) for i, (a, b) in enumerate(lines) if a.strip() and b.strip()]
+    return pairs, len(lines) - len(pairs)
 
 
 @dataclasses.dataclass(eq=False)  # eq=False like tfds.core.BuilderConfig: stays hashable.
@@ -217,16 +181,10 @@ class Multi30k(tfds.core.GeneratorBasedBuilder):
     )
 
     def _info(self) -> tfds.core.DatasetInfo:
-        """Returns the DatasetInfo: features {lang1: Text, lang2: Text}, file order kept."""
-        lang1, lang2 = self.builder_config.languages
-        return tfds.core.DatasetInfo(
-            builder=self,
-            description="Multi30k task 1: Flickr30k image captions and their translations.",
-            features=tfds.features.FeaturesDict(
-                {lang1: tfds.features.Text(), lang2: tfds.features.Text()}
-            ),
-            supervised_keys=None,
-            disable_shuffling=True,
+        return text_corpus.pair_info(
+            self,
+            self.builder_config.languages,
+            "Multi30k task 1: Flickr30k image captions and their translations.",
             homepage="https://github.com/multi30k/dataset",
             citation=_CITATION,
         )

@@ -34,6 +34,8 @@ from collections.abc import Sequence
 
 import tensorflow_datasets as tfds
 
+from tx_jax.data import text_corpus
+
 # ----------------------------------------------------------------------------- lexicon
 
 NOUNS = (
@@ -327,16 +329,11 @@ class SyntheticTranslation(tfds.core.GeneratorBasedBuilder):
     ]
 
     def _info(self) -> tfds.core.DatasetInfo:
-        # DatasetInfo(builder=self) rather than dataset_info_from_configs: the latter reads
-        # README/CITATIONS files next to the module, which a builder inside a package lacks.
-        return tfds.core.DatasetInfo(
-            builder=self,
-            description="English-like source, invented verb-final target with agreement.",
-            features=tfds.features.FeaturesDict(
-                {"src": tfds.features.Text(), "tgt": tfds.features.Text()}
-            ),
+        return text_corpus.pair_info(
+            self,
+            ("src", "tgt"),
+            "English-like source, invented verb-final target with agreement.",
             supervised_keys=("src", "tgt"),
-            disable_shuffling=True,
         )
 
     def _split_generators(self, dl_manager):
