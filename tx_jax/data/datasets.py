@@ -1,20 +1,11 @@
 """The dataset table: a dataset name -> a random-access view of (source, target) sentences.
 
-`load_translation_split(name, split, source_lang=..., target_lang=...)` (or `load_split(config.data,
-split)`) is the one place that turns a dataset name into a `TranslationSource` over a TFDS
-ArrayRecord data source. `DATASETS` says for each name how its builder is made, whether it may be
-prepared offline, and which config.data keys become builder arguments:
-
-    'synthetic'      synthetic.SyntheticTranslation ('src'/'tgt'), generated locally on first use
-    'multi30k'       multi30k.Multi30k, pair config from the languages in either order; prepared
-                     offline from a manual_dir of raw files
-    'text'           text_corpus.TextTranslation: the files data.train / validation / test name
-    any other name   the TFDS catalog ('wmt14_translate/de-en'); source_lang and target_lang name
-                     two text features, so any supervised text dataset works (gigaword)
-
-A new dataset is one entry in `DATASETS` plus its TFDS builder. Nothing here needs TensorFlow;
-with `download=False` (the default) data not prepared in `data_dir` raises FileNotFoundError
-saying what to do, unless its entry prepares it locally.
+`load_translation_split` (or `load_split(config.data, split)`) turns a name into a
+`TranslationSource` over a TFDS ArrayRecord data source. `DATASETS` holds how each of
+'synthetic', 'multi30k' and 'text' is built, prepared and configured; any other name is the
+TFDS catalog's ('wmt14_translate/de-en'), source_lang and target_lang naming two text features.
+Nothing here needs TensorFlow; with download=False, data not prepared in data_dir raises
+FileNotFoundError saying what to do, unless its entry prepares it locally.
 """
 
 from __future__ import annotations

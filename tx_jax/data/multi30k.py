@@ -88,20 +88,6 @@ def file_name(split: str, lang: str) -> str:
     return f"{SPLIT_FILE_PREFIXES[split]}.{lang}.gz"
 
 
-def local_split_files(
-    directory: epath.PathLike, lang1: str, lang2: str
-) -> dict[str, dict[str, epath.Path]]:
-    """{split: {lang1: path, lang2: path}} of every split whose two files are in `directory`;
-    FileNotFoundError naming the missing files when train or validation lacks one."""
-    found, missing = _split_files(epath.Path(directory), lang1, lang2)
-    if missing:
-        raise FileNotFoundError(
-            f"Multi30k {lang1}-{lang2}: {directory} lacks {', '.join(missing)}; it needs "
-            f"{_required_files(lang1, lang2)} (gzip text, one sentence per line)."
-        )
-    return found
-
-
 def _required_files(lang1: str, lang2: str) -> str:
     """'train.en.gz, train.de.gz, val.en.gz, val.de.gz': the files a pair cannot do without."""
     return ", ".join(file_name(s, lang) for s in REQUIRED_SPLITS for lang in (lang1, lang2))
@@ -192,23 +178,27 @@ class Multi30k(tfds.core.GeneratorBasedBuilder):
     def _split_generators(
         self, dl_manager: tfds.download.DownloadManager
     ) -> dict[str, Iterator[tuple[int, dict[str, str]]]]:
-        """Returns {split: example generator}; reads every file first so errors come early."""
+        """{split: examples}; every file is read first, so errors come early."""
         lang1, lang2 = self.builder_config.languages
+        pair, needed = f"Multi30k {lang1}-{lang2}", _required_files(lang1, lang2)
         try:
             manual_dir = dl_manager.manual_dir
         except AssertionError:  # TFDS's signal for a manual dir unset, missing or empty
             manual_dir = None
         if manual_dir is not None:
-            files = local_split_files(manual_dir, lang1, lang2)
+            files, missing = _split_files(epath.Path(manual_dir), lang1, lang2)
+            if missing:
+                raise FileNotFoundError(
+                    f"{pair}: {manual_dir} lacks {', '.join(missing)}; it needs {needed} "
+                    "(gzip text, one sentence per line)."
+                )
         else:
             try:
                 files = dl_manager.download(download_urls(lang1, lang2))
             except Exception as e:  # The download backends raise many kinds.
-                reason = _short_reason(e)
                 raise SourceUnavailable(
-                    f"Multi30k {lang1}-{lang2}: no raw files in the manual directory and "
-                    f"downloading them from {release_url()} failed ({reason}): put train."
-                    f"{lang1}.gz, train.{lang2}.gz, val.{lang1}.gz, val.{lang2}.gz (and test_*.gz) "
+                    f"{pair}: no raw files in the manual directory and downloading them from "
+                    f"{release_url()} failed ({_short_reason(e)}): put {needed} (and test_*.gz) "
                     "in a directory and pass it as data.manual_dir (tfds.download.DownloadConfig"
                     "(manual_dir=...))"
                 ) from e
@@ -216,13 +206,9 @@ class Multi30k(tfds.core.GeneratorBasedBuilder):
         for split, paths in files.items():
             pairs, skipped = read_parallel(paths[lang1], paths[lang2])
             if skipped:
+                total = len(pairs) + skipped
                 logging.warning(
-                    "Multi30k %s-%s %s: skipped %d of %d line pairs with an empty side.",
-                    lang1,
-                    lang2,
-                    split,
-                    skipped,
-                    len(pairs) + skipped,
+                    f"{pair} {split}: skipped {skipped} of {total} line pairs with an empty side."
                 )
             generators[split] = self._generate_examples(pairs)
         return generators

@@ -1,11 +1,10 @@
 """What a run prepares before its first step, on one host or many.
 
-A pod's workers share only the workdir (gs://) and the data's own location. So with several
-processes the workdir must be seen by all (process 0 writes a token every process reads back,
-else the run stops at once); process 0 prepares the data and the tokenizer while the others
-wait at a barrier, then a process with its own data_dir prepares its identical copy; and data
-not prepared yet that takes more than `MULTI_HOST_PREPARE_BYTES` (or a download) stops the
-run on every process with the command that prepares it first (`tx_jax prepare`).
+Process 0 prepares the data and tokenizer while the others wait at a barrier (a process with
+its own data_dir then prepares its identical copy). A multi-process run first checks that every
+process sees the workdir (only it and the data's location are shared) and that nothing
+unprepared is larger than `MULTI_HOST_PREPARE_BYTES` or a download: else it stops on every
+process, naming `tx_jax prepare`.
 """
 
 from __future__ import annotations

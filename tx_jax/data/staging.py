@@ -1,14 +1,10 @@
 """A TFDS dataset prepared in Cloud Storage, read from a verified local copy.
 
-    local = stage_prepared("gs://b/tfds", "synthetic_translation/default/1.0.0", cache_dir)
-    tfds.builder(..., data_dir=local)          reads CACHE/gs/b/tfds/synthetic_translation/...
-
-array_record's C++ reader does not go through gcsfs, so the one version directory a run reads
-is copied to `CACHE/<the URL without '://'>/<same relative path>`: verified (sizes, and MD5
-where the store keeps one), atomic (a temporary directory renamed into place whole, with a
-manifest) and reused (copied again only when the store's listing or the local sizes differ).
-CACHE is `data.data_cache_dir`, else $TX_JAX_DATA_CACHE, else ~/.cache/tx_jax/data; one copy
-per host, shared by its processes.
+array_record's C++ reader does not go through gcsfs, so the version directory a run reads is
+copied to CACHE/<the URL without '://'>/<same relative path> (`stage_prepared`): checked
+against the store's sizes and MD5s, renamed into place whole with a manifest, and reused while
+the store's listing matches. CACHE is data.data_cache_dir, $TX_JAX_DATA_CACHE or
+~/.cache/tx_jax/data: one copy per host, shared by its processes.
 """
 
 from __future__ import annotations

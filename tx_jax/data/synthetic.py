@@ -1,7 +1,7 @@
 """An embedded synthetic translation corpus: English-like source, invented verb-final target.
 
-The default experiment's pair: no download, learnt in minutes, and translating it needs
-attention, not copying (its own lexicon, word order and agreement). Source grammar:
+No download, learnt in minutes, and translating it needs attention, not copying (its own
+lexicon, word order and agreement). Source grammar, with present-tense agreement ("sees"):
 
     sentence := clause [("and" | "but" | "because") clause] "."
     clause   := np verb [np]                         (verb is transitive iff it takes an object)
@@ -9,20 +9,16 @@ attention, not copying (its own lexicon, word order and agreement). Source gramm
     det      := "the" | "a"/"an" | "this" (singular);  "the" | "these" | nothing (plural)
     number   := "two" .. "five" (plural nouns only; nouns pluralise with "-s")
 
-with present-tense agreement ("sees" / "see"), none in the past ("saw"). The target (stems
-drawn from syllables with a fixed seed, `TARGET_LEXICON`) is SOV: subject, object + "ko",
-verb. Its noun phrase is mirrored (noun adj2 adj1 number det), a relative clause first
-([object ko] verb "ke" noun ...); nouns have gender I / II and plural "-ri", adjectives and
-determiners agree (`TGT_ADJ_SUFFIX`, `TGT_DET`); the verb's suffix marks tense and subject
-number (`TGT_VERB_SUFFIX`), so the past needs the number only the source's noun phrase shows;
-"A because B" -> "B sen A" (clauses swap; `TGT_CONJ`). For example (vapu dog, gisi bird,
-revari cats, diriv- chase, tomek- see, vodar- sing; "dog" and "bird" are gender II):
+The target (`TARGET_LEXICON`, drawn with a fixed seed) is SOV, the object marked "ko"; its noun
+phrase is mirrored (noun adj2 adj1 number det), a relative clause first ("ke"); determiners and
+adjectives agree in gender and number, the verb marks tense and subject number (`TGT_*`);
+"A because B" -> "B sen A". For example (vapu dog, gisi bird, revari cats, diriv- chase,
+tomek- see, vodar- sing; "dog" and "bird" are gender II):
 
     the big dog that chases two cats saw an old bird because the bird sings .
     gisi di vodara sen revari esu ko diriva ke vapu noga di gisi sora mi ko tomeki .
 
 Each source has exactly one translation; splits are disjoint (`split_of` hashes the text).
-`SyntheticTranslation` enters through the dataset table (datasets.py) as a user's corpus does.
 """
 
 from __future__ import annotations

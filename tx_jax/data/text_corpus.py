@@ -1,17 +1,12 @@
 """A user's plain-text parallel corpus as TFDS data: one prepared dataset per split.
 
-config.data names each split's files (configs/text.py, docs/data.md), local or gs://:
-data.train = 'corpus/train-*' is a PREFIX read as PREFIX.<source_lang> and PREFIX.<target_lang>
-(plain or .gz, line-aligned; a wildcard matches shards, paired by name in sorted order);
-a path ending .tsv or .tsv.gz holds source TAB target per line; data.validation and data.test
-likewise (and the splits data.eval_split / data.test_split name).
-
-Each split is prepared once into data_dir under a config named by a digest of its files'
-names, sizes and content (SHA-256 locally, the store's MD5 or CRC32C on gs://) and its
-cleaning, so a changed file is prepared anew. Pairs with an empty side are dropped in every
-split; data.clean.max_chars, max_ratio (in characters) and dedup drop train pairs only, the
-counts kept in the metadata and logged. Bad input raises CorpusError (a ValueError) naming the
-file, the line and the config key.
+config.data names each split's files, local or gs:// (docs/data.md): a PREFIX is read as
+PREFIX.<source_lang> and PREFIX.<target_lang> (plain or .gz, line-aligned; a wildcard matches
+shards, paired by name in sorted order), a path ending .tsv[.gz] as source TAB target lines.
+A split is prepared once under a config named by a digest of its files and cleaning
+(`split_config`), so a changed file is prepared anew. Empty pairs are dropped in every split,
+data.clean's filters in train only, the counts kept in the metadata and logged. Bad input
+raises CorpusError (a ValueError) naming the file, the line and the config key.
 """
 
 from __future__ import annotations
