@@ -6,18 +6,13 @@
     ]
     data.backtranslation_tag = "<BT>"
 
-A synthetic corpus is two plain-text files (or globs, or lists of them, read in sorted order;
-'.gz' decompressed; local or gs://) of aligned lines, e.g. `tx_jax translate --input mono.de`'s
-output mono.de.en as source and mono.de as target (Sennrich et al., 2016); line counts must
-match, else an error names both files.
-
-Ratio: expected synthetic examples per real one among the kept examples: with ratios r_i, the
-real corpus is drawn with p_0 = 1 / (1 + sum r), corpus i with p_i = r_i / (1 + sum r) (1.0:
-half of every batch). With "tag": True the id of data.backtranslation_tag (one piece of the
-tokenizer; a run's own tokenizer gets it as a user-defined symbol) goes before every source of
-that corpus, after the task's own source prefix (Caswell et al., 2019). The state is the
-mixture's (streams.py), its fingerprint holding each corpus's size, so a file that changed
-length is an error at restore. Evaluation reads only the real dataset.
+A corpus is two line-aligned plain-text sides (a path, a glob or a list, read in sorted order;
+'.gz', local or gs://), e.g. `tx_jax translate --input mono.de`'s output as source and mono.de
+as target (Sennrich et al., 2016). `ratio`: synthetic examples per real one (1.0: half of every
+batch; `proportions`). With "tag": True the id of data.backtranslation_tag (one tokenizer
+piece) goes before every source of that corpus, after the task's own prefix (Caswell et al.,
+2019). The mixture's state (streams.py) holds each corpus's size, so a file that changed length
+is an error at restore. Evaluation reads only the real dataset.
 """
 
 from __future__ import annotations

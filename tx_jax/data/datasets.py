@@ -90,7 +90,8 @@ def catalog_builder(
     """The TFDS catalog's builder of `name` ('wmt14_translate/de-en'); the languages are
     feature keys, read in either order, so they do not choose the builder."""
     del source_lang, target_lang
-    _import_tfds_translate()
+    with contextlib.suppress(ImportError):  # TFDS skips these after an ImportError (no h5py)
+        import tensorflow_datasets.translate  # noqa: F401
     try:
         return tfds.builder(name, data_dir=data_dir, **builder_kwargs)
     except tfds.core.registered.DatasetNotFoundError:
@@ -164,12 +165,10 @@ def load_translation_split(
     builder_kwargs: dict | None = None,
     data_cache_dir: str | None = None,
 ) -> TranslationSource:
-    """One split ('train', 'train[:1000]', ...) of dataset `name` as (source, target) str pairs.
-
-    A gs:// data_dir is read from a verified local copy in data_cache_dir (staging.py);
-    manual_dir holds raw files (Multi30k). Raises ValueError for an unknown name, language or
-    split (listing valid ones), FileNotFoundError when the data is not prepared and may not be.
-    """
+    """One split ('train', 'train[:1000]', ...) of dataset `name` as (source, target) str pairs;
+    a gs:// data_dir is read from a local copy in data_cache_dir (staging.py). ValueError for an
+    unknown name, language or split (listing valid ones), FileNotFoundError for data not
+    prepared that may not be."""
     entry = entry_of(name)
     make = _maker(entry, name, split, source_lang, target_lang, builder_kwargs)
     if data_dir is not None and paths.is_remote(data_dir):
@@ -230,20 +229,20 @@ def _announce_counts(key: str, line: str | None) -> None:
 def has_split(data: Any, split: str) -> bool:
     """Whether config.data can give `split`: for a dataset prepared split by split (a text
     corpus), whether its files are named; for the others, assumed (TFDS says when opened)."""
-    return text_corpus.has_split(data, split) if entry_of(data.dataset).per_split else True
+    if not entry_of(data.dataset).per_split:
+        return True
+    return text_corpus.base_split(split) in text_corpus.config_builder_kwargs(data)["specs"]
 
 
 def run_splits(data: Any) -> list[str]:
-    """'train' and the other splits a run of config.data reads that are prepared on their
-    own (a text corpus's validation and test); for other datasets preparing train prepares
-    every split."""
+    """'train' and the splits a run of config.data reads that are prepared on their own (a text
+    corpus's validation and test; preparing train prepares every split of the others)."""
     return ["train", *entry_of(data.dataset).extra_splits(data)]
 
 
 def unprepared_bytes(data: Any, split: str) -> int | None:
-    """0 when config.data's `split` is prepared where a run reads it (data_dir, or published
-    in a gs:// data_dir); else how many bytes preparing it reads, None when unknown (a
-    download)."""
+    """0 when config.data's `split` is prepared where a run reads it (data_dir, or published in
+    a gs:// data_dir); else how many bytes preparing it reads, None for a download."""
     entry = entry_of(data.dataset)
     make = _maker(
         entry, data.dataset, split, data.source_lang, data.target_lang, entry.config_kwargs(data)
@@ -276,13 +275,6 @@ def load_split(data: Any, split: str) -> TranslationSource:
         builder_kwargs=entry_of(data.dataset).config_kwargs(data),
         data_cache_dir=data.get("data_cache_dir"),
     )
-
-
-def _import_tfds_translate() -> None:
-    """Registers TFDS's translation builders, which TFDS skips after an earlier ImportError
-    (no h5py); a TFDS without the package lets tfds.builder report what it finds."""
-    with contextlib.suppress(ImportError):
-        import tensorflow_datasets.translate  # noqa: F401
 
 
 def _unknown_dataset_message(name: str) -> str:

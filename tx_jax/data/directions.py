@@ -5,14 +5,12 @@
     data.temperature = 5.0                        p_i ~ n_i^(1/T)
     data.extra_eval_directions = 'de-fr'          also decoded for BLEU (e.g. zero-shot)
 
-`task.direction('en-de')` is the tagged task of one direction (trained or not);
-`task.bleu_directions` the training directions, then extra_eval_directions.
 Tags (Johnson et al., 2017): the id of '<2xx>' (`lang_tag`) goes before every source whose
-target language is xx, in training and evaluation: [tag id] + pieces + [EOS]. The tokenizer
-has one user-defined piece per language of the directions (sorted), trained on
-`data.tokenizer_pairs` pairs of each language pair's train split unless one is given (which
-must have the tags). A direction is `data.dataset` with source_lang/target_lang set to it;
-`data.max_train_pairs` cuts each direction before the mixture sizes n_i are counted.
+target language is xx, in training and evaluation: [tag id] + pieces + [EOS]. The tokenizer has
+one user-defined piece per language (`tag_languages`), trained on `data.tokenizer_pairs` pairs
+of each direction's train split unless one is given (with the tags). A direction is
+`data.dataset` with source_lang/target_lang set to it (`direction_data`); data.max_train_pairs
+cuts each direction before the mixture sizes n_i are counted.
 """
 
 from __future__ import annotations

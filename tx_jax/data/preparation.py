@@ -37,10 +37,9 @@ def barrier(name: str) -> None:
 def open_train_splits(
     datas: Sequence[Any], workdir: epath.Path, *, also_prepare: Sequence[Any] = ()
 ) -> list[datasets.TranslationSource]:
-    """The train split of each config.data in `datas`, opened once every process may read
-    it: process 0 creates `workdir` and prepares every split a run reads of these data (and
-    of `also_prepare`, not opened here), then every process passes the barrier 'data'. In a
-    multi-process run `check_hosts` comes first."""
+    """The train split of each config.data in `datas`, opened once process 0 created `workdir`
+    and prepared every split a run reads of these and `also_prepare` (barrier 'data'), after
+    `check_hosts` in a multi-process run."""
     everything = [*datas, *also_prepare]
     if jax.process_count() > 1:
         check_hosts(workdir, everything)

@@ -20,27 +20,19 @@ from typing import Any
 import fsspec
 
 MANIFEST = ".tx_jax_staged.json"
-_CHUNK = 1 << 22
-
-
-def cache_root(cache_dir: str | None) -> str:
-    """The staging cache: `cache_dir`, $TX_JAX_DATA_CACHE, or ~/.cache/tx_jax/data."""
-    root = cache_dir or os.environ.get("TX_JAX_DATA_CACHE") or "~/.cache/tx_jax/data"
-    return os.path.abspath(os.path.expanduser(root))
 
 
 def local_data_dir(remote: str, cache_dir: str | None) -> str:
     """Where the remote data_dir `remote` is mirrored: CACHE/gs/bucket/path (keyed by URL)."""
+    root = cache_dir or os.environ.get("TX_JAX_DATA_CACHE") or "~/.cache/tx_jax/data"
     scheme, _, rest = remote.rstrip("/").partition("://")
-    return os.path.join(cache_root(cache_dir), scheme, *[p for p in rest.split("/") if p])
+    parts = [p for p in rest.split("/") if p]
+    return os.path.join(os.path.abspath(os.path.expanduser(root)), scheme, *parts)
 
 
 def _md5(path: str) -> str:
-    h = hashlib.md5()
     with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return base64.b64encode(h.digest()).decode()
+        return base64.b64encode(hashlib.file_digest(f, "md5").digest()).decode()
 
 
 def _listing(remote_dir: str) -> dict[str, list]:
@@ -87,12 +79,9 @@ def _copy(remote_dir: str, listing: dict[str, list], tmp: str) -> None:
 
 
 def stage_prepared(remote: str, relative: str, cache_dir: str | None = None) -> str:
-    """Copy `remote`/`relative` (a prepared TFDS version directory) to the local cache unless a
-    complete copy of it is there -> the local data_dir to give TFDS instead of `remote`.
-
-    Raises FileNotFoundError when the store has no prepared data there (nothing to copy, and
-    array_record cannot write to gs:// either), naming what to upload.
-    """
+    """Copies `remote`/`relative` (a prepared TFDS version directory) to the cache unless a
+    complete copy is there -> the local data_dir to give TFDS. FileNotFoundError naming what to
+    upload when the store has none (array_record cannot write to gs:// either)."""
     remote = remote.rstrip("/")
     remote_dir = f"{remote}/{relative}"
     local_root = local_data_dir(remote, cache_dir)

@@ -41,27 +41,16 @@ NOUNS = (
 )  # fmt: skip
 # Lemma -> (present 3sg, past). The base form is the plural present.
 TRANSITIVE = {
-    "see": ("sees", "saw"),
-    "chase": ("chases", "chased"),
-    "help": ("helps", "helped"),
-    "like": ("likes", "liked"),
-    "find": ("finds", "found"),
-    "follow": ("follows", "followed"),
-    "call": ("calls", "called"),
-    "visit": ("visits", "visited"),
-    "watch": ("watches", "watched"),
-    "know": ("knows", "knew"),
-}
+    "see": ("sees", "saw"), "chase": ("chases", "chased"), "help": ("helps", "helped"),
+    "like": ("likes", "liked"), "find": ("finds", "found"), "follow": ("follows", "followed"),
+    "call": ("calls", "called"), "visit": ("visits", "visited"),
+    "watch": ("watches", "watched"), "know": ("knows", "knew"),
+}  # fmt: skip
 INTRANSITIVE = {
-    "sleep": ("sleeps", "slept"),
-    "run": ("runs", "ran"),
-    "sing": ("sings", "sang"),
-    "laugh": ("laughs", "laughed"),
-    "dance": ("dances", "danced"),
-    "swim": ("swims", "swam"),
-    "wait": ("waits", "waited"),
-    "smile": ("smiles", "smiled"),
-}
+    "sleep": ("sleeps", "slept"), "run": ("runs", "ran"), "sing": ("sings", "sang"),
+    "laugh": ("laughs", "laughed"), "dance": ("dances", "danced"), "swim": ("swims", "swam"),
+    "wait": ("waits", "waited"), "smile": ("smiles", "smiled"),
+}  # fmt: skip
 VERBS = {**TRANSITIVE, **INTRANSITIVE}
 ADJECTIVES = (
     "big", "small", "old", "young", "happy", "sad", "red", "green", "quiet", "brave", "clever",
@@ -72,17 +61,12 @@ CONJUNCTIONS = ("and", "but", "because")
 
 # Target function words. Determiners agree in gender (I, II) and number (sg, pl).
 TGT_DET = {
-    ("the", "I", False): "du",
-    ("the", "I", True): "dun",
-    ("the", "II", False): "di",
-    ("the", "II", True): "din",
-    ("a", "I", False): "mu",
-    ("a", "II", False): "mi",
-    ("this", "I", False): "ze",
-    ("these", "I", True): "zen",
-    ("this", "II", False): "zi",
-    ("these", "II", True): "zin",
-}
+    ("the", "I", False): "du", ("the", "I", True): "dun",
+    ("the", "II", False): "di", ("the", "II", True): "din",
+    ("a", "I", False): "mu", ("a", "II", False): "mi",
+    ("this", "I", False): "ze", ("these", "I", True): "zen",
+    ("this", "II", False): "zi", ("these", "II", True): "zin",
+}  # fmt: skip
 TGT_ADJ_SUFFIX = {("I", False): "o", ("I", True): "os", ("II", False): "a", ("II", True): "as"}
 TGT_VERB_SUFFIX = {(False, False): "a", (False, True): "an", (True, False): "i", (True, True): "in"}
 TGT_PLURAL, TGT_OBJECT, TGT_REL = "ri", "ko", "ke"
@@ -90,13 +74,11 @@ TGT_CONJ = {"and": "ta", "but": "po", "because": "sen"}
 LEXICON_SEED = 1729  # fixed: the language itself never changes, only the sampled corpus
 
 
-def _source_vocab() -> set[str]:
-    words = {*NOUNS, *(n + "s" for n in NOUNS), *ADJECTIVES, *NUMBERS, *CONJUNCTIONS}
-    words |= {*VERBS, *(f for forms in VERBS.values() for f in forms)}
-    return words | {"the", "a", "an", "this", "these", "that", "."}
-
-
-SOURCE_VOCAB = frozenset(_source_vocab())
+SOURCE_VOCAB = frozenset(
+    {*NOUNS, *(n + "s" for n in NOUNS), *ADJECTIVES, *NUMBERS, *CONJUNCTIONS, *VERBS}
+    | {f for forms in VERBS.values() for f in forms}
+    | {"the", "a", "an", "this", "these", "that", "."}
+)
 
 
 def _make_target_lexicon() -> tuple[dict[str, str], dict[str, str]]:
@@ -338,10 +320,8 @@ class SyntheticTranslation(tfds.core.GeneratorBasedBuilder):
 
     def _generate_examples(self, split: str):
         config = self.builder_config
-        num = {"train": config.num_train, "validation": config.num_validation}
-        for i, (src, tgt) in enumerate(
-            generate_corpus(num.get(split, config.num_test), config.seed, split=split)
-        ):
+        num = getattr(config, f"num_{split}")
+        for i, (src, tgt) in enumerate(generate_corpus(num, config.seed, split=split)):
             yield i, {"src": src, "tgt": tgt}
 
 

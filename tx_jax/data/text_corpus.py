@@ -337,30 +337,18 @@ def make_builder(
             "or a .tsv file)"
         )
     config = split_config(split, spec, (source_lang, target_lang), builder_kwargs.get("clean", {}))
-    with _quiet_tfds():  # a config made per corpus is what TFDS warns of ("custom data config")
-        return TextTranslation(config=config, data_dir=data_dir)
-
-
-@contextlib.contextmanager
-def _quiet_tfds() -> Iterator[None]:
     level = absl_logging.get_verbosity()
-    absl_logging.set_verbosity(absl_logging.ERROR)
+    absl_logging.set_verbosity(absl_logging.ERROR)  # TFDS warns of a config made per corpus
     try:
-        yield
+        return TextTranslation(config=config, data_dir=data_dir)
     finally:
         absl_logging.set_verbosity(level)
 
 
-def has_split(data: Any, split: str) -> bool:
-    """Whether config.data names files for `split`."""
-    return base_split(split) in config_builder_kwargs(data)["specs"]
-
-
 def extra_splits(data: Any) -> list[str]:
-    """The splits besides train that a run of `data` reads, each prepared on its own. Asked
-    at a run's start, on every process: data.train and the split data.eval_split names must
-    have files (a test split is optional: a run without one skips its test score), else a
-    CorpusError naming the key (a config without files still plans: plan reads no data)."""
+    """The splits besides train that a run of `data` reads, each prepared on its own; asked at a
+    run's start (plan reads no data): CorpusError naming the key unless data.train and the
+    data.eval_split split have files (a test split is optional: its score is then skipped)."""
     specs = config_builder_kwargs(data)["specs"]
     for split in ("train", base_split(data.eval_split)):
         if split not in specs:
