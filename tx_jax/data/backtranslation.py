@@ -18,8 +18,8 @@ is an error at restore. Evaluation reads only the real dataset.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
+from math import inf
 from typing import Any
 
 from tx_jax import paths
@@ -69,25 +69,16 @@ def parse_corpora(data: Any) -> list[SyntheticCorpus]:
             if field not in entry:
                 raise ValueError(f"{where} has no {field!r}")
         ratio = entry["ratio"]
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio > 0:
-            raise ValueError(f"{where}.ratio={ratio!r} must be a positive number")
-        if not math.isfinite(ratio):
-            raise ValueError(f"{where}.ratio={ratio!r} must be finite")
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio < inf:
+            raise ValueError(f"{where}.ratio={ratio!r} must be a positive finite number")
         tag = entry.get("tag", False)
         if not isinstance(tag, bool):
             raise ValueError(f"{where}.tag={tag!r} must be true or false")
         name = str(entry.get("name") or f"synthetic{i}")
         if name == REAL or name in [c.name for c in out]:
             raise ValueError(f"{where}.name={name!r} is taken; give each corpus its own name")
-        out.append(
-            SyntheticCorpus(
-                name,
-                _files(entry["source"], f"{where}.source"),
-                _files(entry["target"], f"{where}.target"),
-                float(ratio),
-                tag,
-            )
-        )
+        source, target = (_files(entry[side], f"{where}.{side}") for side in ("source", "target"))
+        out.append(SyntheticCorpus(name, source, target, float(ratio), tag))
     return out
 
 

@@ -143,14 +143,16 @@ class Multi30kConfig(tfds.core.BuilderConfig):
 
 def _pair_configs() -> list[Multi30kConfig]:
     """One config per unordered pair of `LANGUAGES`, 'en-de' first (the default)."""
-    pairs = sorted(
-        (config_name(a, b).split("-") for a, b in itertools.combinations(LANGUAGES, 2)),
-        key=lambda p: (p[0] != "en", p != ["en", "de"], p),
+    names = sorted(
+        (config_name(a, b) for a, b in itertools.combinations(LANGUAGES, 2)),
+        key=lambda name: (not name.startswith("en"), name != "en-de", name),
     )
     about = "Multi30k task 1, {} and {}."
     return [
-        Multi30kConfig(name=f"{a}-{b}", languages=(a, b), description=about.format(a, b))
-        for a, b in pairs
+        Multi30kConfig(
+            name=n, languages=tuple(n.split("-")), description=about.format(*n.split("-"))
+        )
+        for n in names
     ]
 
 

@@ -313,11 +313,8 @@ def read_pairs(shard: tuple[str, ...], key: str) -> Iterator[tuple[str, str]]:
 def config_builder_kwargs(data: Any) -> dict:
     """The split specs config.data gives (data.train, data.validation, data.test and the
     splits eval_split/test_split name) and its cleaning, as the builder's arguments."""
-    names = [*SPLITS]
-    for split in (data.get("eval_split"), data.get("test_split")):
-        if split and base_split(split) not in names:
-            names.append(base_split(split))
-    specs = {name: data.get(name) for name in names if data.get(name)}
+    named = [base_split(s) for s in (data.get("eval_split"), data.get("test_split")) if s]
+    specs = {name: data.get(name) for name in dict.fromkeys([*SPLITS, *named]) if data.get(name)}
     return {"specs": specs, "clean": dict(data.get("clean") or {})}
 
 
