@@ -79,11 +79,6 @@ class TranslationSource(collections.abc.Sequence):
 # ------------------------------------------------------------------ the table
 
 
-def config_builder_kwargs(data: Any) -> dict:
-    """`data.builder_kwargs`: extra TFDS builder arguments (config, version, ...) as given."""
-    return dict(data.get("builder_kwargs") or {})
-
-
 def catalog_builder(
     name: str, *, source_lang: str, target_lang: str, data_dir: str | None, builder_kwargs: dict
 ) -> tfds.core.DatasetBuilder:
@@ -101,16 +96,15 @@ def catalog_builder(
 @dataclasses.dataclass(frozen=True)
 class DatasetEntry:
     """One row of `DATASETS`: `builder` (name, *, source_lang, target_lang, data_dir,
-    builder_kwargs) -> its unprepared TFDS builder; `prepares_locally` whether it can be
-    prepared offline, or (builder, manual_dir, download) -> that (a catalog dataset needs its
-    downloads); `hint` what to do when it cannot; `config_kwargs` config.data -> builder
-    arguments; `extra_splits` the splits prepared on their own; `per_split` a builder per split;
-    `raw_bytes` how much preparing reads (None: a download), for preparation.py."""
+    builder_kwargs) -> its unprepared TFDS builder; `prepares_locally` (or (builder, manual_dir,
+    download) -> it) and, when not, `hint`; `config_kwargs` config.data -> builder arguments
+    (default: data.builder_kwargs); `extra_splits` and `per_split` for data prepared split by
+    split; `raw_bytes` how much preparing reads (None: a download), for preparation.py."""
 
     builder: Callable[..., tfds.core.DatasetBuilder]
     prepares_locally: bool | Callable[[tfds.core.DatasetBuilder, str | None, bool], bool] = False
     hint: str = "pass download=True to download and prepare it (network)"
-    config_kwargs: Callable[[Any], dict] = config_builder_kwargs
+    config_kwargs: Callable[[Any], dict] = lambda data: dict(data.get("builder_kwargs") or {})
     extra_splits: Callable[[Any], list[str]] = lambda data: []
     per_split: bool = False
     raw_bytes: Callable[[tfds.core.DatasetBuilder], int | None] = lambda builder: None
@@ -179,7 +173,9 @@ def load_translation_split(
     _ensure_prepared(builder, entry, label, manual_dir=manual_dir, download=download)
     _check_split(builder, label, split)
     if isinstance(builder, text_corpus.TextTranslation):
-        _announce_counts(builder.builder_config.name, text_corpus.counts_line(builder))
+        counts = (builder.info.metadata or {}).get("counts")
+        line = text_corpus.describe_counts(builder.builder_config, counts) if counts else None
+        _announce_counts(builder.builder_config.name, line)
     return TranslationSource(
         data_source=builder.as_data_source(split),
         source_lang=source_lang,
@@ -190,8 +186,7 @@ def load_translation_split(
 
 
 def _maker(entry, name, split, source_lang, target_lang, builder_kwargs) -> Callable:
-    """entry.builder with everything but data_dir; a dataset prepared split by split gets
-    the split in its builder_kwargs."""
+    """entry.builder with everything but data_dir (and the split, when `entry.per_split`)."""
     kwargs = {**(builder_kwargs or {}), **({"split": split} if entry.per_split else {})}
     return functools.partial(
         entry.builder,

@@ -240,10 +240,9 @@ def make_builder(
 
 
 def prepares_locally(builder: Multi30k, manual_dir: str | None, download: bool) -> bool:
-    """Whether `builder` is prepared from data.manual_dir's raw files (True), or downloads them
-    (False, said in one line, once the release's host answered). SourceUnavailable, one line
-    naming data.manual_dir and data.download, when it can do neither; a manual_dir that holds
-    some files but not the required ones is an error too, never a silent download."""
+    """Whether `builder` is prepared from data.manual_dir's raw files (True) or downloads them
+    (False, said once the release's host answered); SourceUnavailable naming data.manual_dir
+    and data.download when it can do neither, or when manual_dir lacks required files."""
     lang1, lang2 = builder.builder_config.languages
     pair = f"Multi30k {lang1}-{lang2}"
     needed = _required_files(lang1, lang2)

@@ -356,9 +356,3 @@ def extra_splits(data: Any) -> list[str]:
             )
     names = [base_split(s) for s in (data.get("eval_split"), data.get("test_split")) if s]
     return [s for s in dict.fromkeys(names) if s in specs and s != "train"]
-
-
-def counts_line(builder: TextTranslation) -> str | None:
-    """The prepared split's counts (read, dropped, kept) as one line, None when unknown."""
-    counts = builder.info.metadata.get("counts") if builder.info.metadata else None
-    return describe_counts(builder.builder_config, counts) if counts else None
