@@ -99,9 +99,7 @@ def validate_config(data: Any, task: str = "translation") -> None:
             "split; a multilingual run has no single one (not supported yet)"
         )
     tag = backtranslation_tag(data)
-    if any(c.tag for c in corpora) and (
-        not isinstance(tag, str) or not tag.strip() or " " in tag.strip()
-    ):
+    if any(c.tag for c in corpora) and not (isinstance(tag, str) and len(tag.split()) == 1):
         raise ValueError(f"data.backtranslation_tag={tag!r} must be one word, e.g. '<BT>'")
 
 

@@ -139,8 +139,7 @@ TFDS_CATALOG = DatasetEntry(builder=catalog_builder)
 
 
 def entry_of(name: str) -> DatasetEntry:
-    """The table's row of a dataset name; 'multi30k/en-de' is Multi30k's row (its builder
-    checks the config), a name the table lacks is the TFDS catalog's."""
+    """The table's row of a name ('multi30k/en-de': Multi30k's), else the TFDS catalog's."""
     return DATASETS.get(name.partition("/")[0], TFDS_CATALOG)
 
 
@@ -256,8 +255,7 @@ def unprepared_bytes(data: Any, split: str) -> int | None:
 
 
 def load_split(data: Any, split: str) -> TranslationSource:
-    """One split of config.data's dataset: `data.dataset` read source_lang -> target_lang,
-    from data_dir (prepared there from manual_dir, or downloaded, as `data.download` allows),
+    """`load_translation_split` of config.data's dataset, languages, directories and download,
     with the builder arguments its table entry reads from `data`."""
     return load_translation_split(
         data.dataset,

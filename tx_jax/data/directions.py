@@ -69,11 +69,9 @@ def train_directions(data: Any) -> list[Direction]:
 
 def extra_directions(data: Any) -> list[Direction]:
     """`data.extra_eval_directions` that are not training directions."""
-    trained = train_directions(data)
-    extra = parse_directions(
-        study_value(data, "extra_eval_directions"), "data.extra_eval_directions"
-    )
-    return [d for d in extra if d not in trained]
+    key = "data.extra_eval_directions"
+    extra = parse_directions(study_value(data, "extra_eval_directions"), key)
+    return [d for d in extra if d not in train_directions(data)]
 
 
 def tag_languages(data: Any) -> list[str]:

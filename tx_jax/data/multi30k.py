@@ -50,8 +50,7 @@ REACH_TIMEOUT = 20
 
 
 class SourceUnavailable(ValueError):
-    """The raw files are neither in data.manual_dir nor to be downloaded: one line saying what
-    to do (a ValueError: the run stops with it, no traceback)."""
+    """No raw files in data.manual_dir nor to download: one line (the run stops, no traceback)."""
 
 
 _CITATION = """\

@@ -119,8 +119,7 @@ def stage_prepared(remote: str, relative: str, cache_dir: str | None = None) -> 
 
 
 def is_published(remote: str, relative: str) -> bool:
-    """Whether `remote`/`relative` holds prepared data: its dataset_info.json, which
-    `publish` writes last."""
+    """Whether `remote`/`relative` holds prepared data (the dataset_info.json written last)."""
     fs, root = fsspec.core.url_to_fs(f"{remote.rstrip('/')}/{relative}/dataset_info.json")
     return fs.exists(root)
 

@@ -345,8 +345,7 @@ def make_config(
 def make_builder(
     name: str, *, source_lang: str, target_lang: str, data_dir: str | None, builder_kwargs: dict
 ) -> SyntheticTranslation:
-    """The table entry 'synthetic' (tx_jax.data.datasets): both directions read one corpus,
-    whose sizes come in builder_kwargs ('config': `make_config(...)`), not in the name."""
+    """The table entry 'synthetic': one corpus for both directions, sized by its config."""
     del source_lang, target_lang
     if name != "synthetic":
         raise ValueError(
@@ -358,8 +357,5 @@ def make_builder(
 
 def config_builder_kwargs(data) -> dict:
     """config.data.synthetic's sizes and seed as the builder's config."""
-    s = data.synthetic
-    config = make_config(
-        num_train=s.num_train, num_validation=s.num_validation, num_test=s.num_test, seed=s.seed
-    )
-    return {"config": config}
+    sizes = {k: data.synthetic[k] for k in ("num_train", "num_validation", "num_test", "seed")}
+    return {"config": make_config(**sizes)}

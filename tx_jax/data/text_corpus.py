@@ -176,8 +176,7 @@ def pair_info(
 
 
 class TextTranslation(tfds.core.GeneratorBasedBuilder):
-    """A split of a plain-text parallel corpus (see the module docstring); its configs are
-    made per corpus by `split_config`, never listed."""
+    """A split of a plain-text parallel corpus; its configs come from `split_config`."""
 
     VERSION = tfds.core.Version(VERSION)
     RELEASE_NOTES = {str(VERSION): "Plain-text pairs (prefix.<lang>[.gz] or .tsv[.gz]), cleaned."}
@@ -321,8 +320,7 @@ def config_builder_kwargs(data: Any) -> dict:
 def make_builder(
     name: str, *, source_lang: str, target_lang: str, data_dir: str | None, builder_kwargs: dict
 ) -> TextTranslation:
-    """The table entry 'text' (tx_jax.data.datasets): the builder of one split's files
-    (builder_kwargs['split'])."""
+    """The table entry 'text': the builder of one split's files (builder_kwargs['split'])."""
     if name != NAME:
         raise ValueError(f"Dataset {name!r}: a text corpus is dataset 'text' (configs/text.py)")
     split = base_split(builder_kwargs["split"])
