@@ -28,8 +28,7 @@ _TOKEN_FILE = ".tx_jax_processes"
 
 
 def barrier(name: str) -> None:
-    """Waits until every process reaches the barrier `name` (nothing in a one-process run):
-    what process 0 prepares (data, tokenizer) is complete before the others read it."""
+    """Every process waits for the others here, so what process 0 prepared is complete."""
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(f"tx_jax:{name}")
 
@@ -58,8 +57,7 @@ def open_train_splits(
 
 
 def unprepared(datas: Sequence[Any]) -> list[str]:
-    """The splits of `datas` a run reads that are not prepared and are too large for every
-    process of a multi-host run to prepare at its start: 'dataset split (size)'."""
+    """'dataset split (size)' of each unprepared split too large to prepare at a run's start."""
     found = []
     for data in datas:
         for split in datasets.run_splits(data):
