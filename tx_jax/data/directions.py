@@ -107,11 +107,8 @@ def validate_config(data: Any, task: str = "translation") -> None:
 
 def check_tags(tokenizer: Tokenizer, languages: Sequence[str], where: str) -> None:
     """Every `lang_tag` must be one piece of the tokenizer (a user-defined symbol)."""
-    missing = [
-        lang_tag(x)
-        for x in languages
-        if tokenizer.piece_to_id(lang_tag(x)) in (tokenizer.unk_id, tokenizer.pad_id)
-    ]
+    tags = [lang_tag(x) for x in languages]
+    missing = [t for t in tags if tokenizer.piece_to_id(t) in (tokenizer.unk_id, tokenizer.pad_id)]
     if missing:
         raise ValueError(
             f"the tokenizer of {where} has no piece {', '.join(missing)}: a multilingual model "

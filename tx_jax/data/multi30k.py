@@ -26,13 +26,8 @@ from tx_jax.data import text_corpus
 LANGUAGES: tuple[str, ...] = ("en", "de", "fr", "cs")
 
 # Split name -> file prefix of its raw files.
-SPLIT_FILE_PREFIXES: dict[str, str] = {
-    "train": "train",
-    "validation": "val",
-    "test_2016_flickr": "test_2016_flickr",
-    "test_2017_flickr": "test_2017_flickr",
-    "test_2017_mscoco": "test_2017_mscoco",
-    "test_2018_flickr": "test_2018_flickr",
+SPLIT_FILE_PREFIXES: dict[str, str] = {"train": "train", "validation": "val"} | {
+    s: s for s in ("test_2016_flickr", "test_2017_flickr", "test_2017_mscoco", "test_2018_flickr")
 }
 # Splits every prepared pair must have; the test splits are optional.
 REQUIRED_SPLITS: tuple[str, ...] = ("train", "validation")
