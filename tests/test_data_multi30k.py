@@ -21,7 +21,7 @@ import tensorflow_datasets as tfds
 from helpers import ROOT
 
 from tx_jax.config import load_config
-from tx_jax.data import datasets, multi30k
+from tx_jax.data import datasets, multi30k, text_corpus
 
 REAL_CORPUS = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k"
 
@@ -173,6 +173,14 @@ def test_empty_lines_are_skipped_and_counted(tmp_path):
     pairs, skipped = multi30k.read_parallel(tmp_path / "a.gz", tmp_path / "b.gz")
     assert skipped == 2
     assert pairs == [(0, "one", "eins"), (3, "four", "vier"), (4, "five", "fünf")]
+
+
+def test_invalid_utf8_is_an_error_naming_file_and_line(tmp_path):
+    write_lines(tmp_path / "a.gz", ["one", "two"])
+    with gzip.open(tmp_path / "b.gz", "wb") as f:
+        f.write(b"eins\nzw\xffei\n")
+    with pytest.raises(text_corpus.CorpusError, match=r"b\.gz line 2: not UTF-8 \(byte 0xff"):
+        multi30k.read_parallel(tmp_path / "a.gz", tmp_path / "b.gz")
 
 
 def test_empty_lines_are_left_out_of_the_prepared_split(tmp_path):

@@ -6,31 +6,25 @@
     ]
     data.backtranslation_tag = "<BT>"
 
-A synthetic corpus is two plain-text files (or globs, or lists of them, read in sorted order;
-'.gz' decompressed; local or gs://) of aligned lines, e.g. `tx_jax translate --input mono.de`'s
-output mono.de.en as source and mono.de as target (Sennrich et al., 2016); line counts must
-match, else an error names both files.
-
-Ratio: expected synthetic examples per real one among the kept examples: with ratios r_i, the
-real corpus is drawn with p_0 = 1 / (1 + sum r), corpus i with p_i = r_i / (1 + sum r) (1.0:
-half of every batch). With "tag": True the id of data.backtranslation_tag (one piece of the
-tokenizer; a run's own tokenizer gets it as a user-defined symbol) goes before every source of
-that corpus, after the task's own source prefix (Caswell et al., 2019). The state is the
-mixture's (streams.py), its fingerprint holding each corpus's size, so a file that changed
-length is an error at restore. Evaluation reads only the real dataset.
+A corpus is two line-aligned plain-text sides (a path, a glob or a list, read in sorted order;
+'.gz', local or gs://), e.g. `tx_jax translate --input mono.de`'s output as source and mono.de
+as target (Sennrich et al., 2016). `ratio`: synthetic examples per real one (1.0: half of every
+batch; `proportions`). With "tag": True the id of data.backtranslation_tag (one tokenizer
+piece) goes before every source of that corpus, after the task's own prefix (Caswell et al.,
+2019). The mixture's state (streams.py) holds each corpus's size, so a file that changed length
+is an error at restore. Evaluation reads only the real dataset.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
+from math import inf
 from typing import Any
-
-from etils import epath
 
 from tx_jax import paths
 from tx_jax.config import study_value
+from tx_jax.data import text_corpus
 from tx_jax.data.tokenizer import Tokenizer
 
 KEY = "data.backtranslation"
@@ -75,25 +69,16 @@ def parse_corpora(data: Any) -> list[SyntheticCorpus]:
             if field not in entry:
                 raise ValueError(f"{where} has no {field!r}")
         ratio = entry["ratio"]
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio > 0:
-            raise ValueError(f"{where}.ratio={ratio!r} must be a positive number")
-        if not math.isfinite(ratio):
-            raise ValueError(f"{where}.ratio={ratio!r} must be finite")
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio < inf:
+            raise ValueError(f"{where}.ratio={ratio!r} must be a positive finite number")
         tag = entry.get("tag", False)
         if not isinstance(tag, bool):
             raise ValueError(f"{where}.tag={tag!r} must be true or false")
         name = str(entry.get("name") or f"synthetic{i}")
         if name == REAL or name in [c.name for c in out]:
             raise ValueError(f"{where}.name={name!r} is taken; give each corpus its own name")
-        out.append(
-            SyntheticCorpus(
-                name,
-                _files(entry["source"], f"{where}.source"),
-                _files(entry["target"], f"{where}.target"),
-                float(ratio),
-                tag,
-            )
-        )
+        source, target = (_files(entry[side], f"{where}.{side}") for side in ("source", "target"))
+        out.append(SyntheticCorpus(name, source, target, float(ratio), tag))
     return out
 
 
@@ -114,9 +99,7 @@ def validate_config(data: Any, task: str = "translation") -> None:
             "split; a multilingual run has no single one (not supported yet)"
         )
     tag = backtranslation_tag(data)
-    if any(c.tag for c in corpora) and (
-        not isinstance(tag, str) or not tag.strip() or " " in tag.strip()
-    ):
+    if any(c.tag for c in corpora) and not (isinstance(tag, str) and len(tag.split()) == 1):
         raise ValueError(f"data.backtranslation_tag={tag!r} must be one word, e.g. '<BT>'")
 
 
@@ -126,27 +109,9 @@ def proportions(ratios: Sequence[float]) -> list[float]:
     return [1.0 / total, *(r / total for r in ratios)]
 
 
-def _read_file(path: str) -> list[str]:
-    if not epath.Path(path).is_file():
-        raise FileNotFoundError(f"no file {path}")
-    try:
-        raw = paths.read_bytes(path)
-    except (OSError, EOFError) as e:  # a damaged .gz
-        raise ValueError(f"{path}: not readable ({e})") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise ValueError(f"{path}:{line}: not UTF-8 ({e.reason})") from None
-    # '\n' only: a translation may hold other line-break characters inside one line.
-    lines = text.split("\n")
-    if lines[-1] == "":
-        lines.pop()
-    return [x.removesuffix("\r") for x in lines]
-
-
 def read_side(specs: Sequence[str], key: str) -> tuple[list[str], list[tuple[str, int]]]:
-    """Every line of the files `specs` name, in order -> (lines, [(file, line count)])."""
+    """Every line of the files `specs` name, in order -> (lines, [(file, line count)]);
+    text_corpus.CorpusError naming the file and line for text that is not UTF-8."""
     lines: list[str] = []
     counts: list[tuple[str, int]] = []
     for spec in specs:
@@ -157,7 +122,7 @@ def read_side(specs: Sequence[str], key: str) -> tuple[list[str], list[tuple[str
         if not found:
             raise FileNotFoundError(f"{key}: no file matches {spec!r}")
         for path in found:
-            part = _read_file(path)
+            part = list(text_corpus.read_lines(str(path), key))
             lines += part
             counts.append((str(path), len(part)))
     return lines, counts

@@ -1,20 +1,11 @@
 """The dataset table: a dataset name -> a random-access view of (source, target) sentences.
 
-`load_translation_split(name, split, source_lang=..., target_lang=...)` (or `load_split(config.data,
-split)`) is the one place that turns a dataset name into a `TranslationSource` over a TFDS
-ArrayRecord data source. `DATASETS` says for each name how its builder is made, whether it may be
-prepared offline, and which config.data keys become builder arguments:
-
-    'synthetic'      synthetic.SyntheticTranslation ('src'/'tgt'), generated locally on first use
-    'multi30k'       multi30k.Multi30k, pair config from the languages in either order; prepared
-                     offline from a manual_dir of raw files
-    'text'           text_corpus.TextTranslation: the files data.train / validation / test name
-    any other name   the TFDS catalog ('wmt14_translate/de-en'); source_lang and target_lang name
-                     two text features, so any supervised text dataset works (gigaword)
-
-A new dataset is one entry in `DATASETS` plus its TFDS builder. Nothing here needs TensorFlow;
-with `download=False` (the default) data not prepared in `data_dir` raises FileNotFoundError
-saying what to do, unless its entry prepares it locally.
+`load_translation_split` (or `load_split(config.data, split)`) turns a name into a
+`TranslationSource` over a TFDS ArrayRecord data source. `DATASETS` holds how each of
+'synthetic', 'multi30k' and 'text' is built, prepared and configured; any other name is the
+TFDS catalog's ('wmt14_translate/de-en'), source_lang and target_lang naming two text features.
+Nothing here needs TensorFlow; with download=False, data not prepared in data_dir raises
+FileNotFoundError saying what to do, unless its entry prepares it locally.
 """
 
 from __future__ import annotations
@@ -88,18 +79,14 @@ class TranslationSource(collections.abc.Sequence):
 # ------------------------------------------------------------------ the table
 
 
-def config_builder_kwargs(data: Any) -> dict:
-    """`data.builder_kwargs`: extra TFDS builder arguments (config, version, ...) as given."""
-    return dict(data.get("builder_kwargs") or {})
-
-
 def catalog_builder(
     name: str, *, source_lang: str, target_lang: str, data_dir: str | None, builder_kwargs: dict
 ) -> tfds.core.DatasetBuilder:
     """The TFDS catalog's builder of `name` ('wmt14_translate/de-en'); the languages are
     feature keys, read in either order, so they do not choose the builder."""
     del source_lang, target_lang
-    _import_tfds_translate()
+    with contextlib.suppress(ImportError):  # TFDS skips these after an ImportError (no h5py)
+        import tensorflow_datasets.translate  # noqa: F401
     try:
         return tfds.builder(name, data_dir=data_dir, **builder_kwargs)
     except tfds.core.registered.DatasetNotFoundError:
@@ -109,16 +96,15 @@ def catalog_builder(
 @dataclasses.dataclass(frozen=True)
 class DatasetEntry:
     """One row of `DATASETS`: `builder` (name, *, source_lang, target_lang, data_dir,
-    builder_kwargs) -> its unprepared TFDS builder; `prepares_locally` whether it can be
-    prepared offline, or (builder, manual_dir, download) -> that (a catalog dataset needs its
-    downloads); `hint` what to do when it cannot; `config_kwargs` config.data -> builder
-    arguments; `extra_splits` the splits prepared on their own; `per_split` a builder per split;
-    `raw_bytes` how much preparing reads (None: a download), for preparation.py."""
+    builder_kwargs) -> its unprepared TFDS builder; `prepares_locally` (or (builder, manual_dir,
+    download) -> it) and, when not, `hint`; `config_kwargs` config.data -> builder arguments
+    (default: data.builder_kwargs); `extra_splits` and `per_split` for data prepared split by
+    split; `raw_bytes` how much preparing reads (None: a download), for preparation.py."""
 
     builder: Callable[..., tfds.core.DatasetBuilder]
     prepares_locally: bool | Callable[[tfds.core.DatasetBuilder, str | None, bool], bool] = False
     hint: str = "pass download=True to download and prepare it (network)"
-    config_kwargs: Callable[[Any], dict] = config_builder_kwargs
+    config_kwargs: Callable[[Any], dict] = lambda data: dict(data.get("builder_kwargs") or {})
     extra_splits: Callable[[Any], list[str]] = lambda data: []
     per_split: bool = False
     raw_bytes: Callable[[tfds.core.DatasetBuilder], int | None] = lambda builder: None
@@ -153,8 +139,7 @@ TFDS_CATALOG = DatasetEntry(builder=catalog_builder)
 
 
 def entry_of(name: str) -> DatasetEntry:
-    """The table's row of a dataset name; 'multi30k/en-de' is Multi30k's row (its builder
-    checks the config), a name the table lacks is the TFDS catalog's."""
+    """The table's row of a name ('multi30k/en-de': Multi30k's), else the TFDS catalog's."""
     return DATASETS.get(name.partition("/")[0], TFDS_CATALOG)
 
 
@@ -173,12 +158,10 @@ def load_translation_split(
     builder_kwargs: dict | None = None,
     data_cache_dir: str | None = None,
 ) -> TranslationSource:
-    """One split ('train', 'train[:1000]', ...) of dataset `name` as (source, target) str pairs.
-
-    A gs:// data_dir is read from a verified local copy in data_cache_dir (staging.py);
-    manual_dir holds raw files (Multi30k). Raises ValueError for an unknown name, language or
-    split (listing valid ones), FileNotFoundError when the data is not prepared and may not be.
-    """
+    """One split ('train', 'train[:1000]', ...) of dataset `name` as (source, target) str pairs;
+    a gs:// data_dir is read from a local copy in data_cache_dir (staging.py). ValueError for an
+    unknown name, language or split (listing valid ones), FileNotFoundError for data not
+    prepared that may not be."""
     entry = entry_of(name)
     make = _maker(entry, name, split, source_lang, target_lang, builder_kwargs)
     if data_dir is not None and paths.is_remote(data_dir):
@@ -189,7 +172,9 @@ def load_translation_split(
     _ensure_prepared(builder, entry, label, manual_dir=manual_dir, download=download)
     _check_split(builder, label, split)
     if isinstance(builder, text_corpus.TextTranslation):
-        _announce_counts(builder.builder_config.name, text_corpus.counts_line(builder))
+        counts = (builder.info.metadata or {}).get("counts")
+        line = text_corpus.describe_counts(builder.builder_config, counts) if counts else None
+        _announce_counts(builder.builder_config.name, line)
     return TranslationSource(
         data_source=builder.as_data_source(split),
         source_lang=source_lang,
@@ -200,8 +185,7 @@ def load_translation_split(
 
 
 def _maker(entry, name, split, source_lang, target_lang, builder_kwargs) -> Callable:
-    """entry.builder with everything but data_dir; a dataset prepared split by split gets
-    the split in its builder_kwargs."""
+    """entry.builder with everything but data_dir (and the split, when `entry.per_split`)."""
     kwargs = {**(builder_kwargs or {}), **({"split": split} if entry.per_split else {})}
     return functools.partial(
         entry.builder,
@@ -239,20 +223,20 @@ def _announce_counts(key: str, line: str | None) -> None:
 def has_split(data: Any, split: str) -> bool:
     """Whether config.data can give `split`: for a dataset prepared split by split (a text
     corpus), whether its files are named; for the others, assumed (TFDS says when opened)."""
-    return text_corpus.has_split(data, split) if entry_of(data.dataset).per_split else True
+    if not entry_of(data.dataset).per_split:
+        return True
+    return text_corpus.base_split(split) in text_corpus.config_builder_kwargs(data)["specs"]
 
 
 def run_splits(data: Any) -> list[str]:
-    """'train' and the other splits a run of config.data reads that are prepared on their
-    own (a text corpus's validation and test); for other datasets preparing train prepares
-    every split."""
+    """'train' and the splits a run of config.data reads that are prepared on their own (a text
+    corpus's validation and test; preparing train prepares every split of the others)."""
     return ["train", *entry_of(data.dataset).extra_splits(data)]
 
 
 def unprepared_bytes(data: Any, split: str) -> int | None:
-    """0 when config.data's `split` is prepared where a run reads it (data_dir, or published
-    in a gs:// data_dir); else how many bytes preparing it reads, None when unknown (a
-    download)."""
+    """0 when config.data's `split` is prepared where a run reads it (data_dir, or published in
+    a gs:// data_dir); else how many bytes preparing it reads, None for a download."""
     entry = entry_of(data.dataset)
     make = _maker(
         entry, data.dataset, split, data.source_lang, data.target_lang, entry.config_kwargs(data)
@@ -271,8 +255,7 @@ def unprepared_bytes(data: Any, split: str) -> int | None:
 
 
 def load_split(data: Any, split: str) -> TranslationSource:
-    """One split of config.data's dataset: `data.dataset` read source_lang -> target_lang,
-    from data_dir (prepared there from manual_dir, or downloaded, as `data.download` allows),
+    """`load_translation_split` of config.data's dataset, languages, directories and download,
     with the builder arguments its table entry reads from `data`."""
     return load_translation_split(
         data.dataset,
@@ -285,13 +268,6 @@ def load_split(data: Any, split: str) -> TranslationSource:
         builder_kwargs=entry_of(data.dataset).config_kwargs(data),
         data_cache_dir=data.get("data_cache_dir"),
     )
-
-
-def _import_tfds_translate() -> None:
-    """Registers TFDS's translation builders, which TFDS skips after an earlier ImportError
-    (no h5py); a TFDS without the package lets tfds.builder report what it finds."""
-    with contextlib.suppress(ImportError):
-        import tensorflow_datasets.translate  # noqa: F401
 
 
 def _unknown_dataset_message(name: str) -> str:

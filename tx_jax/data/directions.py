@@ -5,14 +5,12 @@
     data.temperature = 5.0                        p_i ~ n_i^(1/T)
     data.extra_eval_directions = 'de-fr'          also decoded for BLEU (e.g. zero-shot)
 
-`task.direction('en-de')` is the tagged task of one direction (trained or not);
-`task.bleu_directions` the training directions, then extra_eval_directions.
 Tags (Johnson et al., 2017): the id of '<2xx>' (`lang_tag`) goes before every source whose
-target language is xx, in training and evaluation: [tag id] + pieces + [EOS]. The tokenizer
-has one user-defined piece per language of the directions (sorted), trained on
-`data.tokenizer_pairs` pairs of each language pair's train split unless one is given (which
-must have the tags). A direction is `data.dataset` with source_lang/target_lang set to it;
-`data.max_train_pairs` cuts each direction before the mixture sizes n_i are counted.
+target language is xx, in training and evaluation: [tag id] + pieces + [EOS]. The tokenizer has
+one user-defined piece per language (`tag_languages`), trained on `data.tokenizer_pairs` pairs
+of each direction's train split unless one is given (with the tags). A direction is
+`data.dataset` with source_lang/target_lang set to it (`direction_data`); data.max_train_pairs
+cuts each direction before the mixture sizes n_i are counted.
 """
 
 from __future__ import annotations
@@ -71,11 +69,9 @@ def train_directions(data: Any) -> list[Direction]:
 
 def extra_directions(data: Any) -> list[Direction]:
     """`data.extra_eval_directions` that are not training directions."""
-    trained = train_directions(data)
-    extra = parse_directions(
-        study_value(data, "extra_eval_directions"), "data.extra_eval_directions"
-    )
-    return [d for d in extra if d not in trained]
+    key = "data.extra_eval_directions"
+    extra = parse_directions(study_value(data, "extra_eval_directions"), key)
+    return [d for d in extra if d not in train_directions(data)]
 
 
 def tag_languages(data: Any) -> list[str]:
@@ -111,11 +107,8 @@ def validate_config(data: Any, task: str = "translation") -> None:
 
 def check_tags(tokenizer: Tokenizer, languages: Sequence[str], where: str) -> None:
     """Every `lang_tag` must be one piece of the tokenizer (a user-defined symbol)."""
-    missing = [
-        lang_tag(x)
-        for x in languages
-        if tokenizer.piece_to_id(lang_tag(x)) in (tokenizer.unk_id, tokenizer.pad_id)
-    ]
+    tags = [lang_tag(x) for x in languages]
+    missing = [t for t in tags if tokenizer.piece_to_id(t) in (tokenizer.unk_id, tokenizer.pad_id)]
     if missing:
         raise ValueError(
             f"the tokenizer of {where} has no piece {', '.join(missing)}: a multilingual model "

@@ -1,22 +1,16 @@
 """Multi30k (task 1) as a TFDS builder: line-aligned image captions in en, de, fr and cs.
 
-The raw release is one gzip text file per split and language, line `i` of `train.en.gz`
-translating line `i` of `train.de.gz` (train 29,000 lines; val -> 'validation'; test_2016_flickr,
-test_2017_flickr, test_2017_mscoco, test_2018_flickr; the 2017 tests lack cs). One BuilderConfig
-per unordered pair (`config_name`: English first, else alphabetical), examples {lang1, lang2},
-so one prepared pair serves both directions (datasets.py's 'multi30k' entry picks one).
-
-Files come from the manual directory when it is not empty (train and val must be there), else
-from the public repository (`RELEASE_URL`, or the mirror $TX_JAX_MULTI30K_URL names).
-`read_parallel` strips only the trailing newline, requires equal line counts (a ValueError
-names both files) and skips pairs with an empty side. Examples keep file order with the line
-number as key, so a test split lines up with its reference file.
+One gzip text file per split and language (`file_name`; the 2017 tests lack cs), line i of
+train.en.gz translating line i of train.de.gz. One BuilderConfig per unordered pair
+(`config_name`) with examples {lang1, lang2} keyed by line number in file order: one prepared
+pair serves both directions, and a test split lines up with its reference file. Files come from
+the manual directory when it is not empty, else from `release_url()`. Pairs with an empty side
+are skipped and counted; text_corpus reads the files (CorpusError naming file and line).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import itertools
 import os
 import re
@@ -27,16 +21,13 @@ import tensorflow_datasets as tfds
 from absl import logging
 from etils import epath
 
+from tx_jax.data import text_corpus
+
 LANGUAGES: tuple[str, ...] = ("en", "de", "fr", "cs")
 
 # Split name -> file prefix of its raw files.
-SPLIT_FILE_PREFIXES: dict[str, str] = {
-    "train": "train",
-    "validation": "val",
-    "test_2016_flickr": "test_2016_flickr",
-    "test_2017_flickr": "test_2017_flickr",
-    "test_2017_mscoco": "test_2017_mscoco",
-    "test_2018_flickr": "test_2018_flickr",
+SPLIT_FILE_PREFIXES: dict[str, str] = {"train": "train", "validation": "val"} | {
+    s: s for s in ("test_2016_flickr", "test_2017_flickr", "test_2017_mscoco", "test_2018_flickr")
 }
 # Splits every prepared pair must have; the test splits are optional.
 REQUIRED_SPLITS: tuple[str, ...] = ("train", "validation")
@@ -54,8 +45,7 @@ REACH_TIMEOUT = 20
 
 
 class SourceUnavailable(ValueError):
-    """The raw files are neither in data.manual_dir nor to be downloaded: one line saying what
-    to do (a ValueError: the run stops with it, no traceback)."""
+    """No raw files in data.manual_dir nor to download: one line (the run stops, no traceback)."""
 
 
 _CITATION = """\
@@ -90,20 +80,6 @@ def file_name(split: str, lang: str) -> str:
             f"Multi30k has no split {split!r}; valid splits: {', '.join(SPLIT_FILE_PREFIXES)}."
         )
     return f"{SPLIT_FILE_PREFIXES[split]}.{lang}.gz"
-
-
-def local_split_files(
-    directory: epath.PathLike, lang1: str, lang2: str
-) -> dict[str, dict[str, epath.Path]]:
-    """{split: {lang1: path, lang2: path}} of every split whose two files are in `directory`;
-    FileNotFoundError naming the missing files when train or validation lacks one."""
-    found, missing = _split_files(epath.Path(directory), lang1, lang2)
-    if missing:
-        raise FileNotFoundError(
-            f"Multi30k {lang1}-{lang2}: {directory} lacks {', '.join(missing)}; it needs "
-            f"{_required_files(lang1, lang2)} (gzip text, one sentence per line)."
-        )
-    return found
 
 
 def _required_files(lang1: str, lang2: str) -> str:
@@ -142,46 +118,14 @@ def download_urls(lang1: str, lang2: str) -> dict[str, dict[str, str]]:
     }
 
 
-def _read_lines(path: epath.PathLike) -> list[str]:
-    """The lines of a gzip UTF-8 text file without their trailing newline; bytes that are not
-    UTF-8 become U+FFFD, their lines named in a warning."""
-    lines, bad = [], []
-    with epath.Path(path).open("rb") as raw, gzip.open(raw, "rb") as f:
-        for number, line in enumerate(f, start=1):
-            try:
-                text = line.decode("utf-8")
-            except UnicodeDecodeError:
-                text = line.decode("utf-8", errors="replace")
-                bad.append(number)
-            lines.append(text.rstrip("\r\n"))
-    if bad:
-        logging.warning(
-            "%s: %d line(s) with invalid UTF-8 (replaced by U+FFFD): lines %s%s",
-            path,
-            len(bad),
-            bad[:10],
-            " ..." if len(bad) > 10 else "",
-        )
-    return lines
-
-
 def read_parallel(
     path_a: epath.PathLike, path_b: epath.PathLike
 ) -> tuple[list[tuple[int, str, str]], int]:
     """([(0-based line, text_a, text_b)] in file order without pairs with an empty side, how
-    many were skipped) of two line-aligned gzip files; ValueError when their counts differ."""
-    lines_a, lines_b = _read_lines(path_a), _read_lines(path_b)
-    if len(lines_a) != len(lines_b):
-        raise ValueError(
-            f"Line counts differ: {path_a} has {len(lines_a)} lines but {path_b} has "
-            f"{len(lines_b)}; the two files of a split must be line-aligned translations."
-        )
-    pairs = [
-        (i, a, b)
-        for i, (a, b) in enumerate(zip(lines_a, lines_b, strict=True))
-        if a.strip() and b.strip()
-    ]
-    return pairs, len(lines_a) - len(pairs)
+    many were skipped) of two line-aligned gzip files; CorpusError when their counts differ."""
+    lines = list(text_corpus.read_pairs((str(path_a), str(path_b)), "Multi30k"))
+    pairs = [(i, a, b) for i, (a, b) in enumerate(lines) if a.strip() and b.strip()]
+    return pairs, len(lines) - len(pairs)
 
 
 @dataclasses.dataclass(eq=False)  # eq=False like tfds.core.BuilderConfig: stays hashable.
@@ -193,14 +137,16 @@ class Multi30kConfig(tfds.core.BuilderConfig):
 
 def _pair_configs() -> list[Multi30kConfig]:
     """One config per unordered pair of `LANGUAGES`, 'en-de' first (the default)."""
-    pairs = sorted(
-        (config_name(a, b).split("-") for a, b in itertools.combinations(LANGUAGES, 2)),
-        key=lambda p: (p[0] != "en", p != ["en", "de"], p),
+    names = sorted(
+        (config_name(a, b) for a, b in itertools.combinations(LANGUAGES, 2)),
+        key=lambda name: (not name.startswith("en"), name != "en-de", name),
     )
     about = "Multi30k task 1, {} and {}."
     return [
-        Multi30kConfig(name=f"{a}-{b}", languages=(a, b), description=about.format(a, b))
-        for a, b in pairs
+        Multi30kConfig(
+            name=n, languages=tuple(n.split("-")), description=about.format(*n.split("-"))
+        )
+        for n in names
     ]
 
 
@@ -217,16 +163,10 @@ class Multi30k(tfds.core.GeneratorBasedBuilder):
     )
 
     def _info(self) -> tfds.core.DatasetInfo:
-        """Returns the DatasetInfo: features {lang1: Text, lang2: Text}, file order kept."""
-        lang1, lang2 = self.builder_config.languages
-        return tfds.core.DatasetInfo(
-            builder=self,
-            description="Multi30k task 1: Flickr30k image captions and their translations.",
-            features=tfds.features.FeaturesDict(
-                {lang1: tfds.features.Text(), lang2: tfds.features.Text()}
-            ),
-            supervised_keys=None,
-            disable_shuffling=True,
+        return text_corpus.pair_info(
+            self,
+            self.builder_config.languages,
+            "Multi30k task 1: Flickr30k image captions and their translations.",
             homepage="https://github.com/multi30k/dataset",
             citation=_CITATION,
         )
@@ -234,23 +174,27 @@ class Multi30k(tfds.core.GeneratorBasedBuilder):
     def _split_generators(
         self, dl_manager: tfds.download.DownloadManager
     ) -> dict[str, Iterator[tuple[int, dict[str, str]]]]:
-        """Returns {split: example generator}; reads every file first so errors come early."""
+        """{split: examples}; every file is read first, so errors come early."""
         lang1, lang2 = self.builder_config.languages
+        pair, needed = f"Multi30k {lang1}-{lang2}", _required_files(lang1, lang2)
         try:
             manual_dir = dl_manager.manual_dir
         except AssertionError:  # TFDS's signal for a manual dir unset, missing or empty
             manual_dir = None
         if manual_dir is not None:
-            files = local_split_files(manual_dir, lang1, lang2)
+            files, missing = _split_files(epath.Path(manual_dir), lang1, lang2)
+            if missing:
+                raise FileNotFoundError(
+                    f"{pair}: {manual_dir} lacks {', '.join(missing)}; it needs {needed} "
+                    "(gzip text, one sentence per line)."
+                )
         else:
             try:
                 files = dl_manager.download(download_urls(lang1, lang2))
             except Exception as e:  # The download backends raise many kinds.
-                reason = _short_reason(e)
                 raise SourceUnavailable(
-                    f"Multi30k {lang1}-{lang2}: no raw files in the manual directory and "
-                    f"downloading them from {release_url()} failed ({reason}): put train."
-                    f"{lang1}.gz, train.{lang2}.gz, val.{lang1}.gz, val.{lang2}.gz (and test_*.gz) "
+                    f"{pair}: no raw files in the manual directory and downloading them from "
+                    f"{release_url()} failed ({_short_reason(e)}): put {needed} (and test_*.gz) "
                     "in a directory and pass it as data.manual_dir (tfds.download.DownloadConfig"
                     "(manual_dir=...))"
                 ) from e
@@ -258,13 +202,9 @@ class Multi30k(tfds.core.GeneratorBasedBuilder):
         for split, paths in files.items():
             pairs, skipped = read_parallel(paths[lang1], paths[lang2])
             if skipped:
+                total = len(pairs) + skipped
                 logging.warning(
-                    "Multi30k %s-%s %s: skipped %d of %d line pairs with an empty side.",
-                    lang1,
-                    lang2,
-                    split,
-                    skipped,
-                    len(pairs) + skipped,
+                    f"{pair} {split}: skipped {skipped} of {total} line pairs with an empty side."
                 )
             generators[split] = self._generate_examples(pairs)
         return generators
@@ -294,10 +234,9 @@ def make_builder(
 
 
 def prepares_locally(builder: Multi30k, manual_dir: str | None, download: bool) -> bool:
-    """Whether `builder` is prepared from data.manual_dir's raw files (True), or downloads them
-    (False, said in one line, once the release's host answered). SourceUnavailable, one line
-    naming data.manual_dir and data.download, when it can do neither; a manual_dir that holds
-    some files but not the required ones is an error too, never a silent download."""
+    """Whether `builder` is prepared from data.manual_dir's raw files (True) or downloads them
+    (False, said once the release's host answered); SourceUnavailable naming data.manual_dir
+    and data.download when it can do neither, or when manual_dir lacks required files."""
     lang1, lang2 = builder.builder_config.languages
     pair = f"Multi30k {lang1}-{lang2}"
     needed = _required_files(lang1, lang2)

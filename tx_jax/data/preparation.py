@@ -1,11 +1,10 @@
 """What a run prepares before its first step, on one host or many.
 
-A pod's workers share only the workdir (gs://) and the data's own location. So with several
-processes the workdir must be seen by all (process 0 writes a token every process reads back,
-else the run stops at once); process 0 prepares the data and the tokenizer while the others
-wait at a barrier, then a process with its own data_dir prepares its identical copy; and data
-not prepared yet that takes more than `MULTI_HOST_PREPARE_BYTES` (or a download) stops the
-run on every process with the command that prepares it first (`tx_jax prepare`).
+Process 0 prepares the data and tokenizer while the others wait at a barrier (a process with
+its own data_dir then prepares its identical copy). A multi-process run first checks that every
+process sees the workdir (only it and the data's location are shared) and that nothing
+unprepared is larger than `MULTI_HOST_PREPARE_BYTES` or a download: else it stops on every
+process, naming `tx_jax prepare`.
 """
 
 from __future__ import annotations
@@ -29,8 +28,7 @@ _TOKEN_FILE = ".tx_jax_processes"
 
 
 def barrier(name: str) -> None:
-    """Waits until every process reaches the barrier `name` (nothing in a one-process run):
-    what process 0 prepares (data, tokenizer) is complete before the others read it."""
+    """Every process waits for the others here, so what process 0 prepared is complete."""
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(f"tx_jax:{name}")
 
@@ -38,10 +36,9 @@ def barrier(name: str) -> None:
 def open_train_splits(
     datas: Sequence[Any], workdir: epath.Path, *, also_prepare: Sequence[Any] = ()
 ) -> list[datasets.TranslationSource]:
-    """The train split of each config.data in `datas`, opened once every process may read
-    it: process 0 creates `workdir` and prepares every split a run reads of these data (and
-    of `also_prepare`, not opened here), then every process passes the barrier 'data'. In a
-    multi-process run `check_hosts` comes first."""
+    """The train split of each config.data in `datas`, opened once process 0 created `workdir`
+    and prepared every split a run reads of these and `also_prepare` (barrier 'data'), after
+    `check_hosts` in a multi-process run."""
     everything = [*datas, *also_prepare]
     if jax.process_count() > 1:
         check_hosts(workdir, everything)
@@ -60,8 +57,7 @@ def open_train_splits(
 
 
 def unprepared(datas: Sequence[Any]) -> list[str]:
-    """The splits of `datas` a run reads that are not prepared and are too large for every
-    process of a multi-host run to prepare at its start: 'dataset split (size)'."""
+    """'dataset split (size)' of each unprepared split too large to prepare at a run's start."""
     found = []
     for data in datas:
         for split in datasets.run_splits(data):

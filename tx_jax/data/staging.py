@@ -1,14 +1,10 @@
 """A TFDS dataset prepared in Cloud Storage, read from a verified local copy.
 
-    local = stage_prepared("gs://b/tfds", "synthetic_translation/default/1.0.0", cache_dir)
-    tfds.builder(..., data_dir=local)          reads CACHE/gs/b/tfds/synthetic_translation/...
-
-array_record's C++ reader does not go through gcsfs, so the one version directory a run reads
-is copied to `CACHE/<the URL without '://'>/<same relative path>`: verified (sizes, and MD5
-where the store keeps one), atomic (a temporary directory renamed into place whole, with a
-manifest) and reused (copied again only when the store's listing or the local sizes differ).
-CACHE is `data.data_cache_dir`, else $TX_JAX_DATA_CACHE, else ~/.cache/tx_jax/data; one copy
-per host, shared by its processes.
+array_record's C++ reader does not go through gcsfs, so the version directory a run reads is
+copied to CACHE/<the URL without '://'>/<same relative path> (`stage_prepared`): checked
+against the store's sizes and MD5s, renamed into place whole with a manifest, and reused while
+the store's listing matches. CACHE is data.data_cache_dir, $TX_JAX_DATA_CACHE or
+~/.cache/tx_jax/data: one copy per host, shared by its processes.
 """
 
 from __future__ import annotations
@@ -24,27 +20,19 @@ from typing import Any
 import fsspec
 
 MANIFEST = ".tx_jax_staged.json"
-_CHUNK = 1 << 22
-
-
-def cache_root(cache_dir: str | None) -> str:
-    """The staging cache: `cache_dir`, $TX_JAX_DATA_CACHE, or ~/.cache/tx_jax/data."""
-    root = cache_dir or os.environ.get("TX_JAX_DATA_CACHE") or "~/.cache/tx_jax/data"
-    return os.path.abspath(os.path.expanduser(root))
 
 
 def local_data_dir(remote: str, cache_dir: str | None) -> str:
     """Where the remote data_dir `remote` is mirrored: CACHE/gs/bucket/path (keyed by URL)."""
+    root = cache_dir or os.environ.get("TX_JAX_DATA_CACHE") or "~/.cache/tx_jax/data"
     scheme, _, rest = remote.rstrip("/").partition("://")
-    return os.path.join(cache_root(cache_dir), scheme, *[p for p in rest.split("/") if p])
+    parts = [p for p in rest.split("/") if p]
+    return os.path.join(os.path.abspath(os.path.expanduser(root)), scheme, *parts)
 
 
 def _md5(path: str) -> str:
-    h = hashlib.md5()
     with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return base64.b64encode(h.digest()).decode()
+        return base64.b64encode(hashlib.file_digest(f, "md5").digest()).decode()
 
 
 def _listing(remote_dir: str) -> dict[str, list]:
@@ -91,12 +79,9 @@ def _copy(remote_dir: str, listing: dict[str, list], tmp: str) -> None:
 
 
 def stage_prepared(remote: str, relative: str, cache_dir: str | None = None) -> str:
-    """Copy `remote`/`relative` (a prepared TFDS version directory) to the local cache unless a
-    complete copy of it is there -> the local data_dir to give TFDS instead of `remote`.
-
-    Raises FileNotFoundError when the store has no prepared data there (nothing to copy, and
-    array_record cannot write to gs:// either), naming what to upload.
-    """
+    """Copies `remote`/`relative` (a prepared TFDS version directory) to the cache unless a
+    complete copy is there -> the local data_dir to give TFDS. FileNotFoundError naming what to
+    upload when the store has none (array_record cannot write to gs:// either)."""
     remote = remote.rstrip("/")
     remote_dir = f"{remote}/{relative}"
     local_root = local_data_dir(remote, cache_dir)
@@ -134,8 +119,7 @@ def stage_prepared(remote: str, relative: str, cache_dir: str | None = None) -> 
 
 
 def is_published(remote: str, relative: str) -> bool:
-    """Whether `remote`/`relative` holds prepared data: its dataset_info.json, which
-    `publish` writes last."""
+    """Whether `remote`/`relative` holds prepared data (the dataset_info.json written last)."""
     fs, root = fsspec.core.url_to_fs(f"{remote.rstrip('/')}/{relative}/dataset_info.json")
     return fs.exists(root)
 

@@ -1,7 +1,7 @@
 """An embedded synthetic translation corpus: English-like source, invented verb-final target.
 
-The default experiment's pair: no download, learnt in minutes, and translating it needs
-attention, not copying (its own lexicon, word order and agreement). Source grammar:
+No download, learnt in minutes, and translating it needs attention, not copying (its own
+lexicon, word order and agreement). Source grammar, with present-tense agreement ("sees"):
 
     sentence := clause [("and" | "but" | "because") clause] "."
     clause   := np verb [np]                         (verb is transitive iff it takes an object)
@@ -9,20 +9,16 @@ attention, not copying (its own lexicon, word order and agreement). Source gramm
     det      := "the" | "a"/"an" | "this" (singular);  "the" | "these" | nothing (plural)
     number   := "two" .. "five" (plural nouns only; nouns pluralise with "-s")
 
-with present-tense agreement ("sees" / "see"), none in the past ("saw"). The target (stems
-drawn from syllables with a fixed seed, `TARGET_LEXICON`) is SOV: subject, object + "ko",
-verb. Its noun phrase is mirrored (noun adj2 adj1 number det), a relative clause first
-([object ko] verb "ke" noun ...); nouns have gender I / II and plural "-ri", adjectives and
-determiners agree (`TGT_ADJ_SUFFIX`, `TGT_DET`); the verb's suffix marks tense and subject
-number (`TGT_VERB_SUFFIX`), so the past needs the number only the source's noun phrase shows;
-"A because B" -> "B sen A" (clauses swap; `TGT_CONJ`). For example (vapu dog, gisi bird,
-revari cats, diriv- chase, tomek- see, vodar- sing; "dog" and "bird" are gender II):
+The target (`TARGET_LEXICON`, drawn with a fixed seed) is SOV, the object marked "ko"; its noun
+phrase is mirrored (noun adj2 adj1 number det), a relative clause first ("ke"); determiners and
+adjectives agree in gender and number, the verb marks tense and subject number (`TGT_*`);
+"A because B" -> "B sen A". For example (vapu dog, gisi bird, revari cats, diriv- chase,
+tomek- see, vodar- sing; "dog" and "bird" are gender II):
 
     the big dog that chases two cats saw an old bird because the bird sings .
     gisi di vodara sen revari esu ko diriva ke vapu noga di gisi sora mi ko tomeki .
 
 Each source has exactly one translation; splits are disjoint (`split_of` hashes the text).
-`SyntheticTranslation` enters through the dataset table (datasets.py) as a user's corpus does.
 """
 
 from __future__ import annotations
@@ -34,6 +30,8 @@ from collections.abc import Sequence
 
 import tensorflow_datasets as tfds
 
+from tx_jax.data import text_corpus
+
 # ----------------------------------------------------------------------------- lexicon
 
 NOUNS = (
@@ -43,27 +41,16 @@ NOUNS = (
 )  # fmt: skip
 # Lemma -> (present 3sg, past). The base form is the plural present.
 TRANSITIVE = {
-    "see": ("sees", "saw"),
-    "chase": ("chases", "chased"),
-    "help": ("helps", "helped"),
-    "like": ("likes", "liked"),
-    "find": ("finds", "found"),
-    "follow": ("follows", "followed"),
-    "call": ("calls", "called"),
-    "visit": ("visits", "visited"),
-    "watch": ("watches", "watched"),
-    "know": ("knows", "knew"),
-}
+    "see": ("sees", "saw"), "chase": ("chases", "chased"), "help": ("helps", "helped"),
+    "like": ("likes", "liked"), "find": ("finds", "found"), "follow": ("follows", "followed"),
+    "call": ("calls", "called"), "visit": ("visits", "visited"),
+    "watch": ("watches", "watched"), "know": ("knows", "knew"),
+}  # fmt: skip
 INTRANSITIVE = {
-    "sleep": ("sleeps", "slept"),
-    "run": ("runs", "ran"),
-    "sing": ("sings", "sang"),
-    "laugh": ("laughs", "laughed"),
-    "dance": ("dances", "danced"),
-    "swim": ("swims", "swam"),
-    "wait": ("waits", "waited"),
-    "smile": ("smiles", "smiled"),
-}
+    "sleep": ("sleeps", "slept"), "run": ("runs", "ran"), "sing": ("sings", "sang"),
+    "laugh": ("laughs", "laughed"), "dance": ("dances", "danced"), "swim": ("swims", "swam"),
+    "wait": ("waits", "waited"), "smile": ("smiles", "smiled"),
+}  # fmt: skip
 VERBS = {**TRANSITIVE, **INTRANSITIVE}
 ADJECTIVES = (
     "big", "small", "old", "young", "happy", "sad", "red", "green", "quiet", "brave", "clever",
@@ -74,17 +61,12 @@ CONJUNCTIONS = ("and", "but", "because")
 
 # Target function words. Determiners agree in gender (I, II) and number (sg, pl).
 TGT_DET = {
-    ("the", "I", False): "du",
-    ("the", "I", True): "dun",
-    ("the", "II", False): "di",
-    ("the", "II", True): "din",
-    ("a", "I", False): "mu",
-    ("a", "II", False): "mi",
-    ("this", "I", False): "ze",
-    ("these", "I", True): "zen",
-    ("this", "II", False): "zi",
-    ("these", "II", True): "zin",
-}
+    ("the", "I", False): "du", ("the", "I", True): "dun",
+    ("the", "II", False): "di", ("the", "II", True): "din",
+    ("a", "I", False): "mu", ("a", "II", False): "mi",
+    ("this", "I", False): "ze", ("these", "I", True): "zen",
+    ("this", "II", False): "zi", ("these", "II", True): "zin",
+}  # fmt: skip
 TGT_ADJ_SUFFIX = {("I", False): "o", ("I", True): "os", ("II", False): "a", ("II", True): "as"}
 TGT_VERB_SUFFIX = {(False, False): "a", (False, True): "an", (True, False): "i", (True, True): "in"}
 TGT_PLURAL, TGT_OBJECT, TGT_REL = "ri", "ko", "ke"
@@ -92,13 +74,11 @@ TGT_CONJ = {"and": "ta", "but": "po", "because": "sen"}
 LEXICON_SEED = 1729  # fixed: the language itself never changes, only the sampled corpus
 
 
-def _source_vocab() -> set[str]:
-    words = {*NOUNS, *(n + "s" for n in NOUNS), *ADJECTIVES, *NUMBERS, *CONJUNCTIONS}
-    words |= {*VERBS, *(f for forms in VERBS.values() for f in forms)}
-    return words | {"the", "a", "an", "this", "these", "that", "."}
-
-
-SOURCE_VOCAB = frozenset(_source_vocab())
+SOURCE_VOCAB = frozenset(
+    {*NOUNS, *(n + "s" for n in NOUNS), *ADJECTIVES, *NUMBERS, *CONJUNCTIONS, *VERBS}
+    | {f for forms in VERBS.values() for f in forms}
+    | {"the", "a", "an", "this", "these", "that", "."}
+)
 
 
 def _make_target_lexicon() -> tuple[dict[str, str], dict[str, str]]:
@@ -258,17 +238,14 @@ def realize(sentence: Sentence) -> tuple[str, str]:
 
 MIN_WORDS, MAX_WORDS = 4, 25  # source length bounds, counting the final "."
 SPLITS = ("train", "validation", "test")
-_SPLIT_PERCENT = {"train": 90, "validation": 5, "test": 5}  # buckets of sha1(source) % 100
+# Each split's upper bound on sha1(source) % 100: 90% train, 5% validation, 5% test.
+_SPLIT_BOUNDS = {"train": 90, "validation": 95, "test": 100}
 
 
 def split_of(source: str) -> str:
     """The split a source sentence belongs to: a hash of its text, so splits are disjoint."""
     bucket = int.from_bytes(hashlib.sha1(source.encode()).digest()[:8], "big") % 100
-    for split in SPLITS:
-        if bucket < _SPLIT_PERCENT[split]:
-            return split
-        bucket -= _SPLIT_PERCENT[split]
-    raise AssertionError("split percentages must sum to 100")
+    return next(split for split in SPLITS if bucket < _SPLIT_BOUNDS[split])
 
 
 def generate_pair(rng: random.Random) -> tuple[str, str]:
@@ -327,16 +304,11 @@ class SyntheticTranslation(tfds.core.GeneratorBasedBuilder):
     ]
 
     def _info(self) -> tfds.core.DatasetInfo:
-        # DatasetInfo(builder=self) rather than dataset_info_from_configs: the latter reads
-        # README/CITATIONS files next to the module, which a builder inside a package lacks.
-        return tfds.core.DatasetInfo(
-            builder=self,
-            description="English-like source, invented verb-final target with agreement.",
-            features=tfds.features.FeaturesDict(
-                {"src": tfds.features.Text(), "tgt": tfds.features.Text()}
-            ),
+        return text_corpus.pair_info(
+            self,
+            ("src", "tgt"),
+            "English-like source, invented verb-final target with agreement.",
             supervised_keys=("src", "tgt"),
-            disable_shuffling=True,
         )
 
     def _split_generators(self, dl_manager):
@@ -345,10 +317,8 @@ class SyntheticTranslation(tfds.core.GeneratorBasedBuilder):
 
     def _generate_examples(self, split: str):
         config = self.builder_config
-        num = {"train": config.num_train, "validation": config.num_validation}
-        for i, (src, tgt) in enumerate(
-            generate_corpus(num.get(split, config.num_test), config.seed, split=split)
-        ):
+        num = getattr(config, f"num_{split}")
+        for i, (src, tgt) in enumerate(generate_corpus(num, config.seed, split=split)):
             yield i, {"src": src, "tgt": tgt}
 
 
@@ -372,8 +342,7 @@ def make_config(
 def make_builder(
     name: str, *, source_lang: str, target_lang: str, data_dir: str | None, builder_kwargs: dict
 ) -> SyntheticTranslation:
-    """The table entry 'synthetic' (tx_jax.data.datasets): both directions read one corpus,
-    whose sizes come in builder_kwargs ('config': `make_config(...)`), not in the name."""
+    """The table entry 'synthetic': one corpus for both directions, sized by its config."""
     del source_lang, target_lang
     if name != "synthetic":
         raise ValueError(
@@ -385,8 +354,5 @@ def make_builder(
 
 def config_builder_kwargs(data) -> dict:
     """config.data.synthetic's sizes and seed as the builder's config."""
-    s = data.synthetic
-    config = make_config(
-        num_train=s.num_train, num_validation=s.num_validation, num_test=s.num_test, seed=s.seed
-    )
-    return {"config": config}
+    sizes = {k: data.synthetic[k] for k in ("num_train", "num_validation", "num_test", "seed")}
+    return {"config": make_config(**sizes)}

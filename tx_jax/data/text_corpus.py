@@ -1,17 +1,12 @@
 """A user's plain-text parallel corpus as TFDS data: one prepared dataset per split.
 
-config.data names each split's files (configs/text.py, docs/data.md), local or gs://:
-data.train = 'corpus/train-*' is a PREFIX read as PREFIX.<source_lang> and PREFIX.<target_lang>
-(plain or .gz, line-aligned; a wildcard matches shards, paired by name in sorted order);
-a path ending .tsv or .tsv.gz holds source TAB target per line; data.validation and data.test
-likewise (and the splits data.eval_split / data.test_split name).
-
-Each split is prepared once into data_dir under a config named by a digest of its files'
-names, sizes and content (SHA-256 locally, the store's MD5 or CRC32C on gs://) and its
-cleaning, so a changed file is prepared anew. Pairs with an empty side are dropped in every
-split; data.clean.max_chars, max_ratio (in characters) and dedup drop train pairs only, the
-counts kept in the metadata and logged. Bad input raises CorpusError (a ValueError) naming the
-file, the line and the config key.
+config.data names each split's files, local or gs:// (docs/data.md): a PREFIX is read as
+PREFIX.<source_lang> and PREFIX.<target_lang> (plain or .gz, line-aligned; a wildcard matches
+shards, paired by name in sorted order), a path ending .tsv[.gz] as source TAB target lines.
+A split is prepared once under a config named by a digest of its files and cleaning
+(`split_config`), so a changed file is prepared anew. Empty pairs are dropped in every split,
+data.clean's filters in train only, the counts kept in the metadata and logged. Bad input
+raises CorpusError (a ValueError) naming the file, the line and the config key.
 """
 
 from __future__ import annotations
@@ -28,7 +23,7 @@ import logging
 import os
 import re
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import fsspec
@@ -166,23 +161,32 @@ def split_config(
     )
 
 
+def pair_info(
+    builder: tfds.core.DatasetBuilder, languages: Sequence[str], description: str, **kwargs: Any
+) -> tfds.core.DatasetInfo:
+    """The DatasetInfo of a corpus of two Text features in file order (a test split lines up
+    with its reference file); DatasetInfo(builder=...) reads no README next to the module."""
+    return tfds.core.DatasetInfo(
+        builder=builder,
+        description=description,
+        features=tfds.features.FeaturesDict({lang: tfds.features.Text() for lang in languages}),
+        disable_shuffling=True,
+        **kwargs,
+    )
+
+
 class TextTranslation(tfds.core.GeneratorBasedBuilder):
-    """A split of a plain-text parallel corpus (see the module docstring); its configs are
-    made per corpus by `split_config`, never listed."""
+    """A split of a plain-text parallel corpus; its configs come from `split_config`."""
 
     VERSION = tfds.core.Version(VERSION)
     RELEASE_NOTES = {str(VERSION): "Plain-text pairs (prefix.<lang>[.gz] or .tsv[.gz]), cleaned."}
     BUILDER_CONFIGS: list[TextSplitConfig] = []
 
     def _info(self) -> tfds.core.DatasetInfo:
-        source, target = self.builder_config.languages
-        return tfds.core.DatasetInfo(
-            builder=self,
-            description=self.builder_config.description,
-            features=tfds.features.FeaturesDict(
-                {source: tfds.features.Text(), target: tfds.features.Text()}
-            ),
-            disable_shuffling=True,  # file order: a test split lines up with its files
+        return pair_info(
+            self,
+            self.builder_config.languages,
+            self.builder_config.description,
             metadata=tfds.core.MetadataDict(),
         )
 
@@ -308,19 +312,15 @@ def read_pairs(shard: tuple[str, ...], key: str) -> Iterator[tuple[str, str]]:
 def config_builder_kwargs(data: Any) -> dict:
     """The split specs config.data gives (data.train, data.validation, data.test and the
     splits eval_split/test_split name) and its cleaning, as the builder's arguments."""
-    names = [*SPLITS]
-    for split in (data.get("eval_split"), data.get("test_split")):
-        if split and base_split(split) not in names:
-            names.append(base_split(split))
-    specs = {name: data.get(name) for name in names if data.get(name)}
+    named = [base_split(s) for s in (data.get("eval_split"), data.get("test_split")) if s]
+    specs = {name: data.get(name) for name in dict.fromkeys([*SPLITS, *named]) if data.get(name)}
     return {"specs": specs, "clean": dict(data.get("clean") or {})}
 
 
 def make_builder(
     name: str, *, source_lang: str, target_lang: str, data_dir: str | None, builder_kwargs: dict
 ) -> TextTranslation:
-    """The table entry 'text' (tx_jax.data.datasets): the builder of one split's files
-    (builder_kwargs['split'])."""
+    """The table entry 'text': the builder of one split's files (builder_kwargs['split'])."""
     if name != NAME:
         raise ValueError(f"Dataset {name!r}: a text corpus is dataset 'text' (configs/text.py)")
     split = base_split(builder_kwargs["split"])
@@ -332,30 +332,18 @@ def make_builder(
             "or a .tsv file)"
         )
     config = split_config(split, spec, (source_lang, target_lang), builder_kwargs.get("clean", {}))
-    with _quiet_tfds():  # a config made per corpus is what TFDS warns of ("custom data config")
-        return TextTranslation(config=config, data_dir=data_dir)
-
-
-@contextlib.contextmanager
-def _quiet_tfds() -> Iterator[None]:
     level = absl_logging.get_verbosity()
-    absl_logging.set_verbosity(absl_logging.ERROR)
+    absl_logging.set_verbosity(absl_logging.ERROR)  # TFDS warns of a config made per corpus
     try:
-        yield
+        return TextTranslation(config=config, data_dir=data_dir)
     finally:
         absl_logging.set_verbosity(level)
 
 
-def has_split(data: Any, split: str) -> bool:
-    """Whether config.data names files for `split`."""
-    return base_split(split) in config_builder_kwargs(data)["specs"]
-
-
 def extra_splits(data: Any) -> list[str]:
-    """The splits besides train that a run of `data` reads, each prepared on its own. Asked
-    at a run's start, on every process: data.train and the split data.eval_split names must
-    have files (a test split is optional: a run without one skips its test score), else a
-    CorpusError naming the key (a config without files still plans: plan reads no data)."""
+    """The splits besides train that a run of `data` reads, each prepared on its own; asked at a
+    run's start (plan reads no data): CorpusError naming the key unless data.train and the
+    data.eval_split split have files (a test split is optional: its score is then skipped)."""
     specs = config_builder_kwargs(data)["specs"]
     for split in ("train", base_split(data.eval_split)):
         if split not in specs:
@@ -366,9 +354,3 @@ def extra_splits(data: Any) -> list[str]:
             )
     names = [base_split(s) for s in (data.get("eval_split"), data.get("test_split")) if s]
     return [s for s in dict.fromkeys(names) if s in specs and s != "train"]
-
-
-def counts_line(builder: TextTranslation) -> str | None:
-    """The prepared split's counts (read, dropped, kept) as one line, None when unknown."""
-    counts = builder.info.metadata.get("counts") if builder.info.metadata else None
-    return describe_counts(builder.builder_config, counts) if counts else None
